@@ -1,0 +1,139 @@
+"""``initialize``: DeepSpeed's entry point, with its signature and its return value.
+
+``engine, optimizer, dataloader, lr_scheduler = initialize(model=..., config=...)``. Argument
+mistakes are caught here, before any process does work, with a sentence that names the
+argument — every rank reaches the same verdict, so none is left waiting in a collective.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hf_zero import dist as hz_dist
+from hf_zero.config import ConfigError, ZeroConfig
+from hf_zero.engine import UsageError, ZeroEngine
+from hf_zero.optim import build_optimizer, build_scheduler
+
+
+def _config_from(args: argparse.Namespace | None, config: Any, config_params: Any) -> Any:
+    if config is None and config_params is not None:
+        config = config_params
+    from_args = getattr(args, "deepspeed_config", None) if args is not None else None
+    if config is not None and from_args is not None:
+        raise UsageError(
+            "initialize() got a config both in config= and in args.deepspeed_config; pass only one of them"
+        )
+    return config if config is not None else from_args
+
+
+def _param_groups(model: torch.nn.Module, model_parameters: Any) -> list[dict] | list[torch.nn.Parameter]:
+    if model_parameters is None:
+        return [p for p in model.parameters() if p.requires_grad]
+    if isinstance(model_parameters, torch.Tensor):
+        raise UsageError("initialize(model_parameters=...) expects an iterable of parameters or of param-group dicts, got a single tensor")
+    params = list(model_parameters)
+    if params and isinstance(params[0], dict):
+        return params
+    if params and not all(isinstance(p, torch.Tensor) for p in params):
+        bad = next(p for p in params if not isinstance(p, torch.Tensor))
+        raise UsageError(f"initialize(model_parameters=...) holds a {type(bad).__name__}; pass model.parameters() or param-group dicts")
+    return params
+
+
+def _make_dataloader(training_data: Any, collate_fn: Callable | None, cfg: ZeroConfig, group: Any) -> torch.utils.data.DataLoader:
+    """A loader that gives each data-parallel rank its own micro-batches, shuffled with the config seed."""
+    if not isinstance(training_data, torch.utils.data.Dataset) and not hasattr(training_data, "__getitem__"):
+        raise UsageError(
+            f"initialize(training_data=...) expects a torch Dataset (or anything with __len__ and __getitem__), got {type(training_data).__name__}"
+        )
+    sampler = torch.utils.data.DistributedSampler(
+        training_data,
+        num_replicas=dist.get_world_size(group),
+        rank=dist.get_rank(group),
+        shuffle=True,
+        seed=cfg.seed if cfg.seed is not None else 0,
+    )
+    return torch.utils.data.DataLoader(
+        training_data, batch_size=cfg.train_micro_batch_size_per_gpu, sampler=sampler, collate_fn=collate_fn
+    )
+
+
+def initialize(
+    args: argparse.Namespace | None = None,
+    model: torch.nn.Module | None = None,
+    optimizer: torch.optim.Optimizer | Callable[..., torch.optim.Optimizer] | None = None,
+    model_parameters: Iterable | None = None,
+    training_data: torch.utils.data.Dataset | None = None,
+    lr_scheduler: Any = None,
+    distributed_port: int = 29500,
+    mpu: Any = None,
+    dist_init_required: bool | None = None,
+    collate_fn: Callable | None = None,
+    config: str | dict | ZeroConfig | None = None,
+    mesh_param: Any = None,
+    config_params: Any = None,
+) -> tuple[ZeroEngine, Any, torch.utils.data.DataLoader | None, Any]:
+    """Wrap ``model`` in a ZeRO engine; returns ``(engine, optimizer, dataloader, lr_scheduler)``."""
+    if mpu is not None or mesh_param is not None:
+        raise UsageError("initialize(mpu=..., mesh_param=...) (model parallelism) is not supported; leave them unset")
+    if not isinstance(model, torch.nn.Module):
+        raise UsageError(f"initialize(model=...) expects a torch.nn.Module, got {type(model).__name__}")
+    if next(model.parameters(), None) is None:
+        raise UsageError(f"initialize(model=...) got a {type(model).__name__} with no parameters; there is nothing to train")
+    cfg = ZeroConfig.load(_config_from(args, config, config_params))
+    hz_dist.init_distributed(distributed_port=distributed_port)
+    group = None
+    cfg.resolve_batch_sizes(dist.get_world_size(group))
+
+    groups = _param_groups(model, model_parameters)
+    if optimizer is not None and cfg.optimizer is not None:
+        raise UsageError(
+            "initialize() got an optimizer and the config names one too (optimizer.type); keep only one of them"
+        )
+    if isinstance(optimizer, torch.optim.Optimizer):
+        torch_opt = optimizer
+    elif optimizer is not None:
+        if not callable(optimizer):
+            raise UsageError(
+                f"initialize(optimizer=...) expects a torch.optim.Optimizer or a callable taking parameters, got {type(optimizer).__name__}"
+            )
+        torch_opt = optimizer(groups)
+        if not isinstance(torch_opt, torch.optim.Optimizer):
+            raise UsageError(
+                f"initialize(optimizer=callable) must return a torch.optim.Optimizer, it returned {type(torch_opt).__name__}"
+            )
+    elif cfg.optimizer is not None:
+        torch_opt = build_optimizer(cfg.optimizer.type, cfg.optimizer.params, groups)
+    else:
+        torch_opt = None
+
+    engine = ZeroEngine(model, cfg, torch_opt, group=group)
+
+    sched = None
+    if lr_scheduler is not None and cfg.scheduler is not None:
+        raise UsageError("initialize() got an lr_scheduler and the config names one too (scheduler.type); keep only one")
+    if lr_scheduler is not None:
+        if hasattr(lr_scheduler, "step") and not isinstance(lr_scheduler, type):
+            sched = lr_scheduler
+        elif callable(lr_scheduler):
+            if torch_opt is None:
+                raise UsageError("initialize(lr_scheduler=callable) needs an optimizer to build the scheduler on")
+            sched = lr_scheduler(torch_opt)
+        else:
+            raise UsageError(
+                f"initialize(lr_scheduler=...) expects a scheduler or a callable taking the optimizer, got {type(lr_scheduler).__name__}"
+            )
+    elif cfg.scheduler is not None:
+        if torch_opt is None:
+            raise ConfigError("scheduler: a scheduler needs an optimizer; add an optimizer section to the config")
+        sched = build_scheduler(cfg.scheduler.type, cfg.scheduler.params, torch_opt)
+    engine.lr_scheduler = sched
+
+    loader = _make_dataloader(training_data, collate_fn, cfg, group) if training_data is not None else None
+    engine.training_dataloader = loader
+    return engine, engine.optimizer, loader, sched

@@ -1,0 +1,299 @@
+"""ZeroEngine: DeepSpeed's engine API (forward, backward, step) over the ZeRO stage policies.
+
+The engine wraps the user's module without renaming anything (``engine.module`` is the
+user's object) and keeps DeepSpeed's accounting: ``step()`` is called after every
+micro-batch and applies the optimizer only on a gradient-accumulation boundary; the loss is
+divided by ``gradient_accumulation_steps`` in ``backward`` so that accumulated gradients are
+the mean over the global batch, exactly as one process training on the whole batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hf_zero import dist as hz_dist
+from hf_zero.config import ZeroConfig
+from hf_zero.precision import LossScaler, reduce_dtype
+from hf_zero.zero import collectives as C
+from hf_zero.zero.partition import ShardedOptimizer
+
+logger = logging.getLogger("hf_zero")
+
+
+class UsageError(ValueError):
+    """The engine's API was called in a way that cannot mean anything."""
+
+
+def _to_device(obj: Any, device: torch.device, float_dtype: torch.dtype | None) -> Any:
+    """Move tensors (nested in tuples, lists and mappings) to ``device``; cast floats if asked."""
+    if torch.is_tensor(obj):
+        if float_dtype is not None and obj.is_floating_point() and obj.dtype != float_dtype:
+            return obj.to(device=device, dtype=float_dtype, non_blocking=True)
+        return obj.to(device, non_blocking=True) if obj.device != device else obj
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*(_to_device(v, device, float_dtype) for v in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_device(v, device, float_dtype) for v in obj)
+    if isinstance(obj, Mapping):
+        moved = {k: _to_device(v, device, float_dtype) for k, v in obj.items()}
+        try:
+            return type(obj)(moved)
+        except Exception:
+            return moved
+    return obj
+
+
+def _shape_of(x: Any) -> str:
+    return f"a tensor of shape {tuple(x.shape)}" if torch.is_tensor(x) else f"a {type(x).__name__}"
+
+
+class ZeroEngine(torch.nn.Module):
+    """Training engine for ZeRO stages 0-2 with DeepSpeed's method names and semantics."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        config: ZeroConfig,
+        optimizer: torch.optim.Optimizer | None,
+        lr_scheduler: Any = None,
+        group: dist.ProcessGroup | None = None,
+    ) -> None:
+        super().__init__()
+        self.module = model
+        self.config = config
+        self.group = group
+        self.world_size = dist.get_world_size(group)
+        self.dp_world_size = self.world_size
+        self.global_rank = dist.get_rank()
+        self.local_rank = hz_dist.local_rank()
+        self.device = hz_dist.get_device()
+        self.compute_dtype = config.compute_dtype
+        self.global_steps = 0
+        self.micro_steps = 0
+        self.global_samples = 0
+        self.skipped_steps = 0
+        self._global_grad_norm: torch.Tensor | None = None
+        self._step_applied = False
+        self._no_sync = False
+        self._boundary_override: bool | None = None
+        self._backward_pending_sync = False
+
+        model.to(self.device)
+        self._broadcast_module()
+        stage = config.zero_optimization.stage
+        self.loss_scaler = LossScaler(config.fp16) if config.fp16.enabled else None
+        self.zero_optimizer: ShardedOptimizer | None = None
+        if optimizer is not None:
+            bucket = int(config.zero_optimization.reduce_bucket_size)
+            self.zero_optimizer = ShardedOptimizer(
+                model,
+                optimizer,
+                stage=stage,
+                compute_dtype=self.compute_dtype,
+                reduce_dtype=reduce_dtype(config),
+                bucket_numel=max(1, bucket),
+                group=group,
+                device=self.device,
+                persistence_threshold=int(config.zero_optimization.stage3_param_persistence_threshold),
+                prefetch_numel=int(config.zero_optimization.stage3_prefetch_bucket_size),
+                max_live_numel=int(config.zero_optimization.stage3_max_live_parameters),
+            )
+        self._cast_remaining_params()
+        self.optimizer = self.zero_optimizer
+        self.basic_optimizer = optimizer
+        self.lr_scheduler = lr_scheduler
+
+    # ------------------------------------------------------------- setup
+
+    def _broadcast_module(self) -> None:
+        """Start every rank from rank 0's weights and buffers, as DeepSpeed does."""
+        if self.world_size == 1:
+            return
+        src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
+        with torch.no_grad():
+            for t in list(self.module.parameters()) + list(self.module.buffers()):
+                C.broadcast_(t.data, src, self.group, self.world_size)
+
+    def _cast_remaining_params(self) -> None:
+        """Frozen floating parameters follow the compute dtype too (trainable ones already do)."""
+        if self.compute_dtype == torch.float32:
+            return
+        with torch.no_grad():
+            for p in self.module.parameters():
+                if p.is_floating_point() and p.dtype != self.compute_dtype:
+                    p.data = p.data.to(self.compute_dtype)
+
+    # ----------------------------------------------------- DeepSpeed API
+
+    def train_batch_size(self) -> int:
+        return int(self.config.train_batch_size)
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return int(self.config.train_micro_batch_size_per_gpu)
+
+    def gradient_accumulation_steps(self) -> int:
+        return int(self.config.gradient_accumulation_steps)
+
+    def zero_optimization_stage(self) -> int:
+        return self.config.zero_optimization.stage
+
+    def bfloat16_enabled(self) -> bool:
+        return self.config.bf16.enabled
+
+    def fp16_enabled(self) -> bool:
+        return self.config.fp16.enabled
+
+    def gradient_clipping(self) -> float:
+        return float(self.config.gradient_clipping)
+
+    @property
+    def cur_scale(self) -> float:
+        return self.loss_scaler.scale if self.loss_scaler else 1.0
+
+    loss_scale = cur_scale
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """True when the coming ``step()`` applies the optimizer (DeepSpeed's definition)."""
+        if self._boundary_override is not None:
+            return self._boundary_override
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        """Let a caller (Accelerate, a custom loop) decide where the boundary is."""
+        self._boundary_override = is_boundary
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside skip gradient communication; a later one outside reduces all."""
+        if self.zero_optimization_stage() == 3:
+            raise UsageError(
+                "engine.no_sync() cannot be used with ZeRO stage 3, which must reduce-scatter gradients on every "
+                "micro-step; use stage 0-2 or drop no_sync()"
+            )
+        prev, self._no_sync = self._no_sync, True
+        try:
+            yield
+        finally:
+            self._no_sync = prev
+
+    def get_lr(self) -> list[float]:
+        return [g["lr"] for g in self.zero_optimizer.param_groups] if self.zero_optimizer else []
+
+    def get_global_grad_norm(self) -> float | None:
+        """Norm of the averaged gradients before clipping, at the last applied step."""
+        return None if self._global_grad_norm is None else float(self._global_grad_norm)
+
+    def was_step_applied(self) -> bool:
+        return self._step_applied
+
+    # ------------------------------------------------------------ step
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        cast = self.compute_dtype if self.compute_dtype != torch.float32 else None
+        args = _to_device(args, self.device, cast)
+        kwargs = _to_device(kwargs, self.device, cast)
+        return self.module(*args, **kwargs)
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
+        """Backward of the micro-batch loss, scaled for accumulation (and fp16)."""
+        if not torch.is_tensor(loss) or loss.numel() != 1:
+            raise UsageError(
+                f"engine.backward(loss) needs a scalar loss but got {_shape_of(loss)}; reduce it first, "
+                "e.g. loss = torch.nn.functional.cross_entropy(outputs, labels) or outputs.mean()"
+            )
+        if not loss.requires_grad:
+            raise UsageError(
+                "engine.backward(loss) got a loss that does not require grad; compute it from the output "
+                "of engine(...) outside torch.no_grad()"
+            )
+        if self.zero_optimizer is None:
+            raise UsageError("engine.backward() needs an optimizer; give one in the config or to initialize()")
+        scaled = loss.float()
+        if scale_wrt_gas and self.gradient_accumulation_steps() > 1:
+            scaled = scaled / self.gradient_accumulation_steps()
+        if self.loss_scaler is not None:
+            scaled = scaled * self.loss_scaler.scale
+        sync = self.is_gradient_accumulation_boundary() and not self._no_sync
+        self.zero_optimizer.prepare_backward(sync)
+        scaled.reshape(()).backward(retain_graph=retain_graph)
+        self.zero_optimizer.finish_backward()
+        return loss
+
+    def step(self, lr_kwargs: dict | None = None) -> None:
+        """Called after every micro-batch; applies the optimizer on accumulation boundaries."""
+        del lr_kwargs
+        if self.zero_optimizer is None:
+            raise UsageError("engine.step() needs an optimizer; give one in the config or to initialize()")
+        boundary = self.is_gradient_accumulation_boundary()
+        self._step_applied = False
+        if boundary:
+            self._take_model_step()
+        self.micro_steps += 1
+        self.global_samples += self.train_micro_batch_size_per_gpu() * self.dp_world_size
+        self._boundary_override = None
+
+    def _take_model_step(self) -> None:
+        zo = self.zero_optimizer
+        assert zo is not None
+        if not zo.reduced:
+            raise UsageError(
+                "engine.step() reached an accumulation boundary but the gradients were never reduced across "
+                "ranks (every backward ran inside engine.no_sync()); run the boundary's backward outside no_sync()"
+            )
+        scaler = self.loss_scaler
+        norm, bad = zo.grad_norm_and_overflow(need_overflow=scaler is not None)
+        scale = scaler.scale if scaler is not None else 1.0
+        if scaler is not None and bool(bad > 0):  # fp16 needs this one host sync per step
+            scaler.update(True)
+            self.skipped_steps += 1
+            zo.zero_grad()
+            logger.warning(
+                "step %d: fp16 gradient overflow, step skipped; loss scale now %g", self.global_steps, scaler.scale
+            )
+            self.global_steps += 1
+            return
+        norm = norm / scale
+        self._global_grad_norm = norm
+        coef: torch.Tensor | float = 1.0 / scale
+        clip = self.gradient_clipping()
+        if clip > 0:
+            coef = (clip / (norm + 1e-6)).clamp(max=1.0) / scale
+        zo.scale_grads(coef)
+        zo.step_and_publish()
+        if scaler is not None:
+            scaler.update(False)
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+        zo.zero_grad()
+        self._step_applied = True
+        self.global_steps += 1
+        if self.global_rank == 0 and self.config.steps_per_print and self.global_steps % self.config.steps_per_print == 0:
+            lrs = ", ".join(f"{lr:.3e}" for lr in self.get_lr())
+            extra = f", loss_scale={scale:g}" if scaler is not None else ""
+            logger.info("step=%d, skipped=%d, lr=[%s]%s", self.global_steps, self.skipped_steps, lrs, extra)
+
+    def zero_grad(self) -> None:
+        if self.zero_optimizer is not None:
+            self.zero_optimizer.zero_grad()
+
+    # --------------------------------------------------------- helpers
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds for parameters, gradients and optimizer state."""
+        if self.zero_optimizer is None:
+            return {"params": sum(p.numel() * p.element_size() for p in self.module.parameters()), "grads": 0, "optim": 0}
+        return self.zero_optimizer.memory_bytes()
+
+    def __repr__(self) -> str:
+        return f"ZeroEngine(stage={self.zero_optimization_stage()}, world_size={self.world_size}, module={self.module.__class__.__name__})"
+
+
+def ceil_div(a: int, b: int) -> int:
+    return math.ceil(a / b)

@@ -1,0 +1,215 @@
+"""FlatGroup: one flat, padded buffer per unit of sharding, and the views into it.
+
+Every ZeRO stage is a policy over the same object:
+
+- the parameters of the group live as views of one flat buffer in the compute dtype
+  (``param_flat``), so one collective moves all of them;
+- their gradients accumulate into views of one flat buffer (``grad_flat``), so the reduction
+  of a bucket is a single all-reduce (stage 0) or reduce-scatter (stages 1-2);
+- the optimizer sees one fp32 tensor per group (``master``): the whole buffer when nothing is
+  partitioned, otherwise this rank's shard. In pure fp32 training the master *is* the matching
+  slice of ``param_flat`` (no copy), so an optimizer step writes the weights directly.
+
+The buffer is padded to a multiple of the world size so every rank owns an equal shard; the
+padding is never viewed by a parameter, so its gradient stays zero and it does not disturb
+the gradient norm.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from hf_zero.zero import collectives as C
+
+
+class GradState(enum.Enum):
+    """Where a group's gradients are in the step."""
+
+    EMPTY = "empty"  # no gradient buffer allocated (stage 2 between steps)
+    ACCUMULATING = "accumulating"  # backward is adding into grad_flat
+    REDUCING = "reducing"  # the reduction was issued on the communication stream
+    REDUCED = "reduced"  # master.grad holds the averaged gradient of this rank's shard
+
+
+@dataclass
+class ParamSlot:
+    """Where one parameter lives inside its group's flat buffers."""
+
+    name: str
+    param: torch.nn.Parameter
+    offset: int
+    numel: int
+    shape: torch.Size
+
+
+class FlatGroup:
+    """A bucket of parameters sharing one flat parameter buffer and one flat gradient buffer.
+
+    ``partitioned`` is True for ZeRO stages 1 and above: the optimizer state and the reduced
+    gradient cover only ``[shard_lo, shard_hi)``. ``free_grads_after_reduce`` is stage 2's rule:
+    the full gradient buffer is released once its shard has been reduced.
+    """
+
+    def __init__(
+        self,
+        index: int,
+        named_params: list[tuple[str, torch.nn.Parameter]],
+        *,
+        compute_dtype: torch.dtype,
+        reduce_dtype: torch.dtype,
+        partitioned: bool,
+        free_grads_after_reduce: bool,
+        group: dist.ProcessGroup | None,
+        rank: int,
+        world_size: int,
+        device: torch.device,
+    ) -> None:
+        self.index = index
+        self.group = group
+        self.rank = rank
+        self.world_size = world_size
+        self.device = device
+        self.compute_dtype = compute_dtype
+        self.reduce_dtype = reduce_dtype
+        self.partitioned = partitioned and world_size > 1
+        self.free_grads_after_reduce = free_grads_after_reduce and self.partitioned
+        self.slots: list[ParamSlot] = []
+        offset = 0
+        for name, p in named_params:
+            self.slots.append(ParamSlot(name, p, offset, p.numel(), p.shape))
+            offset += p.numel()
+        self.numel = offset
+        parts = world_size if self.partitioned else 1
+        self.padded_numel = math.ceil(self.numel / parts) * parts
+        self.shard_numel = self.padded_numel // parts
+        self.shard_lo = self.rank * self.shard_numel if self.partitioned else 0
+        self.shard_hi = self.shard_lo + self.shard_numel
+
+        # Flatten in fp32 first so the fp32 master starts from the user's exact weights,
+        # not from their bf16/fp16 rounding.
+        fp32_flat = torch.zeros(self.padded_numel, dtype=torch.float32, device=device)
+        with torch.no_grad():
+            for s in self.slots:
+                fp32_flat[s.offset : s.offset + s.numel].copy_(s.param.detach().reshape(-1))
+        self.mixed = compute_dtype != torch.float32
+        if self.mixed:
+            self.master = fp32_flat[self.shard_lo : self.shard_hi].clone()
+            self.param_flat = fp32_flat.to(compute_dtype)
+        else:
+            self.param_flat = fp32_flat
+            self.master = fp32_flat[self.shard_lo : self.shard_hi]
+        del fp32_flat
+        self._point_params_at(self.param_flat)
+        self.grad_flat: torch.Tensor | None = None
+        self.grad_state = GradState.EMPTY
+        self.ready = 0  # parameters whose gradient for this backward has been accumulated
+        self.launched = False  # reduction issued in this step
+        self._inflight: list[torch.Tensor] = []  # keeps buffers alive while a collective uses them
+
+    # ----------------------------------------------------------------- views
+
+    def _point_params_at(self, flat: torch.Tensor) -> None:
+        for s in self.slots:
+            s.param.data = flat[s.offset : s.offset + s.numel].view(s.shape)
+
+    def ensure_grad_buffer(self) -> None:
+        """Allocate the flat gradient buffer if needed and make every ``param.grad`` a view of it."""
+        if self.grad_flat is None:
+            self.grad_flat = torch.zeros(self.padded_numel, dtype=self.compute_dtype, device=self.device)
+            self.grad_state = GradState.ACCUMULATING
+        for s in self.slots:
+            view = self.grad_flat[s.offset : s.offset + s.numel].view(s.shape)
+            if s.param.grad is None or s.param.grad.data_ptr() != view.data_ptr():
+                if s.param.grad is not None:  # the user replaced .grad (e.g. zero_grad(set_to_none))
+                    view.copy_(s.param.grad)
+                s.param.grad = view
+        self.grad_state = GradState.ACCUMULATING
+
+    def adopt_grad(self, slot: ParamSlot) -> None:
+        """Called after autograd accumulated into ``slot.param.grad``: keep it inside grad_flat."""
+        if self.grad_flat is None:
+            self.ensure_grad_buffer()
+            return
+        g = slot.param.grad
+        view = self.grad_flat[slot.offset : slot.offset + slot.numel].view(slot.shape)
+        if g is not None and g.data_ptr() != view.data_ptr():
+            view.copy_(g)
+            slot.param.grad = view
+
+    # ------------------------------------------------------------- reduction
+
+    def reduce_grads(self, stream: torch.cuda.Stream | None) -> None:
+        """Average this group's gradients across ranks into ``master.grad`` (issued on ``stream``)."""
+        assert self.grad_flat is not None, "reduce_grads needs gradients"
+        self.grad_state = GradState.REDUCING
+        with C.on_stream(stream):
+            src = self.grad_flat
+            if src.dtype != self.reduce_dtype:
+                src = src.to(self.reduce_dtype)
+            if not self.partitioned:
+                C.all_reduce_(src, self.group, self.world_size)
+                out = src
+            elif src.data_ptr() == self.grad_flat.data_ptr() and not self.free_grads_after_reduce:
+                # fp32 stage 1: reduce into this rank's own chunk of the gradient buffer, no copy.
+                out = src[self.shard_lo : self.shard_hi]
+                C.reduce_scatter_(out, src, self.group, self.world_size)
+            else:
+                out = torch.empty(self.shard_numel, dtype=self.reduce_dtype, device=self.device)
+                C.reduce_scatter_(out, src, self.group, self.world_size)
+            if out.dtype != torch.float32:
+                out = out.float()
+            out.div_(self.world_size)
+            self._inflight = [src]
+        self.master.grad = out
+        self.launched = True
+
+    def finish_reduce(self) -> None:
+        """After the compute stream has waited on the reduction: drop temporaries, free if stage 2."""
+        self._inflight = []
+        self.grad_state = GradState.REDUCED
+        if self.free_grads_after_reduce:
+            self.release_grad_buffer()
+
+    def release_grad_buffer(self) -> None:
+        for s in self.slots:
+            s.param.grad = None
+        self.grad_flat = None
+
+    def zero_grads(self) -> None:
+        """End of step: clear accumulated gradients (free them under stage 2)."""
+        self.master.grad = None
+        self.ready = 0
+        self.launched = False
+        if self.free_grads_after_reduce:
+            self.release_grad_buffer()
+            self.grad_state = GradState.EMPTY
+        elif self.grad_flat is not None:
+            self.grad_flat.zero_()
+            self.grad_state = GradState.ACCUMULATING
+
+    # ------------------------------------------------------------ parameters
+
+    def publish_master(self, stream: torch.cuda.Stream | None) -> None:
+        """After the optimizer step: write the updated shard into the parameters everywhere."""
+        with C.on_stream(stream):
+            shard = self.param_flat[self.shard_lo : self.shard_hi]
+            if self.mixed:
+                shard.copy_(self.master)
+            if self.partitioned:
+                C.all_gather_(self.param_flat, shard, self.group, self.world_size)
+
+    def grad_sq_sum(self) -> torch.Tensor:
+        """Sum of squares of this rank's reduced gradient (fp32 scalar, no host sync)."""
+        g = self.master.grad
+        return g.float().pow(2).sum() if g is not None else torch.zeros((), device=self.device)
+
+    def nonfinite(self) -> torch.Tensor:
+        g = self.master.grad
+        if g is None:
+            return torch.zeros((), device=self.device)
+        return (~torch.isfinite(g)).any().float()

@@ -1,0 +1,372 @@
+"""ZeRO stage 3: parameters live sharded and are gathered per unit just before use.
+
+A *unit* is a transformer block (for ``transformers`` models, an instance of a class named in
+``_no_split_modules``), otherwise a top-level child; whatever parameters belong to no unit form
+the *root* unit (embeddings, final norm, LM head), which stays gathered for the whole
+forward+backward of a step — that is also what keeps tied embeddings simple.
+
+Life of a unit in one training step::
+
+    SHARDED --forward pre-hook--> GATHERED --forward post-hook--> SHARDED
+            --first output gradient (multi-grad hook)--> GATHERED
+            --every parameter's gradient accumulated--> reduce-scatter, SHARDED
+
+While unit i runs, unit i+1's all-gather is already in flight on a side stream (prefetch in
+forward order, then in reverse order during backward). Gradients are reduce-scattered as soon
+as a unit's backward is done and accumulated into this rank's fp32 gradient shard, so stage 3
+communicates on every micro-step (holding full gradients across accumulation steps would undo
+the point of stage 3).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+
+import torch
+import torch.distributed as dist
+
+from hf_zero.zero import collectives as C
+from hf_zero.zero.flat import ParamSlot
+
+
+class ShardState(enum.Enum):
+    SHARDED = "sharded"
+    GATHERING = "gathering"  # all-gather issued on the side stream, not yet waited on
+    GATHERED = "gathered"
+
+
+class ShardedParamGroup:
+    """The parameters of one unit (and one optimizer param group), sharded across ranks."""
+
+    def __init__(
+        self,
+        named_params: list[tuple[str, torch.nn.Parameter]],
+        *,
+        compute_dtype: torch.dtype,
+        reduce_dtype: torch.dtype,
+        trainable: bool,
+        group: dist.ProcessGroup | None,
+        rank: int,
+        world_size: int,
+        device: torch.device,
+    ) -> None:
+        self.group, self.rank, self.world_size, self.device = group, rank, world_size, device
+        self.compute_dtype, self.reduce_dtype, self.trainable = compute_dtype, reduce_dtype, trainable
+        self.slots: list[ParamSlot] = []
+        offset = 0
+        for name, p in named_params:
+            self.slots.append(ParamSlot(name, p, offset, p.numel(), p.shape))
+            offset += p.numel()
+        self.numel = offset
+        self.padded_numel = math.ceil(self.numel / world_size) * world_size
+        self.shard_numel = self.padded_numel // world_size
+        lo = rank * self.shard_numel
+        shard32 = torch.zeros(self.shard_numel, dtype=torch.float32, device=device)
+        with torch.no_grad():
+            for s in self.slots:  # copy only the part of each parameter that falls in this shard
+                a, b = max(s.offset, lo), min(s.offset + s.numel, lo + self.shard_numel)
+                if a < b:
+                    shard32[a - lo : b - lo].copy_(s.param.detach().reshape(-1)[a - s.offset : b - s.offset])
+        self.mixed = compute_dtype != torch.float32
+        self.param_shard = shard32.to(compute_dtype) if self.mixed else shard32
+        self.master: torch.Tensor | None = None
+        if trainable:
+            self.master = shard32 if not self.mixed else shard32.clone()
+        del shard32
+        self.full: torch.Tensor | None = None
+        self.grad_flat: torch.Tensor | None = None
+        self.state = ShardState.SHARDED
+        self._event: torch.cuda.Event | None = None
+        self._empty = torch.empty(0, dtype=compute_dtype, device=device)
+        for s in self.slots:
+            s.param.data = self._empty
+        self.ready = 0
+
+    # ------------------------------------------------------------ gather
+
+    def gather(self, stream: torch.cuda.Stream | None) -> None:
+        """Issue the all-gather of the full parameters (on ``stream`` when on GPU)."""
+        if self.state is not ShardState.SHARDED:
+            return
+        with C.on_stream(stream):
+            full = torch.empty(self.padded_numel, dtype=self.compute_dtype, device=self.device)
+            C.all_gather_(full, self.param_shard, self.group, self.world_size)
+            if stream is not None:
+                self._event = torch.cuda.Event()
+                self._event.record(stream)
+        self.full = full
+        self.state = ShardState.GATHERING
+
+    def wait(self) -> None:
+        """Make the parameters usable on the compute stream: point them at the gathered buffer."""
+        if self.state is ShardState.GATHERED:
+            return
+        if self.state is ShardState.SHARDED:
+            self.gather(None)
+        if self._event is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._event)
+            self._event = None
+        assert self.full is not None
+        for s in self.slots:
+            s.param.data = self.full[s.offset : s.offset + s.numel].view(s.shape)
+        self.state = ShardState.GATHERED
+
+    def reshard(self) -> None:
+        """Drop the full parameters; only this rank's shard remains."""
+        if self.state is ShardState.SHARDED:
+            return
+        if self.state is ShardState.GATHERING:
+            self.wait()
+        for s in self.slots:
+            s.param.data = self._empty
+        self.full = None
+        self.state = ShardState.SHARDED
+
+    # ------------------------------------------------------------- grads
+
+    def prepare_grads(self) -> None:
+        """Before this unit's backward: gradients accumulate into one flat buffer."""
+        if not self.trainable or self.grad_flat is not None:
+            return
+        self.grad_flat = torch.zeros(self.padded_numel, dtype=self.compute_dtype, device=self.device)
+        for s in self.slots:
+            s.param.grad = self.grad_flat[s.offset : s.offset + s.numel].view(s.shape)
+        self.ready = 0
+
+    def adopt_grad(self, slot: ParamSlot) -> None:
+        """Keep ``slot.param.grad`` inside grad_flat even if autograd (or the user) replaced it."""
+        g = slot.param.grad
+        if self.grad_flat is None:
+            self.prepare_grads()
+        assert self.grad_flat is not None
+        view = self.grad_flat[slot.offset : slot.offset + slot.numel].view(slot.shape)
+        if g is not None and g.data_ptr() != view.data_ptr():
+            view.copy_(g)
+            slot.param.grad = view
+
+    def reduce_grads(self, stream: torch.cuda.Stream | None) -> None:
+        """Reduce-scatter this micro-step's gradients and add them to the fp32 gradient shard."""
+        if self.grad_flat is None:
+            return
+        assert self.master is not None
+        with C.on_stream(stream):
+            src = self.grad_flat if self.grad_flat.dtype == self.reduce_dtype else self.grad_flat.to(self.reduce_dtype)
+            out = torch.empty(self.shard_numel, dtype=self.reduce_dtype, device=self.device)
+            C.reduce_scatter_(out, src, self.group, self.world_size)
+            out = out.float().div_(self.world_size)
+            if self.master.grad is None:
+                self.master.grad = out
+            else:
+                self.master.grad.add_(out)
+        for s in self.slots:
+            s.param.grad = None
+        self.grad_flat = None
+        self.ready = 0
+
+    def publish_master(self, stream: torch.cuda.Stream | None) -> None:
+        """After the optimizer step: the compute-dtype shard follows the fp32 master."""
+        if self.mixed and self.master is not None:
+            self.param_shard.copy_(self.master)
+
+    def zero_grads(self) -> None:
+        if self.master is not None:
+            self.master.grad = None
+
+    def grad_sq_sum(self) -> torch.Tensor:
+        g = None if self.master is None else self.master.grad
+        return g.pow(2).sum() if g is not None else torch.zeros((), device=self.device)
+
+    def nonfinite(self) -> torch.Tensor:
+        g = None if self.master is None else self.master.grad
+        return (~torch.isfinite(g)).any().float() if g is not None else torch.zeros((), device=self.device)
+
+
+def find_units(module: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """The modules whose parameters are gathered together: transformer blocks, else top-level children."""
+    names = set(getattr(module, "_no_split_modules", None) or [])
+    if names:
+        units = [(n, m) for n, m in module.named_modules() if type(m).__name__ in names and m is not module]
+        if units:
+            # keep outermost blocks only
+            out: list[tuple[str, torch.nn.Module]] = []
+            for n, m in units:
+                if not any(n.startswith(p + ".") for p, _ in out):
+                    out.append((n, m))
+            return out
+    return [(n, m) for n, m in module.named_children() if any(True for _ in m.parameters())]
+
+
+def _tensors_requiring_grad(obj: object) -> list[torch.Tensor]:
+    if torch.is_tensor(obj):
+        return [obj] if obj.requires_grad else []
+    if isinstance(obj, (list, tuple)):
+        return [t for o in obj for t in _tensors_requiring_grad(o)]
+    if isinstance(obj, dict):
+        return [t for o in obj.values() for t in _tensors_requiring_grad(o)]
+    if hasattr(obj, "to_tuple"):  # transformers ModelOutput
+        return _tensors_requiring_grad(obj.to_tuple())
+    return []
+
+
+class Unit:
+    """A module whose sharded parameter groups are gathered and released together."""
+
+    def __init__(self, index: int, name: str, module: torch.nn.Module, groups: list[ShardedParamGroup], is_root: bool) -> None:
+        self.index, self.name, self.module, self.groups, self.is_root = index, name, module, groups, is_root
+        self.trainable_count = sum(len(g.slots) for g in groups if g.trainable)
+        self.numel = sum(g.numel for g in groups)
+        self.ready = 0
+
+    def gather(self, stream: torch.cuda.Stream | None) -> None:
+        for g in self.groups:
+            g.gather(stream)
+
+    def wait(self) -> None:
+        for g in self.groups:
+            g.wait()
+
+    def reshard(self, trainable_only: bool = False) -> None:
+        for g in self.groups:
+            if g.trainable or not trainable_only:
+                g.reshard()
+
+    @property
+    def gathered(self) -> bool:
+        return any(g.state is not ShardState.SHARDED for g in self.groups)
+
+
+class Stage3Runtime:
+    """The hooks that gather units before use, prefetch the next one and reduce-scatter after backward."""
+
+    def __init__(
+        self,
+        root: torch.nn.Module,
+        units: list[Unit],
+        *,
+        stream: torch.cuda.Stream | None,
+        prefetch_numel: int,
+        max_live_numel: int,
+    ) -> None:
+        self.root = root
+        self.units = [u for u in units if not u.is_root]
+        self.root_unit = next((u for u in units if u.is_root), None)
+        self.stream = stream
+        self.prefetch_numel = prefetch_numel
+        self.max_live_numel = max_live_numel
+        self.order: list[Unit] = []  # forward execution order, recorded on the first training forward
+        self._recording: list[Unit] = []
+        self.in_backward: set[int] = set()
+        self._slot_of: dict[int, tuple[Unit, ShardedParamGroup, ParamSlot]] = {}
+        self.handles = []
+        for u in self.units:
+            self.handles.append(u.module.register_forward_pre_hook(self._make_pre(u)))
+            self.handles.append(u.module.register_forward_hook(self._make_post(u)))
+        self.handles.append(root.register_forward_pre_hook(self._root_pre))
+        self.handles.append(root.register_forward_hook(self._root_post))
+        for u in units:
+            for g in u.groups:
+                if g.trainable:
+                    for s in g.slots:
+                        self._slot_of[id(s.param)] = (u, g, s)
+                        self.handles.append(s.param.register_post_accumulate_grad_hook(self._on_grad_ready))
+
+    # -------------------------------------------------------------- forward
+
+    def _root_pre(self, module: torch.nn.Module, args: tuple) -> None:
+        self._recording = []
+        if self.root_unit is not None:
+            self.root_unit.gather(None)
+            self.root_unit.wait()
+
+    def _root_post(self, module: torch.nn.Module, args: tuple, output: object) -> None:
+        if self._recording and (not self.order or len(self._recording) != len(self.order)):
+            self.order = list(self._recording)
+        if self.root_unit is None:
+            return
+        tensors = _tensors_requiring_grad(output) if torch.is_grad_enabled() else []
+        if not tensors:
+            self.root_unit.reshard()
+            return
+        root = self.root_unit
+
+        def prepare(_grad: object) -> None:
+            for g in root.groups:
+                g.prepare_grads()
+
+        torch.autograd.graph.register_multi_grad_hook(tensors, prepare, mode="any")
+
+    def _prefetch_after(self, unit: Unit, reverse: bool) -> None:
+        if not self.order:
+            return
+        order = self.order[::-1] if reverse else self.order
+        try:
+            i = order.index(unit)
+        except ValueError:
+            return
+        budget = self.prefetch_numel
+        live = sum(u.numel for u in self.units if u.gathered)
+        for nxt in order[i + 1 :]:
+            if nxt.gathered:
+                continue
+            if budget <= 0 or live + nxt.numel > self.max_live_numel:
+                break
+            nxt.gather(self.stream)
+            budget -= nxt.numel
+            live += nxt.numel
+            break  # one unit ahead keeps memory at two units, as FSDP2's default
+
+    def _make_pre(self, unit: Unit):
+        def pre(module: torch.nn.Module, args: tuple) -> None:
+            unit.gather(None)
+            unit.wait()
+            self._recording.append(unit)
+            self._prefetch_after(unit, reverse=False)
+
+        return pre
+
+    def _make_post(self, unit: Unit):
+        def post(module: torch.nn.Module, args: tuple, output: object) -> None:
+            tensors = _tensors_requiring_grad(output) if torch.is_grad_enabled() else []
+            if tensors:
+                torch.autograd.graph.register_multi_grad_hook(tensors, lambda _g: self._pre_backward(unit), mode="any")
+            unit.reshard()
+
+        return post
+
+    # ------------------------------------------------------------- backward
+
+    def _pre_backward(self, unit: Unit) -> None:
+        unit.gather(None)
+        unit.wait()
+        for g in unit.groups:
+            g.prepare_grads()
+        self.in_backward.add(unit.index)
+        self._prefetch_after(unit, reverse=True)
+
+    def _on_grad_ready(self, param: torch.Tensor) -> None:
+        unit, group, slot = self._slot_of[id(param)]
+        group.adopt_grad(slot)
+        unit.ready += 1
+        if unit.ready == unit.trainable_count and not unit.is_root:
+            self._reduce(unit)
+
+    def _reduce(self, unit: Unit) -> None:
+        for g in unit.groups:
+            if g.trainable:
+                g.reduce_grads(self.stream)
+        unit.ready = 0
+        unit.reshard(trainable_only=True)
+        self.in_backward.discard(unit.index)
+
+    def finish_backward(self) -> None:
+        """End of backward: reduce what is still pending (root, units with unused parameters), release all."""
+        for u in self.units:
+            if u.index in self.in_backward or any(g.grad_flat is not None for g in u.groups):
+                self._reduce(u)
+            u.reshard()
+        if self.root_unit is not None:
+            if any(g.grad_flat is not None for g in self.root_unit.groups):
+                self._reduce(self.root_unit)
+            self.root_unit.reshard()
+        C.wait_for(self.stream)

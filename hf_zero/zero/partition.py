@@ -1,0 +1,296 @@
+"""ZeRO stages 0, 1 and 2 as one optimizer wrapper over FlatGroups.
+
+- Stage 0: gradients all-reduced per bucket; every rank steps the whole (fp32 master) buffer.
+- Stage 1: gradients reduce-scattered; each rank steps only its shard of the masters and the
+  optimizer state, then the updated parameters are all-gathered.
+- Stage 2: as stage 1, and the full gradient buffer of a bucket is freed once reduced.
+
+Buckets are launched strictly in bucket order (like DDP) even when autograd finishes them
+out of order, so that every rank issues the same collectives in the same order: a bucket
+whose gradients are complete waits until every earlier bucket has been launched.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+
+from hf_zero.zero import collectives as C
+from hf_zero.zero.flat import FlatGroup, GradState, ParamSlot
+from hf_zero.zero.params import ShardedParamGroup, Stage3Runtime, Unit, find_units
+
+
+def _buckets(named: list[tuple[str, torch.nn.Parameter]], bucket_numel: int) -> list[list]:
+    """Split parameters (already in backward order) into buckets of about ``bucket_numel`` elements."""
+    out: list[list] = []
+    cur: list = []
+    size = 0
+    for item in named:
+        n = item[1].numel()
+        if cur and size + n > bucket_numel:
+            out.append(cur)
+            cur, size = [], 0
+        cur.append(item)
+        size += n
+    if cur:
+        out.append(cur)
+    return out
+
+
+class ShardedOptimizer:
+    """Owns the flat buffers, the gradient hooks and the sharded optimizer step.
+
+    The user's torch optimizer is kept (so an LR scheduler built on it keeps working) but its
+    param groups are re-pointed at the flat fp32 master tensors, as DeepSpeed does.
+    """
+
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        stage: int,
+        compute_dtype: torch.dtype,
+        reduce_dtype: torch.dtype,
+        bucket_numel: int,
+        group: dist.ProcessGroup | None,
+        device: torch.device,
+        persistence_threshold: int = 100_000,
+        prefetch_numel: int = 50_000_000,
+        max_live_numel: int = 1_000_000_000,
+    ) -> None:
+        self.optimizer = optimizer
+        self.stage = stage
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.device = device
+        self.comm_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.gather_stream = torch.cuda.Stream(device) if device.type == "cuda" and stage == 3 else None
+
+        names = {id(p): n for n, p in module.named_parameters(remove_duplicate=True)}
+        self.flat_groups: list[FlatGroup] = []
+        self.shard_groups: list[ShardedParamGroup] = []
+        self.runtime: Stage3Runtime | None = None
+        unit_of: dict[int, int] = {}
+        unit_mods: list[tuple[str, torch.nn.Module]] = []
+        if stage == 3:
+            unit_mods = find_units(module)
+            for ui, (_, m) in enumerate(unit_mods):
+                for p in m.parameters():
+                    unit_of.setdefault(id(p), ui)
+        unit_groups: dict[int, list[ShardedParamGroup]] = {ui: [] for ui in range(-1, len(unit_mods))}
+
+        def shard(named: list, trainable: bool) -> list[torch.Tensor]:
+            masters = []
+            for ui in list(range(len(unit_mods))) + [-1]:
+                mine = [x for x in named if unit_of.get(id(x[1]), -1) == ui]
+                if mine:
+                    g = ShardedParamGroup(
+                        mine, compute_dtype=compute_dtype, reduce_dtype=reduce_dtype, trainable=trainable,
+                        group=group, rank=self.rank, world_size=self.world_size, device=device,
+                    )
+                    unit_groups[ui].append(g)
+                    self.shard_groups.append(g)
+                    if g.master is not None:
+                        masters.append(g.master)
+            return masters
+
+        seen: set[int] = set()
+        group_masters: list[list[torch.Tensor]] = []
+        for gi, pg in enumerate(optimizer.param_groups):
+            named = []
+            for p in pg["params"]:
+                if id(p) in seen:
+                    raise ValueError(f"a parameter appears twice in the optimizer's param groups (group {gi})")
+                if id(p) not in names:
+                    raise ValueError(
+                        f"optimizer param group {gi} holds a tensor of shape {tuple(p.shape)} that is not a "
+                        "parameter of the model; build the optimizer from model.parameters()"
+                    )
+                seen.add(id(p))
+                if p.requires_grad:
+                    named.append((names[id(p)], p))
+            masters = []
+            if stage == 3:
+                # Small parameters (norms, biases) stay whole on every rank, as stage 2 keeps them.
+                masters += shard([x for x in named if x[1].numel() >= persistence_threshold], trainable=True)
+                named = [x for x in named if x[1].numel() < persistence_threshold]
+            # Reverse registration order approximates the order backward produces gradients.
+            for bucket in _buckets(list(reversed(named)), bucket_numel):
+                fg = FlatGroup(
+                    len(self.flat_groups),
+                    bucket,
+                    compute_dtype=compute_dtype,
+                    reduce_dtype=reduce_dtype,
+                    partitioned=stage >= 1,
+                    free_grads_after_reduce=stage >= 2,
+                    group=group,
+                    rank=self.rank,
+                    world_size=self.world_size,
+                    device=device,
+                )
+                self.flat_groups.append(fg)
+                masters.append(fg.master)
+            group_masters.append(masters)
+        missing = [n for n, p in module.named_parameters() if p.requires_grad and id(p) not in seen]
+        if missing:
+            raise ValueError(
+                f"parameter '{missing[0]}' requires grad but is in no optimizer param group; "
+                "freeze it (requires_grad=False) or pass it in model_parameters"
+            )
+        if stage == 3:
+            frozen = [(n, p) for n, p in module.named_parameters() if not p.requires_grad and p.numel() >= persistence_threshold]
+            shard(frozen, trainable=False)
+            units = [Unit(ui, n, m, unit_groups[ui], is_root=False) for ui, (n, m) in enumerate(unit_mods)]
+            units.append(Unit(len(units), "<root>", module, unit_groups[-1], is_root=True))
+            self.runtime = Stage3Runtime(
+                module, units, stream=self.gather_stream, prefetch_numel=prefetch_numel, max_live_numel=max_live_numel
+            )
+        for pg, masters in zip(optimizer.param_groups, group_masters):
+            pg["params"] = masters
+        optimizer.state = defaultdict(dict)
+
+        self._slot_of: dict[int, tuple[FlatGroup, ParamSlot]] = {}
+        self._hooks = []
+        for fg in self.flat_groups:
+            for s in fg.slots:
+                self._slot_of[id(s.param)] = (fg, s)
+                self._hooks.append(s.param.register_post_accumulate_grad_hook(self._on_grad_ready))
+        self._sync = False
+        self._next_launch = 0
+        self.reduced = False
+
+    # ----------------------------------------------------------- backward
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.optimizer.param_groups
+
+    @property
+    def state(self) -> dict:
+        return self.optimizer.state
+
+    def prepare_backward(self, sync: bool) -> None:
+        """Before ``loss.backward()``: gradient views in place; ``sync`` means reduce as buckets fill."""
+        self._sync = sync
+        self._next_launch = 0
+        for fg in self.flat_groups:
+            fg.ensure_grad_buffer()
+            fg.ready = 0
+            fg.launched = False
+
+    def _on_grad_ready(self, param: torch.Tensor) -> None:
+        fg, slot = self._slot_of[id(param)]
+        fg.adopt_grad(slot)
+        if not self._sync:
+            return
+        fg.ready += 1
+        while self._next_launch < len(self.flat_groups):
+            nxt = self.flat_groups[self._next_launch]
+            if nxt.ready < len(nxt.slots):
+                break
+            nxt.reduce_grads(self.comm_stream)
+            self._next_launch += 1
+
+    def finish_backward(self) -> None:
+        """After ``loss.backward()``: launch what unused parameters held back, then wait."""
+        if self.runtime is not None:
+            self.runtime.finish_backward()
+        if not self._sync:
+            return
+        while self._next_launch < len(self.flat_groups):
+            self.flat_groups[self._next_launch].reduce_grads(self.comm_stream)
+            self._next_launch += 1
+        C.wait_for(self.comm_stream)
+        for fg in self.flat_groups:
+            fg.finish_reduce()
+        self.reduced = True
+        self._sync = False
+
+    # --------------------------------------------------------------- step
+
+    def grad_norm_and_overflow(self, need_overflow: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Global L2 norm of the (possibly loss-scaled) averaged gradients, and an inf/nan flag.
+
+        Stage 0 ranks hold identical full gradients, so no communication is needed; sharded
+        stages sum their shards' squares with one all-reduce of two numbers.
+        """
+        sq = [fg.grad_sq_sum() for fg in self._all_groups()]
+        stats = torch.stack([torch.stack(sq).sum() if sq else torch.zeros((), device=self.device)])
+        if need_overflow:
+            bad = [fg.nonfinite() for fg in self._all_groups()]
+            stats = torch.cat([stats, torch.stack(bad).sum().reshape(1)])
+        if self.stage >= 1:
+            C.all_reduce_(stats, self.group, self.world_size)
+        norm = stats[0].sqrt()
+        flag = stats[1] if need_overflow else torch.zeros((), device=self.device)
+        return norm, flag
+
+    def scale_grads(self, coef: torch.Tensor | float) -> None:
+        grads = [m.grad for m in self.master_params() if m.grad is not None]
+        if grads and not (isinstance(coef, float) and coef == 1.0):
+            torch._foreach_mul_(grads, coef)
+
+    def step_and_publish(self) -> None:
+        """Optimizer step on this rank's masters, then publish the new weights to every rank."""
+        self.optimizer.step()
+        for fg in self._all_groups():
+            fg.publish_master(self.comm_stream)
+        C.wait_for(self.comm_stream)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear gradients. Gradient buffers are always reused (or freed under stage 2)."""
+        del set_to_none
+        for fg in self._all_groups():
+            fg.zero_grads()
+        self.reduced = False
+
+    def step(self, closure: object = None) -> None:
+        raise RuntimeError(
+            "hf_zero applies the optimizer inside engine.step(); call engine.step() after engine.backward(loss) "
+            "instead of optimizer.step()"
+        )
+
+    # ------------------------------------------------------------ helpers
+
+    def _all_groups(self) -> list:
+        return [*self.flat_groups, *self.shard_groups]
+
+    def master_params(self) -> Iterable[torch.Tensor]:
+        return (g.master for g in self._all_groups() if g.master is not None)
+
+    def all_reduced(self) -> bool:
+        return all(fg.grad_state is GradState.REDUCED for fg in self.flat_groups)
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds for parameters, gradients and optimizer state (unique storages)."""
+        seen: set[int] = set()
+
+        def size(t: torch.Tensor | None) -> int:
+            if t is None:
+                return 0
+            st = t.untyped_storage()
+            if st.data_ptr() in seen:
+                return 0
+            seen.add(st.data_ptr())
+            return st.nbytes()
+
+        params = sum(size(fg.param_flat) for fg in self.flat_groups)
+        params += sum(size(g.param_shard) + size(g.full) for g in self.shard_groups)
+        grads = sum(size(fg.grad_flat) + size(fg.master.grad) for fg in self.flat_groups)
+        grads += sum(size(g.grad_flat) + size(None if g.master is None else g.master.grad) for g in self.shard_groups)
+        optim = sum(size(m) for m in self.master_params())
+        for st in self.optimizer.state.values():
+            for v in st.values():
+                if torch.is_tensor(v) and v.numel() > 1:
+                    optim += size(v)
+        return {"params": params, "grads": grads, "optim": optim}
+
+    @staticmethod
+    def padded(numel: int, world_size: int) -> int:
+        return math.ceil(numel / world_size) * world_size

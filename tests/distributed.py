@@ -1,0 +1,48 @@
+"""Run a function on N CPU processes over gloo, rendezvous through a FileStore.
+
+Each test spawns one group of processes and runs a whole grid of cases inside it, because
+starting Python + torch costs seconds on the two-core CI machine. Results come back as
+JSON written by rank 0 (and by other ranks when asked), never through pickle.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch.multiprocessing as mp
+
+
+def _entry(rank: int, world_size: int, store_path: str, out_dir: str, fn: Callable, args: tuple) -> None:
+    os.environ.update(
+        {
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_WORLD_SIZE": str(world_size),
+            "OMP_NUM_THREADS": "1",
+        }
+    )
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    store = dist.FileStore(store_path, world_size)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+    try:
+        result = fn(rank, world_size, *args)
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(fn: Callable, world_size: int, *args: Any) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; return each rank's JSON result."""
+    with tempfile.TemporaryDirectory() as tmp:
+        store = os.path.join(tmp, "store")
+        mp.start_processes(_entry, args=(world_size, store, tmp, fn, args), nprocs=world_size, start_method="spawn")
+        return [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(world_size)]
