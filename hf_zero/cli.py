@@ -1,0 +1,331 @@
+"""The ``hf-zero`` command: ``launch`` (DeepSpeed's launcher flags, run by torchrun) and ``estimate``.
+
+``hf-zero launch`` is a translation, not a launcher (DESIGN.md rule 8): it maps DeepSpeed's
+flags one to one onto ``torch.distributed.run`` and then *becomes* that process (``exec``), so
+torchrun's exit code, signal handling and restarts are exactly torchrun's. The command it runs
+is printed on one line to stderr, so the mapping is never hidden.
+
+DeepSpeed starts multi-node jobs from one node over pdsh/ssh with a hostfile; torchrun instead
+runs one launcher per node. So the hostfile flags are refused with that explanation, and a
+multi-node run is ``hf-zero launch --num_nodes M --node_rank R --master_addr A`` on every node.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import socket
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+DEFAULT_MASTER_PORT = 29500  # DeepSpeed's (and torch's) default rendezvous port
+
+# DeepSpeed flags that only make sense when one node starts all others over ssh.
+_SSH_FLAGS = ("hostfile", "launcher", "launcher_args", "ssh_port", "force_multi")
+# DeepSpeed flags with no torchrun counterpart.
+_UNSUPPORTED_FLAGS = (
+    "elastic_training",
+    "min_elastic_nodes",
+    "max_elastic_nodes",
+    "autotuning",
+    "bind_cores_to_rank",
+    "bind_core_list",
+    "enable_each_rank_log",
+    "save_pid",
+    "comment",
+    "account",
+)
+
+
+class LaunchError(ValueError):
+    """A launch that cannot be translated into a torchrun command; the message is one sentence."""
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """What ``hf-zero launch`` will run: torchrun's argv and the variables it adds to the environment."""
+
+    argv: list[str]
+    env_updates: dict[str, str] = field(default_factory=dict)
+
+    def command_line(self) -> str:
+        """The command as one shell line, with the variables it sets in front."""
+        prefix = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(self.env_updates.items()))
+        return (prefix + " " if prefix else "") + shlex.join(self.argv)
+
+
+# ----------------------------------------------------------------------------- launch
+
+
+def _add_launch_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "launch",
+        help="start a training script on every GPU of this node through torchrun (DeepSpeed's flags)",
+        description="Start SCRIPT with torchrun, taking DeepSpeed launcher flags. Everything after "
+        "SCRIPT is passed to it untouched. Multi-node: run this on each node with --num_nodes, "
+        "--node_rank and --master_addr.",
+        allow_abbrev=False,
+    )
+    p.add_argument(
+        "--num_gpus",
+        "--num_accelerators",
+        type=int,
+        default=None,
+        help="processes on this node (default: the visible GPUs; on a machine without GPUs, 1 CPU process)",
+    )
+    p.add_argument("--num_nodes", type=int, default=1, help="number of nodes (default 1)")
+    p.add_argument("--node_rank", type=int, default=None, help="this node's index in [0, num_nodes)")
+    p.add_argument("--master_addr", default=None, help="address of node 0 (default 127.0.0.1 on one node)")
+    p.add_argument(
+        "--master_port", type=int, default=DEFAULT_MASTER_PORT, help="rendezvous port (default 29500)"
+    )
+    p.add_argument(
+        "--max_restarts", type=int, default=0, help="torchrun restarts of the whole group on failure"
+    )
+    p.add_argument("-i", "--include", default="", help='GPUs of this node to use, e.g. "localhost:0,1"')
+    p.add_argument("-e", "--exclude", default="", help='GPUs of this node to leave out, e.g. "localhost:3"')
+    p.add_argument("--module", action="store_true", help="run SCRIPT as a module, like python -m")
+    p.add_argument("--no_python", action="store_true", help="run SCRIPT directly, not through python")
+    p.add_argument(
+        "--no_local_rank",
+        action="store_true",
+        help="accepted for DeepSpeed compatibility: --local_rank is never appended, LOCAL_RANK is exported",
+    )
+    p.add_argument(
+        "--no_ssh",
+        "--no_ssh_check",
+        dest="no_ssh",
+        action="store_true",
+        help="accepted for DeepSpeed compatibility: every node is always started on its own",
+    )
+    for name in _SSH_FLAGS + _UNSUPPORTED_FLAGS:
+        flags = ["-H", "--hostfile"] if name == "hostfile" else [f"--{name}"]
+        takes_value = name not in ("force_multi", "elastic_training", "bind_cores_to_rank", "save_pid")
+        if takes_value:
+            p.add_argument(*flags, dest=name, default=None, help=argparse.SUPPRESS)
+        else:
+            p.add_argument(*flags, dest=name, action="store_true", default=None, help=argparse.SUPPRESS)
+    p.add_argument("script", help="the training script (or module with --module, program with --no_python)")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script, passed untouched")
+    p.set_defaults(handler=_cmd_launch)
+
+
+def _visible_devices(environ: Mapping[str, str], gpu_count: int) -> list[str]:
+    """GPU ids this process may use, as CUDA_VISIBLE_DEVICES names them."""
+    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip() != "":
+        return [d.strip() for d in visible.split(",") if d.strip()][:gpu_count]
+    return [str(i) for i in range(gpu_count)]
+
+
+def _parse_node_filter(text: str, flag: str) -> list[str] | None:
+    """Slots named by a DeepSpeed ``NAME[:SLOT,...][@NAME...]`` filter for this node; None means all."""
+    local_names = {"localhost", "127.0.0.1", socket.gethostname()}
+    slots: list[str] = []
+    whole_node = False
+    for spec in text.split("@"):
+        name, _, slot_text = spec.partition(":")
+        if name not in local_names:
+            raise LaunchError(
+                f"{flag} {text!r} names host {name!r}, but hf-zero launch only selects GPUs of this node "
+                '(write e.g. "localhost:0,1" and run hf-zero launch on each node).'
+            )
+        if not slot_text:
+            whole_node = True
+        slots += [s.strip() for s in slot_text.split(",") if s.strip()]
+    return None if whole_node else list(dict.fromkeys(slots))
+
+
+def _select_devices(include: str, exclude: str, available: list[str]) -> list[str]:
+    """Apply --include/--exclude to this node's GPUs, the way DeepSpeed filters a hostfile's slots."""
+    if include and exclude:
+        raise LaunchError("--include and --exclude are mutually exclusive.")
+    if not available:
+        raise LaunchError("--include/--exclude select GPUs, but this machine has no visible GPU.")
+    flag, text = ("--include", include) if include else ("--exclude", exclude)
+    slots = _parse_node_filter(text, flag)
+    unknown = [s for s in (slots or []) if s not in available]
+    if unknown:
+        raise LaunchError(
+            f"{flag} {text!r} names GPU {unknown[0]}, but the visible GPUs are {','.join(available)}."
+        )
+    if include:
+        return available if slots is None else slots
+    chosen = [] if slots is None else [d for d in available if d not in slots]
+    if not chosen:
+        raise LaunchError(f"--exclude {text!r} leaves no GPU to run on.")
+    return chosen
+
+
+def plan_launch(args: argparse.Namespace, environ: Mapping[str, str], gpu_count: int) -> LaunchPlan:
+    """Translate parsed ``hf-zero launch`` flags into a torchrun command; pure, so it is unit-testable.
+
+    ``gpu_count`` is what ``torch.cuda.device_count()`` reports (0 on a CPU machine).
+    """
+    for name in _SSH_FLAGS:
+        if getattr(args, name) is not None:
+            raise LaunchError(
+                f"--{name} belongs to DeepSpeed's pdsh/ssh launcher, which hf-zero does not have: a multi-node run "
+                "starts `hf-zero launch --num_nodes M --node_rank R --master_addr A` on each node "
+                "(or uses torchrun's rendezvous directly)."
+            )
+    for name in _UNSUPPORTED_FLAGS:
+        if getattr(args, name) is not None:
+            raise LaunchError(f"--{name} is a DeepSpeed launcher flag that hf-zero launch does not support.")
+    if args.num_nodes < 1:
+        raise LaunchError(f"--num_nodes: got {args.num_nodes}, expected an integer >= 1.")
+    if args.module and args.no_python:
+        raise LaunchError("--module and --no_python cannot be used together.")
+    if args.num_nodes > 1:
+        if not args.master_addr:
+            raise LaunchError(
+                "a multi-node run needs --master_addr, the address of the node with --node_rank 0."
+            )
+        if args.node_rank is None:
+            raise LaunchError(
+                "a multi-node run needs --node_rank on each node (0 on the node at --master_addr)."
+            )
+    node_rank = 0 if args.node_rank is None else args.node_rank
+    if not 0 <= node_rank < args.num_nodes:
+        raise LaunchError(f"--node_rank: got {node_rank}, expected a value in [0, {args.num_nodes}).")
+
+    env_updates: dict[str, str] = {}
+    available = _visible_devices(environ, gpu_count)
+    if args.include or args.exclude:
+        if args.num_gpus is not None:
+            raise LaunchError(
+                "--num_gpus cannot be combined with --include/--exclude (they already choose the GPUs)."
+            )
+        chosen = _select_devices(args.include, args.exclude, available)
+        env_updates["CUDA_VISIBLE_DEVICES"] = ",".join(chosen)
+        nproc = len(chosen)
+    elif gpu_count > 0:
+        nproc = gpu_count if args.num_gpus is None else args.num_gpus
+        if not 1 <= nproc <= gpu_count:
+            raise LaunchError(f"--num_gpus: got {nproc}, but this node has {gpu_count} visible GPU(s).")
+    else:
+        nproc = 1 if args.num_gpus is None else args.num_gpus
+        if nproc < 1:
+            raise LaunchError(f"--num_gpus: got {nproc}, expected an integer >= 1.")
+        # torchrun sets OMP_NUM_THREADS=1 itself only when it starts more than one process;
+        # CPU ranks always share the cores, so set it whenever the user has not.
+        if "OMP_NUM_THREADS" not in environ:
+            env_updates["OMP_NUM_THREADS"] = "1"
+    if args.max_restarts < 0:
+        raise LaunchError(f"--max_restarts: got {args.max_restarts}, expected an integer >= 0.")
+
+    argv = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nnodes={args.num_nodes}",
+        f"--nproc-per-node={nproc}",
+        f"--node-rank={node_rank}",
+        f"--master-addr={args.master_addr or '127.0.0.1'}",
+        f"--master-port={args.master_port}",
+        f"--max-restarts={args.max_restarts}",
+    ]
+    if args.module:
+        argv.append("--module")
+    if args.no_python:
+        argv.append("--no-python")
+    argv += [args.script, *args.script_args]
+    return LaunchPlan(argv=argv, env_updates=env_updates)
+
+
+def run_plan(plan: LaunchPlan) -> int:
+    """Run the plan; on POSIX this process becomes torchrun, so its exit code and signals are torchrun's."""
+    print(f"hf-zero launch: {plan.command_line()}", file=sys.stderr, flush=True)
+    env = {**os.environ, **plan.env_updates}  # everything else (NCCL_*, HF_*, ...) passes through
+    sys.stdout.flush()
+    if os.name == "posix":
+        os.execve(plan.argv[0], plan.argv, env)
+    return subprocess.call(plan.argv, env=env)  # pragma: no cover - non-POSIX fallback
+
+
+def _cmd_launch(args: argparse.Namespace) -> int:
+    import torch
+
+    plan = plan_launch(args, os.environ, torch.cuda.device_count() if torch.cuda.is_available() else 0)
+    return run_plan(plan)
+
+
+# ---------------------------------------------------------------------------- estimate
+
+
+def _add_estimate_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "estimate",
+        help="per-GPU memory for parameters, gradients and optimizer state at ZeRO stages 0-3",
+        description="Print the bytes one rank of this engine holds at the optimizer step, for each ZeRO stage.",
+        allow_abbrev=False,
+    )
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--model", help="a model directory, a config.json, or a Hub model id")
+    source.add_argument("--params", help="number of trainable parameters, e.g. 1.1e9, 7B, 350M")
+    p.add_argument("--num_gpus", type=int, default=1, help="GPUs per node (default 1)")
+    p.add_argument("--num_nodes", type=int, default=1, help="nodes (default 1)")
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"], help="training precision")
+    p.add_argument("--optimizer", default="adam", choices=["adam", "adamw", "sgd", "sgd_momentum"])
+    p.set_defaults(handler=_cmd_estimate)
+
+
+def _printable(text: str) -> str:
+    """Ψ where the terminal can show it, "Psi" where it cannot (e.g. an ASCII-only locale)."""
+    try:
+        text.encode(sys.stdout.encoding or "ascii")
+    except (UnicodeEncodeError, LookupError):
+        return text.replace("Ψ", "Psi")
+    return text
+
+
+def _cmd_estimate(args: argparse.Namespace) -> int:
+    from hf_zero import estimate
+
+    if args.num_gpus < 1 or args.num_nodes < 1:
+        raise ValueError(
+            f"--num_gpus and --num_nodes must be >= 1, got {args.num_gpus} and {args.num_nodes}."
+        )
+    if args.params is not None:
+        num_params = estimate.parse_param_count(args.params)
+    else:
+        num_params = estimate.count_model_parameters(args.model)
+        print(f"{args.model}: {num_params:,} trainable parameters (built on the meta device)")
+    print(
+        _printable(
+            estimate.format_table(num_params, args.num_gpus, args.num_nodes, args.dtype, args.optimizer)
+        )
+    )
+    return 0
+
+
+# -------------------------------------------------------------------------------- main
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``hf-zero`` parser with its subcommands."""
+    parser = argparse.ArgumentParser(
+        prog="hf-zero", description="ZeRO training for the Hugging Face stack: launch jobs and size them."
+    )
+    subparsers = parser.add_subparsers(dest="command", metavar="{launch,estimate}", required=True)
+    _add_launch_parser(subparsers)
+    _add_estimate_parser(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``hf-zero`` console script; returns the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.handler(args)
+    except (LaunchError, ValueError, OSError) as e:
+        print(f"hf-zero {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

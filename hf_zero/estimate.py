@@ -1,0 +1,245 @@
+"""How many bytes a rank of *this* engine holds for parameters, gradients and optimizer state.
+
+The numbers describe the moment of the optimizer step (backward has finished, nothing has been
+freed yet), per data-parallel rank, for Ψ trainable parameters on N ranks. They follow the way
+``hf_zero.zero`` lays memory out, not DeepSpeed's estimator:
+
+- in fp32 the fp32 master weights *are* the parameters (a slice of the flat buffer), so there
+  is no extra master copy;
+- in bf16/fp16 every rank keeps 16-bit parameters (sharded at stage 3), 16-bit gradients as
+  backward writes them (freed after the reduce-scatter at stages 2 and 3), fp32 reduced
+  gradients, and an fp32 master copy next to the optimizer state for the elements it owns;
+- a quantity "/N" is one shard: ``ceil(Ψ/N)`` elements, because each flat buffer is padded to a
+  multiple of N. Buffers are per bucket, so padding adds at most N-1 elements per buffer, which
+  the estimate leaves out.
+
+A test of the engine measures the bytes it really holds and compares them with
+:func:`estimate_memory`, so the formulas here are a contract: change both or neither.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from dataclasses import dataclass
+from typing import Any
+
+GIB = 1024**3
+
+DTYPES = ("bf16", "fp16", "fp32")
+
+# Optimizer-state bytes per trainable element, all in fp32: Adam keeps exp_avg and exp_avg_sq,
+# SGD with momentum keeps one momentum buffer, plain SGD keeps nothing.
+_OPTIMIZER_STATE_BYTES = {"adam": 8, "adamw": 8, "sgd": 0, "sgd_momentum": 4}
+
+_PARAM_SUFFIXES = {"": 1, "K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9, "T": 10**12}
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes one rank holds at the optimizer step, split the way ZeRO splits them.
+
+    ``formula`` spells the three terms in Ψ and N, e.g.
+    ``params 2Ψ + grads (2Ψ + 4Ψ/N) + optim (4+8)Ψ/N``, so a printed table can show where each
+    number comes from.
+    """
+
+    stage: int
+    params_bytes: int
+    grads_bytes: int
+    optim_bytes: int
+    formula: str
+
+    @property
+    def total_bytes(self) -> int:
+        return self.params_bytes + self.grads_bytes + self.optim_bytes
+
+
+def optimizer_state_bytes_per_element(optimizer: str) -> int:
+    """Bytes of optimizer state per trainable element (``k`` in the formulas).
+
+    Adam/AdamW: 8 (exp_avg and exp_avg_sq in fp32); SGD with momentum: 4; SGD: 0.
+    """
+    key = optimizer.strip().lower()
+    if key not in _OPTIMIZER_STATE_BYTES:
+        raise ValueError(f"optimizer: got {optimizer!r}, expected one of {', '.join(_OPTIMIZER_STATE_BYTES)}")
+    return _OPTIMIZER_STATE_BYTES[key]
+
+
+def estimate_memory(
+    num_params: int, world_size: int, stage: int, dtype: str = "bf16", optimizer: str = "adam"
+) -> MemoryEstimate:
+    """Bytes per rank for parameters, gradients and optimizer state at the optimizer step.
+
+    With Ψ = ``num_params``, N = ``world_size``, S = ceil(Ψ/N) (one padded shard) and
+    k = :func:`optimizer_state_bytes_per_element`:
+
+    ======  ==========  ================  ============
+    fp32    params      grads             optim
+    ======  ==========  ================  ============
+    0       4Ψ          4Ψ                kΨ
+    1       4Ψ          4Ψ                kS
+    2       4Ψ          4S                kS
+    3       4S          4S                kS
+    ======  ==========  ================  ============
+
+    ======  ==========  ================  ============
+    16-bit  params      grads             optim
+    ======  ==========  ================  ============
+    0       2Ψ          2Ψ + 4Ψ           (4+k)Ψ
+    1       2Ψ          2Ψ + 4S           (4+k)S
+    2       2Ψ          4S                (4+k)S
+    3       2S          4S                (4+k)S
+    ======  ==========  ================  ============
+
+    In 16-bit training the gradient term is the 16-bit gradients backward writes plus the
+    fp32 reduced gradients; the optimizer term includes the fp32 master weights.
+    """
+    if isinstance(num_params, bool) or not isinstance(num_params, int) or num_params < 0:
+        raise ValueError(f"num_params: got {num_params!r}, expected a non-negative integer")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size: got {world_size!r}, expected an integer >= 1")
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"stage: got {stage!r}, expected one of 0, 1, 2, 3")
+    dtype_key = dtype.strip().lower()
+    if dtype_key not in DTYPES:
+        raise ValueError(f"dtype: got {dtype!r}, expected one of {', '.join(DTYPES)}")
+    k = optimizer_state_bytes_per_element(optimizer)
+    full = num_params
+    shard = math.ceil(num_params / world_size)
+
+    def n_of(sharded: bool) -> tuple[int, str]:
+        return (shard, "Ψ/N") if sharded else (full, "Ψ")
+
+    if dtype_key == "fp32":
+        p_elems, p_sym = n_of(stage >= 3)
+        g_elems, g_sym = n_of(stage >= 2)
+        o_elems, o_sym = n_of(stage >= 1)
+        params, grads, optim = 4 * p_elems, 4 * g_elems, k * o_elems
+        formula = f"params 4{p_sym} + grads 4{g_sym} + optim {k}{o_sym}"
+    else:
+        p_elems, p_sym = n_of(stage >= 3)
+        o_elems, o_sym = n_of(stage >= 1)
+        params = 2 * p_elems
+        optim = (4 + k) * o_elems
+        if stage == 0:
+            grads, g_text = 2 * full + 4 * full, "(2Ψ + 4Ψ)"
+        elif stage == 1:
+            grads, g_text = 2 * full + 4 * shard, "(2Ψ + 4Ψ/N)"
+        else:
+            grads, g_text = 4 * shard, "4Ψ/N"
+        formula = f"params 2{p_sym} + grads {g_text} + optim (4+{k}){o_sym}"
+    return MemoryEstimate(
+        stage=stage, params_bytes=params, grads_bytes=grads, optim_bytes=optim, formula=formula
+    )
+
+
+def parse_param_count(text: str) -> int:
+    """``"7B"`` -> 7_000_000_000; also ``1.1e9``, ``350M``, ``125k``, ``1_000``.
+
+    Suffixes are decimal (K=1e3, M=1e6, B or G=1e9, T=1e12) because model sizes are quoted that way.
+    """
+    match = re.fullmatch(r"\s*([0-9][0-9_]*(?:\.[0-9]*)?(?:[eE][+-]?[0-9]+)?)\s*([kKmMbBgGtT]?)\s*", text)
+    if match is None:
+        raise ValueError(f"--params: got {text!r}, expected a number such as 1.1e9, 7B or 350M")
+    value = float(match.group(1).replace("_", "")) * _PARAM_SUFFIXES[match.group(2).upper()]
+    count = round(value)
+    if count <= 0:
+        raise ValueError(f"--params: got {text!r}, expected a positive number of parameters")
+    return count
+
+
+def _count_module(module: Any) -> int:
+    """Trainable parameters of a module, each shared (tied) Parameter counted once.
+
+    ``parameters()`` already yields a Parameter shared by two modules only once; identity is
+    the only test that works on the meta device, where every tensor has data_ptr 0.
+    """
+    seen: set[int] = set()
+    total = 0
+    for p in module.parameters():
+        if p.requires_grad and id(p) not in seen:
+            seen.add(id(p))
+            total += p.numel()
+    return total
+
+
+def _load_config(path: str | os.PathLike) -> Any:
+    """A transformers config from a model directory or a config.json file (no remote code)."""
+    from transformers import AutoConfig
+
+    path = os.fspath(path)
+    if os.path.isfile(path):
+        import json
+
+        with open(path, encoding="utf-8") as f:
+            config_dict = json.load(f)
+        model_type = config_dict.pop("model_type", None)
+        if model_type is None:
+            raise ValueError(f"{path}: config.json has no 'model_type', so the model class cannot be chosen")
+        return AutoConfig.for_model(model_type, **config_dict)
+    if os.path.isdir(path) or (re.fullmatch(r"[\w.-]+(/[\w.-]+)?", path) and not path.startswith(".")):
+        return AutoConfig.from_pretrained(path)  # a directory, or a Hub id (fetches config.json only)
+    raise FileNotFoundError(f"{path}: no such model directory or config.json")
+
+
+def _build_on_meta(config: Any) -> Any:
+    """The model a config describes, with no storage: causal LM if there is one, else the base model."""
+    import torch
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        try:
+            return AutoModelForCausalLM.from_config(config)
+        except ValueError:
+            return AutoModel.from_config(config)
+
+
+def count_model_parameters(model_or_config: Any) -> int:
+    """Ψ: the trainable parameters of a module, a transformers config, or a path to one.
+
+    A config (or a directory / config.json path) is turned into a model on the meta device,
+    so counting a 70B model allocates nothing. Tied weights count once, because the engine
+    stores a shared Parameter once.
+    """
+    import torch
+
+    if isinstance(model_or_config, torch.nn.Module):
+        return _count_module(model_or_config)
+    if isinstance(model_or_config, (str, os.PathLike)):
+        model_or_config = _load_config(model_or_config)
+    from transformers import PretrainedConfig
+
+    if not isinstance(model_or_config, PretrainedConfig):
+        raise TypeError(
+            f"count_model_parameters: got {type(model_or_config).__name__}, expected an nn.Module, "
+            "a transformers PretrainedConfig, or a path to a model directory or config.json"
+        )
+    return _count_module(_build_on_meta(model_or_config))
+
+
+def format_table(
+    num_params: int, num_gpus: int, num_nodes: int, dtype: str = "bf16", optimizer: str = "adam"
+) -> str:
+    """The text ``hf-zero estimate`` prints: a header with the formula, one row per stage."""
+    world = num_gpus * num_nodes
+    k = optimizer_state_bytes_per_element(optimizer)
+    rows = [estimate_memory(num_params, world, s, dtype, optimizer) for s in range(4)]
+    half = dtype.strip().lower() != "fp32"
+    master = "plus a 4-byte fp32 master copy" if half else "the fp32 master is the parameters"
+    lines = [
+        f"Ψ = {num_params:,} trainable params, N = G*M = {num_gpus}*{num_nodes} = {world} data-parallel ranks, "
+        f"dtype {dtype}, optimizer {optimizer}: k = {k} bytes of state per param, {master}.",
+        "Per-rank bytes at the optimizer step; Ψ/N means ceil(Ψ/N) elements per shard "
+        f"(ceil(Ψ/N) = {math.ceil(num_params / world):,}); padding adds at most N-1 elements per buffer.",
+        "",
+        f"{'stage':>5}  {'params GiB':>11}  {'grads GiB':>11}  {'optim GiB':>11}  {'total GiB':>11}  formula",
+    ]
+    for r in rows:
+        lines.append(
+            f"{r.stage:>5}  {r.params_bytes / GIB:>11.2f}  {r.grads_bytes / GIB:>11.2f}  "
+            f"{r.optim_bytes / GIB:>11.2f}  {r.total_bytes / GIB:>11.2f}  {r.formula}"
+        )
+    lines.append("Activations, temporary buffers and the CUDA context are not included.")
+    return "\n".join(lines)
