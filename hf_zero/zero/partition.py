@@ -82,7 +82,9 @@ class ShardedOptimizer:
             unit_mods = find_units(module)
             for ui, (_, m) in enumerate(unit_mods):
                 for p in m.parameters():
-                    unit_of.setdefault(id(p), ui)
+                    # A weight shared by two units (a tied embedding and LM head) must be whole whenever
+                    # either runs: it joins the root unit, which stays gathered for the whole step.
+                    unit_of[id(p)] = ui if unit_of.get(id(p), ui) == ui else -1
         unit_groups: dict[int, list[ShardedParamGroup]] = {ui: [] for ui in range(-1, len(unit_mods))}
 
         def shard(named: list, trainable: bool) -> list[torch.Tensor]:
@@ -118,8 +120,9 @@ class ShardedOptimizer:
             masters = []
             if stage == 3:
                 # Small parameters (norms, biases) stay whole on every rank, as stage 2 keeps them.
-                masters += shard([x for x in named if x[1].numel() >= persistence_threshold], trainable=True)
+                big = [x for x in named if x[1].numel() >= persistence_threshold]
                 named = [x for x in named if x[1].numel() < persistence_threshold]
+                masters += shard(big, trainable=True)
             # Reverse registration order approximates the order backward produces gradients.
             for bucket in _buckets(list(reversed(named)), bucket_numel):
                 fg = FlatGroup(
