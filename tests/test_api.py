@@ -1,0 +1,143 @@
+"""DeepSpeed's API surface in one process: ``initialize``'s arguments, the engine's methods, and the
+one-sentence errors for calls that cannot mean anything."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+import torch
+
+import hf_zero
+from hf_zero import ConfigError, UsageError
+from tests.models import make_data, make_model, param_groups
+
+CFG = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}}
+
+
+def test_engine_keeps_names_and_counts_steps() -> None:
+    model = make_model()
+    keys = list(model.state_dict())
+    cfg = dict(CFG, gradient_accumulation_steps=2, zero_optimization={"stage": 1})
+    engine, opt, loader, sched = hf_zero.initialize(model=model, config=cfg)
+    assert engine.module is model and list(engine.module.state_dict()) == keys
+    assert loader is None and sched is None and opt is engine.optimizer
+    assert engine.train_batch_size() == 4 and engine.gradient_accumulation_steps() == 2
+    ids, labels = make_data(4, 2)
+    boundaries = []
+    for t in range(4):
+        boundaries.append(engine.is_gradient_accumulation_boundary())
+        engine.backward(engine(ids[t], labels[t]))
+        engine.step()
+    assert boundaries == [False, True, False, True]
+    assert engine.micro_steps == 4 and engine.global_steps == 2
+    assert engine.get_lr() == [1e-2] and engine.get_global_grad_norm() > 0
+    engine.eval()
+    assert not model.training
+    engine.train()
+    assert model.training
+
+
+def test_client_optimizer_and_scheduler_instances_keep_working() -> None:
+    model = make_model()
+    opt = torch.optim.AdamW(param_groups(model), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    engine, zopt, _, zsched = hf_zero.initialize(model=model, optimizer=opt, lr_scheduler=sched, config={"train_batch_size": 2})
+    assert zsched is sched and zopt.optimizer is opt and len(zopt.param_groups) == 2
+    ids, labels = make_data(2, 2)
+    for t in range(2):
+        engine.backward(engine(ids[t], labels[t]))
+        engine.step()
+    assert engine.get_lr() == [0.025, 0.025]
+    with pytest.raises(RuntimeError, match="engine.step"):
+        zopt.step()
+
+
+def test_callables_args_namespace_and_training_data(tmp_path) -> None:
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_batch_size": 4, "steps_per_print": 1}))
+    model = make_model()
+    ds = torch.utils.data.TensorDataset(*[t.reshape(-1, t.shape[-1]) for t in make_data(1, 10)])
+    engine, _, loader, sched = hf_zero.initialize(
+        args=argparse.Namespace(deepspeed_config=str(path), local_rank=0),
+        model=model,
+        optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
+        lr_scheduler=lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1.0 / (s + 1)),
+        training_data=ds,
+    )
+    batches = list(loader)
+    assert len(batches) == 3 and batches[0][0].shape[0] == 4
+    engine.backward(engine(*batches[0]))
+    engine.step()
+    assert engine.get_lr() == [0.05]
+    assert isinstance(sched, torch.optim.lr_scheduler.LambdaLR)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(model=[1, 2], config=CFG), r"initialize\(model=\.\.\.\) expects a torch.nn.Module, got list"),
+        (dict(model=torch.nn.ReLU(), config=CFG), "no parameters"),
+        (dict(model="m", config=CFG), "got str"),
+        (dict(optimizer="adam", config={"train_batch_size": 2}), r"initialize\(optimizer=\.\.\.\)"),
+        (dict(optimizer=lambda p: torch.optim.SGD(p, lr=1), config=CFG), "keep only one"),
+        (dict(optimizer=lambda p: 3, config={"train_batch_size": 2}), "must return a torch.optim.Optimizer"),
+        (dict(lr_scheduler=3, config=CFG), r"initialize\(lr_scheduler=\.\.\.\)"),
+        (dict(model_parameters=torch.zeros(3), config=CFG), "single tensor"),
+        (dict(model_parameters=[1, 2], config=CFG), "holds a int"),
+        (dict(training_data=5, config=CFG), r"initialize\(training_data=\.\.\.\)"),
+        (dict(mpu=object(), config=CFG), "not supported"),
+    ],
+)
+def test_initialize_rejects_bad_arguments(kwargs: dict, match: str) -> None:
+    kwargs.setdefault("model", make_model())
+    with pytest.raises((UsageError, ConfigError), match=match):
+        hf_zero.initialize(**kwargs)
+
+
+def test_config_errors_surface_from_initialize(tmp_path) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_text("{ not json")
+    with pytest.raises(ConfigError, match="bad.json"):
+        hf_zero.initialize(model=make_model(), config=str(bad))
+    with pytest.raises(ConfigError, match="stage"):
+        hf_zero.initialize(model=make_model(), config=dict(CFG, zero_optimization={"stage": 4}))
+
+
+def test_engine_usage_errors() -> None:
+    engine, _, _, _ = hf_zero.initialize(model=make_model(), config=CFG)
+    ids, labels = make_data(1, 2)
+    with pytest.raises(UsageError, match=r"needs a scalar loss but got a tensor of shape \(2, 3\)"):
+        engine.backward(torch.ones(2, 3, requires_grad=True))
+    with pytest.raises(UsageError, match="does not require grad"):
+        with torch.no_grad():
+            engine.backward(engine(ids[0], labels[0]))
+    # a boundary step whose backward ran only under no_sync has nothing reduced
+    with engine.no_sync():
+        engine.backward(engine(ids[0], labels[0]))
+    with pytest.raises(UsageError, match="never reduced"):
+        engine.step()
+    e3, _, _, _ = hf_zero.initialize(model=make_model(), config=dict(CFG, zero_optimization={"stage": 3}))
+    with pytest.raises(UsageError, match="stage 3"):
+        with e3.no_sync():
+            pass
+    e0, _, _, _ = hf_zero.initialize(model=make_model(), config={"train_batch_size": 2})
+    with pytest.raises(UsageError, match="needs an optimizer"):
+        e0.backward(e0(ids[0], labels[0]))
+
+
+def test_no_sync_then_synced_backward_equals_plain_accumulation() -> None:
+    ids, labels = make_data(2, 2)
+    results = []
+    for use_no_sync in (False, True):
+        engine, _, _, _ = hf_zero.initialize(model=make_model(), config=dict(CFG, gradient_accumulation_steps=2, zero_optimization={"stage": 2}))
+        for t in range(2):
+            if use_no_sync and t == 0:
+                with engine.no_sync():
+                    engine.backward(engine(ids[t], labels[t]))
+            else:
+                engine.backward(engine(ids[t], labels[t]))
+            engine.step()
+        results.append(torch.cat([p.detach().reshape(-1) for p in engine.module.parameters()]))
+    assert torch.equal(results[0], results[1])

@@ -1,0 +1,138 @@
+"""Mixed precision: DeepSpeed's dynamic loss-scale rules, fp16 overflow skips, bf16 training.
+
+Also checks that non-boundary accumulation micro-steps issue no collective at all.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_zero.config import FP16Config
+from hf_zero.precision import LossScaleFloorError, LossScaler
+from tests.distributed import spawn
+from tests.models import make_data, make_model
+
+
+def test_loss_scaler_follows_deepspeed_rules() -> None:
+    s = LossScaler(FP16Config(enabled=True, initial_scale_power=4, loss_scale_window=3, hysteresis=2, min_loss_scale=2))
+    assert s.scale == 16
+    s.update(True)  # first overflow absorbed by hysteresis
+    assert s.scale == 16
+    s.update(True)  # second halves
+    assert s.scale == 8
+    s.update(False)
+    s.update(False)
+    assert s.scale == 8
+    s.update(False)  # 3 clean steps since the last overflow: doubles
+    assert s.scale == 16
+    for _ in range(3):
+        s.update(True)
+    assert s.scale == 4
+    s.update(True)
+    assert s.scale == 2
+    with pytest.raises(LossScaleFloorError, match="min_loss_scale"):
+        s.update(True)
+
+
+def test_static_loss_scale_never_moves() -> None:
+    s = LossScaler(FP16Config(enabled=True, loss_scale=128.0))
+    for o in (True, False, True):
+        s.update(o)
+    assert s.scale == 128.0 and not s.dynamic
+
+
+def _fp16_and_bf16(rank: int, world: int) -> dict:
+    import torch.distributed as dist
+
+    import hf_zero
+    from hf_zero.zero import collectives
+
+    out: dict = {}
+    # fp16 with an absurd initial scale: the first steps overflow and are skipped, weights untouched
+    model = make_model()
+    cfg = {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+        "zero_optimization": {"stage": 2},
+        "fp16": {"enabled": True, "initial_scale_power": 40, "hysteresis": 1, "loss_scale_window": 100},
+    }
+    engine, _, _, _ = hf_zero.initialize(model=model, config=cfg)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    ids, labels = make_data(30, 2 * world)
+    scales, applied = [], []
+    for t in range(30):
+        loss = engine(ids[t, rank * 2 : rank * 2 + 2], labels[t, rank * 2 : rank * 2 + 2])
+        engine.backward(loss)
+        engine.step()
+        scales.append(engine.cur_scale)
+        applied.append(engine.was_step_applied())
+        if t == 0:
+            out["unchanged_after_skip"] = all(torch.equal(before[n], p.detach()) for n, p in model.named_parameters())
+    out.update(scales=scales, applied=applied, skipped=engine.skipped_steps, dtype=str(model.fc1.weight.dtype))
+
+    # bf16 stage 1 follows fp32 stage 1 closely
+    losses = {}
+    for bf16 in (False, True):
+        model = make_model()
+        cfg = {
+            "train_micro_batch_size_per_gpu": 2,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+            "zero_optimization": {"stage": 1},
+            "bf16": {"enabled": bf16},
+        }
+        engine, _, _, _ = hf_zero.initialize(model=model, config=cfg)
+        ids, labels = make_data(10, 2 * world)
+        seq = []
+        for t in range(10):
+            loss = engine(ids[t, rank * 2 : rank * 2 + 2], labels[t, rank * 2 : rank * 2 + 2])
+            engine.backward(loss)
+            engine.step()
+            seq.append(loss.float().item())
+        losses[str(bf16)] = seq
+        if bf16:
+            out["master_dtype"] = str(engine.zero_optimizer.flat_groups[0].master.dtype)
+            out["param_dtype"] = str(model.fc1.weight.dtype)
+    out["losses"] = losses
+
+    # no collective on a non-boundary micro-step (gradient_accumulation_steps=3)
+    calls = []
+    for name in ("all_reduce_", "reduce_scatter_", "all_gather_"):
+        orig = getattr(collectives, name)
+
+        def counting(*a, _orig=orig, _name=name, **k):
+            calls.append(_name)
+            return _orig(*a, **k)
+
+        setattr(collectives, name, counting)
+    model = make_model()
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 3, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+           "zero_optimization": {"stage": 2, "reduce_bucket_size": 50}}
+    engine, _, _, _ = hf_zero.initialize(model=model, config=cfg)
+    ids, labels = make_data(3, 2)
+    per_micro = []
+    for t in range(3):
+        n0 = len(calls)
+        loss = engine(ids[t], labels[t])
+        engine.backward(loss)
+        engine.step()
+        per_micro.append(len(calls) - n0)
+    out["collectives_per_micro"] = per_micro
+    dist.barrier()
+    return out
+
+
+def test_fp16_overflow_skips_and_bf16_trains() -> None:
+    for r in spawn(_fp16_and_bf16, 2):
+        assert r["dtype"] == "torch.float16"
+        assert r["unchanged_after_skip"]
+        assert r["applied"][0] is False and r["skipped"] >= 10
+        assert r["scales"][0] == 2.0**39  # hysteresis 1: halves on the first overflow
+        assert r["applied"][-1] is True and r["scales"][-1] < 2.0**20
+        assert r["master_dtype"] == "torch.float32" and r["param_dtype"] == "torch.bfloat16"
+        fp32, bf16 = r["losses"]["False"], r["losses"]["True"]
+        assert bf16[-1] < bf16[0]
+        assert max(abs(a - b) / a for a, b in zip(fp32, bf16)) < 3e-2
+        # two non-boundary micro-steps: no communication; the boundary reduces and gathers
+        assert r["collectives_per_micro"][0] == 0 and r["collectives_per_micro"][1] == 0
+        assert r["collectives_per_micro"][2] > 0
