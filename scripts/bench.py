@@ -131,7 +131,12 @@ def run_engine(name: str, args: argparse.Namespace) -> dict:
         "last_loss": losses[-1],
         "world": world,
     }
-    del model, step
+    return out
+
+
+def run_isolated(name: str, args: argparse.Namespace) -> dict:
+    """One engine's run; everything it allocated is released before the next one starts."""
+    out = run_engine(name, args)
     gc.collect()
     torch.cuda.empty_cache()
     return out
@@ -150,7 +155,7 @@ def main() -> None:
     args.bucket = int(args.bucket)
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl")
-    rows = [run_engine(e, args) for e in args.engines.split(",")]
+    rows = [run_isolated(e, args) for e in args.engines.split(",")]
     if dist.get_rank() == 0:
         print(f"\nmodel {args.model} ({rows[0]['params'] / 1e9:.2f}B params), {rows[0]['world']} GPUs, micro-batch {args.micro}, seq {args.seq}, "
               f"torch {torch.__version__}, {torch.cuda.get_device_name()}")

@@ -21,7 +21,7 @@ LR = 1e-2
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-12))
+    return float((a.cpu().double() - b.cpu().double()).norm() / b.cpu().double().norm().clamp_min(1e-12))
 
 
 def _oracle(steps: int, global_batch: int, clip: float, sched: bool) -> tuple[list[float], dict]:
@@ -77,13 +77,13 @@ def _run_grid(rank: int, world: int, cases: list) -> list:
         ids, labels = make_data(STEPS, gb)
         losses = []
         for t in range(STEPS):
-            total = torch.zeros(())
+            total = torch.zeros((), device=engine.device)
             for g in range(gas):
                 lo = (rank * gas + g) * MICRO
                 loss = engine(ids[t, lo : lo + MICRO], labels[t, lo : lo + MICRO])
                 engine.backward(loss)
                 engine.step()
-                total += loss.detach() / gas
+                total += loss.detach().float() / gas
             dist.all_reduce(total)
             losses.append(total.item() / world)
         assert engine.global_steps == STEPS and engine.micro_steps == STEPS * gas

@@ -76,14 +76,14 @@ def _grid(rank: int, world: int, cases: list) -> list:
         ids = _data(MICRO * gas * world)
         losses = []
         for t in range(STEPS):
-            total = torch.zeros(())
+            total = torch.zeros((), device=engine.device)
             for g in range(gas):
                 lo = (rank * gas + g) * MICRO
                 batch = ids[t, lo : lo + MICRO]
                 loss = engine(input_ids=batch, labels=batch).loss
                 engine.backward(loss)
                 engine.step()
-                total += loss.detach() / gas
+                total += loss.detach().float() / gas
             dist.all_reduce(total)
             losses.append(total.item() / world)
         zo = engine.zero_optimizer
@@ -95,7 +95,7 @@ def _grid(rank: int, world: int, cases: list) -> list:
         for g in zo.shard_groups:
             g.wait()
         for n, p in engine.module.named_parameters():
-            w_err = max(w_err, float((p.detach() - ref_w[n]).norm() / ref_w[n].norm()))
+            w_err = max(w_err, float((p.detach().cpu() - ref_w[n]).norm() / ref_w[n].norm()))
         for g in zo.shard_groups:
             g.reshard()
         sharded = sum(g.numel for g in zo.shard_groups)

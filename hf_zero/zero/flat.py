@@ -206,7 +206,7 @@ class FlatGroup:
     def grad_sq_sum(self) -> torch.Tensor:
         """Sum of squares of this rank's reduced gradient (fp32 scalar, no host sync)."""
         g = self.master.grad
-        return g.float().pow(2).sum() if g is not None else torch.zeros((), device=self.device)
+        return torch.linalg.vector_norm(g, dtype=torch.float32).square() if g is not None else torch.zeros((), device=self.device)
 
     def nonfinite(self) -> torch.Tensor:
         g = self.master.grad

@@ -155,6 +155,10 @@ class ShardedParamGroup:
             out = torch.empty(self.shard_numel, dtype=self.reduce_dtype, device=self.device)
             C.reduce_scatter_(out, src, self.group, self.world_size)
             out = out.float().div_(self.world_size)
+            if stream is not None:
+                # grad_flat was allocated on the compute stream: keep its memory from being reused there
+                # before the side stream has finished reading it.
+                self.grad_flat.record_stream(stream)
             if self.master.grad is None:
                 self.master.grad = out
             else:
@@ -175,7 +179,7 @@ class ShardedParamGroup:
 
     def grad_sq_sum(self) -> torch.Tensor:
         g = None if self.master is None else self.master.grad
-        return g.pow(2).sum() if g is not None else torch.zeros((), device=self.device)
+        return torch.linalg.vector_norm(g).square() if g is not None else torch.zeros((), device=self.device)
 
     def nonfinite(self) -> torch.Tensor:
         g = None if self.master is None else self.master.grad
@@ -245,6 +249,7 @@ class Stage3Runtime:
         units: list[Unit],
         *,
         stream: torch.cuda.Stream | None,
+        reduce_stream: torch.cuda.Stream | None = None,
         prefetch_numel: int,
         max_live_numel: int,
     ) -> None:
@@ -252,6 +257,7 @@ class Stage3Runtime:
         self.units = [u for u in units if not u.is_root]
         self.root_unit = next((u for u in units if u.is_root), None)
         self.stream = stream
+        self.reduce_stream = reduce_stream
         self.prefetch_numel = prefetch_numel
         self.max_live_numel = max_live_numel
         self.order: list[Unit] = []  # forward execution order, recorded on the first training forward
@@ -354,7 +360,7 @@ class Stage3Runtime:
     def _reduce(self, unit: Unit) -> None:
         for g in unit.groups:
             if g.trainable:
-                g.reduce_grads(self.stream)
+                g.reduce_grads(self.reduce_stream)
         unit.ready = 0
         unit.reshard(trainable_only=True)
         self.in_backward.discard(unit.index)
@@ -370,3 +376,4 @@ class Stage3Runtime:
                 self._reduce(self.root_unit)
             self.root_unit.reshard()
         C.wait_for(self.stream)
+        C.wait_for(self.reduce_stream)

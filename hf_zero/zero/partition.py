@@ -152,7 +152,7 @@ class ShardedOptimizer:
             units = [Unit(ui, n, m, unit_groups[ui], is_root=False) for ui, (n, m) in enumerate(unit_mods)]
             units.append(Unit(len(units), "<root>", module, unit_groups[-1], is_root=True))
             self.runtime = Stage3Runtime(
-                module, units, stream=self.gather_stream, prefetch_numel=prefetch_numel, max_live_numel=max_live_numel
+                module, units, stream=self.gather_stream, reduce_stream=self.comm_stream, prefetch_numel=prefetch_numel, max_live_numel=max_live_numel
             )
         for pg, masters in zip(optimizer.param_groups, group_masters):
             pg["params"] = masters
