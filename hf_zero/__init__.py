@@ -3,6 +3,7 @@
 ``import hf_zero as deepspeed`` is meant to just work: the names below are DeepSpeed's.
 """
 
+from hf_zero import zero
 from hf_zero.api import initialize
 from hf_zero.config import ConfigError, ZeroConfig
 from hf_zero.dist import init_distributed
@@ -10,4 +11,4 @@ from hf_zero.engine import UsageError, ZeroEngine
 
 __version__ = "0.1.0"
 
-__all__ = ["ConfigError", "UsageError", "ZeroConfig", "ZeroEngine", "init_distributed", "initialize", "__version__"]
+__all__ = ["zero", "ConfigError", "UsageError", "ZeroConfig", "ZeroEngine", "init_distributed", "initialize", "__version__"]

@@ -116,6 +116,16 @@ class FlatGroup:
     def _point_params_at(self, flat: torch.Tensor) -> None:
         for s in self.slots:
             s.param.data = flat[s.offset : s.offset + s.numel].view(s.shape)
+            s.param.hf_zero_flat = self  # lets GatheredParameters refresh the master after an edit
+
+    def write_back_param(self, slot: ParamSlot) -> None:
+        """A parameter was edited in place (identically on every rank): refresh its fp32 master slice."""
+        if not self.mixed:
+            return  # the master is a view of the parameters
+        a, b = max(slot.offset, self.shard_lo), min(slot.offset + slot.numel, self.shard_hi)
+        if a < b:
+            with torch.no_grad():
+                self.master[a - self.shard_lo : b - self.shard_lo].copy_(self.param_flat[a:b])
 
     def ensure_grad_buffer(self) -> None:
         """Allocate the flat gradient buffer if needed and make every ``param.grad`` a view of it."""

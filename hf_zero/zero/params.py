@@ -81,6 +81,7 @@ class ShardedParamGroup:
         self._empty = torch.empty(0, dtype=compute_dtype, device=device)
         for s in self.slots:
             s.param.data = self._empty
+            s.param.hf_zero_group = self  # lets GatheredParameters find a parameter's shards
         self.ready = 0
 
     # ------------------------------------------------------------ gather
@@ -111,6 +112,15 @@ class ShardedParamGroup:
         for s in self.slots:
             s.param.data = self.full[s.offset : s.offset + s.numel].view(s.shape)
         self.state = ShardState.GATHERED
+
+    def write_back_from_full(self) -> None:
+        """The gathered buffer was edited (and is identical on every rank): refresh shard and master."""
+        assert self.full is not None
+        lo = self.rank * self.shard_numel
+        with torch.no_grad():
+            self.param_shard.copy_(self.full[lo : lo + self.shard_numel])
+            if self.master is not None and self.master.data_ptr() != self.param_shard.data_ptr():
+                self.master.copy_(self.full[lo : lo + self.shard_numel])
 
     def reshard(self) -> None:
         """Drop the full parameters; only this rank's shard remains."""
@@ -263,6 +273,7 @@ class Stage3Runtime:
         self.order: list[Unit] = []  # forward execution order, recorded on the first training forward
         self._recording: list[Unit] = []
         self.in_backward: set[int] = set()
+        self.inference_gathered = False
         self._slot_of: dict[int, tuple[Unit, ShardedParamGroup, ParamSlot]] = {}
         self.handles = []
         for u in self.units:
@@ -279,8 +290,19 @@ class Stage3Runtime:
 
     # -------------------------------------------------------------- forward
 
+    def release_inference(self) -> None:
+        """Reshard everything that no-grad forwards (evaluation, generate) left gathered."""
+        if self.inference_gathered:
+            for u in self.units:
+                u.reshard()
+            if self.root_unit is not None:
+                self.root_unit.reshard()
+            self.inference_gathered = False
+
     def _root_pre(self, module: torch.nn.Module, args: tuple) -> None:
         self._recording = []
+        if torch.is_grad_enabled():
+            self.release_inference()
         if self.root_unit is not None:
             self.root_unit.gather(None)
             self.root_unit.wait()
@@ -290,7 +312,10 @@ class Stage3Runtime:
             self.order = list(self._recording)
         if self.root_unit is None:
             return
-        tensors = _tensors_requiring_grad(output) if torch.is_grad_enabled() else []
+        if not torch.is_grad_enabled():
+            self.inference_gathered = True
+            return
+        tensors = _tensors_requiring_grad(output)
         if not tensors:
             self.root_unit.reshard()
             return
@@ -333,7 +358,13 @@ class Stage3Runtime:
 
     def _make_post(self, unit: Unit):
         def post(module: torch.nn.Module, args: tuple, output: object) -> None:
-            tensors = _tensors_requiring_grad(output) if torch.is_grad_enabled() else []
+            if not torch.is_grad_enabled():
+                # Inference (evaluation, generate): keep the unit gathered, so that decoding a thousand
+                # tokens is one gather per unit rather than a thousand, and so that ranks generating
+                # different lengths need no collective in lock-step. Released by the next training forward.
+                self.inference_gathered = True
+                return
+            tensors = _tensors_requiring_grad(output)
             if tensors:
                 torch.autograd.graph.register_multi_grad_hook(tensors, lambda _g: self._pre_backward(unit), mode="any")
             unit.reshard()

@@ -1,0 +1,93 @@
+"""Stage-3 helpers: GatheredParameters edits reach every shard and master; generate under stage 3
+with ranks decoding different lengths returns the unsharded model's tokens, with one gather per
+parameter group rather than one per decoded token."""
+
+from __future__ import annotations
+
+from tests.distributed import spawn
+from tests.test_stage3 import _model
+
+
+def _gathered(rank: int, world: int) -> dict:
+    import torch
+
+    import hf_zero
+    from hf_zero.zero import GatheredParameters
+
+    model = _model("llama")
+    cfg = {
+        "train_micro_batch_size_per_gpu": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": 0.0, "weight_decay": 0.0}},
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 100},
+        "bf16": {"enabled": True},
+    }
+    engine, _, _, _ = hf_zero.initialize(model=model, config=cfg)
+    w = model.model.layers[0].mlp.down_proj.weight
+    norm = model.model.layers[0].input_layernorm.weight  # below the threshold: stays whole
+    out = {"sharded_numel_before": w.numel()}
+    with GatheredParameters([w, norm], modifier_rank=0):
+        out["full_shape"] = list(w.shape)
+        with torch.no_grad():
+            w.fill_(1.5 if rank == 0 else 7.0)
+            norm.fill_(2.0 if rank == 0 else -3.0)
+    out["sharded_numel_after"] = w.numel()
+    with GatheredParameters(w):
+        out["w_values"] = sorted(set(w.float().flatten().tolist()))
+    out["norm_values"] = sorted(set(norm.float().flatten().tolist()))
+    # an optimizer step with lr=0 republishes the fp32 masters: the edit must be in them
+    ids = torch.randint(0, 61, (1, 8))
+    engine.backward(engine(input_ids=ids, labels=ids).loss)
+    engine.step()
+    with GatheredParameters(w):
+        out["w_after_step"] = sorted(set(w.float().flatten().tolist()))
+    out["norm_after_step"] = sorted(set(norm.float().flatten().tolist()))
+    return out
+
+
+def test_gathered_parameters_modifier_rank_reaches_every_shard() -> None:
+    for r in spawn(_gathered, 2):
+        assert r["sharded_numel_before"] == 0 and r["sharded_numel_after"] == 0
+        assert r["full_shape"] == [30, 47]
+        assert r["w_values"] == [1.5] and r["w_after_step"] == [1.5]
+        assert r["norm_values"] == [2.0] and r["norm_after_step"] == [2.0]
+
+
+def _generate(rank: int, world: int) -> dict:
+    import torch
+
+    import hf_zero
+    from hf_zero.zero import collectives
+
+    ref = _model("llama").eval()
+    model = _model("llama")
+    cfg = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+           "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 100}}
+    engine, _, _, _ = hf_zero.initialize(model=model, config=cfg)
+    engine.eval()
+    g = torch.Generator().manual_seed(rank)
+    prompt = torch.randint(0, 61, (1, 3 + 3 * rank), generator=g)
+    new = 4 + 5 * rank  # ranks decode different lengths
+    gathers = []
+    orig = collectives.all_gather_
+    collectives.all_gather_ = lambda *a, **k: (gathers.append(1), orig(*a, **k))[1]
+    with torch.no_grad():
+        got = engine.module.generate(prompt, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
+        want = ref.generate(prompt, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
+    collectives.all_gather_ = orig
+    n_groups = len(engine.zero_optimizer.shard_groups)
+    # training resumes: the inference gathering is released by the next training forward
+    engine.train()
+    ids = torch.randint(0, 61, (1, 8))
+    engine.backward(engine(input_ids=ids, labels=ids).loss)
+    engine.step()
+    sharded = all(grp.full is None for grp in engine.zero_optimizer.shard_groups)
+    return {"got": got.tolist(), "want": want.tolist(), "gathers": len(gathers), "groups": n_groups, "sharded_after": sharded}
+
+
+def test_generate_under_stage3_matches_unsharded() -> None:
+    results = spawn(_generate, 2)
+    assert len(results[0]["got"][0]) != len(results[1]["got"][0])
+    for r in results:
+        assert r["got"] == r["want"]
+        assert r["gathers"] == r["groups"], r
+        assert r["sharded_after"]
