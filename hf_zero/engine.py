@@ -27,6 +27,15 @@ from hf_zero.zero.partition import ShardedOptimizer
 logger = logging.getLogger("hf_zero")
 
 
+def _ensure_log_handler() -> None:
+    """Print the periodic ``steps_per_print`` line the way DeepSpeed does, unless logging is configured."""
+    if not logger.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("[hf_zero] %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+
+
 class UsageError(ValueError):
     """The engine's API was called in a way that cannot mean anything."""
 
@@ -66,6 +75,7 @@ class ZeroEngine(torch.nn.Module):
         group: dist.ProcessGroup | None = None,
     ) -> None:
         super().__init__()
+        _ensure_log_handler()
         self.module = model
         self.config = config
         self.group = group

@@ -1,8 +1,11 @@
 """Throughput of hf_zero's stages beside DDP and FSDP2 on a Llama shape built from a config.
 
-Run on the GPU machine, one process per GPU:
+Run on the GPU machine:
 
-    torchrun --nproc_per_node 4 scripts/bench.py --model 1.1b --engines hf0,hf1,hf2,ddp,fsdp2
+    python scripts/bench.py --nproc 4 --model 1.1b --engines hf1,hf2,hf3,ddp,fsdp2,ds2,ds3
+
+Each engine runs in its own torchrun (one process per GPU), so no engine's memory or caches
+leak into the next one's peak. ``ds2``/``ds3`` need DeepSpeed importable.
 
 Every engine trains the same randomly initialised Llama (bf16 compute, AdamW, no activation
 checkpointing) on random tokens; tokens/s is per GPU, the median of the timed steps after the
@@ -13,9 +16,12 @@ BASELINES.md); peak memory is torch.cuda.max_memory_allocated on the largest ran
 from __future__ import annotations
 
 import argparse
-import gc
+import json
 import os
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 
 import torch
@@ -86,6 +92,31 @@ def run_engine(name: str, args: argparse.Namespace) -> dict:
             opt.zero_grad(set_to_none=True)
             return loss
 
+    elif name in ("ds2", "ds3"):
+        import deepspeed
+
+        ds_cfg = {
+            "train_micro_batch_size_per_gpu": args.micro,
+            "gradient_accumulation_steps": 1,
+            "bf16": {"enabled": True},
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-5, "weight_decay": 0.0}},
+            "zero_optimization": {
+                "stage": int(name[2]),
+                "overlap_comm": True,
+                "contiguous_gradients": True,
+                "reduce_bucket_size": 5e8,
+                "allgather_bucket_size": 5e8,
+            },
+            "steps_per_print": 10**9,
+        }
+        ds_engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_cfg)
+
+        def step(ids: torch.Tensor) -> torch.Tensor:
+            loss = ds_engine(input_ids=ids, labels=ids).loss
+            ds_engine.backward(loss)
+            ds_engine.step()
+            return loss
+
     elif name == "fsdp2":
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -116,7 +147,7 @@ def run_engine(name: str, args: argparse.Namespace) -> dict:
         torch.cuda.synchronize()
         if i >= args.warmup:
             times.append(time.perf_counter() - t0)
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     med = statistics.median(times)
     tok = args.micro * args.seq / med
     peak = torch.tensor(torch.cuda.max_memory_allocated() / 2**30, device="cuda")
@@ -134,37 +165,58 @@ def run_engine(name: str, args: argparse.Namespace) -> dict:
     return out
 
 
-def run_isolated(name: str, args: argparse.Namespace) -> dict:
-    """One engine's run; everything it allocated is released before the next one starts."""
-    out = run_engine(name, args)
-    gc.collect()
-    torch.cuda.empty_cache()
-    return out
+def child(args: argparse.Namespace) -> None:
+    """Inside torchrun: run one engine and write rank 0's row as JSON."""
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group("nccl")
+    row = run_engine(args.engines, args)
+    if dist.get_rank() == 0:
+        with open(args.json, "w") as f:
+            json.dump(row, f)
+    dist.destroy_process_group()
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="1.1b", choices=sorted(SHAPES))
-    ap.add_argument("--engines", default="hf0,hf1,hf2,ddp,fsdp2")
+    ap.add_argument("--engines", default="hf1,hf2,hf3,ddp,fsdp2")
+    ap.add_argument("--nproc", type=int, default=0, help="GPUs to use (default: all visible)")
     ap.add_argument("--micro", type=int, default=4)
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--bucket", type=float, default=5e8)
-    args = ap.parse_args()
+    ap.add_argument("--json", default="", help=argparse.SUPPRESS)
+    args, _ = ap.parse_known_args()
     args.bucket = int(args.bucket)
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group("nccl")
-    rows = [run_isolated(e, args) for e in args.engines.split(",")]
-    if dist.get_rank() == 0:
-        print(f"\nmodel {args.model} ({rows[0]['params'] / 1e9:.2f}B params), {rows[0]['world']} GPUs, micro-batch {args.micro}, seq {args.seq}, "
-              f"torch {torch.__version__}, {torch.cuda.get_device_name()}")
-        print("| engine | tokens/s/GPU | MFU | peak GiB | loss first→last |")
-        print("|---|---|---|---|---|")
-        for r in rows:
-            print(f"| {r['engine']} | {r['tokens_per_s_per_gpu']:,.0f} | {100 * r['mfu']:.1f}% | {r['peak_gib']:.1f} | "
-                  f"{r['first_loss']:.3f}→{r['last_loss']:.3f} |")
-    dist.destroy_process_group()
+    if args.json:
+        child(args)
+        return
+    nproc = args.nproc or torch.cuda.device_count()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.engines.split(","):
+            path = os.path.join(tmp, f"{name}.json")
+            cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", __file__,
+                   *[a for a in sys.argv[1:]], "--engines", name, "--json", path]
+            rc = subprocess.call(cmd)
+            if rc != 0 or not os.path.exists(path):
+                print(f"engine {name} failed (exit {rc})", flush=True)
+                continue
+            with open(path) as f:
+                rows.append(json.load(f))
+    if not rows:
+        raise SystemExit(1)
+    print(f"\nmodel {args.model} ({rows[0]['params'] / 1e9:.2f}B params), {nproc} GPUs, micro-batch {args.micro}, seq {args.seq}, "
+          f"torch {torch.__version__}, {torch.cuda.get_device_name()}")
+    peers = [r for r in rows if not r["engine"].startswith("hf")]
+    best = max(peers, key=lambda r: r["tokens_per_s_per_gpu"]) if peers else None
+    print("| engine | tokens/s/GPU | MFU | peak GiB | vs best peer | loss first→last |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        ratio = f"{r['tokens_per_s_per_gpu'] / best['tokens_per_s_per_gpu']:.3f}× {best['engine']}" if best and r["engine"].startswith("hf") else ""
+        print(f"| {r['engine']} | {r['tokens_per_s_per_gpu']:,.0f} | {100 * r['mfu']:.1f}% | {r['peak_gib']:.1f} | {ratio} | "
+              f"{r['first_loss']:.3f}→{r['last_loss']:.3f} |")
 
 
 if __name__ == "__main__":
