@@ -2,7 +2,7 @@
 
 Run on the GPU machine:
 
-    python scripts/bench.py --nproc 4 --model 1.1b --engines hf1,hf2,hf3,ddp,fsdp2,ds2,ds3
+    python scripts/bench.py --gpus 4 --model 1.1b --engines hf1,hf2,hf3,ddp,fsdp2,ds2,ds3
 
 Each engine runs in its own torchrun (one process per GPU), so no engine's memory or caches
 leak into the next one's peak. ``ds2``/``ds3`` need DeepSpeed importable.
@@ -180,7 +180,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="1.1b", choices=sorted(SHAPES))
     ap.add_argument("--engines", default="hf1,hf2,hf3,ddp,fsdp2")
-    ap.add_argument("--nproc", type=int, default=0, help="GPUs to use (default: all visible)")
+    ap.add_argument("--gpus", type=int, default=0, help="GPUs to use (default: all visible)")
     ap.add_argument("--micro", type=int, default=4)
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--steps", type=int, default=12)
@@ -192,7 +192,7 @@ def main() -> None:
     if args.json:
         child(args)
         return
-    nproc = args.nproc or torch.cuda.device_count()
+    nproc = args.gpus or torch.cuda.device_count()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.engines.split(","):

@@ -1,136 +1,223 @@
-"""DeepSpeed config parsing: malformed configs are rejected before any work with a message that
-names the key; good configs (the tutorial's, the Hugging Face docs' zero2/zero3 with "auto")
-parse; batch sizes are derived as DeepSpeed derives them."""
+"""DeepSpeed config parsing.
+
+Malformed configs are rejected before any work with one sentence that names the key; good
+configs (the tutorial's, Hugging Face's published zero2/zero3 with "auto") parse; ignored keys
+are named in exactly one warning; batch sizes are derived as DeepSpeed derives them
+(train = micro x accumulation x world size), checked against that product.
+"""
 
 from __future__ import annotations
 
+import ast
+import copy
+import itertools
 import json
 import warnings
 from pathlib import Path
 
 import pytest
+import torch
 
-from hf_zero.config import ConfigError, ZeroConfig
+from hf_zero.config import ConfigError, FP16Config, ZeroConfig, ZeroOptimizationConfig
 
-SEEDS = Path(__file__).resolve().parents[1] / "examples"
-
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"  # the tutorial's scripts, verbatim
 MB = {"train_micro_batch_size_per_gpu": 2}
 
-# (config, substrings the one-sentence message must contain)
+
+def _file(name: str, text: str):
+    """A config given as a path: written into tmp_path when the case runs."""
+
+    def make(tmp_path: Path) -> str:
+        path = tmp_path / name
+        path.write_text(text)
+        return str(path)
+
+    return make
+
+
+# (config or file factory, world size for resolve_batch_sizes or None to stop at load, substrings of the message)
 MALFORMED = [
-    ({"train_batch_sise": 8}, ["train_batch_sise", "did you mean 'train_batch_size'"]),
-    ({**MB, "zero_optimization": {"stgae": 2}}, ["zero_optimization.stgae", "did you mean 'stage'"]),
-    ({**MB, "zero_optimization": {"stage": 4}}, ["zero_optimization.stage: got 4", "0, 1, 2, 3"]),
-    ({**MB, "zero_optimization": {"stage": "2"}}, ["zero_optimization.stage: got '2'"]),
-    ({**MB, "zero_optimization": {"stage": True}}, ["zero_optimization.stage: got True"]),
-    ({**MB, "zero_optimization": 2}, ["zero_optimization: got 2", "expected an object"]),
-    ({**MB, "zero_optimization": {"overlap_comm": 1}}, ["zero_optimization.overlap_comm: got 1", "true or false"]),
-    ({**MB, "zero_optimization": {"reduce_bucket_size": -5}}, ["zero_optimization.reduce_bucket_size: got -5"]),
-    ({**MB, "zero_optimization": {"reduce_bucket_size": 2.5}}, ["zero_optimization.reduce_bucket_size: got 2.5", "integer"]),
-    ({**MB, "zero_optimization": {"offload_optimizer": {"device": "cpu"}}}, ["offload_optimizer.device: got 'cpu'", "not supported"]),
-    ({**MB, "zero_optimization": {"offload_param": {"device": "nvme"}}}, ["offload_param.device: got 'nvme'"]),
-    ({"train_batch_size": -8}, ["train_batch_size: got -8", "positive integer"]),
-    ({"train_batch_size": "8"}, ["train_batch_size: got '8'"]),
-    ({"train_micro_batch_size_per_gpu": 0}, ["train_micro_batch_size_per_gpu: got 0"]),
-    ({**MB, "gradient_clipping": -1.0}, ["gradient_clipping: got -1.0", "non-negative"]),
-    ({**MB, "gradient_clipping": "1.0"}, ["gradient_clipping: got '1.0'", "number"]),
-    ({**MB, "fp16": {"enabled": True}, "bf16": {"enabled": True}}, ["fp16.enabled", "bf16.enabled", "at most one"]),
-    ({**MB, "fp16": {"enabled": "yes"}}, ["fp16.enabled: got 'yes'"]),
-    ({**MB, "fp16": {"enabled": True, "loss_scale_windw": 10}}, ["fp16.loss_scale_windw", "did you mean 'loss_scale_window'"]),
-    ({**MB, "fp16": {"enabled": True, "hysteresis": 0}}, ["fp16.hysteresis: got 0"]),
-    ({**MB, "fp16": {"enabled": True, "min_loss_scale": 0}}, ["fp16.min_loss_scale: got 0", "positive"]),
-    ({**MB, "bf16": True}, ["bf16: got True", "expected an object"]),
-    ({**MB, "optimizer": {"type": "Lamb"}}, ["optimizer.type: got 'Lamb'", "Adam, AdamW, SGD"]),
-    ({**MB, "optimizer": {"params": {"lr": 1}}}, ["optimizer.type: got None"]),
-    ({**MB, "optimizer": {"type": "AdamW", "parms": {}}}, ["optimizer.parms", "did you mean 'params'"]),
-    ({**MB, "optimizer": "adam"}, ["optimizer: got 'adam'"]),
-    ({**MB, "scheduler": {"type": "OneCycle", "params": {}}}, ["scheduler.type: got 'OneCycle'", "WarmupLR"]),
-    ({**MB, "scheduler": {"type": "WarmupLR", "params": 3}}, ["scheduler.params: got 3"]),
-    ({**MB, "amp": {"enabled": True}}, ["amp.enabled", "bf16"]),
-    ({**MB, "sparse_gradients": True}, ["sparse_gradients: got true"]),
-    ({**MB, "communication_data_type": "fp8"}, ["communication_data_type: got 'fp8'", "fp32, fp16, bf16"]),
-    ({**MB, "steps_per_print": 0}, ["steps_per_print: got 0"]),
-    ({**MB, "zero_optimization": {"stage": "auto"}}, ["zero_optimization.stage: got 'auto'", "only allowed"]),
-    ([1, 2], ["config: got a list", "JSON object"]),
-    (None, ["config: none was given"]),
+    # unknown keys: did-you-mean at every level, a short list when nothing is close
+    ({"train_batch_sise": 8}, None, ["train_batch_sise: unknown key", "did you mean 'train_batch_size'"]),
+    ({**MB, "frobnicate": 1}, None, ["frobnicate: unknown key", "expected one of train_batch_size"]),
+    ({**MB, "zero_optimization": {"stgae": 2}}, None, ["zero_optimization.stgae: unknown key", "did you mean 'stage'"]),
+    ({**MB, "fp16": {"loss_scale_windw": 10}}, None, ["fp16.loss_scale_windw", "did you mean 'loss_scale_window'"]),
+    ({**MB, "optimizer": {"type": "AdamW", "parms": {}}}, None, ["optimizer.parms", "did you mean 'params'"]),
+    ({**MB, "activation_checkpointing": {"partition_activation": True}}, None,
+     ["activation_checkpointing.partition_activation", "did you mean 'partition_activations'"]),
+    # zero_optimization values
+    ({**MB, "zero_optimization": {"stage": 4}}, None, ["zero_optimization.stage: got 4, expected one of 0, 1, 2, 3"]),
+    ({**MB, "zero_optimization": {"stage": "2"}}, None, ["zero_optimization.stage: got '2'"]),
+    ({**MB, "zero_optimization": {"stage": True}}, None, ["zero_optimization.stage: got True"]),
+    ({**MB, "zero_optimization": {"stage": "auto"}}, None, ["zero_optimization.stage: got 'auto'", "only allowed"]),
+    ({**MB, "zero_optimization": 2}, None, ["zero_optimization: got 2", "expected an object"]),
+    ({**MB, "zero_optimization": {"overlap_comm": 1}}, None, ["zero_optimization.overlap_comm: got 1", "true or false"]),
+    ({**MB, "zero_optimization": {"contiguous_gradients": "true"}}, None, ["contiguous_gradients: got 'true'"]),
+    ({**MB, "zero_optimization": {"reduce_bucket_size": -5}}, None, ["zero_optimization.reduce_bucket_size: got -5", "positive integer"]),
+    ({**MB, "zero_optimization": {"reduce_bucket_size": 2.5}}, None, ["zero_optimization.reduce_bucket_size: got 2.5", "integer"]),
+    ({**MB, "zero_optimization": {"allgather_bucket_size": 0}}, None, ["zero_optimization.allgather_bucket_size: got 0"]),
+    ({**MB, "zero_optimization": {"stage3_max_live_parameters": "auto"}}, None, ["stage3_max_live_parameters: got 'auto'"]),
+    ({**MB, "zero_optimization": {"offload_optimizer": {"device": "cpu"}}}, None,
+     ["zero_optimization.offload_optimizer.device: got 'cpu'", "offload is not supported yet"]),
+    ({**MB, "zero_optimization": {"offload_param": {"device": "nvme"}}}, None, ["offload_param.device: got 'nvme'", "not supported"]),
+    ({**MB, "zero_optimization": {"cpu_offload": True}}, None, ["zero_optimization.cpu_offload: got True", "offload is not supported"]),
+    ({**MB, "zero_optimization": {"zero_quantized_weights": True}}, None, ["zero_quantized_weights: got True", "ZeRO++"]),
+    ({**MB, "zero_optimization": {"stage3_gather_fp16_weights_on_model_save": True,
+                                  "stage3_gather_16bit_weights_on_model_save": False}}, None, ["keep only the newer one"]),
+    # batch sizes, clipping and the other scalars
+    ({"train_batch_size": -8}, None, ["train_batch_size: got -8, expected a positive integer"]),
+    ({"train_batch_size": "8"}, None, ["train_batch_size: got '8'"]),
+    ({"train_micro_batch_size_per_gpu": 0}, None, ["train_micro_batch_size_per_gpu: got 0"]),
+    ({**MB, "gradient_accumulation_steps": True}, None, ["gradient_accumulation_steps: got True"]),
+    ({**MB, "gradient_clipping": -1.0}, None, ["gradient_clipping: got -1.0", "non-negative"]),
+    ({**MB, "gradient_clipping": "1.0"}, None, ["gradient_clipping: got '1.0'", "number"]),
+    ({**MB, "gradient_clipping": float("nan")}, None, ["gradient_clipping: got nan"]),
+    ({**MB, "communication_data_type": "fp8"}, None, ["communication_data_type: got 'fp8'", "fp32, fp16, bf16"]),
+    ({**MB, "steps_per_print": 0}, None, ["steps_per_print: got 0"]),
+    ({**MB, "seed": -1}, None, ["seed: got -1", "an integer >= 0"]),
+    ({**MB, "gradient_predivide_factor": 0}, None, ["gradient_predivide_factor: got 0", "positive number"]),
+    ({**MB, "prescale_gradients": "no"}, None, ["prescale_gradients: got 'no'"]),
+    # precision
+    ({**MB, "fp16": {"enabled": True}, "bf16": {"enabled": True}}, None, ["fp16.enabled", "bf16.enabled", "at most one"]),
+    ({**MB, "fp16": {"enabled": True}, "bfloat16": {"enabled": True}}, None, ["bfloat16.enabled", "at most one"]),
+    ({**MB, "bf16": {"enabled": True}, "bfloat16": {"enabled": True}}, None, ["bfloat16: given together with bf16"]),
+    ({**MB, "fp16": {"enabled": "yes"}}, None, ["fp16.enabled: got 'yes'"]),
+    ({**MB, "fp16": {"enabled": True, "hysteresis": 0}}, None, ["fp16.hysteresis: got 0"]),
+    ({**MB, "fp16": {"enabled": True, "min_loss_scale": 0}}, None, ["fp16.min_loss_scale: got 0", "positive"]),
+    ({**MB, "fp16": {"enabled": True, "loss_scale": -1}}, None, ["fp16.loss_scale: got -1"]),
+    ({**MB, "fp16": {"initial_scale_power": 1.5}}, None, ["fp16.initial_scale_power: got 1.5"]),
+    ({**MB, "fp16": {"loss_scale_window": 0}}, None, ["fp16.loss_scale_window: got 0", "positive integer"]),
+    ({**MB, "fp16": {"fp16_master_weights_and_grads": True}}, None, ["fp16.fp16_master_weights_and_grads: got True"]),
+    ({**MB, "bf16": True}, None, ["bf16: got True", "expected an object"]),
+    # optimizer and scheduler
+    ({**MB, "optimizer": {"type": "Lamb"}}, None, ["optimizer.type: got 'Lamb'", "not support yet", "Adam, AdamW, SGD"]),
+    ({**MB, "optimizer": {"type": "Adamm"}}, None, ["optimizer.type: got 'Adamm'", "did you mean 'Adam'"]),
+    ({**MB, "optimizer": {"params": {"lr": 1}}}, None, ["optimizer.type: missing", "Adam, AdamW, SGD"]),
+    ({**MB, "optimizer": "adam"}, None, ["optimizer: got 'adam'", "expected an object"]),
+    ({**MB, "optimizer": {"type": "SGD", "params": [0.1]}}, None, ["optimizer.params: got [0.1]"]),
+    ({**MB, "scheduler": {"type": "OneCycle", "params": {}}}, None, ["scheduler.type: got 'OneCycle'", "not support yet", "WarmupLR"]),
+    ({**MB, "scheduler": {"type": "LRRangeTest"}}, None, ["scheduler.type: got 'LRRangeTest'", "WarmupCosineLR"]),
+    ({**MB, "scheduler": {"type": "WarmupLR", "params": 3}}, None, ["scheduler.params: got 3", "warmup_num_steps"]),
+    # DeepSpeed features hf_zero does not have are errors, not silent no-ops
+    ({**MB, "amp": {"enabled": True, "opt_level": "O1"}}, None, ["amp.enabled: got True", "Apex AMP is not supported", "bf16"]),
+    ({**MB, "sparse_gradients": True}, None, ["sparse_gradients: got True", "not supported"]),
+    ({**MB, "elasticity": {"enabled": True}}, None, ["elasticity.enabled: got True", "not supported"]),
+    ({**MB, "sparse_attention": {"mode": "fixed"}}, None, ["sparse_attention: got", "not supported"]),
+    ({**MB, "gradient_allreduce_op": "sum"}, None, ["gradient_allreduce_op: got 'sum'", "mean"]),
+    # ignored keys still have types
+    ({**MB, "wall_clock_breakdown": "false"}, None, ["wall_clock_breakdown: got 'false'", "true or false"]),
+    ({**MB, "tensorboard": {"enabled": "yes"}}, None, ["tensorboard.enabled: got 'yes'"]),
+    ({**MB, "tensorboard": True}, None, ["tensorboard: got True", "expected an object"]),
+    # the config itself
+    ([1, 2], None, ["config: got a list", "JSON object"]),
+    (None, None, ["a config is required", "pass config= a dict or a path to a DeepSpeed JSON file"]),
+    (_file("bad.json", '{"train_batch_size": 8,\n  "zero": }'), None, ["bad.json", "not valid JSON", "line 2, column 11"]),
+    (_file("list.json", "[1, 2]"), None, ["list.json", "holds a JSON array", "JSON object"]),
+    (_file("dup.json", '{"train_batch_size": 8, "train_batch_size": 16}'), None, ["dup.json", "train_batch_size: appears twice"]),
+    (lambda tmp_path: str(tmp_path / "missing.json"), None, ["missing.json", "does not exist"]),
+    (lambda tmp_path: tmp_path, None, ["cannot read"]),
+    # batch arithmetic, found by resolve_batch_sizes(world_size)
+    ({"train_batch_size": 64, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2}, 3,
+     ["train_batch_size: got 64, but train_micro_batch_size_per_gpu 4 x gradient_accumulation_steps 2 x world size 3 = 24",
+      "drop one and it will be derived"]),
+    ({"train_batch_size": 10, "train_micro_batch_size_per_gpu": 4}, 2,
+     ["train_batch_size: got 10", "not a multiple of train_micro_batch_size_per_gpu 4 x world size 2 = 8"]),
+    ({"train_batch_size": 12, "gradient_accumulation_steps": 5}, 2,
+     ["train_batch_size: got 12", "not a multiple of gradient_accumulation_steps 5 x world size 2 = 10"]),
+    ({"train_batch_size": 10}, 3, ["train_batch_size: got 10, which is not a multiple of world size 3"]),
+    ({"gradient_accumulation_steps": 4}, 2, ["gradient_accumulation_steps: got 4 alone", "train_micro_batch_size_per_gpu"]),
+    ({}, 2, ["train_batch_size: no batch size given"]),
+    ({"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto"}, 2,
+     ["no batch size given", '"auto"', "train_batch_size, train_micro_batch_size_per_gpu"]),
+    (MB, 0, ["world_size: got 0, expected a positive integer"]),
 ]
 
 
-@pytest.mark.parametrize("cfg, needles", MALFORMED, ids=[str(i) for i in range(len(MALFORMED))])
-def test_malformed_configs_are_rejected_with_the_key(cfg, needles) -> None:
-    with pytest.raises(ConfigError) as err:
-        ZeroConfig.load(cfg)
+@pytest.mark.parametrize("given, world, needles", MALFORMED, ids=[str(i) for i in range(len(MALFORMED))])
+def test_malformed_configs_are_rejected_with_the_key(given, world, needles, tmp_path) -> None:
+    if callable(given):
+        given = given(tmp_path)
+    with pytest.raises(ConfigError) as err, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cfg = ZeroConfig.load(given)
+        assert world is not None, "load() accepted a config it should have refused"
+        cfg.resolve_batch_sizes(world)
     msg = str(err.value)
     for needle in needles:
         assert needle in msg, msg
-    assert msg.count("\n") == 0
+    assert "\n" not in msg and msg.count(": ") >= 1
 
 
-BATCH_ERRORS = [
-    ({"train_batch_size": 64, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2}, 3,
-     ["train_batch_size: got 64", "4 x gradient_accumulation_steps 2 x world size 3 = 24"]),
-    ({"train_batch_size": 10, "train_micro_batch_size_per_gpu": 4}, 2, ["train_batch_size: got 10", "not a multiple", "= 8"]),
-    ({"train_batch_size": 10}, 3, ["train_batch_size: got 10", "not a multiple"]),
-    ({"gradient_accumulation_steps": 4}, 2, ["gradient_accumulation_steps alone"]),
-    ({}, 2, ["no batch size given"]),
-]
+def test_there_are_enough_malformed_cases() -> None:
+    assert len(MALFORMED) >= 25
 
 
-@pytest.mark.parametrize("cfg, world, needles", BATCH_ERRORS)
-def test_batch_arithmetic_errors_show_the_arithmetic(cfg, world, needles) -> None:
-    c = ZeroConfig.load(cfg)
-    with pytest.raises(ConfigError) as err:
-        c.resolve_batch_sizes(world)
-    for needle in needles:
-        assert needle in str(err.value), str(err.value)
+# every way of giving one, two or three of the batch keys, at awkward world sizes
+MICRO_ACCUM = [(4, 2), (2, 6), (5, 3)]
 
 
-@pytest.mark.parametrize(
-    "given, world, want",
-    [
+@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("given", [c for r in (1, 2, 3) for c in itertools.combinations(range(3), r) if c != (2,)])
+def test_batch_sizes_are_derived_from_any_sufficient_subset(given: tuple[int, ...], world: int) -> None:
+    names = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+    for micro, accum in MICRO_ACCUM:
+        full = (micro * accum * world, micro, accum)
+        if given == (0,):  # the global batch alone: one accumulation step, the batch split over the ranks
+            want = (full[0], full[0] // world, 1)
+        elif given == (1,):  # the micro-batch alone: one accumulation step
+            want = (micro * world, micro, 1)
+        else:  # any two (or all three) fix the triple
+            want = full
+        cfg = ZeroConfig.load({names[i]: full[i] for i in given})
+        cfg.resolve_batch_sizes(world)
+        got = (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps)
+        assert got == want, (given, world, got, want)
+        assert got[0] == got[1] * got[2] * world
+        cfg.resolve_batch_sizes(world)  # idempotent once complete
+        assert (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps) == got
+
+
+def test_deepspeed_batch_rules_by_hand() -> None:
+    cases = [
         ({"train_batch_size": 64}, 2, (64, 32, 1)),
         ({"train_batch_size": 64, "gradient_accumulation_steps": 4}, 2, (64, 8, 4)),
         ({"train_batch_size": 48, "train_micro_batch_size_per_gpu": 4}, 3, (48, 4, 4)),
         ({"train_micro_batch_size_per_gpu": 4}, 3, (12, 4, 1)),
         ({"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2}, 3, (24, 4, 2)),
         ({"train_batch_size": 24, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2}, 3, (24, 4, 2)),
-    ],
-)
-def test_batch_sizes_are_derived(given, world, want) -> None:
-    c = ZeroConfig.load(given)
-    c.resolve_batch_sizes(world)
-    assert (c.train_batch_size, c.train_micro_batch_size_per_gpu, c.gradient_accumulation_steps) == want
+    ]
+    for given, world, want in cases:
+        cfg = ZeroConfig.load(given)
+        cfg.resolve_batch_sizes(world)
+        assert (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps) == want
 
 
-def test_seed_example_configs_parse() -> None:
-    import ast
-
-    for path in sorted(SEEDS.glob("0*.py")):
-        tree = ast.parse(path.read_text())
-        for node in ast.walk(tree):
+def test_tutorial_example_configs_parse() -> None:
+    stages = {}
+    for path in sorted(EXAMPLES.glob("0*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "deepspeed_config":
-                cfg = ZeroConfig.load(ast.literal_eval(node.value))
-                assert cfg.optimizer is not None and cfg.optimizer.type == "Adam"
+                with warnings.catch_warnings():
+                    warnings.simplefilter("error")  # nothing in them is ignored
+                    cfg = ZeroConfig.load(ast.literal_eval(node.value))
+                assert cfg.optimizer is not None and cfg.optimizer.type == "Adam" and cfg.optimizer.params == {"lr": 0.001}
+                cfg.resolve_batch_sizes(2)
+                assert (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps) == (64, 32, 1)
+                stages[path.name[:2]] = cfg.zero_optimization.stage
+    assert stages == {"01": 0, "02": 0, "03": 2, "04": 3}
 
 
-HF_ZERO3 = {
-    "fp16": {"enabled": "auto", "loss_scale": 0, "loss_scale_window": 1000, "initial_scale_power": 16, "hysteresis": 2, "min_loss_scale": 1},
+# Hugging Face's published DeepSpeed configs, with offload set to "none" (offload is refused: see below)
+HF_ZERO2 = {
+    "fp16": {"enabled": "auto", "loss_scale": 0, "loss_scale_window": 1000, "initial_scale_power": 16, "hysteresis": 2,
+             "min_loss_scale": 1},
     "bf16": {"enabled": "auto"},
     "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
     "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto", "warmup_num_steps": "auto"}},
     "zero_optimization": {
-        "stage": 3,
-        "offload_optimizer": {"device": "none", "pin_memory": True},
-        "offload_param": {"device": "none", "pin_memory": True},
-        "overlap_comm": True,
+        "stage": 2, "offload_optimizer": {"device": "none", "pin_memory": True}, "allgather_partitions": True,
+        "allgather_bucket_size": 2e8, "overlap_comm": True, "reduce_scatter": True, "reduce_bucket_size": 2e8,
         "contiguous_gradients": True,
-        "sub_group_size": 1e9,
-        "reduce_bucket_size": "auto",
-        "stage3_prefetch_bucket_size": "auto",
-        "stage3_param_persistence_threshold": "auto",
-        "stage3_max_live_parameters": 1e9,
-        "stage3_max_reuse_distance": 1e9,
-        "stage3_gather_16bit_weights_on_model_save": True,
     },
     "gradient_accumulation_steps": "auto",
     "gradient_clipping": "auto",
@@ -139,40 +226,126 @@ HF_ZERO3 = {
     "train_micro_batch_size_per_gpu": "auto",
     "wall_clock_breakdown": False,
 }
+HF_ZERO3 = {
+    **{k: v for k, v in HF_ZERO2.items() if k != "zero_optimization"},
+    "zero_optimization": {
+        "stage": 3, "offload_optimizer": {"device": "none", "pin_memory": True},
+        "offload_param": {"device": "none", "pin_memory": True}, "overlap_comm": True, "contiguous_gradients": True,
+        "sub_group_size": 1e9, "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
+        "stage3_param_persistence_threshold": "auto", "stage3_max_live_parameters": 1e9,
+        "stage3_max_reuse_distance": 1e9, "stage3_gather_16bit_weights_on_model_save": True,
+    },
+}
+AUTO_COMMON = {
+    "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping",
+    "fp16.enabled", "bf16.enabled", "optimizer.params.lr", "optimizer.params.betas", "optimizer.params.eps",
+    "optimizer.params.weight_decay", "scheduler.params.warmup_min_lr", "scheduler.params.warmup_max_lr",
+    "scheduler.params.warmup_num_steps",
+}
 
 
-def test_hf_docs_zero3_config_with_auto_parses_and_records_auto_keys() -> None:
+def test_hf_docs_zero2_and_zero3_configs_parse_and_record_auto_keys() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # every key they set either acts or asks for nothing
+        z2, z3 = ZeroConfig.load(HF_ZERO2), ZeroConfig.load(HF_ZERO3)
+    assert z2.auto_keys == AUTO_COMMON
+    assert z3.auto_keys == AUTO_COMMON | {
+        "zero_optimization.reduce_bucket_size", "zero_optimization.stage3_prefetch_bucket_size",
+        "zero_optimization.stage3_param_persistence_threshold",
+    }
+    zo2, zo3, default = z2.zero_optimization, z3.zero_optimization, ZeroOptimizationConfig()
+    assert (zo2.stage, zo2.reduce_bucket_size, zo2.allgather_bucket_size, zo2.overlap_comm) == (2, 200_000_000, 200_000_000, True)
+    assert isinstance(zo2.reduce_bucket_size, int)
+    # "auto" means "not given" at this layer: defaults, and None for the batch keys
+    assert (zo3.reduce_bucket_size, zo3.stage3_prefetch_bucket_size, zo3.stage3_param_persistence_threshold) == (
+        default.reduce_bucket_size, default.stage3_prefetch_bucket_size, default.stage3_param_persistence_threshold)
+    assert zo3.stage3_max_live_parameters == 10**9 and zo3.stage3_gather_16bit_weights_on_model_save is True
+    for cfg in (z2, z3):
+        assert (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps) == (None, None, None)
+        assert cfg.gradient_clipping == 0.0 and not cfg.fp16.enabled and not cfg.bf16.enabled
+        assert cfg.optimizer.type == "AdamW" and cfg.optimizer.params == {}
+        assert cfg.scheduler.type == "WarmupLR" and cfg.scheduler.params == {} and cfg.steps_per_print == 2000
+    # the Trainer integration fills the values, then everything resolves
+    filled = copy.deepcopy(HF_ZERO3)
+    filled.update(train_micro_batch_size_per_gpu=4, gradient_accumulation_steps=2, train_batch_size=16, gradient_clipping=1.0)
+    filled["bf16"]["enabled"] = True
+    filled["optimizer"]["params"]["lr"] = 3e-4
+    cfg = ZeroConfig.load(filled)
+    cfg.resolve_batch_sizes(2)
+    assert cfg.compute_dtype == torch.bfloat16 and cfg.optimizer.params == {"lr": 3e-4} and cfg.gradient_clipping == 1.0
+    assert "optimizer.params.lr" not in cfg.auto_keys and "optimizer.params.eps" in cfg.auto_keys
+    # as Hugging Face actually publishes them, with CPU offload: refused rather than silently dropped
+    published = copy.deepcopy(HF_ZERO2)
+    published["zero_optimization"]["offload_optimizer"]["device"] = "cpu"
+    with pytest.raises(ConfigError, match="offload_optimizer.device: got 'cpu', but offload is not supported yet"):
+        ZeroConfig.load(published)
+
+
+def test_ignored_keys_are_named_in_exactly_one_warning() -> None:
+    given = {
+        **MB,
+        "wall_clock_breakdown": True,
+        "tensorboard": {"enabled": True, "output_path": "tb"},
+        "flops_profiler": {"enabled": False, "profile_step": 1},  # asks for nothing: not named
+        "memory_breakdown": False,  # DeepSpeed's default: not named
+        "fp16": {"enabled": True, "auto_cast": True},
+        "zero_optimization": {"stage": 2, "round_robin_gradients": True, "sub_group_size": 1e8, "ignore_unused_parameters": True},
+        "amp": {"enabled": False, "opt_level": "O1"},
+        "sparse_gradients": False,
+    }
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        c = ZeroConfig.load(HF_ZERO3)
-    assert c.zero_optimization.stage == 3 and c.zero_optimization.stage3_max_live_parameters == 10**9
-    assert c.train_batch_size is None and c.optimizer.params == {} and c.scheduler.type == "WarmupLR"
-    assert {"train_batch_size", "optimizer.params.lr", "bf16.enabled", "zero_optimization.reduce_bucket_size"} <= c.auto_keys
-    ignored = [w for w in caught if "accepts but ignores" in str(w.message)]
-    assert len(ignored) == 1
-    assert "wall_clock_breakdown" in str(ignored[0].message) and "zero_optimization.sub_group_size" in str(ignored[0].message)
+        cfg = ZeroConfig.load(given)
+    assert len(caught) == 1 and caught[0].category is UserWarning
+    assert str(caught[0].message) == (
+        "hf_zero accepts but ignores these DeepSpeed keys: wall_clock_breakdown, tensorboard, fp16.auto_cast, "
+        "zero_optimization.round_robin_gradients, zero_optimization.sub_group_size"
+    )
+    assert cfg.fp16.enabled and cfg.fp16.auto_cast and cfg.zero_optimization.stage == 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ZeroConfig.load({**MB, "wall_clock_breakdown": False, "tensorboard": {"enabled": False}})
 
 
-def test_values_types_and_aliases() -> None:
-    c = ZeroConfig.load({**MB, "bfloat16": {"enabled": True}, "zero_optimization": {"stage": 2, "reduce_bucket_size": 5e8,
-                         "stage3_gather_fp16_weights_on_model_save": True}, "optimizer": {"type": "adamw", "params": {"lr": 3e-4}}})
-    assert c.bf16.enabled and str(c.compute_dtype) == "torch.bfloat16"
-    assert c.zero_optimization.reduce_bucket_size == 500_000_000
-    assert c.zero_optimization.stage3_gather_16bit_weights_on_model_save is True
-    assert c.optimizer.type == "AdamW" and c.optimizer.params == {"lr": 3e-4}
-    assert ZeroConfig.load(c) is c
+def test_values_types_defaults_and_aliases() -> None:
+    cfg = ZeroConfig.load({
+        **MB, "bfloat16": {"enabled": True}, "communication_data_type": "BF16", "seed": 7,
+        "zero_optimization": {"stage": 2, "reduce_bucket_size": 5e8, "stage3_gather_fp16_weights_on_model_save": True},
+        "optimizer": {"type": "adamw", "params": {"lr": 3e-4, "betas": [0.9, 0.95]}},
+        "scheduler": {"type": "warmupdecaylr", "params": {"total_num_steps": 10, "warmup_num_steps": "auto"}},
+        "activation_checkpointing": {"partition_activations": False, "number_checkpoints": 4},
+    })
+    assert cfg.bf16.enabled and cfg.compute_dtype == torch.bfloat16 and cfg.communication_data_type == "bf16"
+    assert cfg.zero_optimization.reduce_bucket_size == 500_000_000 and type(cfg.zero_optimization.reduce_bucket_size) is int
+    assert cfg.zero_optimization.stage3_gather_16bit_weights_on_model_save is True
+    assert cfg.optimizer.type == "AdamW" and cfg.optimizer.params == {"lr": 3e-4, "betas": [0.9, 0.95]}
+    assert cfg.scheduler.type == "WarmupDecayLR" and cfg.scheduler.params == {"total_num_steps": 10}
+    assert cfg.auto_keys == {"scheduler.params.warmup_num_steps"} and cfg.seed == 7
+    assert cfg.activation_checkpointing == {"partition_activations": False, "number_checkpoints": 4}
+    assert ZeroConfig.load(cfg) is cfg
+    # DeepSpeed's defaults when a section is absent; overlap_comm follows the stage as in DeepSpeed
+    plain = ZeroConfig.load(MB)
+    assert plain.fp16 == FP16Config() and plain.compute_dtype == torch.float32 and plain.steps_per_print == 10
+    assert (plain.zero_optimization.stage, plain.zero_optimization.overlap_comm) == (0, False)
+    assert ZeroConfig.load({**MB, "zero_optimization": {"stage": 3}}).zero_optimization.overlap_comm is True
+    assert ZeroConfig.load({**MB, "zero_optimization": {"stage": 3, "overlap_comm": False}}).zero_optimization.overlap_comm is False
+    assert ZeroConfig.load({**MB, "fp16": {"enabled": True}}).compute_dtype == torch.float16
+    assert ZeroConfig.load({**MB, "steps_per_print": None, "communication_data_type": None}).steps_per_print is None
 
 
-def test_json_files(tmp_path) -> None:
+def test_raw_is_a_copy_and_the_input_is_untouched() -> None:
+    given = {**MB, "bfloat16": {"enabled": True}, "optimizer": {"type": "adam", "params": {"lr": "auto", "eps": 1e-6}}}
+    before = copy.deepcopy(given)
+    cfg = ZeroConfig.load(given)
+    assert given == before and cfg.raw == before
+    given["optimizer"]["params"]["eps"] = 1.0
+    assert cfg.raw["optimizer"]["params"]["eps"] == 1e-6 and cfg.optimizer.params == {"eps": 1e-6}
+
+
+def test_json_files(tmp_path: Path) -> None:
     good = tmp_path / "ds.json"
-    good.write_text(json.dumps({"train_batch_size": 8, "zero_optimization": {"stage": 1}}))
-    assert ZeroConfig.load(str(good)).zero_optimization.stage == 1
-    assert ZeroConfig.load(good).train_batch_size == 8
-    bad = tmp_path / "bad.json"
-    bad.write_text('{"train_batch_size": 8,\n  "zero": }')
-    with pytest.raises(ConfigError, match=r"bad.json.*not valid JSON.*line 2, column 11"):
-        ZeroConfig.load(str(bad))
-    with pytest.raises(ConfigError, match="does not exist"):
-        ZeroConfig.load(str(tmp_path / "missing.json"))
-    with pytest.raises(ConfigError, match="cannot read"):
-        ZeroConfig.load(str(tmp_path))
+    good.write_text(json.dumps({"train_batch_size": 8, "zero_optimization": {"stage": 1, "allgather_bucket_size": 5e8}}))
+    from_str, from_path = ZeroConfig.load(str(good)), ZeroConfig.load(good)
+    assert from_str == from_path
+    assert from_str.zero_optimization.stage == 1 and from_str.zero_optimization.allgather_bucket_size == 500_000_000
+    assert from_str.raw == {"train_batch_size": 8, "zero_optimization": {"stage": 1, "allgather_bucket_size": 5e8}}
