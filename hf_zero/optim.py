@@ -28,6 +28,8 @@ from typing import Any
 import torch
 from torch.optim.lr_scheduler import LRScheduler
 
+from hf_zero.config_schema import ConfigError
+
 __all__ = ["SUPPORTED_OPTIMIZERS", "SUPPORTED_SCHEDULERS", "OptimizerConfigError", "WarmupCosineLR", "WarmupDecayLR",
            "WarmupLR", "build_optimizer", "build_scheduler"]
 
@@ -35,7 +37,7 @@ SUPPORTED_OPTIMIZERS: tuple[str, ...] = ("Adam", "AdamW", "SGD")
 SUPPORTED_SCHEDULERS: tuple[str, ...] = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
 
 
-class OptimizerConfigError(ValueError):
+class OptimizerConfigError(ConfigError):
     """A bad ``optimizer`` or ``scheduler`` section; the message starts with its JSON path."""
 
 

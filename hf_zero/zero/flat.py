@@ -109,7 +109,6 @@ class FlatGroup:
         self.grad_state = GradState.EMPTY
         self.ready = 0  # parameters whose gradient for this backward has been accumulated
         self.launched = False  # reduction issued in this step
-        self._inflight: list[torch.Tensor] = []  # keeps buffers alive while a collective uses them
 
     # ----------------------------------------------------------------- views
 
@@ -154,8 +153,14 @@ class FlatGroup:
     # ------------------------------------------------------------- reduction
 
     def reduce_grads(self, stream: torch.cuda.Stream | None) -> None:
-        """Average this group's gradients across ranks into ``master.grad`` (issued on ``stream``)."""
-        assert self.grad_flat is not None, "reduce_grads needs gradients"
+        """Average this group's gradients across ranks into ``master.grad`` (issued on ``stream``).
+
+        Under stage 2 the full gradient buffer is released right after the reduce-scatter is
+        issued, so at most the buckets still in flight hold full gradients during backward.
+        """
+        if self.grad_flat is None:  # no parameter of this bucket was used: still take part
+            self.ensure_grad_buffer()
+        assert self.grad_flat is not None
         self.grad_state = GradState.REDUCING
         with C.on_stream(stream):
             src = self.grad_flat
@@ -174,16 +179,17 @@ class FlatGroup:
             if out.dtype != torch.float32:
                 out = out.float()
             out.div_(self.world_size)
-            self._inflight = [src]
         self.master.grad = out
         self.launched = True
+        if self.free_grads_after_reduce:
+            if stream is not None:
+                # allocated on the compute stream, read on the side stream: not reusable before that read
+                self.grad_flat.record_stream(stream)
+            self.release_grad_buffer()
 
     def finish_reduce(self) -> None:
-        """After the compute stream has waited on the reduction: drop temporaries, free if stage 2."""
-        self._inflight = []
+        """After the compute stream has waited on the reduction."""
         self.grad_state = GradState.REDUCED
-        if self.free_grads_after_reduce:
-            self.release_grad_buffer()
 
     def release_grad_buffer(self) -> None:
         for s in self.slots:

@@ -183,7 +183,10 @@ class ShardedOptimizer:
         self._sync = sync
         self._next_launch = 0
         for fg in self.flat_groups:
-            fg.ensure_grad_buffer()
+            # Stage 2 allocates a bucket's buffer when its first gradient arrives (adopt_grad), so
+            # the activation peak at the start of backward does not also carry every gradient.
+            if not fg.free_grads_after_reduce:
+                fg.ensure_grad_buffer()
             fg.ready = 0
             fg.launched = False
 
