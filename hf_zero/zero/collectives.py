@@ -71,3 +71,35 @@ def broadcast_(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None, 
     """Overwrite ``tensor`` with the group's global rank ``src`` copy."""
     if world_size > 1:
         dist.broadcast(tensor, src=src, group=group)
+
+
+class InflightLimit:
+    """At most one reduction's buffers in flight on a side stream.
+
+    Backward runs ahead of the communication stream. If each reduction's input buffer were just
+    ``record_stream``-ed and dropped, the allocator could not reuse any of them until the side
+    stream caught up, and every unit's gradient buffer would pile up. Instead the buffers of the
+    last reduction are kept here; issuing the next one first makes the compute stream wait on
+    the previous one's event (a GPU-side wait, no host sync) and only then releases its buffers.
+    """
+
+    def __init__(self) -> None:
+        self._event: torch.cuda.Event | None = None
+        self._buffers: list[torch.Tensor] = []
+
+    def before_issue(self, stream: torch.cuda.Stream | None) -> None:
+        if stream is not None and self._event is not None:
+            torch.cuda.current_stream(stream.device).wait_event(self._event)
+        self._event = None
+        self._buffers = []
+
+    def after_issue(self, stream: torch.cuda.Stream | None, buffers: list[torch.Tensor]) -> None:
+        if stream is None:
+            return  # the collective already ran; nothing is in flight
+        self._event = torch.cuda.Event()
+        self._event.record(stream)
+        self._buffers = buffers
+
+    def drain(self, stream: torch.cuda.Stream | None) -> None:
+        """End of backward: the compute stream waits for the last reduction; its buffers go."""
+        self.before_issue(stream)

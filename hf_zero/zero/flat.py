@@ -152,7 +152,7 @@ class FlatGroup:
 
     # ------------------------------------------------------------- reduction
 
-    def reduce_grads(self, stream: torch.cuda.Stream | None) -> None:
+    def reduce_grads(self, stream: torch.cuda.Stream | None, limit: C.InflightLimit | None = None) -> None:
         """Average this group's gradients across ranks into ``master.grad`` (issued on ``stream``).
 
         Under stage 2 the full gradient buffer is released right after the reduce-scatter is
@@ -162,6 +162,8 @@ class FlatGroup:
             self.ensure_grad_buffer()
         assert self.grad_flat is not None
         self.grad_state = GradState.REDUCING
+        if limit is not None and self.free_grads_after_reduce:
+            limit.before_issue(stream)
         with C.on_stream(stream):
             src = self.grad_flat
             if src.dtype != self.reduce_dtype:
@@ -182,8 +184,9 @@ class FlatGroup:
         self.master.grad = out
         self.launched = True
         if self.free_grads_after_reduce:
-            if stream is not None:
-                # allocated on the compute stream, read on the side stream: not reusable before that read
+            if limit is not None:
+                limit.after_issue(stream, [self.grad_flat])
+            elif stream is not None:
                 self.grad_flat.record_stream(stream)
             self.release_grad_buffer()
 

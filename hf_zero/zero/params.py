@@ -74,14 +74,19 @@ class ShardedParamGroup:
         if trainable:
             self.master = shard32 if not self.mixed else shard32.clone()
         del shard32
-        self.full: torch.Tensor | None = None
+        # One full-size tensor for the life of the group; "freeing" it resizes its storage to 0
+        # bytes. Every view of it — the parameters, and the views autograd saved in forward
+        # (a linear layer saves ``weight.t()``) — shares that storage, so a resharded unit really
+        # releases its memory, and the next all-gather refills the same storage in place.
+        self.full = torch.empty(self.padded_numel, dtype=compute_dtype, device=device)
+        self._nbytes = self.full.untyped_storage().nbytes()
+        for s in self.slots:  # views are made while the storage has its size, then it is emptied
+            s.param.data = self.full[s.offset : s.offset + s.numel].view(s.shape)
+            s.param.hf_zero_group = self  # lets GatheredParameters find a parameter's shards
+        self.full.untyped_storage().resize_(0)
         self.grad_flat: torch.Tensor | None = None
         self.state = ShardState.SHARDED
         self._event: torch.cuda.Event | None = None
-        self._empty = torch.empty(0, dtype=compute_dtype, device=device)
-        for s in self.slots:
-            s.param.data = self._empty
-            s.param.hf_zero_group = self  # lets GatheredParameters find a parameter's shards
         self.ready = 0
 
     # ------------------------------------------------------------ gather
@@ -91,16 +96,18 @@ class ShardedParamGroup:
         if self.state is not ShardState.SHARDED:
             return
         with C.on_stream(stream):
-            full = torch.empty(self.padded_numel, dtype=self.compute_dtype, device=self.device)
-            C.all_gather_(full, self.param_shard, self.group, self.world_size)
+            self.full.untyped_storage().resize_(self._nbytes)
+            # Refilling storage that autograd saved views of is not a modification of their values
+            # (they are the same weights): keep the version counter so backward accepts them.
+            with torch.autograd._unsafe_preserve_version_counter(self.full), torch.no_grad():
+                C.all_gather_(self.full, self.param_shard, self.group, self.world_size)
             if stream is not None:
                 self._event = torch.cuda.Event()
                 self._event.record(stream)
-        self.full = full
         self.state = ShardState.GATHERING
 
     def wait(self) -> None:
-        """Make the parameters usable on the compute stream: point them at the gathered buffer."""
+        """Make the gathered parameters usable on the compute stream."""
         if self.state is ShardState.GATHERED:
             return
         if self.state is ShardState.SHARDED:
@@ -108,14 +115,10 @@ class ShardedParamGroup:
         if self._event is not None:
             torch.cuda.current_stream(self.device).wait_event(self._event)
             self._event = None
-        assert self.full is not None
-        for s in self.slots:
-            s.param.data = self.full[s.offset : s.offset + s.numel].view(s.shape)
         self.state = ShardState.GATHERED
 
     def write_back_from_full(self) -> None:
         """The gathered buffer was edited (and is identical on every rank): refresh shard and master."""
-        assert self.full is not None
         lo = self.rank * self.shard_numel
         with torch.no_grad():
             self.param_shard.copy_(self.full[lo : lo + self.shard_numel])
@@ -123,14 +126,12 @@ class ShardedParamGroup:
                 self.master.copy_(self.full[lo : lo + self.shard_numel])
 
     def reshard(self) -> None:
-        """Drop the full parameters; only this rank's shard remains."""
+        """Release the full parameters' memory; only this rank's shard remains."""
         if self.state is ShardState.SHARDED:
             return
         if self.state is ShardState.GATHERING:
             self.wait()
-        for s in self.slots:
-            s.param.data = self._empty
-        self.full = None
+        self.full.untyped_storage().resize_(0)
         self.state = ShardState.SHARDED
 
     # ------------------------------------------------------------- grads
@@ -155,24 +156,27 @@ class ShardedParamGroup:
             view.copy_(g)
             slot.param.grad = view
 
-    def reduce_grads(self, stream: torch.cuda.Stream | None) -> None:
+    def reduce_grads(self, stream: torch.cuda.Stream | None, limit: C.InflightLimit | None = None) -> None:
         """Reduce-scatter this micro-step's gradients and add them to the fp32 gradient shard."""
         if self.grad_flat is None:
             return
         assert self.master is not None
+        if limit is not None:
+            limit.before_issue(stream)
+        grad_flat = self.grad_flat
         with C.on_stream(stream):
-            src = self.grad_flat if self.grad_flat.dtype == self.reduce_dtype else self.grad_flat.to(self.reduce_dtype)
+            src = grad_flat if grad_flat.dtype == self.reduce_dtype else grad_flat.to(self.reduce_dtype)
             out = torch.empty(self.shard_numel, dtype=self.reduce_dtype, device=self.device)
             C.reduce_scatter_(out, src, self.group, self.world_size)
             out = out.float().div_(self.world_size)
-            if stream is not None:
-                # grad_flat was allocated on the compute stream: keep its memory from being reused there
-                # before the side stream has finished reading it.
-                self.grad_flat.record_stream(stream)
             if self.master.grad is None:
                 self.master.grad = out
             else:
                 self.master.grad.add_(out)
+        if limit is not None:
+            limit.after_issue(stream, [grad_flat])
+        elif stream is not None:
+            grad_flat.record_stream(stream)
         for s in self.slots:
             s.param.grad = None
         self.grad_flat = None
@@ -274,6 +278,7 @@ class Stage3Runtime:
         self._recording: list[Unit] = []
         self.in_backward: set[int] = set()
         self.inference_gathered = False
+        self.limit = C.InflightLimit()
         self._slot_of: dict[int, tuple[Unit, ShardedParamGroup, ParamSlot]] = {}
         self.handles = []
         for u in self.units:
@@ -391,7 +396,7 @@ class Stage3Runtime:
     def _reduce(self, unit: Unit) -> None:
         for g in unit.groups:
             if g.trainable:
-                g.reduce_grads(self.reduce_stream)
+                g.reduce_grads(self.reduce_stream, self.limit)
         unit.ready = 0
         unit.reshard(trainable_only=True)
         self.in_backward.discard(unit.index)
@@ -406,5 +411,6 @@ class Stage3Runtime:
             if any(g.grad_flat is not None for g in self.root_unit.groups):
                 self._reduce(self.root_unit)
             self.root_unit.reshard()
+        self.limit.drain(self.reduce_stream)
         C.wait_for(self.stream)
         C.wait_for(self.reduce_stream)

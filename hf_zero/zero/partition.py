@@ -167,6 +167,7 @@ class ShardedOptimizer:
         self._sync = False
         self._next_launch = 0
         self.reduced = False
+        self.limit = C.InflightLimit()
 
     # ----------------------------------------------------------- backward
 
@@ -200,7 +201,7 @@ class ShardedOptimizer:
             nxt = self.flat_groups[self._next_launch]
             if nxt.ready < len(nxt.slots):
                 break
-            nxt.reduce_grads(self.comm_stream)
+            nxt.reduce_grads(self.comm_stream, self.limit)
             self._next_launch += 1
 
     def finish_backward(self) -> None:
@@ -210,8 +211,9 @@ class ShardedOptimizer:
         if not self._sync:
             return
         while self._next_launch < len(self.flat_groups):
-            self.flat_groups[self._next_launch].reduce_grads(self.comm_stream)
+            self.flat_groups[self._next_launch].reduce_grads(self.comm_stream, self.limit)
             self._next_launch += 1
+        self.limit.drain(self.comm_stream)
         C.wait_for(self.comm_stream)
         for fg in self.flat_groups:
             fg.finish_reduce()
