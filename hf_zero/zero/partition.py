@@ -167,7 +167,6 @@ class ShardedOptimizer:
         self._sync = False
         self._next_launch = 0
         self.reduced = False
-        self.limit = C.InflightLimit()
 
     # ----------------------------------------------------------- backward
 
@@ -201,7 +200,7 @@ class ShardedOptimizer:
             nxt = self.flat_groups[self._next_launch]
             if nxt.ready < len(nxt.slots):
                 break
-            nxt.reduce_grads(self.comm_stream, self.limit)
+            nxt.reduce_grads(self.comm_stream)
             self._next_launch += 1
 
     def finish_backward(self) -> None:
@@ -211,9 +210,8 @@ class ShardedOptimizer:
         if not self._sync:
             return
         while self._next_launch < len(self.flat_groups):
-            self.flat_groups[self._next_launch].reduce_grads(self.comm_stream, self.limit)
+            self.flat_groups[self._next_launch].reduce_grads(self.comm_stream)
             self._next_launch += 1
-        self.limit.drain(self.comm_stream)
         C.wait_for(self.comm_stream)
         for fg in self.flat_groups:
             fg.finish_reduce()
