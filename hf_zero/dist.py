@@ -7,8 +7,10 @@ same training code runs on NCCL with one process per GPU and on gloo with CPU pr
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -66,6 +68,11 @@ def init_distributed(
     if timeout is not None:
         kwargs["timeout"] = timeout
     launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    # A process group still alive at interpreter exit can abort the process ("terminate called
+    # without an active exception") once gloo's worker threads are torn down in arbitrary order;
+    # tutorial scripts never destroy it, so the group hf_zero created is destroyed at exit.
+    atexit.register(_destroy_at_exit)
+    _watch_uncaught_exceptions()
     if init_method is not None or launched:
         dist.init_process_group(
             backend,
@@ -81,6 +88,32 @@ def init_distributed(
             "(RANK, WORLD_SIZE, MASTER_ADDR) are set; start the script with `hf-zero launch` or torchrun."
         )
     dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **kwargs)
+
+
+_failed = False
+
+
+def _watch_uncaught_exceptions() -> None:
+    """Remember whether the script dies of an exception, so the exit barrier is skipped then."""
+    previous = sys.excepthook
+
+    def hook(exc_type, exc, tb):  # type: ignore[no-untyped-def]
+        global _failed
+        _failed = True
+        previous(exc_type, exc, tb)
+
+    sys.excepthook = hook
+
+
+def _destroy_at_exit() -> None:
+    """Leave together on a clean exit: wait (bounded) for every rank, then destroy the group."""
+    if dist.is_initialized():
+        try:
+            if not _failed and dist.get_backend() == "gloo" and dist.get_world_size() > 1:
+                dist.monitored_barrier(timeout=datetime.timedelta(seconds=30))
+            dist.destroy_process_group()
+        except Exception:  # the interpreter is exiting; never turn a clean exit into a failure
+            pass
 
 
 def get_rank(group: dist.ProcessGroup | None = None) -> int:
