@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -93,7 +92,6 @@ class ZeroEngine(torch.nn.Module):
         self._step_applied = False
         self._no_sync = False
         self._boundary_override: bool | None = None
-        self._backward_pending_sync = False
 
         model.to(self.device)
         self._broadcast_module()
@@ -304,6 +302,3 @@ class ZeroEngine(torch.nn.Module):
     def __repr__(self) -> str:
         return f"ZeroEngine(stage={self.zero_optimization_stage()}, world_size={self.world_size}, module={self.module.__class__.__name__})"
 
-
-def ceil_div(a: int, b: int) -> int:
-    return math.ceil(a / b)

@@ -47,6 +47,16 @@ class ParamSlot:
     shape: torch.Size
 
 
+def lay_out(named_params: list[tuple[str, torch.nn.Parameter]]) -> tuple[list[ParamSlot], int]:
+    """Place parameters back to back in one flat buffer; returns their slots and the total size."""
+    slots: list[ParamSlot] = []
+    offset = 0
+    for name, p in named_params:
+        slots.append(ParamSlot(name, p, offset, p.numel(), p.shape))
+        offset += p.numel()
+    return slots, offset
+
+
 class FlatGroup:
     """A bucket of parameters sharing one flat parameter buffer and one flat gradient buffer.
 
@@ -78,12 +88,7 @@ class FlatGroup:
         self.reduce_dtype = reduce_dtype
         self.partitioned = partitioned and world_size > 1
         self.free_grads_after_reduce = free_grads_after_reduce and self.partitioned
-        self.slots: list[ParamSlot] = []
-        offset = 0
-        for name, p in named_params:
-            self.slots.append(ParamSlot(name, p, offset, p.numel(), p.shape))
-            offset += p.numel()
-        self.numel = offset
+        self.slots, self.numel = lay_out(named_params)
         parts = world_size if self.partitioned else 1
         self.padded_numel = math.ceil(self.numel / parts) * parts
         self.shard_numel = self.padded_numel // parts

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from hf_zero.zero import collectives as C
-from hf_zero.zero.flat import ParamSlot
+from hf_zero.zero.flat import ParamSlot, lay_out
 
 
 class ShardState(enum.Enum):
@@ -53,12 +53,7 @@ class ShardedParamGroup:
     ) -> None:
         self.group, self.rank, self.world_size, self.device = group, rank, world_size, device
         self.compute_dtype, self.reduce_dtype, self.trainable = compute_dtype, reduce_dtype, trainable
-        self.slots: list[ParamSlot] = []
-        offset = 0
-        for name, p in named_params:
-            self.slots.append(ParamSlot(name, p, offset, p.numel(), p.shape))
-            offset += p.numel()
-        self.numel = offset
+        self.slots, self.numel = lay_out(named_params)
         self.padded_numel = math.ceil(self.numel / world_size) * world_size
         self.shard_numel = self.padded_numel // world_size
         lo = rank * self.shard_numel

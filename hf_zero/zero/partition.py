@@ -12,7 +12,6 @@ whose gradients are complete waits until every earlier bucket has been launched.
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 from collections.abc import Iterable
 
@@ -20,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from hf_zero.zero import collectives as C
-from hf_zero.zero.flat import FlatGroup, GradState, ParamSlot
+from hf_zero.zero.flat import FlatGroup, ParamSlot
 from hf_zero.zero.params import ShardedParamGroup, Stage3Runtime, Unit, find_units
 
 
@@ -270,9 +269,6 @@ class ShardedOptimizer:
     def master_params(self) -> Iterable[torch.Tensor]:
         return (g.master for g in self._all_groups() if g.master is not None)
 
-    def all_reduced(self) -> bool:
-        return all(fg.grad_state is GradState.REDUCED for fg in self.flat_groups)
-
     def memory_bytes(self) -> dict[str, int]:
         """Bytes this rank holds for parameters, gradients and optimizer state (unique storages)."""
         seen: set[int] = set()
@@ -296,7 +292,3 @@ class ShardedOptimizer:
                 if torch.is_tensor(v) and v.numel() > 1:
                     optim += size(v)
         return {"params": params, "grads": grads, "optim": optim}
-
-    @staticmethod
-    def padded(numel: int, world_size: int) -> int:
-        return math.ceil(numel / world_size) * world_size
