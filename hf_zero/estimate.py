@@ -6,7 +6,8 @@ freed yet), per data-parallel rank, for Ψ trainable parameters on N ranks. They
 
 - in fp32 the fp32 master weights *are* the parameters (a slice of the flat buffer), so there
   is no extra master copy;
-- in bf16/fp16 every rank keeps 16-bit parameters (sharded at stage 3), 16-bit gradients as
+- in bf16/fp16 every rank keeps 16-bit parameters (none at stage 3, where a unit's 16-bit
+  weights are cast from the fp32 master shard when it is gathered), 16-bit gradients as
   backward writes them (freed after the reduce-scatter at stages 2 and 3), fp32 reduced
   gradients, and an fp32 master copy next to the optimizer state for the elements it owns;
 - a quantity "/N" is one shard: ``ceil(Ψ/N)`` elements, because each flat buffer is padded to a
@@ -90,10 +91,11 @@ def estimate_memory(
     0       2Ψ          2Ψ + 4Ψ           (4+k)Ψ
     1       2Ψ          2Ψ + 4S           (4+k)S
     2       2Ψ          4S                (4+k)S
-    3       2S          4S                (4+k)S
+    3       0           4S                (4+k)S
     ======  ==========  ================  ============
 
-    In 16-bit training the gradient term is the 16-bit gradients backward writes plus the
+    Stage 3 in 16-bit holds no 16-bit parameters between steps: a unit's 16-bit weights are
+    cast from the fp32 master shards when it is gathered and freed after use. In 16-bit training the gradient term is the 16-bit gradients backward writes plus the
     fp32 reduced gradients; the optimizer term includes the fp32 master weights.
     """
     if isinstance(num_params, bool) or not isinstance(num_params, int) or num_params < 0:
@@ -119,9 +121,9 @@ def estimate_memory(
         params, grads, optim = 4 * p_elems, 4 * g_elems, k * o_elems
         formula = f"params 4{p_sym} + grads 4{g_sym} + optim {k}{o_sym}"
     else:
-        p_elems, p_sym = n_of(stage >= 3)
         o_elems, o_sym = n_of(stage >= 1)
-        params = 2 * p_elems
+        # Stage 3 keeps no 16-bit copy between steps: units are cast from the fp32 masters when gathered.
+        params, p_text = (0, "0") if stage >= 3 else (2 * full, "2Ψ")
         optim = (4 + k) * o_elems
         if stage == 0:
             grads, g_text = 2 * full + 4 * full, "(2Ψ + 4Ψ)"
@@ -129,7 +131,7 @@ def estimate_memory(
             grads, g_text = 2 * full + 4 * shard, "(2Ψ + 4Ψ/N)"
         else:
             grads, g_text = 4 * shard, "4Ψ/N"
-        formula = f"params 2{p_sym} + grads {g_text} + optim (4+{k}){o_sym}"
+        formula = f"params {p_text} + grads {g_text} + optim (4+{k}){o_sym}"
     return MemoryEstimate(
         stage=stage, params_bytes=params, grads_bytes=grads, optim_bytes=optim, formula=formula
     )

@@ -64,10 +64,11 @@ class ShardedParamGroup:
                 if a < b:
                     shard32[a - lo : b - lo].copy_(s.param.detach().reshape(-1)[a - s.offset : b - s.offset])
         self.mixed = compute_dtype != torch.float32
-        self.param_shard = shard32.to(compute_dtype) if self.mixed else shard32
-        self.master: torch.Tensor | None = None
-        if trainable:
-            self.master = shard32 if not self.mixed else shard32.clone()
+        # A trainable group keeps only its fp32 master shard: the 16-bit values are cast from it at
+        # gather time (as FSDP2 does), instead of a second, 16-bit copy of every shard living
+        # beside it. Frozen groups have no master and keep their shard in the compute dtype.
+        self.master: torch.Tensor | None = shard32 if trainable else None
+        self.param_shard: torch.Tensor | None = None if trainable else shard32.to(compute_dtype)
         del shard32
         # One full-size tensor for the life of the group; "freeing" it resizes its storage to 0
         # bytes. Every view of it — the parameters, and the views autograd saved in forward
@@ -95,7 +96,11 @@ class ShardedParamGroup:
             # Refilling storage that autograd saved views of is not a modification of their values
             # (they are the same weights): keep the version counter so backward accepts them.
             with torch.autograd._unsafe_preserve_version_counter(self.full), torch.no_grad():
-                C.all_gather_(self.full, self.param_shard, self.group, self.world_size)
+                src = self.param_shard
+                if src is None:
+                    assert self.master is not None
+                    src = self.master.to(self.compute_dtype) if self.mixed else self.master
+                C.all_gather_(self.full, src, self.group, self.world_size)
             if stream is not None:
                 self._event = torch.cuda.Event()
                 self._event.record(stream)
@@ -116,9 +121,9 @@ class ShardedParamGroup:
         """The gathered buffer was edited (and is identical on every rank): refresh shard and master."""
         lo = self.rank * self.shard_numel
         with torch.no_grad():
-            self.param_shard.copy_(self.full[lo : lo + self.shard_numel])
-            if self.master is not None and self.master.data_ptr() != self.param_shard.data_ptr():
-                self.master.copy_(self.full[lo : lo + self.shard_numel])
+            for t in (self.param_shard, self.master):
+                if t is not None:
+                    t.copy_(self.full[lo : lo + self.shard_numel])
 
     def reshard(self) -> None:
         """Release the full parameters' memory; only this rank's shard remains."""
@@ -178,9 +183,7 @@ class ShardedParamGroup:
         self.ready = 0
 
     def publish_master(self, stream: torch.cuda.Stream | None) -> None:
-        """After the optimizer step: the compute-dtype shard follows the fp32 master."""
-        if self.mixed and self.master is not None:
-            self.param_shard.copy_(self.master)
+        """Nothing to publish: the next gather reads (and casts) the updated master shard itself."""
 
     def zero_grads(self) -> None:
         if self.master is not None:
