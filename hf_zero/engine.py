@@ -22,6 +22,7 @@ from hf_zero.config import ZeroConfig
 from hf_zero.precision import LossScaler, reduce_dtype
 from hf_zero.zero import collectives as C
 from hf_zero.zero.partition import ShardedOptimizer
+from hf_zero.zero.preshard import is_presharded, materialize_
 
 logger = logging.getLogger("hf_zero")
 
@@ -92,10 +93,12 @@ class ZeroEngine(torch.nn.Module):
         self._step_applied = False
         self._no_sync = False
         self._boundary_override: bool | None = None
+        self._built_presharded = False
 
-        model.to(self.device)
-        self._broadcast_module()
         stage = config.zero_optimization.stage
+        self._check_presharded(model, stage, optimizer)
+        self._move_to_device()
+        self._broadcast_module()
         self.loss_scaler = LossScaler(config.fp16) if config.fp16.enabled else None
         self.zero_optimizer: ShardedOptimizer | None = None
         if optimizer is not None:
@@ -114,20 +117,61 @@ class ZeroEngine(torch.nn.Module):
                 max_live_numel=int(config.zero_optimization.stage3_max_live_parameters),
             )
         self._cast_remaining_params()
+        if self._built_presharded and self.device.type == "cuda":
+            # The zero.Init slices were freed while the shards were laid out around them; hand those
+            # blocks back so training's allocations start from unfragmented memory.
+            torch.cuda.empty_cache()
         self.optimizer = self.zero_optimizer
         self.basic_optimizer = optimizer
         self.lr_scheduler = lr_scheduler
 
     # ------------------------------------------------------------- setup
 
+    def _check_presharded(self, model: torch.nn.Module, stage: int, optimizer: torch.optim.Optimizer | None) -> None:
+        """A model built under ``zero.Init`` must be trained on the ranks that built it.
+
+        Stages 0-2 and engines without an optimizer need whole parameters: they are gathered here.
+        """
+        pre = [p for p in model.parameters() if is_presharded(p)]
+        self._built_presharded = bool(pre)
+        if not pre:
+            return
+        built = pre[0].hf_zero_preshard.world_size
+        if built != self.world_size:
+            raise UsageError(
+                f"the model was built under hf_zero.zero.Init on {built} ranks but the engine runs on "
+                f"{self.world_size}; build it with the same data-parallel group as initialize()"
+            )
+        if stage != 3 or optimizer is None:
+            materialize_(pre, self.device)
+
+    def _move_to_device(self) -> None:
+        """``module.to(device)``, leaving parameters that only exist as ``zero.Init`` slices alone."""
+        if not any(is_presharded(p) for p in self.module.parameters()):
+            self.module.to(self.device)
+            return
+        with torch.no_grad():
+            for m in self.module.modules():
+                for p in m._parameters.values():
+                    if p is not None and not is_presharded(p) and p.device != self.device:
+                        p.data = p.data.to(self.device)
+                for key, b in m._buffers.items():
+                    if b is not None and b.device != self.device:
+                        m._buffers[key] = b.to(self.device)
+
     def _broadcast_module(self) -> None:
-        """Start every rank from rank 0's weights and buffers, as DeepSpeed does."""
+        """Start every rank from rank 0's weights and buffers, as DeepSpeed does.
+
+        ``zero.Init`` slices are consistent by construction (cut from rank 0's values or read from
+        the same files) and are not broadcast.
+        """
         if self.world_size == 1:
             return
         src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
         with torch.no_grad():
             for t in list(self.module.parameters()) + list(self.module.buffers()):
-                C.broadcast_(t.data, src, self.group, self.world_size)
+                if not is_presharded(t):
+                    C.broadcast_(t.data, src, self.group, self.world_size)
 
     def _cast_remaining_params(self) -> None:
         """Frozen floating parameters follow the compute dtype too (trainable ones already do)."""

@@ -99,7 +99,7 @@ def _grid(rank: int, world: int, cases: list) -> list:
         for g in zo.shard_groups:
             g.reshard()
         sharded = sum(g.numel for g in zo.shard_groups)
-        held = sum(g.param_shard.numel() for g in zo.shard_groups)
+        held = sum((g.master if g.master is not None else g.param_shard).numel() for g in zo.shard_groups)
         out.append({"case": [kind, gas, clip], "loss_err": loss_err, "w_err": w_err, "sharded": sharded, "held": held, "n_groups": len(zo.shard_groups)})
     return out
 

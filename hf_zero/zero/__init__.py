@@ -1,5 +1,5 @@
-"""ZeRO: flat buffers, the stage policies, and the stage-3 user helpers."""
+"""ZeRO: flat buffers, the stage policies, and the stage-3 user helpers (DeepSpeed's names)."""
 
-from hf_zero.zero.init import GatheredParameters
+from hf_zero.zero.init import GatheredParameters, Init
 
-__all__ = ["GatheredParameters"]
+__all__ = ["GatheredParameters", "Init"]

@@ -1,15 +1,22 @@
-"""User-facing stage-3 helpers: ``GatheredParameters`` (DeepSpeed's name and semantics)."""
+"""User-facing stage-3 helpers with DeepSpeed's names: ``zero.Init`` and ``GatheredParameters``."""
 
 from __future__ import annotations
 
+import functools
+import logging
 from collections.abc import Iterable
 from types import TracebackType
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from hf_zero import dist as hz_dist
 from hf_zero.zero import collectives as C
 from hf_zero.zero.params import ShardState
+from hf_zero.zero.preshard import is_presharded, materialize_, preshard_, reshard_, slice_of
+
+logger = logging.getLogger("hf_zero")
 
 
 def _as_list(params: torch.nn.Parameter | Iterable[torch.nn.Parameter] | None) -> list[torch.nn.Parameter]:
@@ -20,15 +27,19 @@ def _as_list(params: torch.nn.Parameter | Iterable[torch.nn.Parameter] | None) -
     return list(params)
 
 
+def _src_rank(group: dist.ProcessGroup | None, rank_in_group: int) -> int:
+    return dist.get_global_rank(group, rank_in_group) if group is not None else rank_in_group
+
+
 class GatheredParameters:
-    """Full parameters inside the block, even under ZeRO stage 3.
+    """Full parameters inside the block, even under ZeRO stage 3 or ``zero.Init``.
 
     With ``modifier_rank=r`` the values rank ``r`` holds when the block ends are broadcast to
     every rank and written into each rank's shard and fp32 master, so an edit (re-initialising a
     head, copying in pretrained weights) survives resharding and is what the optimizer continues
     from. With ``modifier_rank=None`` edits are discarded, as in DeepSpeed. Outside stage 3 the
     parameters are already whole; ``modifier_rank`` still broadcasts the edit and refreshes the
-    fp32 master copy.
+    fp32 master copy. Every rank must enter the block with the same parameters (it is a collective).
     """
 
     def __init__(
@@ -44,6 +55,8 @@ class GatheredParameters:
         self.enabled = enabled
         self._groups: list = []
         self._was_sharded: list[bool] = []
+        self._presharded: list[torch.nn.Parameter] = []
+        self._preshard_group: dist.ProcessGroup | None = None
 
     def __enter__(self) -> GatheredParameters:
         if not self.enabled:
@@ -57,12 +70,20 @@ class GatheredParameters:
                 self._was_sharded.append(g.state is ShardState.SHARDED)
                 g.gather(None)
                 g.wait()
+            elif is_presharded(p) and id(p) not in seen:
+                seen.add(id(p))
+                self._presharded.append(p)
+        if self._presharded:
+            self._preshard_group = self._presharded[0].hf_zero_preshard.group
+            materialize_(self._presharded, self._presharded[0].hf_zero_preshard.shard.device)
         return self
 
     def __exit__(self, exc_type: type | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         if not self.enabled:
             return
-        if self.modifier_rank is not None and exc_type is None and dist.is_initialized():
+        modify = self.modifier_rank is not None and exc_type is None and dist.is_initialized()
+        if modify:
+            assert self.modifier_rank is not None
             world = dist.get_world_size()
             for g in self._groups:
                 C.broadcast_(g.full, self.modifier_rank, None, world)
@@ -78,3 +99,225 @@ class GatheredParameters:
         for g, was in zip(self._groups, self._was_sharded):
             if was:
                 g.reshard()
+        if self._presharded:
+            # Without a modifier the shards are unchanged: every rank keeps the slice it had.
+            reshard_(self._presharded, self._preshard_group)
+
+
+# ----------------------------------------------------------------------------- zero.Init
+
+
+def _all_subclasses(cls: type) -> list[type]:
+    out, todo = [], [cls]
+    while todo:
+        c = todo.pop()
+        for s in c.__subclasses__():
+            out.append(s)
+            todo.append(s)
+    return out
+
+
+class Init:
+    """Build a model without any rank ever holding all of it (DeepSpeed's ``zero.Init``).
+
+    Inside the context every module's parameters are cut into per-rank slices as soon as that
+    module's ``__init__`` returns: the module's own initialisation runs on the real device, rank
+    0's values are broadcast, each rank keeps its slice and the parameter's data becomes a
+    ``meta`` tensor of the right shape. For a ``transformers`` model the library's weight
+    initialisation (``_init_weights``, which it applies after construction) is then replayed one
+    module at a time on gathered parameters, so a model built here starts from the same
+    distribution as one built without it. ``from_pretrained`` of a safetensors checkpoint builds
+    the model's skeleton on ``meta`` and has each rank read only its slices from the files.
+    ``hf_zero.initialize`` turns the slices into ZeRO-3 shards one unit at a time.
+
+    Like DeepSpeed, only what a module does to its *own* parameters in its ``__init__`` is seen:
+    a parent that re-initialises a child's weights after building it must do so inside
+    ``GatheredParameters(..., modifier_rank=0)``.
+    """
+
+    _active: Init | None = None
+
+    def __init__(
+        self,
+        module: torch.nn.Module | None = None,
+        data_parallel_group: dist.ProcessGroup | None = None,
+        mem_efficient_linear: bool = True,
+        remote_device: str | None = None,
+        pin_memory: bool = False,
+        config_dict_or_path: Any = None,
+        config: Any = None,
+        enabled: bool = True,
+        dtype: torch.dtype | None = None,
+        mpu: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        del mem_efficient_linear, pin_memory
+        for key, value in kwargs.items():
+            if key not in _DS_INIT_FLAGS:
+                raise TypeError(f"zero.Init() got an unexpected keyword argument '{key}'")
+            if value:
+                raise ValueError(f"zero.Init({key}=...) is not supported by hf_zero; leave it unset")
+        if remote_device not in (None, "none") and torch.device(remote_device).type != hz_dist.get_device().type:
+            raise ValueError(
+                f"zero.Init(remote_device={remote_device!r}): parameter offload is not supported by hf_zero; "
+                "leave remote_device unset"
+            )
+        if mpu is not None:
+            raise ValueError("zero.Init(mpu=...): model parallelism is not supported by hf_zero; leave mpu unset")
+        self.enabled = enabled
+        self.group = data_parallel_group
+        self.dtype = dtype if dtype is not None else self._dtype_from_config(config_dict_or_path or config)
+        self._wrapped: list[tuple[type, Any]] = []
+        self._building: set[int] = set()
+        self._pretrained_depth = 0
+        self.skeleton = False  # True while from_pretrained builds a skeleton whose values come from files
+        self._owner = False
+        self._saved_from_pretrained: Any = None
+        self._device_ctx: torch.device | None = None
+        self._pretrained_cls: type = torch.nn.Module
+        if enabled:
+            hz_dist.init_distributed()
+            self.device = hz_dist.get_device()
+            self.world_size = dist.get_world_size(self.group)
+            if module is not None:  # DeepSpeed's zero.Init(module=model): shard an already-built model
+                for m in module.modules():
+                    self._shard_own_params(m)
+
+    @staticmethod
+    def _dtype_from_config(cfg: Any) -> torch.dtype | None:
+        if cfg is None:
+            return None
+        from hf_zero.config import ZeroConfig
+
+        zc = cfg if isinstance(cfg, ZeroConfig) else ZeroConfig.load(cfg)
+        return None if zc.compute_dtype == torch.float32 else zc.compute_dtype
+
+    # --------------------------------------------------------------- context
+
+    def __enter__(self) -> Init:
+        if not self.enabled or Init._active is not None:
+            return self  # nested contexts: the outer one does the work
+        # Imported before any class is wrapped: importing transformers builds modules at import time.
+        from transformers import modeling_utils
+
+        from hf_zero.zero.pretrained import from_pretrained_sharded
+
+        self._pretrained_cls = modeling_utils.PreTrainedModel
+        Init._active = self
+        self._owner = True
+        # Modules build their weights straight on the training device (as DeepSpeed's Init does).
+        self._device_ctx = torch.device(self.device) if self.device.type == "cuda" else None
+        if self._device_ctx is not None:
+            self._device_ctx.__enter__()
+        for cls in [torch.nn.Module, *_all_subclasses(torch.nn.Module)]:
+            self._wrap_class(cls)
+        ctx = self
+
+        def init_subclass(cls: type, **kw: Any) -> None:
+            ctx._wrap_class(cls)
+
+        torch.nn.Module.__init_subclass__ = classmethod(init_subclass)  # type: ignore[assignment]
+        self._saved_from_pretrained = modeling_utils.PreTrainedModel.__dict__["from_pretrained"]
+
+        def from_pretrained(cls: type, *args: Any, **kw: Any) -> torch.nn.Module:
+            return from_pretrained_sharded(cls, ctx, *args, **kw)
+
+        modeling_utils.PreTrainedModel.from_pretrained = classmethod(from_pretrained)  # type: ignore[assignment]
+        return self
+
+    def __exit__(self, exc_type: type | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        if not self._owner:
+            return
+        from transformers import modeling_utils
+
+        modeling_utils.PreTrainedModel.from_pretrained = self._saved_from_pretrained
+        if "__init_subclass__" in torch.nn.Module.__dict__:
+            del torch.nn.Module.__init_subclass__
+        if self._device_ctx is not None:
+            self._device_ctx.__exit__(exc_type, exc, tb)
+            self._device_ctx = None
+        for cls, orig in reversed(self._wrapped):
+            cls.__init__ = orig
+        self._wrapped.clear()
+        Init._active = None
+        self._owner = False
+
+    def _wrap_class(self, cls: type) -> None:
+        orig = cls.__dict__.get("__init__")
+        if orig is None or getattr(orig, "_hf_zero_orig", None) is not None:
+            return
+
+        @functools.wraps(orig)
+        def wrapped(module: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
+            ctx = Init._active
+            if ctx is None or id(module) in ctx._building:
+                orig(module, *args, **kwargs)
+                return
+            ctx._constructed(module, orig, args, kwargs)
+
+        wrapped._hf_zero_orig = orig  # type: ignore[attr-defined]
+        try:
+            cls.__init__ = wrapped  # type: ignore[misc]
+        except (TypeError, AttributeError):
+            return  # a class whose attributes cannot be set (none in torch or transformers)
+        self._wrapped.append((cls, orig))
+
+    def _constructed(self, module: torch.nn.Module, orig: Any, args: tuple, kwargs: dict) -> None:
+        pretrained = isinstance(module, self._pretrained_cls)
+        self._building.add(id(module))
+        self._pretrained_depth += int(pretrained)
+        try:
+            orig(module, *args, **kwargs)
+        finally:
+            self._building.discard(id(module))
+            self._pretrained_depth -= int(pretrained)
+        if self.skeleton:
+            return
+        self._shard_own_params(module)
+        if pretrained and self._pretrained_depth == 0:
+            self._replay_transformers_init(module)
+
+    # --------------------------------------------------------------- sharding
+
+    def _shard_own_params(self, module: torch.nn.Module) -> None:
+        src = _src_rank(self.group, 0)
+        for p in module.parameters(recurse=False):
+            if is_presharded(p) or p.device.type == "meta":
+                continue
+            with torch.no_grad():
+                full = p.data.to(self.device, dtype=self.dtype or p.dtype if p.is_floating_point() else p.dtype)
+                C.broadcast_(full, src, self.group, self.world_size)
+                p.data = full
+                preshard_(p, slice_of(full, self.group, self.device), self.group)
+            del full
+
+    def _replay_transformers_init(self, model: torch.nn.Module) -> None:
+        """transformers initialises weights after construction; redo it here one module at a time."""
+        from transformers import PreTrainedModel
+
+        rank = dist.get_rank(self.group)
+
+        def visit(mod: torch.nn.Module, owner: PreTrainedModel) -> None:
+            for child in mod.children():
+                visit(child, child if isinstance(child, PreTrainedModel) else owner)
+            params: dict[int, torch.nn.Parameter] = {id(p): p for p in mod.parameters(recurse=False)}
+            for child in mod.children():  # _init_weights may reach into direct children
+                if not isinstance(child, PreTrainedModel):
+                    params.update({id(p): p for p in child.parameters(recurse=False)})
+            todo = [p for p in params.values() if is_presharded(p)]
+            if not todo:
+                return
+            with torch.no_grad(), GatheredParameters(todo, modifier_rank=0):
+                if rank == 0:
+                    owner._init_weights(mod)
+
+        visit(model, model)  # type: ignore[arg-type]
+
+
+_DS_INIT_FLAGS = (
+    "zero_param_parallel_group",
+    "zero_quantized_weights",
+    "zero_quantized_nontrainable_weights",
+    "sequence_data_parallel_group",
+    "param_swapper",
+)

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from hf_zero.zero import collectives as C
 from hf_zero.zero.flat import FlatGroup, ParamSlot
 from hf_zero.zero.params import ShardedParamGroup, Stage3Runtime, Unit, find_units
+from hf_zero.zero.preshard import materialize_
 
 
 def _buckets(named: list[tuple[str, torch.nn.Parameter]], bucket_numel: int) -> list[list]:
@@ -70,39 +71,16 @@ class ShardedOptimizer:
         self.device = device
         self.comm_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.gather_stream = torch.cuda.Stream(device) if device.type == "cuda" and stage == 3 else None
+        self._prefetch_numel, self._max_live_numel = prefetch_numel, max_live_numel
 
         names = {id(p): n for n, p in module.named_parameters(remove_duplicate=True)}
         self.flat_groups: list[FlatGroup] = []
         self.shard_groups: list[ShardedParamGroup] = []
         self.runtime: Stage3Runtime | None = None
-        unit_of: dict[int, int] = {}
-        unit_mods: list[tuple[str, torch.nn.Module]] = []
-        if stage == 3:
-            unit_mods = find_units(module)
-            for ui, (_, m) in enumerate(unit_mods):
-                for p in m.parameters():
-                    # A weight shared by two units (a tied embedding and LM head) must be whole whenever
-                    # either runs: it joins the root unit, which stays gathered for the whole step.
-                    unit_of[id(p)] = ui if unit_of.get(id(p), ui) == ui else -1
-        unit_groups: dict[int, list[ShardedParamGroup]] = {ui: [] for ui in range(-1, len(unit_mods))}
 
-        def shard(named: list, trainable: bool) -> list[torch.Tensor]:
-            masters = []
-            for ui in list(range(len(unit_mods))) + [-1]:
-                mine = [x for x in named if unit_of.get(id(x[1]), -1) == ui]
-                if mine:
-                    g = ShardedParamGroup(
-                        mine, compute_dtype=compute_dtype, reduce_dtype=reduce_dtype, trainable=trainable,
-                        group=group, rank=self.rank, world_size=self.world_size, device=device,
-                    )
-                    unit_groups[ui].append(g)
-                    self.shard_groups.append(g)
-                    if g.master is not None:
-                        masters.append(g.master)
-            return masters
-
+        # Which trainable parameters each optimizer param group holds (validated first, before any work).
         seen: set[int] = set()
-        group_masters: list[list[torch.Tensor]] = []
+        group_named: list[list[tuple[str, torch.nn.Parameter]]] = []
         for gi, pg in enumerate(optimizer.param_groups):
             named = []
             for p in pg["params"]:
@@ -116,12 +94,22 @@ class ShardedOptimizer:
                 seen.add(id(p))
                 if p.requires_grad:
                     named.append((names[id(p)], p))
-            masters = []
-            if stage == 3:
-                # Small parameters (norms, biases) stay whole on every rank, as stage 2 keeps them.
-                big = [x for x in named if x[1].numel() >= persistence_threshold]
-                named = [x for x in named if x[1].numel() < persistence_threshold]
-                masters += shard(big, trainable=True)
+            group_named.append(named)
+        missing = [n for n, p in module.named_parameters() if p.requires_grad and id(p) not in seen]
+        if missing:
+            raise ValueError(
+                f"parameter '{missing[0]}' requires grad but is in no optimizer param group; "
+                "freeze it (requires_grad=False) or pass it in model_parameters"
+            )
+
+        group_masters: list[list[torch.Tensor]] = [[] for _ in group_named]
+        if stage == 3:
+            self._build_stage3(module, group_named, group_masters, compute_dtype, reduce_dtype, persistence_threshold)
+            # Small parameters (norms, biases) stay whole on every rank, as stage 2 keeps them.
+            group_named = [[x for x in named if x[1].numel() < persistence_threshold] for named in group_named]
+        else:
+            materialize_(list(module.parameters()), device)
+        for gi, named in enumerate(group_named):
             # Reverse registration order approximates the order backward produces gradients.
             for bucket in _buckets(list(reversed(named)), bucket_numel):
                 fg = FlatGroup(
@@ -137,22 +125,7 @@ class ShardedOptimizer:
                     device=device,
                 )
                 self.flat_groups.append(fg)
-                masters.append(fg.master)
-            group_masters.append(masters)
-        missing = [n for n, p in module.named_parameters() if p.requires_grad and id(p) not in seen]
-        if missing:
-            raise ValueError(
-                f"parameter '{missing[0]}' requires grad but is in no optimizer param group; "
-                "freeze it (requires_grad=False) or pass it in model_parameters"
-            )
-        if stage == 3:
-            frozen = [(n, p) for n, p in module.named_parameters() if not p.requires_grad and p.numel() >= persistence_threshold]
-            shard(frozen, trainable=False)
-            units = [Unit(ui, n, m, unit_groups[ui], is_root=False) for ui, (n, m) in enumerate(unit_mods)]
-            units.append(Unit(len(units), "<root>", module, unit_groups[-1], is_root=True))
-            self.runtime = Stage3Runtime(
-                module, units, stream=self.gather_stream, reduce_stream=self.comm_stream, prefetch_numel=prefetch_numel, max_live_numel=max_live_numel
-            )
+                group_masters[gi].append(fg.master)
         for pg, masters in zip(optimizer.param_groups, group_masters):
             pg["params"] = masters
         optimizer.state = defaultdict(dict)
@@ -166,6 +139,55 @@ class ShardedOptimizer:
         self._sync = False
         self._next_launch = 0
         self.reduced = False
+
+    def _build_stage3(
+        self,
+        module: torch.nn.Module,
+        group_named: list[list[tuple[str, torch.nn.Parameter]]],
+        group_masters: list[list[torch.Tensor]],
+        compute_dtype: torch.dtype,
+        reduce_dtype: torch.dtype,
+        threshold: int,
+    ) -> None:
+        """Shard every parameter at or above ``threshold`` into per-unit, per-param-group flat shards.
+
+        Units are built one at a time: a model made under ``zero.Init`` arrives as per-parameter
+        slices, and only the unit being laid out is gathered whole, so no rank ever holds the model.
+        """
+        unit_mods = find_units(module)
+        unit_of: dict[int, int] = {}
+        for ui, (_, m) in enumerate(unit_mods):
+            for p in m.parameters():
+                # A weight shared by two units (a tied embedding and LM head) must be whole whenever
+                # either runs: it joins the root unit, which stays gathered for the whole step.
+                unit_of[id(p)] = ui if unit_of.get(id(p), ui) == ui else -1
+        names = dict(module.named_parameters())
+        frozen = [(n, p) for n, p in names.items() if not p.requires_grad]
+        units: list[Unit] = []
+        for ui in [*range(len(unit_mods)), -1]:
+            mine = [p for p in names.values() if unit_of.get(id(p), -1) == ui]
+            materialize_(mine, self.device)
+            groups: list[ShardedParamGroup] = []
+            for gi, named in [*enumerate(group_named), (-1, frozen)]:
+                picked = [x for x in named if unit_of.get(id(x[1]), -1) == ui and x[1].numel() >= threshold]
+                if not picked:
+                    continue
+                g = ShardedParamGroup(
+                    picked, compute_dtype=compute_dtype, reduce_dtype=reduce_dtype, trainable=gi >= 0,
+                    group=self.group, rank=self.rank, world_size=self.world_size, device=self.device,
+                )
+                groups.append(g)
+                self.shard_groups.append(g)
+                if g.master is not None:
+                    group_masters[gi].append(g.master)
+            if ui >= 0:
+                units.append(Unit(ui, unit_mods[ui][0], unit_mods[ui][1], groups, is_root=False))
+            else:
+                units.append(Unit(len(unit_mods), "<root>", module, groups, is_root=True))
+        self.runtime = Stage3Runtime(
+            module, units, stream=self.gather_stream, reduce_stream=self.comm_stream,
+            prefetch_numel=self._prefetch_numel, max_live_numel=self._max_live_numel,
+        )
 
     # ----------------------------------------------------------- backward
 
@@ -283,7 +305,9 @@ class ShardedOptimizer:
             return st.nbytes()
 
         params = sum(size(fg.param_flat) for fg in self.flat_groups)
-        params += sum(size(g.param_shard) + size(g.full) for g in self.shard_groups)
+        # In fp32 a stage-3 master shard is the parameter itself (as a stage 0-2 master is a view of it).
+        params += sum(size(g.master if g.param_shard is None and not g.mixed else g.param_shard) for g in self.shard_groups)
+        params += sum(size(g.full) for g in self.shard_groups)
         grads = sum(size(fg.grad_flat) + size(fg.master.grad) for fg in self.flat_groups)
         grads += sum(size(g.grad_flat) + size(None if g.master is None else g.master.grad) for g in self.shard_groups)
         optim = sum(size(m) for m in self.master_params())
