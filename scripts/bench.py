@@ -41,7 +41,7 @@ def build_model(shape: str, seq: int) -> torch.nn.Module:
     cfg = LlamaConfig(vocab_size=32000, max_position_embeddings=seq, **SHAPES[shape])
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
-    with torch.device("cuda"):
+    with torch.device("cuda"):  # (inside zero.Init, modules are built on the GPU and sliced as they are made)
         model = LlamaForCausalLM(cfg)
     return model
 
@@ -54,14 +54,23 @@ def flops_per_token(model: torch.nn.Module, seq: int) -> float:
 
 def run_engine(name: str, args: argparse.Namespace) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
-    model = build_model(args.model, args.seq)
+    build_peak = None
+    if name == "hf3i":  # stage 3 with the model built under zero.Init: no GPU ever holds all of it
+        import hf_zero
+
+        torch.cuda.reset_peak_memory_stats()
+        with hf_zero.zero.Init():
+            model = build_model(args.model, args.seq)
+        build_peak = torch.cuda.max_memory_allocated() / 2**30
+    else:
+        model = build_model(args.model, args.seq)
     fpt = flops_per_token(model, args.seq)
     nparams = sum(p.numel() for p in model.parameters())
     torch.cuda.reset_peak_memory_stats()
     if name.startswith("hf"):
         import hf_zero
 
-        stage = int(name[2:])
+        stage = int(name[2])
         cfg = {
             "train_micro_batch_size_per_gpu": args.micro,
             "gradient_accumulation_steps": 1,
@@ -161,7 +170,11 @@ def run_engine(name: str, args: argparse.Namespace) -> dict:
         "first_loss": losses[0],
         "last_loss": losses[-1],
         "world": world,
+        "alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries", 0),
     }
+    if build_peak is not None:
+        out["build_peak_gib"] = build_peak
+        out["full_model_gib"] = nparams * 4 / 2**30
     return out
 
 
@@ -217,6 +230,11 @@ def main() -> None:
         ratio = f"{r['tokens_per_s_per_gpu'] / best['tokens_per_s_per_gpu']:.3f}× {best['engine']}" if best and r["engine"].startswith("hf") else ""
         print(f"| {r['engine']} | {r['tokens_per_s_per_gpu']:,.0f} | {100 * r['mfu']:.1f}% | {r['peak_gib']:.1f} | {ratio} | "
               f"{r['first_loss']:.3f}→{r['last_loss']:.3f} |")
+    print("allocator retries (cudaFree + retry) on rank 0: " + ", ".join(f"{r['engine']} {r.get('alloc_retries', '?')}" for r in rows))
+    for r in rows:
+        if "build_peak_gib" in r:
+            print(f"{r['engine']}: built under zero.Init with a peak of {r['build_peak_gib']:.2f} GiB per GPU "
+                  f"(the whole model in fp32 is {r['full_model_gib']:.2f} GiB)")
 
 
 if __name__ == "__main__":
