@@ -183,7 +183,7 @@ def build_optimizer(
         raise OptimizerConfigError(f"{path}.bias_correction: got false, which hf_zero does not support; remove it")
     _flag(f"{path}.set_grad_none", p.get("set_grad_none", True))  # accepted: the engine owns the gradients
     cls = torch.optim.AdamW if decoupled else torch.optim.Adam
-    return cls(
+    opt = cls(
         groups,
         lr=_number(f"{path}.lr", p.get("lr", 1e-3)),
         betas=_betas(p.get("betas", (0.9, 0.999))),
@@ -192,6 +192,10 @@ def build_optimizer(
         amsgrad=_flag(f"{path}.amsgrad", p.get("amsgrad", False)),
         **_adam_kernel(groups),
     )
+    # Parameters built under zero.Init are on meta, where torch refuses fused=True; the engine
+    # switches the fused kernel on once the groups point at the masters on the GPU.
+    opt.hf_zero_fuse_on_device = True  # type: ignore[attr-defined]
+    return opt
 
 
 # ------------------------------------------------------------------ schedules

@@ -128,6 +128,14 @@ class ShardedOptimizer:
                 group_masters[gi].append(fg.master)
         for pg, masters in zip(optimizer.param_groups, group_masters):
             pg["params"] = masters
+            if (
+                getattr(optimizer, "hf_zero_fuse_on_device", False)
+                and pg.get("fused") is None
+                and not pg.get("foreach")
+                and masters
+                and all(m.is_cuda for m in masters)
+            ):
+                pg["fused"] = True  # the config's Adam, built on zero.Init's meta parameters
         optimizer.state = defaultdict(dict)
 
         self._slot_of: dict[int, tuple[FlatGroup, ParamSlot]] = {}
