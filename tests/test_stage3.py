@@ -1,8 +1,9 @@
 """ZeRO stage 3 against the single-process oracle, and what a rank really holds.
 
-Tiny GPT-2 (tied embedding / LM head) and tiny Llama built from configs, fp32: losses and
-weights equal one process training on the concatenated batch (rel. 1e-5) at world sizes
-1-4, with and without gradient accumulation and clipping.
+Tiny GPT-2 (tied embedding / LM head), tiny Llama built from configs, and a model whose units
+are top-level children (one called twice per step, one frozen, keyword-only forward), fp32:
+losses and weights equal one process training on the concatenated batch (rel. 1e-5) at world
+sizes 1-4, with and without gradient accumulation and clipping.
 """
 
 from __future__ import annotations
@@ -22,10 +23,36 @@ VOCAB = 61
 EPS = 1e-4
 
 
+class Reuse(torch.nn.Module):
+    """Units that are top-level children: one called twice per step, one frozen; keyword-only forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(VOCAB, 30)
+        self.block = torch.nn.Sequential(torch.nn.Linear(30, 47), torch.nn.GELU(), torch.nn.Linear(47, 30))
+        self.frozen = torch.nn.Linear(30, 30)
+        self.frozen.requires_grad_(False)
+        self.norm = torch.nn.LayerNorm(30)
+        self.head = torch.nn.Linear(30, VOCAB, bias=False)
+
+    def forward(self, *, input_ids: torch.Tensor, labels: torch.Tensor):  # noqa: ANN201
+        from transformers.modeling_outputs import CausalLMOutput
+
+        h = self.emb(input_ids)
+        h = h + self.block(h)
+        h = h + self.block(self.norm(h))  # the same unit again, before the first call's backward
+        h = h + self.frozen(h)
+        logits = self.head(h)
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+        return CausalLMOutput(loss=loss, logits=logits)
+
+
 def _model(kind: str) -> torch.nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
+    if kind == "reuse":
+        return Reuse()
     if kind == "gpt2":
         cfg = GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=30, n_layer=2, n_head=3, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
         return GPT2LMHeadModel(cfg)
@@ -104,7 +131,7 @@ def _grid(rank: int, world: int, cases: list) -> list:
     return out
 
 
-CASES = [["gpt2", 1, 0.0], ["gpt2", 2, 0.3], ["llama", 1, 0.3], ["llama", 2, 0.0]]
+CASES = [["gpt2", 1, 0.0], ["gpt2", 2, 0.3], ["llama", 1, 0.3], ["llama", 2, 0.0], ["reuse", 1, 0.3], ["reuse", 2, 0.0]]
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
