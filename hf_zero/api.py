@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from hf_zero import dist as hz_dist
 from hf_zero.config import ConfigError, ZeroConfig
+from hf_zero.data import ResumableDistributedSampler
 from hf_zero.engine import UsageError, ZeroEngine
 from hf_zero.optim import build_optimizer, build_scheduler
 
@@ -51,15 +52,19 @@ def _make_dataloader(training_data: Any, collate_fn: Callable | None, cfg: ZeroC
         raise UsageError(
             f"initialize(training_data=...) expects a torch Dataset (or anything with __len__ and __getitem__), got {type(training_data).__name__}"
         )
-    sampler = torch.utils.data.DistributedSampler(
+    sampler = ResumableDistributedSampler(
         training_data,
         num_replicas=dist.get_world_size(group),
         rank=dist.get_rank(group),
         shuffle=True,
         seed=cfg.seed if cfg.seed is not None else 0,
     )
+    # The loader draws its worker base seed from this generator, not from the global RNG, so
+    # starting an epoch (or resuming in the middle of one) does not shift dropout's random stream.
+    generator = torch.Generator().manual_seed(cfg.seed if cfg.seed is not None else 0)
     return torch.utils.data.DataLoader(
-        training_data, batch_size=cfg.train_micro_batch_size_per_gpu, sampler=sampler, collate_fn=collate_fn
+        training_data, batch_size=cfg.train_micro_batch_size_per_gpu, sampler=sampler, collate_fn=collate_fn,
+        generator=generator,
     )
 
 

@@ -335,6 +335,47 @@ class ZeroEngine(torch.nn.Module):
         if self.zero_optimizer is not None:
             self.zero_optimizer.zero_grad()
 
+    # ------------------------------------------------------ checkpoints
+
+    def save_checkpoint(
+        self, save_dir: str, tag: str | None = None, client_state: dict | None = None, save_latest: bool = True,
+        exclude_frozen_parameters: bool = False,
+    ) -> str:
+        """Write a resume checkpoint (every rank calls this); ``tag`` defaults to ``global_step<N>``.
+
+        The checkpoint loads at any world size and ZeRO stage; see :mod:`hf_zero.checkpoint.sharded`.
+        """
+        from hf_zero.checkpoint import sharded
+
+        if exclude_frozen_parameters:
+            raise UsageError("save_checkpoint(exclude_frozen_parameters=True) is not supported yet; leave it False")
+        return sharded.save(self, save_dir, tag, client_state, save_latest=save_latest)
+
+    def load_checkpoint(
+        self,
+        load_dir: str,
+        tag: str | None = None,
+        load_module_strict: bool = True,
+        load_optimizer_states: bool = True,
+        load_lr_scheduler_states: bool = True,
+        load_module_only: bool = False,
+        custom_load_fn: Any = None,
+    ) -> tuple[str, dict]:
+        """Restore a checkpoint written by ``save_checkpoint`` at any world size and stage.
+
+        Returns ``(path, client_state)`` as DeepSpeed does.
+        """
+        from hf_zero.checkpoint import sharded
+
+        if not load_module_strict:
+            raise UsageError("load_checkpoint(load_module_strict=False) is not supported yet; the model must match the checkpoint")
+        if custom_load_fn is not None:
+            raise UsageError("load_checkpoint(custom_load_fn=...) is not supported; checkpoints are read as safetensors")
+        return sharded.load(
+            self, load_dir, tag, load_optimizer_states=load_optimizer_states,
+            load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
+        )
+
     # --------------------------------------------------------- helpers
 
     def memory_bytes(self) -> dict[str, int]:

@@ -102,6 +102,7 @@ class ShardedOptimizer:
                 "freeze it (requires_grad=False) or pass it in model_parameters"
             )
 
+        self.group_names = [[n for n, _ in named] for named in group_named]  # checkpoints record them
         group_masters: list[list[torch.Tensor]] = [[] for _ in group_named]
         if stage == 3:
             self._build_stage3(module, group_named, group_masters, compute_dtype, reduce_dtype, persistence_threshold)

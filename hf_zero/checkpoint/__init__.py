@@ -1,0 +1,5 @@
+"""Checkpoints: reshardable resume state (``sharded``) and Hugging Face weights (``consolidated``)."""
+
+from hf_zero.checkpoint.sharded import CheckpointError
+
+__all__ = ["CheckpointError"]

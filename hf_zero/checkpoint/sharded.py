@@ -1,0 +1,499 @@
+"""Resume checkpoints: what each rank owns, by parameter name, in safetensors + JSON.
+
+Layout of ``<save_dir>/<tag>/``::
+
+    checkpoint.json            written by rank 0: counters, scaler, scheduler, optimizer hyper-
+                               parameters, the parameter table (name, shape, dtype, group) and
+                               the client state
+    rank00000.json             per rank: which elements of which parameter each tensor holds,
+                               RNG states, data-loader position
+    rank00000-000.safetensors  per rank: the fp32 master elements this rank owns, the matching
+                               optimizer state, frozen parameters, buffers (rank 0), RNG tensors
+
+Nothing is stored by flat-buffer position: every tensor is "elements [a, b) of parameter
+``name`` (flattened)". A run with any world size and any ZeRO stage computes which elements it
+owns and reads exactly those from whichever files hold them, so resharding needs no conversion
+step, and a pipeline layout (which only changes who owns what) fits the same format.
+
+Atomic: every rank writes into ``.<tag>.partial/``; after a barrier rank 0 writes
+``checkpoint.json`` last, fsyncs, renames the directory to ``<tag>`` and only then replaces
+``latest``. A crash at any point leaves the previous checkpoint and ``latest`` untouched.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from collections import defaultdict
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+FORMAT = "hf_zero.resume/1"
+LATEST = "latest"
+MAX_FILE_BYTES = 2 * 2**30
+_KERNEL_KEYS = ("fused", "foreach", "capturable", "differentiable")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint cannot be written or read as asked."""
+
+
+# ------------------------------------------------------------------ ownership
+
+
+def owned_ranges(group: Any) -> Iterator[tuple[Any, int, int, int]]:
+    """``(slot, a, b, m)``: elements ``[a, b)`` of ``slot.param`` are ``group.master[m : m + b - a]``."""
+    if hasattr(group, "shard_lo"):  # FlatGroup (stages 0-2)
+        lo, hi = group.shard_lo, group.shard_hi
+    else:  # ShardedParamGroup (stage 3)
+        lo = group.rank * group.shard_numel
+        hi = lo + group.shard_numel
+    for s in group.slots:
+        a, b = max(s.offset, lo), min(s.offset + s.numel, hi)
+        if a < b:
+            yield s, a - s.offset, b - s.offset, a - lo
+
+
+def _writes(group: Any, rank: int) -> bool:
+    """Whether this rank is the one that stores the group's elements (stage 0 replicates them)."""
+    return getattr(group, "partitioned", True) or rank == 0
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_json(path: str, obj: Any) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _jsonable(obj: Any, where: str) -> Any:
+    """Scheduler and client state as JSON; tensors become lists; anything else is an error."""
+    if isinstance(obj, (str, bool, int, float)) or obj is None:
+        return obj
+    if isinstance(obj, torch.Tensor):
+        return {"__tensor__": obj.tolist(), "dtype": str(obj.dtype).removeprefix("torch.")}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v, f"{where}[{i}]") for i, v in enumerate(obj)]
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v, f"{where}.{k}") for k, v in obj.items()}
+    raise CheckpointError(
+        f"{where} is a {type(obj).__name__}, which a checkpoint cannot store without pickle; "
+        "keep it to numbers, strings, lists, dicts and tensors"
+    )
+
+
+def _unjson(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        if "__tensor__" in obj:
+            return torch.tensor(obj["__tensor__"], dtype=getattr(torch, obj["dtype"]))
+        return {k: _unjson(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_unjson(v) for v in obj]
+    return obj
+
+
+def _rng_state(device: torch.device) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    tensors = {"rng.torch_cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        tensors["rng.torch_cuda"] = torch.cuda.get_rng_state(device)
+    py = random.getstate()
+    npst = np.random.get_state()
+    meta = {
+        "python": [py[0], list(py[1]), py[2]],
+        "numpy": [npst[0], npst[1].tolist(), int(npst[2]), int(npst[3]), float(npst[4])],
+    }
+    return tensors, meta
+
+
+def _set_rng_state(tensors: dict[str, torch.Tensor], meta: dict[str, Any], device: torch.device) -> None:
+    torch.set_rng_state(tensors["rng.torch_cpu"])
+    if device.type == "cuda" and "rng.torch_cuda" in tensors:
+        torch.cuda.set_rng_state(tensors["rng.torch_cuda"], device)
+    py = meta["python"]
+    random.setstate((py[0], tuple(py[1]), py[2]))
+    n = meta["numpy"]
+    np.random.set_state((n[0], np.array(n[1], dtype=np.uint32), n[2], n[3], n[4]))
+
+
+# ---------------------------------------------------------------------- save
+
+
+def save(engine: Any, save_dir: str, tag: str | None, client_state: dict | None, save_latest: bool = True) -> str:
+    """Write a resume checkpoint of ``engine``; collective (every rank calls it). Returns its path."""
+    from safetensors.torch import save_file
+
+    zo = engine.zero_optimizer
+    if zo is None:
+        raise CheckpointError("save_checkpoint needs an engine with an optimizer")
+    if engine.micro_steps % engine.gradient_accumulation_steps() != 0:
+        raise CheckpointError(
+            f"save_checkpoint was called in the middle of gradient accumulation (micro step {engine.micro_steps}, "
+            f"accumulation {engine.gradient_accumulation_steps()}); call it after the boundary's engine.step()"
+        )
+    tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
+    if not tag or "/" in tag or tag.startswith(".") or tag == LATEST:
+        raise CheckpointError(f"save_checkpoint(tag={tag!r}): a tag must be a plain, non-hidden directory name other than '{LATEST}'")
+    group, rank = engine.group, dist.get_rank(engine.group)
+    world = dist.get_world_size(group)
+    final = os.path.join(save_dir, tag)
+    partial = os.path.join(save_dir, f".{tag}.partial")
+    client = _jsonable(client_state or {}, "client_state")  # every rank checks before anything is written
+    if rank == 0:
+        os.makedirs(save_dir, exist_ok=True)
+        shutil.rmtree(partial, ignore_errors=True)  # a crashed earlier attempt at the same tag
+        os.makedirs(partial)
+    dist.barrier(group)
+
+    tensors: dict[str, torch.Tensor] = {}
+    ranges: dict[str, Any] = {}
+    scalars: dict[str, dict[str, Any]] = {}
+    opt_state = zo.optimizer.state
+    for g in zo._all_groups():
+        if not _writes(g, rank):
+            continue
+        master = g.master
+        state = opt_state.get(master, {}) if master is not None else {}
+        for slot, a, b, m in owned_ranges(g):
+            n = b - a
+            if master is not None:
+                key = f"master|{slot.name}"
+                tensors[key] = master.detach()[m : m + n].float().cpu().clone()
+                ranges[key] = [slot.name, a, b]
+                for k, v in state.items():
+                    if torch.is_tensor(v) and v.numel() == master.numel() and v.numel() > 1:
+                        key = f"optim.{k}|{slot.name}"
+                        tensors[key] = v.detach()[m : m + n].cpu().clone()
+                        ranges[key] = [slot.name, a, b]
+                    elif torch.is_tensor(v) and v.numel() <= 1:
+                        scalars.setdefault(slot.name, {})[k] = {"value": v.item(), "dtype": str(v.dtype).removeprefix("torch.")}
+                    else:
+                        scalars.setdefault(slot.name, {})[k] = {"value": _jsonable(v, f"optimizer state '{k}'")}
+            else:  # a frozen stage-3 group: its shard holds the values
+                key = f"frozen|{slot.name}"
+                tensors[key] = g.param_shard.detach()[m : m + n].cpu().clone()
+                ranges[key] = [slot.name, a, b]
+    grouped = {id(s.param) for g in zo._all_groups() for s in g.slots}
+    if rank == 0:
+        for name, p in engine.module.named_parameters():
+            if id(p) not in grouped:  # frozen and whole on every rank
+                key = f"frozen|{name}"
+                tensors[key] = p.detach().reshape(-1).cpu().clone()
+                ranges[key] = [name, 0, p.numel()]
+        for name, b in engine.module.state_dict(keep_vars=True).items():
+            if not isinstance(b, torch.nn.Parameter) and torch.is_tensor(b):
+                tensors[f"buffer|{name}"] = b.detach().cpu().clone()
+    rng_tensors, rng_meta = _rng_state(engine.device)
+    tensors.update(rng_tensors)
+
+    # Split into files of at most MAX_FILE_BYTES so no rank stages everything in one buffer.
+    files: dict[str, str] = {}
+    chunk: dict[str, torch.Tensor] = {}
+    size = 0
+    index = 0
+
+    def flush() -> None:
+        nonlocal chunk, size, index
+        if not chunk:
+            return
+        fname = f"rank{rank:05d}-{index:03d}.safetensors"
+        path = os.path.join(partial, fname)
+        save_file(chunk, path, metadata={"format": FORMAT})
+        with open(path, "rb+") as f:
+            os.fsync(f.fileno())
+        for k in chunk:
+            files[k] = fname
+        chunk, size, index = {}, 0, index + 1
+
+    for key, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if chunk and size + nbytes > MAX_FILE_BYTES:
+            flush()
+        chunk[key] = t.contiguous()
+        size += nbytes
+    flush()
+    del tensors, chunk
+    sampler = getattr(getattr(engine, "training_dataloader", None), "sampler", None)
+    rank_meta = {
+        "files": files,
+        "ranges": ranges,
+        "scalars": scalars,
+        "rng": rng_meta,
+        "sampler": sampler.state_dict() if hasattr(sampler, "state_dict") else None,
+    }
+    _write_json(os.path.join(partial, f"rank{rank:05d}.json"), rank_meta)
+    dist.barrier(group)
+
+    if rank == 0:
+        groups_meta = []
+        for pg in zo.optimizer.param_groups:
+            hyper = {k: _jsonable(v, f"optimizer param group '{k}'") for k, v in pg.items() if k != "params"}
+            groups_meta.append(hyper)
+        group_of = {}
+        for gi, names in enumerate(zo.group_names):
+            for n in names:
+                group_of[n] = gi
+        meta = {
+            "format": FORMAT,
+            "world_size": world,
+            "zero_stage": engine.zero_optimization_stage(),
+            "compute_dtype": str(engine.compute_dtype).removeprefix("torch."),
+            "global_steps": engine.global_steps,
+            "micro_steps": engine.micro_steps,
+            "gradient_accumulation_steps": engine.gradient_accumulation_steps(),
+            "global_samples": engine.global_samples,
+            "skipped_steps": engine.skipped_steps,
+            "loss_scaler": engine.loss_scaler.state_dict() if engine.loss_scaler is not None else None,
+            "lr_scheduler": _jsonable(engine.lr_scheduler.state_dict(), "lr_scheduler state")
+            if engine.lr_scheduler is not None and hasattr(engine.lr_scheduler, "state_dict")
+            else None,
+            "optimizer": {"type": type(zo.optimizer).__name__, "param_groups": groups_meta},
+            "params": {
+                n: {"shape": list(p.shape), "dtype": str(p.dtype).removeprefix("torch."), "trainable": p.requires_grad,
+                    "group": group_of.get(n)}
+                for n, p in engine.module.named_parameters()
+            },
+            "client_state": client,
+        }
+        _write_json(os.path.join(partial, "checkpoint.json"), meta)
+        _fsync_dir(partial)
+        if os.path.exists(final):  # overwriting a tag: the old one goes only once the new one is whole
+            old = os.path.join(save_dir, f".{tag}.old")
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
+            os.replace(partial, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(partial, final)
+        _fsync_dir(save_dir)
+        if save_latest:
+            tmp = os.path.join(save_dir, f".{LATEST}.tmp")
+            with open(tmp, "w") as f:
+                f.write(tag)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, os.path.join(save_dir, LATEST))
+            _fsync_dir(save_dir)
+    dist.barrier(group)
+    return final
+
+
+# ---------------------------------------------------------------------- load
+
+
+class _Reader:
+    """Every tensor of a checkpoint by what it holds: (kind, parameter) -> [(file, key, a, b)]."""
+
+    def __init__(self, path: str, world: int) -> None:
+        from safetensors import safe_open
+
+        self.path = path
+        self._open = safe_open
+        self.handles: dict[str, Any] = {}
+        self.index: dict[tuple[str, str], list[tuple[str, str, int, int]]] = defaultdict(list)
+        self.scalars: dict[str, dict[str, Any]] = {}
+        self.rank_meta: list[dict] = []
+        for r in range(world):
+            meta_path = os.path.join(path, f"rank{r:05d}.json")
+            if not os.path.isfile(meta_path):
+                raise CheckpointError(f"{path} is incomplete: {os.path.basename(meta_path)} is missing")
+            with open(meta_path) as f:
+                rm = json.load(f)
+            self.rank_meta.append(rm)
+            for key, (name, a, b) in rm["ranges"].items():
+                kind = key.split("|", 1)[0]
+                self.index[(kind, name)].append((rm["files"][key], key, a, b))
+            for name, vals in rm["scalars"].items():
+                self.scalars.setdefault(name, {}).update(vals)
+        self.files0 = self.rank_meta[0]["files"]
+
+    def handle(self, fname: str) -> Any:
+        if fname not in self.handles:
+            self.handles[fname] = self._open(os.path.join(self.path, fname), framework="pt", device="cpu")
+        return self.handles[fname]
+
+    def read(self, kind: str, name: str, lo: int, hi: int, out: torch.Tensor) -> None:
+        """Fill ``out`` (``hi - lo`` elements) with elements ``[lo, hi)`` of ``name``'s ``kind`` tensor."""
+        pieces = self.index.get((kind, name))
+        if not pieces:
+            raise CheckpointError(f"{self.path} has no '{kind}' values for parameter '{name}'")
+        covered = 0
+        for fname, key, a, b in pieces:
+            x, y = max(a, lo), min(b, hi)
+            if x < y:
+                sl = self.handle(fname).get_slice(key)
+                out[x - lo : y - lo].copy_(sl[x - a : y - a])
+                covered += y - x
+        if covered != hi - lo:
+            raise CheckpointError(f"{self.path} covers {covered} of elements [{lo}, {hi}) of '{name}' ({kind}); it is damaged")
+
+    def tensor(self, rank: int, key: str) -> torch.Tensor:
+        return self.handle(self.rank_meta[rank]["files"][key]).get_tensor(key)
+
+
+def resolve_tag(load_dir: str, tag: str | None) -> str:
+    if tag is None:
+        latest = os.path.join(load_dir, LATEST)
+        if not os.path.isfile(latest):
+            raise CheckpointError(f"{load_dir} has no '{LATEST}' file; pass tag= or a directory written by save_checkpoint")
+        with open(latest) as f:
+            tag = f.read().strip()
+    path = os.path.join(load_dir, str(tag))
+    if not os.path.isfile(os.path.join(path, "checkpoint.json")):
+        raise CheckpointError(f"{path} is not a complete hf_zero checkpoint (no checkpoint.json)")
+    return path
+
+
+def load(
+    engine: Any,
+    load_dir: str,
+    tag: str | None,
+    load_optimizer_states: bool = True,
+    load_lr_scheduler_states: bool = True,
+    load_module_only: bool = False,
+) -> tuple[str, dict]:
+    """Restore ``engine`` from a checkpoint of any world size and stage. Returns ``(path, client_state)``."""
+    path = resolve_tag(load_dir, tag)
+    with open(os.path.join(path, "checkpoint.json")) as f:
+        meta = json.load(f)
+    if meta.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: format {meta.get('format')!r} is not {FORMAT!r}")
+    saved_params = meta["params"]
+    here = dict(engine.module.named_parameters())
+    missing = sorted(set(here) - set(saved_params))
+    extra = sorted(set(saved_params) - set(here))
+    if missing or extra:
+        raise CheckpointError(
+            f"{path} was saved from a different model: missing {missing[:5]}, unexpected {extra[:5]}; load it into the same architecture"
+        )
+    for n, p in here.items():
+        if list(p.shape) != saved_params[n]["shape"]:
+            raise CheckpointError(f"{path}: parameter '{n}' has shape {saved_params[n]['shape']} there and {list(p.shape)} here")
+    reader = _Reader(path, int(meta["world_size"]))
+    zo = engine.zero_optimizer
+    if zo is None:
+        raise CheckpointError("load_checkpoint needs an engine with an optimizer")
+    if zo.runtime is not None:
+        zo.runtime.release_inference()
+    rank = dist.get_rank(engine.group)
+    with torch.no_grad():
+        grouped = set()
+        for g in zo._all_groups():
+            for slot, a, b, m in owned_ranges(g):
+                grouped.add(id(slot.param))
+                n = b - a
+                if g.master is not None:
+                    buf = torch.empty(n, dtype=torch.float32)
+                    reader.read("master", slot.name, a, b, buf)
+                    g.master[m : m + n].copy_(buf)
+                else:
+                    buf = torch.empty(n, dtype=g.param_shard.dtype)
+                    kind = "frozen" if ("frozen", slot.name) in reader.index else "master"
+                    reader.read(kind, slot.name, a, b, buf)
+                    g.param_shard[m : m + n].copy_(buf)
+            for s in g.slots:
+                grouped.add(id(s.param))
+        for name, p in engine.module.named_parameters():
+            if id(p) in grouped:
+                continue
+            buf = torch.empty(p.numel(), dtype=p.dtype)
+            kind = "frozen" if ("frozen", name) in reader.index else "master"
+            reader.read(kind, name, 0, p.numel(), buf)
+            p.data.copy_(buf.view(p.shape))
+        state = engine.module.state_dict(keep_vars=True)
+        for name, b in state.items():
+            if not isinstance(b, torch.nn.Parameter) and torch.is_tensor(b):
+                key = f"buffer|{name}"
+                if key in reader.files0:
+                    b.copy_(reader.tensor(0, key))
+        for g in zo._all_groups():
+            g.publish_master(None)
+    if not load_module_only and load_optimizer_states:
+        _load_optimizer(engine, reader, meta, path)
+    if not load_module_only:
+        if load_lr_scheduler_states and engine.lr_scheduler is not None and meta["lr_scheduler"] is not None:
+            engine.lr_scheduler.load_state_dict(_unjson(meta["lr_scheduler"]))
+        if engine.loss_scaler is not None and meta["loss_scaler"] is not None:
+            engine.loss_scaler.load_state_dict(meta["loss_scaler"])
+        engine.global_steps = int(meta["global_steps"])
+        # Saved on an accumulation boundary; with a different accumulation count (another world size
+        # keeping the global batch) the micro-step counter restarts from that boundary.
+        same_gas = int(meta.get("gradient_accumulation_steps", 1)) == engine.gradient_accumulation_steps()
+        engine.micro_steps = int(meta["micro_steps"]) if same_gas else engine.global_steps * engine.gradient_accumulation_steps()
+        engine.global_samples = int(meta["global_samples"])
+        engine.skipped_steps = int(meta["skipped_steps"])
+        same_world = int(meta["world_size"]) == engine.world_size
+        src = rank if same_world else 0
+        rng_keys = [k for k in reader.rank_meta[src]["files"] if k.startswith("rng.")]
+        _set_rng_state({k: reader.tensor(src, k) for k in rng_keys}, reader.rank_meta[src]["rng"], engine.device)
+        sampler = getattr(getattr(engine, "training_dataloader", None), "sampler", None)
+        saved_sampler = reader.rank_meta[0]["sampler"]
+        if saved_sampler is not None and hasattr(sampler, "load_state_dict"):
+            sampler.load_state_dict(saved_sampler)
+    return path, _unjson(meta["client_state"])
+
+
+def _load_optimizer(engine: Any, reader: _Reader, meta: dict, path: str) -> None:
+    """Rebuild torch's optimizer state for this rank's masters, then let torch place it."""
+    zo = engine.zero_optimizer
+    opt = zo.optimizer
+    saved_groups = meta["optimizer"]["param_groups"]
+    if len(saved_groups) != len(opt.param_groups):
+        raise CheckpointError(
+            f"{path} has {len(saved_groups)} optimizer param groups and this run has {len(opt.param_groups)}; "
+            "build the optimizer the same way, or pass load_optimizer_states=False"
+        )
+    master_index = {id(m): i for i, m in enumerate(m for pg in opt.param_groups for m in pg["params"])}
+    state_keys = sorted({kind.removeprefix("optim.") for kind, _ in reader.index if kind.startswith("optim.")})
+    new_state: dict[int, dict[str, Any]] = {}
+    for g in zo._all_groups():
+        if g.master is None:
+            continue
+        st: dict[str, Any] = {}
+        for k in state_keys:
+            full = torch.zeros(g.master.numel(), dtype=torch.float32)
+            any_part = False
+            for slot, a, b, m in owned_ranges(g):
+                if (f"optim.{k}", slot.name) in reader.index:
+                    reader.read(f"optim.{k}", slot.name, a, b, full[m : m + b - a])
+                    any_part = True
+            if any_part:
+                st[k] = full
+        scal: dict[str, Any] = {}
+        for slot, _, _, _ in owned_ranges(g):
+            for k, v in reader.scalars.get(slot.name, {}).items():
+                prev = scal.get(k)
+                if prev is not None and prev["value"] != v["value"]:
+                    # Parameters stepped a different number of times share this master now: keep the most.
+                    v = v if v["value"] > prev["value"] else prev
+                scal[k] = v
+        for k, v in scal.items():
+            st[k] = torch.tensor(v["value"], dtype=getattr(torch, v["dtype"])) if "dtype" in v else _unjson(v["value"])
+        if st:
+            new_state[master_index[id(g.master)]] = st
+    groups = []
+    for pg, saved in zip(opt.param_groups, saved_groups):
+        d = dict(_unjson(saved))
+        for k in _KERNEL_KEYS:  # how this run's optimizer steps (fused on GPU, loops on CPU) stays its own
+            if k in pg:
+                d[k] = pg[k]
+            else:
+                d.pop(k, None)
+        d["params"] = [master_index[id(m)] for m in pg["params"]]
+        groups.append(d)
+    opt.load_state_dict({"state": new_state, "param_groups": groups})
