@@ -302,6 +302,44 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
     return 0
 
 
+# ------------------------------------------------------------------------- consolidate
+
+
+def _add_consolidate_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "consolidate",
+        help="turn a resume checkpoint into a from_pretrained folder (offline, on a CPU)",
+        description="Write a resume checkpoint's full weights in Hugging Face's safetensors layout, one tensor at "
+        "a time (memory bounded by the largest tensor). Trainable weights come from the fp32 masters.",
+        allow_abbrev=False,
+    )
+    p.add_argument("checkpoint_dir", help="the save_checkpoint directory (its 'latest' is used) or a tag inside it")
+    p.add_argument("out_dir", help="where to write model.safetensors / shards, config.json, generation_config.json")
+    p.add_argument("--tag", default=None, help="checkpoint tag (default: the one 'latest' names)")
+    p.add_argument("--max_shard_size", default="5GB", help="split into shards above this size (default 5GB)")
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16", "auto"],
+                   help="dtype of the floating weights; auto keeps the dtype the model trained in (default fp32)")
+    p.set_defaults(handler=_cmd_consolidate)
+
+
+def _cmd_consolidate(args: argparse.Namespace) -> int:
+    import os
+
+    import torch
+
+    from hf_zero.checkpoint.consolidated import consolidate
+
+    ckpt, tag = args.checkpoint_dir, args.tag
+    if tag is None and not os.path.isfile(os.path.join(ckpt, "latest")) and os.path.isfile(os.path.join(ckpt, "checkpoint.json")):
+        ckpt, tag = os.path.split(os.path.normpath(ckpt))  # a tag directory was given directly
+    if not os.path.isdir(ckpt):
+        raise ValueError(f"{args.checkpoint_dir} does not exist; pass the directory save_checkpoint wrote")
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "auto": None}[args.dtype]
+    files = consolidate(ckpt, args.out_dir, tag=tag, max_shard_size=args.max_shard_size, dtype=dtype)
+    print(f"wrote {len(files)} weight file(s) to {args.out_dir}")
+    return 0
+
+
 # -------------------------------------------------------------------------------- main
 
 
@@ -310,9 +348,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hf-zero", description="ZeRO training for the Hugging Face stack: launch jobs and size them."
     )
-    subparsers = parser.add_subparsers(dest="command", metavar="{launch,estimate}", required=True)
+    subparsers = parser.add_subparsers(dest="command", metavar="{launch,estimate,consolidate}", required=True)
     _add_launch_parser(subparsers)
     _add_estimate_parser(subparsers)
+    _add_consolidate_parser(subparsers)
     return parser
 
 

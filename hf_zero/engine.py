@@ -376,6 +376,18 @@ class ZeroEngine(torch.nn.Module):
             load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
         )
 
+    def save_pretrained(
+        self, save_directory: str, max_shard_size: int | str = "5GB", dtype: torch.dtype | None = None
+    ) -> list[str]:
+        """The model's full weights in Hugging Face's layout (every rank calls this; rank 0 writes).
+
+        ``dtype`` defaults to the dtype the module holds (the compute dtype); stage-3 units are
+        gathered one at a time. The folder loads with ``from_pretrained``.
+        """
+        from hf_zero.checkpoint import consolidated
+
+        return consolidated.save_pretrained(self, save_directory, max_shard_size=max_shard_size, dtype=dtype)
+
     # --------------------------------------------------------- helpers
 
     def memory_bytes(self) -> dict[str, int]:

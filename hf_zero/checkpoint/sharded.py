@@ -270,6 +270,9 @@ def save(engine: Any, save_dir: str, tag: str | None, client_state: dict | None,
             },
             "client_state": client,
         }
+        from hf_zero.checkpoint.consolidated import save_model_config
+
+        save_model_config(engine.module, partial, None)  # so `hf-zero consolidate` can write config.json
         _write_json(os.path.join(partial, "checkpoint.json"), meta)
         _fsync_dir(partial)
         if os.path.exists(final):  # overwriting a tag: the old one goes only once the new one is whole

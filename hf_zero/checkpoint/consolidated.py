@@ -1,0 +1,257 @@
+"""Full weights in Hugging Face's layout, written one tensor at a time.
+
+``model.safetensors`` (or ``model-0000i-of-0000n.safetensors`` plus
+``model.safetensors.index.json`` when over ``max_shard_size``), ``config.json`` and the
+generation config: what ``from_pretrained`` reads. The shard plan comes from
+``huggingface_hub.split_torch_state_dict_into_shards``; the files are written by a small
+streaming writer (header first, then each tensor's bytes as it arrives) because safetensors'
+own writer needs every tensor of a file in memory at once, which is exactly what consolidating
+a model too big for one device must avoid.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+_DTYPES = {
+    torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
+}
+
+
+class StreamingSafetensorsWriter:
+    """Write a safetensors file whose tensors are produced one by one, in the declared order."""
+
+    def __init__(self, path: str, entries: list[tuple[str, torch.dtype, tuple[int, ...]]], metadata: dict[str, str] | None = None) -> None:
+        self.path, self.tmp = path, path + ".tmp"
+        header: dict[str, Any] = {"__metadata__": dict(metadata or {"format": "pt"})}
+        offset = 0
+        self.order: list[tuple[str, int]] = []
+        for name, dtype, shape in entries:
+            if dtype not in _DTYPES:
+                raise ValueError(f"tensor '{name}' has dtype {dtype}, which safetensors cannot store")
+            n = torch.empty((), dtype=dtype).element_size()
+            for d in shape:
+                n *= d
+            header[name] = {"dtype": _DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + n]}
+            self.order.append((name, n))
+            offset += n
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)
+        self.f = open(self.tmp, "wb")  # noqa: SIM115 - closed in close()
+        self.f.write(struct.pack("<Q", len(raw)))
+        self.f.write(raw)
+        self.next = 0
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        want, nbytes = self.order[self.next]
+        if name != want:
+            raise RuntimeError(f"safetensors stream: expected '{want}' next, got '{name}'")
+        data = tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
+        if len(data) != nbytes:
+            raise RuntimeError(f"safetensors stream: '{name}' has {len(data)} bytes, declared {nbytes}")
+        self.f.write(data)
+        self.next += 1
+
+    def close(self) -> None:
+        if self.next != len(self.order):
+            self.f.close()
+            os.remove(self.tmp)
+            raise RuntimeError(f"safetensors stream: {len(self.order) - self.next} tensors were never written to {self.path}")
+        self.f.flush()
+        os.fsync(self.f.fileno())
+        self.f.close()
+        os.replace(self.tmp, self.path)
+
+
+def plan_shards(entries: list[tuple[str, torch.dtype, tuple[int, ...]]], max_shard_size: int | str) -> tuple[dict[str, list[str]], dict | None]:
+    """``{filename: [tensor names]}`` and the index (None for a single file), as transformers names them."""
+    from huggingface_hub import split_torch_state_dict_into_shards
+
+    metas = {n: torch.empty(shape, dtype=dt, device="meta") for n, dt, shape in entries}
+    split = split_torch_state_dict_into_shards(metas, max_shard_size=max_shard_size, filename_pattern="model{suffix}.safetensors")
+    files = {f: list(names) for f, names in split.filename_to_tensors.items()}
+    index = {"metadata": dict(split.metadata), "weight_map": dict(split.tensor_to_filename)} if split.is_sharded else None
+    return files, index
+
+
+def write_weights(
+    out_dir: str,
+    entries: list[tuple[str, torch.dtype, tuple[int, ...]]],
+    produce: Callable[[str], torch.Tensor | None],
+    max_shard_size: int | str,
+    writer: bool,
+    progress: Iterable | None = None,
+) -> list[str]:
+    """Write every entry, asking ``produce(name)`` for its full value in order.
+
+    ``produce`` runs on every rank (it may be a collective); only the ``writer`` rank writes.
+    Returns the files written.
+    """
+    files, index = plan_shards(entries, max_shard_size)
+    spec = {n: (n, dt, shape) for n, dt, shape in entries}
+    bar = progress
+    for fname, names in files.items():
+        w = StreamingSafetensorsWriter(os.path.join(out_dir, fname), [spec[n] for n in names]) if writer else None
+        for n in names:
+            value = produce(n)
+            if w is not None:
+                assert value is not None
+                w.write(n, value.to(spec[n][1]))
+            if bar is not None:
+                bar.update(1)  # type: ignore[attr-defined]
+        if w is not None:
+            w.close()
+    if writer:
+        stale = os.path.join(out_dir, "model.safetensors.index.json")
+        if index is not None:
+            tmp = stale + ".tmp"
+            with open(tmp, "w") as f:
+                json.dump(index, f, indent=2, sort_keys=True)
+            os.replace(tmp, stale)
+        elif os.path.exists(stale):
+            os.remove(stale)  # a single file now: an old index would point from_pretrained at old shards
+    return list(files)
+
+
+def save_model_config(module: torch.nn.Module, out_dir: str, dtype: torch.dtype | None) -> None:
+    """``config.json`` (with the saved dtype) and ``generation_config.json`` where the model has them."""
+    config = getattr(module, "config", None)
+    if config is not None and hasattr(config, "save_pretrained"):
+        import copy
+
+        cfg = copy.deepcopy(config)
+        if dtype is not None:
+            cfg.dtype = dtype
+        cfg.save_pretrained(out_dir)
+    gen = getattr(module, "generation_config", None)
+    can_generate = getattr(module, "can_generate", None)
+    if gen is not None and callable(can_generate) and can_generate():
+        gen.save_pretrained(out_dir)
+
+
+def engine_entries(module: torch.nn.Module, dtype: torch.dtype | None) -> tuple[list, dict[str, torch.Tensor]]:
+    """The tensors ``save_pretrained`` writes: the state dict with tied duplicates dropped (first name kept)."""
+    seen: set[int] = set()
+    entries, tensors = [], {}
+    for name, t in module.state_dict(keep_vars=True).items():
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
+        shape = tuple(t.shape)
+        dt = dtype if (dtype is not None and t.is_floating_point()) else t.dtype
+        entries.append((name, dt, shape))
+        tensors[name] = t
+    return entries, tensors
+
+
+def save_pretrained(engine: Any, save_directory: str, max_shard_size: int | str = "5GB", dtype: torch.dtype | None = None) -> list[str]:
+    """Consolidate the engine's weights into ``save_directory`` (collective; rank 0 writes).
+
+    Stage-3 units are gathered one at a time as their tensors come up, and released when the next
+    unit starts, so no rank holds more than one unit beyond its shard (plus the root unit, which
+    holds the tied embeddings).
+    """
+    import torch.distributed as dist
+
+    rank = dist.get_rank(engine.group)
+    if rank == 0:
+        os.makedirs(save_directory, exist_ok=True)
+    module = engine.module
+    zo = engine.zero_optimizer
+    if zo is not None and zo.runtime is not None:
+        zo.runtime.release_inference()
+    entries, tensors = engine_entries(module, dtype)
+    first_float = next((dt for _, dt, _ in entries if dt.is_floating_point), None)
+    current: list[Any] = []
+
+    def produce(name: str) -> torch.Tensor | None:
+        t = tensors[name]
+        g = getattr(t, "hf_zero_group", None)
+        if g is not None and (not current or current[0] is not g):
+            for old in current:
+                old.reshard()
+            current.clear()
+            g.gather(None)
+            g.wait()
+            current.append(g)
+        return t.detach().cpu().clone() if rank == 0 else None
+
+    with torch.no_grad():
+        files = write_weights(save_directory, entries, produce, max_shard_size, writer=rank == 0)
+    for g in current:
+        g.reshard()
+    if rank == 0:
+        save_model_config(module, save_directory, first_float)
+    dist.barrier(engine.group)
+    return files
+
+
+def consolidate(
+    checkpoint_dir: str, out_dir: str, tag: str | None = None, max_shard_size: int | str = "5GB",
+    dtype: torch.dtype | None = torch.float32, progress: bool = True,
+) -> list[str]:
+    """Offline, on a CPU: a resume checkpoint's weights as a ``from_pretrained`` folder.
+
+    Trainable weights come from the fp32 masters (``dtype=None`` keeps the dtype the model
+    trained in); memory is bounded by the largest single tensor, as each one is assembled from
+    the rank files' slices, written, and dropped.
+    """
+    from tqdm.auto import tqdm
+
+    from hf_zero.checkpoint.sharded import CheckpointError, _Reader, resolve_tag
+
+    path = resolve_tag(checkpoint_dir, tag)
+    with open(os.path.join(path, "checkpoint.json")) as f:
+        meta = json.load(f)
+    reader = _Reader(path, int(meta["world_size"]))
+    entries, kinds = [], {}
+    for name, info in meta["params"].items():
+        saved = getattr(torch, info["dtype"])
+        dt = dtype if dtype is not None and saved.is_floating_point else saved
+        entries.append((name, dt, tuple(info["shape"])))
+        kinds[name] = ("master" if ("master", name) in reader.index else "frozen", info)
+    for key in reader.files0:
+        if key.startswith("buffer|"):
+            name = key.split("|", 1)[1]
+            t = reader.tensor(0, key)
+            entries.append((name, t.dtype, tuple(t.shape)))
+            kinds[name] = ("buffer", None)
+
+    def produce(name: str) -> torch.Tensor:
+        kind, info = kinds[name]
+        if kind == "buffer":
+            return reader.tensor(0, f"buffer|{name}")
+        shape = info["shape"]
+        n = 1
+        for d in shape:
+            n *= d
+        buf = torch.empty(n, dtype=torch.float32 if kind == "master" else getattr(torch, info["dtype"]))
+        reader.read(kind, name, 0, n, buf)
+        return buf.view(shape)
+
+    os.makedirs(out_dir, exist_ok=True)
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise CheckpointError(f"{path} has no config.json (the model was not a transformers model); nothing to build a from_pretrained folder from")
+    bar = tqdm(total=len(entries), desc="consolidating", unit="tensor", disable=not progress)
+    files = write_weights(out_dir, entries, produce, max_shard_size, writer=True, progress=bar)
+    bar.close()
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(path)
+    floats = [dt for _, dt, _ in entries if dt.is_floating_point]
+    if floats:
+        cfg.dtype = floats[0]
+    cfg.save_pretrained(out_dir)
+    gen = os.path.join(path, "generation_config.json")
+    if os.path.isfile(gen):
+        import shutil
+
+        shutil.copyfile(gen, os.path.join(out_dir, "generation_config.json"))
+    return files
