@@ -17,9 +17,37 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tests import test_parity, test_stage3  # noqa: E402
+from tests import test_checkpoint, test_parity, test_stage3  # noqa: E402
 
 TOL = 1e-5
+
+
+def _resume(rank: int, world: int) -> list[dict]:
+    """Checkpoint resume on GPUs: train K steps, save, build a new engine, load, train K more.
+
+    The errors are against the uninterrupted run (0 means bit for bit); the on-disk format,
+    RNG (CUDA generator included) and data position are what the CPU tests check in fresh
+    processes.
+    """
+    import tempfile
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        path = [tmp]
+        dist.broadcast_object_list(path, src=0)  # one directory for every rank
+        for i, c in enumerate(test_checkpoint.CASES):
+            d = os.path.join(path[0], f"c{i}")
+            ref = test_checkpoint._train(rank, world, dict(c, until=2 * test_checkpoint.K))
+            test_checkpoint._train(rank, world, dict(c, until=test_checkpoint.K, save_at=test_checkpoint.K, dir=d))
+            got = test_checkpoint._train(rank, world, dict(c, until=2 * test_checkpoint.K, load=True, dir=d))
+            loss_err = max(abs(got["losses"][s] - v) / abs(v) for s, v in ref["losses"].items() if s > test_checkpoint.K)
+            w_err = max(
+                float((torch.tensor(got["weights"][n]) - torch.tensor(w)).norm() / torch.tensor(w).norm())
+                for n, w in ref["weights"].items()
+            )
+            rows.append({"case": c, "loss_err": loss_err, "w_err": w_err})
+        dist.barrier()
+    return rows
 
 
 def main() -> int:
@@ -28,6 +56,7 @@ def main() -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     rows = [("stages 0-2", r) for r in test_parity._run_grid(rank, world, test_parity.CASES)]
     rows += [("stage 3", r) for r in test_stage3._grid(rank, world, test_stage3.CASES)]
+    rows += [("resume", r) for r in _resume(rank, world)]
     worst = torch.tensor([max(r["loss_err"], r["w_err"]) for _, r in rows], device="cuda")
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     failed = 0

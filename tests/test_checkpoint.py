@@ -67,13 +67,13 @@ def _train(rank: int, world: int, case: dict) -> dict:
         out["loaded_path"] = os.path.basename(path)
     it = iter(loader)
     while engine.global_steps < case["until"]:
-        total = torch.zeros(())
+        total = torch.zeros((), device=engine.device)
         for _ in range(case["gas"]):
             ids, labels = next(it)
             loss = engine(ids, labels)
             engine.backward(loss)
             engine.step()
-            total += loss.detach().float().cpu() / case["gas"]
+            total += loss.detach().float() / case["gas"]
         dist.all_reduce(total)
         out["losses"][engine.global_steps] = total.item() / world
         if engine.global_steps == case.get("save_at"):
