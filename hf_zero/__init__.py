@@ -11,4 +11,18 @@ from hf_zero.engine import UsageError, ZeroEngine
 
 __version__ = "0.1.0"
 
-__all__ = ["zero", "ConfigError", "UsageError", "ZeroConfig", "ZeroEngine", "init_distributed", "initialize", "__version__"]
+__all__ = [
+    "zero", "Accelerator", "ConfigError", "UsageError", "ZeroConfig", "ZeroEngine", "init_distributed", "initialize",
+    "__version__",
+]
+
+_LAZY = {"Accelerator": "hf_zero.integrations.accelerate"}
+
+
+def __getattr__(name: str) -> object:
+    """Integrations load on first use, so ``import hf_zero`` does not import Accelerate."""
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'hf_zero' has no attribute {name!r}")

@@ -94,6 +94,7 @@ class ZeroEngine(torch.nn.Module):
         self._no_sync = False
         self._boundary_override: bool | None = None
         self._built_presharded = False
+        self._clip_override: float | None = None
 
         stage = config.zero_optimization.stage
         self._check_presharded(model, stage, optimizer)
@@ -242,6 +243,18 @@ class ZeroEngine(torch.nn.Module):
         """Norm of the averaged gradients before clipping, at the last applied step."""
         return None if self._global_grad_norm is None else float(self._global_grad_norm)
 
+    def set_clip_for_next_step(self, max_norm: float) -> None:
+        """Clip the next applied step at ``max_norm`` (how Accelerate's ``clip_grad_norm_`` reaches the engine)."""
+        self._clip_override = max_norm
+
+    def current_grad_norm(self) -> torch.Tensor | None:
+        """Global L2 norm of the reduced, unscaled gradients now (between the boundary backward and step)."""
+        zo = self.zero_optimizer
+        if zo is None or not zo.reduced:
+            return None
+        norm, _ = zo.grad_norm_and_overflow(need_overflow=False)
+        return norm / (self.loss_scaler.scale if self.loss_scaler is not None else 1.0)
+
     def was_step_applied(self) -> bool:
         return self._step_applied
 
@@ -314,7 +327,8 @@ class ZeroEngine(torch.nn.Module):
         norm = norm / scale
         self._global_grad_norm = norm
         coef: torch.Tensor | float = 1.0 / scale
-        clip = self.gradient_clipping()
+        clip = self._clip_override if self._clip_override is not None else self.gradient_clipping()
+        self._clip_override = None
         if clip > 0:
             coef = (clip / (norm + 1e-6)).clamp(max=1.0) / scale
         zo.scale_grads(coef)
