@@ -12,11 +12,15 @@ from hf_zero.engine import UsageError, ZeroEngine
 __version__ = "0.1.0"
 
 __all__ = [
-    "zero", "Accelerator", "ConfigError", "UsageError", "ZeroConfig", "ZeroEngine", "init_distributed", "initialize",
+    "zero", "Accelerator", "Trainer", "TrainingArguments", "ConfigError", "UsageError", "ZeroConfig", "ZeroEngine", "init_distributed", "initialize",
     "__version__",
 ]
 
-_LAZY = {"Accelerator": "hf_zero.integrations.accelerate"}
+_LAZY = {
+    "Accelerator": "hf_zero.integrations.accelerate",
+    "Trainer": "hf_zero.integrations.transformers",
+    "TrainingArguments": "hf_zero.integrations.transformers",
+}
 
 
 def __getattr__(name: str) -> object:

@@ -1,0 +1,92 @@
+"""``hf_zero.Trainer`` / ``TrainingArguments(zero_config=...)`` on 2 CPU processes: the same losses as
+transformers' Trainer without it (fp32, rel. 1e-4), a resumed run that matches an uninterrupted
+one, and ``save_model`` output that loads with ``from_pretrained``."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from tests.distributed import spawn
+
+SEQ, VOCAB = 8, 64
+
+
+def _model():  # noqa: ANN202
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ))
+
+
+def _data():  # noqa: ANN202
+    from datasets import Dataset
+
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, VOCAB, (64, SEQ), generator=g).tolist()
+    return Dataset.from_dict({"input_ids": ids, "labels": ids})
+
+
+def _run(rank: int, world: int, cases: list) -> list:
+    import hf_zero
+
+    out = []
+    for case in cases:
+        from accelerate.state import AcceleratorState, GradientState
+
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+        kw = dict(
+            output_dir=case["dir"], per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=6,
+            learning_rate=5e-3, max_grad_norm=0.5, logging_steps=1, report_to="none", use_cpu=True, seed=0,
+            save_strategy="steps" if case.get("save") else "no", save_steps=3, lr_scheduler_type="linear",
+            warmup_steps=2, disable_tqdm=True,
+        )
+        if case.get("zero") is not None:
+            kw["zero_config"] = case["zero"]
+        args = hf_zero.TrainingArguments(**kw)
+        trainer = hf_zero.Trainer(model=_model(), args=args, train_dataset=_data())
+        trainer.train(resume_from_checkpoint=case.get("resume"))
+        losses = {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
+        saved = None
+        if case.get("save_model"):
+            trainer.save_model(os.path.join(case["dir"], "final"))
+            saved = os.path.join(case["dir"], "final")
+        state = trainer.accelerator.get_state_dict(trainer.model_wrapped)
+        out.append({"losses": losses, "saved": saved,
+                    "weights": {k: v.float().reshape(-1).tolist() for k, v in state.items()}})
+    return out
+
+
+def test_trainer_with_zero_config_matches_plain_trainer(tmp_path: Path) -> None:
+    zero = lambda stage: {"zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 40},  # noqa: E731
+                          "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+                          "gradient_clipping": "auto", "bf16": {"enabled": "auto"}}
+    cases = [{"dir": str(tmp_path / "plain")}]
+    cases += [{"dir": str(tmp_path / f"z{s}"), "zero": zero(s), "save_model": s == 3} for s in (0, 2, 3)]
+    cases += [{"dir": str(tmp_path / "zs"), "zero": zero(2), "save": True}]
+    results = spawn(_run, 2, cases)[0]
+    resumed = spawn(_run, 2, [{"dir": str(tmp_path / "zs"), "zero": zero(2), "resume": str(tmp_path / "zs" / "checkpoint-3")}])[0][0]
+    for r in [*results, resumed]:
+        r["losses"] = {int(k): v for k, v in r["losses"].items()}  # JSON made the steps strings
+    ref = results[0]
+    assert sorted(ref["losses"]) == [1, 2, 3, 4, 5, 6]
+    for got in results[1:]:
+        for step, loss in ref["losses"].items():
+            assert abs(got["losses"][step] - loss) / loss < 1e-4, (step, got["losses"], ref["losses"])
+        for n, w in ref["weights"].items():
+            a, b = torch.tensor(got["weights"][n]), torch.tensor(w)
+            assert float((a - b).norm() / b.norm()) < 1e-4, n
+    uninterrupted = results[-1]
+    assert sorted(resumed["losses"]) == [1, 2, 3, 4, 5, 6]  # 1-3 come back with the trainer state
+    for step in (4, 5, 6):
+        assert resumed["losses"][step] == uninterrupted["losses"][step], (resumed["losses"], uninterrupted["losses"])
+    from transformers import AutoModelForCausalLM
+
+    z3 = results[3]
+    loaded = AutoModelForCausalLM.from_pretrained(z3["saved"])
+    for n, p in loaded.named_parameters():
+        assert p.detach().reshape(-1).tolist() == z3["weights"][n], n
