@@ -64,3 +64,45 @@ def test_accelerate_loop_matches_plain_accelerate() -> None:
             for name, w in ref["weights"].items():
                 x, y = torch.tensor(got["weights"][name]), torch.tensor(w)
                 assert float((x - y).norm() / y.norm()) < 1e-5, (got["stage"], name)
+
+
+def _save_load(rank: int, world: int, directory: str) -> dict:
+    from accelerate.state import AcceleratorState, GradientState
+
+    import hf_zero
+
+    def build():  # noqa: ANN202
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+        model = make_model()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+        acc = hf_zero.Accelerator(cpu=True, zero_config={"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 20}})
+        model, opt, sched = acc.prepare(model, opt, sched)
+        return acc, model, opt, sched
+
+    def train(acc, model, opt, sched, seed: int) -> None:  # noqa: ANN001
+        g = torch.Generator().manual_seed(seed + rank)
+        for _ in range(2):
+            ids, labels = torch.randint(0, VOCAB, (2, 5), generator=g), torch.randint(0, VOCAB, (2, 5), generator=g)
+            acc.backward(model(ids, labels))
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+
+    acc, model, opt, sched = build()
+    train(acc, model, opt, sched, seed=1)
+    acc.save_state(directory)
+    train(acc, model, opt, sched, seed=2)
+    want = {k: v.reshape(-1).tolist() for k, v in acc.get_state_dict(model).items()}
+    want_lr = sched.get_last_lr()
+    acc, model, opt, sched = build()
+    acc.load_state(directory)
+    train(acc, model, opt, sched, seed=2)
+    got = {k: v.reshape(-1).tolist() for k, v in acc.get_state_dict(model).items()}
+    return {"same": got == want, "lr": [sched.get_last_lr(), want_lr]}
+
+
+def test_save_state_load_state_round_trip(tmp_path) -> None:  # noqa: ANN001
+    for r in spawn(_save_load, 2, str(tmp_path)):
+        assert r["same"] and r["lr"][0] == r["lr"][1], r

@@ -47,16 +47,23 @@ def _run(rank: int, world: int, cases: list) -> list:
         )
         if case.get("zero") is not None:
             kw["zero_config"] = case["zero"]
+        if case.get("best"):
+            kw.update(eval_strategy="steps", eval_steps=3, save_strategy="steps", load_best_model_at_end=True,
+                      metric_for_best_model="loss", greater_is_better=True)  # "best" = the earlier checkpoint
         args = hf_zero.TrainingArguments(**kw)
-        trainer = hf_zero.Trainer(model=_model(), args=args, train_dataset=_data())
+        trainer = hf_zero.Trainer(model=_model(), args=args, train_dataset=_data(), eval_dataset=_data().select(range(8)))
         trainer.train(resume_from_checkpoint=case.get("resume"))
+        extra = {}
+        if case.get("best"):
+            extra["best"] = trainer.state.best_model_checkpoint
+            extra["predict_shape"] = list(trainer.predict(_data().select(range(6))).predictions.shape)
         losses = {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
         saved = None
         if case.get("save_model"):
             trainer.save_model(os.path.join(case["dir"], "final"))
             saved = os.path.join(case["dir"], "final")
         state = trainer.accelerator.get_state_dict(trainer.model_wrapped)
-        out.append({"losses": losses, "saved": saved,
+        out.append({**extra, "losses": losses, "saved": saved,
                     "weights": {k: v.float().reshape(-1).tolist() for k, v in state.items()}})
     return out
 
@@ -68,7 +75,9 @@ def test_trainer_with_zero_config_matches_plain_trainer(tmp_path: Path) -> None:
     cases = [{"dir": str(tmp_path / "plain")}]
     cases += [{"dir": str(tmp_path / f"z{s}"), "zero": zero(s), "save_model": s == 3} for s in (0, 2, 3)]
     cases += [{"dir": str(tmp_path / "zs"), "zero": zero(2), "save": True}]
+    cases += [{"dir": str(tmp_path / "best"), "zero": zero(3), "best": True}]
     results = spawn(_run, 2, cases)[0]
+    best = results.pop()
     resumed = spawn(_run, 2, [{"dir": str(tmp_path / "zs"), "zero": zero(2), "resume": str(tmp_path / "zs" / "checkpoint-3")}])[0][0]
     for r in [*results, resumed]:
         r["losses"] = {int(k): v for k, v in r["losses"].items()}  # JSON made the steps strings
@@ -90,3 +99,13 @@ def test_trainer_with_zero_config_matches_plain_trainer(tmp_path: Path) -> None:
     loaded = AutoModelForCausalLM.from_pretrained(z3["saved"])
     for n, p in loaded.named_parameters():
         assert p.detach().reshape(-1).tolist() == z3["weights"][n], n
+
+    # load_best_model_at_end under stage 3: the engine holds exactly the best checkpoint's weights
+    from safetensors.torch import load_file
+
+    assert best["best"] is not None and best["best"].endswith("checkpoint-3"), best["best"]
+    saved_best = load_file(os.path.join(best["best"], "model.safetensors"))
+    for n, w in best["weights"].items():
+        if n in saved_best:
+            assert saved_best[n].float().reshape(-1).tolist() == w, n
+    assert best["predict_shape"] == [6, SEQ, VOCAB]
