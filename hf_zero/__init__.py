@@ -12,7 +12,7 @@ from hf_zero.engine import UsageError, ZeroEngine
 __version__ = "0.1.0"
 
 __all__ = [
-    "zero", "Accelerator", "Trainer", "TrainingArguments", "ConfigError", "UsageError", "ZeroConfig", "ZeroEngine", "init_distributed", "initialize",
+    "zero", "Accelerator", "Trainer", "TrainingArguments", "Seq2SeqTrainer", "Seq2SeqTrainingArguments", "ConfigError", "UsageError", "ZeroConfig", "ZeroEngine", "init_distributed", "initialize",
     "__version__",
 ]
 
@@ -20,6 +20,8 @@ _LAZY = {
     "Accelerator": "hf_zero.integrations.accelerate",
     "Trainer": "hf_zero.integrations.transformers",
     "TrainingArguments": "hf_zero.integrations.transformers",
+    "Seq2SeqTrainer": "hf_zero.integrations.transformers",
+    "Seq2SeqTrainingArguments": "hf_zero.integrations.transformers",
 }
 
 

@@ -109,3 +109,35 @@ def test_trainer_with_zero_config_matches_plain_trainer(tmp_path: Path) -> None:
         if n in saved_best:
             assert saved_best[n].float().reshape(-1).tolist() == w, n
     assert best["predict_shape"] == [6, SEQ, VOCAB]
+
+
+def _generate(rank: int, world: int, cases: list) -> list:
+    import hf_zero
+
+    out = []
+    for zero in cases:
+        from accelerate.state import AcceleratorState, GradientState
+
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+        kw = dict(output_dir="unused", per_device_eval_batch_size=2, report_to="none", use_cpu=True,
+                  predict_with_generate=True, generation_max_length=SEQ + 4, disable_tqdm=True)
+        if zero is not None:
+            kw["zero_config"] = zero
+        args = hf_zero.Seq2SeqTrainingArguments(**kw)
+        model = _model()
+        model.generation_config.pad_token_id = model.config.pad_token_id = 0
+        trainer = hf_zero.Seq2SeqTrainer(model=model, args=args, train_dataset=_data())
+        trainer.args.max_steps = 1  # one training step builds the engine (and shards the model) first
+        trainer.train()
+        pred = trainer.predict(_data().select(range(4)), max_new_tokens=3 + rank)
+        out.append(pred.predictions.tolist())
+    return out
+
+
+def test_seq2seq_trainer_generates_under_stage3() -> None:
+    zero = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 40},
+            "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "gradient_clipping": "auto"}
+    results = spawn(_generate, 2, [None, zero])
+    for plain, sharded in results:
+        assert plain == sharded

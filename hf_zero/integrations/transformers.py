@@ -210,3 +210,17 @@ class Trainer(transformers.Trainer):
         if not self.zero_enabled or self.engine is None:
             return super()._load_best_model()
         self.engine.load_checkpoint(self.state.best_model_checkpoint, tag=ZERO_STATE_TAG, load_module_only=True)
+
+
+@dataclass
+class Seq2SeqTrainingArguments(TrainingArguments, transformers.Seq2SeqTrainingArguments):
+    """transformers' ``Seq2SeqTrainingArguments`` (``predict_with_generate``, ...) plus ``zero_config``."""
+
+
+class Seq2SeqTrainer(Trainer, transformers.Seq2SeqTrainer):
+    """transformers' ``Seq2SeqTrainer`` on a ZeRO engine: evaluation and prediction can generate.
+
+    Under stage 3 a no-grad forward leaves each block gathered until the next training forward,
+    so ``generate`` does one all-gather per block and then decodes with no collectives at all:
+    ranks that finish at different lengths do not need transformers' ``synced_gpus``.
+    """
