@@ -111,7 +111,7 @@ def test_trainer_with_zero_config_matches_plain_trainer(tmp_path: Path) -> None:
     assert best["predict_shape"] == [6, SEQ, VOCAB]
 
 
-def _generate(rank: int, world: int, cases: list) -> list:
+def _generate(rank: int, world: int, cases: list, out_dir: str) -> list:
     import hf_zero
 
     out = []
@@ -120,7 +120,7 @@ def _generate(rank: int, world: int, cases: list) -> list:
 
         AcceleratorState._reset_state(True)
         GradientState._reset_state()
-        kw = dict(output_dir="unused", per_device_eval_batch_size=2, report_to="none", use_cpu=True,
+        kw = dict(output_dir=out_dir, per_device_eval_batch_size=2, report_to="none", use_cpu=True,
                   predict_with_generate=True, generation_max_length=SEQ + 4, disable_tqdm=True)
         if zero is not None:
             kw["zero_config"] = zero
@@ -135,9 +135,9 @@ def _generate(rank: int, world: int, cases: list) -> list:
     return out
 
 
-def test_seq2seq_trainer_generates_under_stage3() -> None:
+def test_seq2seq_trainer_generates_under_stage3(tmp_path: Path) -> None:
     zero = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 40},
             "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "gradient_clipping": "auto"}
-    results = spawn(_generate, 2, [None, zero])
+    results = spawn(_generate, 2, [None, zero], str(tmp_path))
     for plain, sharded in results:
         assert plain == sharded
