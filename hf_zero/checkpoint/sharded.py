@@ -65,6 +65,16 @@ def _writes(group: Any, rank: int) -> bool:
     return getattr(group, "partitioned", True) or rank == 0
 
 
+def _sha256(path: str) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
 def _fsync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -203,6 +213,7 @@ def save(engine: Any, save_dir: str, tag: str | None, client_state: dict | None,
 
     # Split into files of at most MAX_FILE_BYTES so no rank stages everything in one buffer.
     files: dict[str, str] = {}
+    digests: dict[str, str] = {}
     chunk: dict[str, torch.Tensor] = {}
     size = 0
     index = 0
@@ -216,6 +227,7 @@ def save(engine: Any, save_dir: str, tag: str | None, client_state: dict | None,
         save_file(chunk, path, metadata={"format": FORMAT})
         with open(path, "rb+") as f:
             os.fsync(f.fileno())
+        digests[fname] = _sha256(path)
         for k in chunk:
             files[k] = fname
         chunk, size, index = {}, 0, index + 1
@@ -231,6 +243,7 @@ def save(engine: Any, save_dir: str, tag: str | None, client_state: dict | None,
     sampler = getattr(getattr(engine, "training_dataloader", None), "sampler", None)
     rank_meta = {
         "files": files,
+        "sha256": digests,
         "ranges": ranges,
         "scalars": scalars,
         "rng": rng_meta,
@@ -315,8 +328,20 @@ class _Reader:
             meta_path = os.path.join(path, f"rank{r:05d}.json")
             if not os.path.isfile(meta_path):
                 raise CheckpointError(f"{path} is incomplete: {os.path.basename(meta_path)} is missing")
-            with open(meta_path) as f:
-                rm = json.load(f)
+            try:
+                with open(meta_path) as f:
+                    rm = json.load(f)
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise CheckpointError(f"{meta_path} is not valid JSON ({e}); the checkpoint is damaged") from None
+            for fname in {*rm["files"].values(), *rm.get("sha256", {})}:
+                if os.path.basename(fname) != fname or fname.startswith("."):
+                    raise CheckpointError(f"{meta_path} names the file {fname!r} outside its checkpoint folder; refusing to read it")
+            for fname, digest in rm.get("sha256", {}).items():
+                full = os.path.join(path, fname)
+                if not os.path.isfile(full):
+                    raise CheckpointError(f"{path} is incomplete: {fname} is missing")
+                if _sha256(full) != digest:
+                    raise CheckpointError(f"{full} does not match the checksum recorded when it was saved; the file is damaged")
             self.rank_meta.append(rm)
             for key, (name, a, b) in rm["ranges"].items():
                 kind = key.split("|", 1)[0]
@@ -372,9 +397,12 @@ def load(
 ) -> tuple[str, dict]:
     """Restore ``engine`` from a checkpoint of any world size and stage. Returns ``(path, client_state)``."""
     path = resolve_tag(load_dir, tag)
-    with open(os.path.join(path, "checkpoint.json")) as f:
-        meta = json.load(f)
-    if meta.get("format") != FORMAT:
+    try:
+        with open(os.path.join(path, "checkpoint.json")) as f:
+            meta = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}/checkpoint.json is not valid JSON ({e}); the checkpoint is damaged") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise CheckpointError(f"{path}: format {meta.get('format')!r} is not {FORMAT!r}")
     saved_params = meta["params"]
     here = dict(engine.module.named_parameters())
