@@ -291,6 +291,10 @@ class _Parser:
         checkpointing = self.section(data, "activation_checkpointing", '{"partition_activations": false}')
         self.sort_keys(checkpointing, "activation_checkpointing", ACTIVATION_CHECKPOINTING_KEYS)
         cfg.activation_checkpointing = copy.deepcopy(checkpointing)
+        if not isinstance(checkpointing.get("checkpoint_blocks", False), bool):
+            raise ConfigError(
+                f"activation_checkpointing.checkpoint_blocks: got {checkpointing['checkpoint_blocks']!r}, expected true or false"
+            )
         cfg.optimizer = self.named(data, "optimizer", OptimizerConfig, SUPPORTED_OPTIMIZERS, DEEPSPEED_ONLY_OPTIMIZERS)
         cfg.scheduler = self.named(data, "scheduler", SchedulerConfig, SUPPORTED_SCHEDULERS, DEEPSPEED_ONLY_SCHEDULERS)
         cfg.fp16 = self.fp16(data)

@@ -139,6 +139,7 @@ SCHEDULER_KEYS = ("type", "params")
 ACTIVATION_CHECKPOINTING_KEYS = (
     "partition_activations", "contiguous_memory_optimization", "cpu_checkpointing", "number_checkpoints",
     "synchronize_checkpoint_boundary", "profile",
+    "checkpoint_blocks",  # hf_zero's: recompute every block (unit) in backward instead of storing activations
 )
 
 

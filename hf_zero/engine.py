@@ -118,6 +118,8 @@ class ZeroEngine(torch.nn.Module):
                 max_live_numel=int(config.zero_optimization.stage3_max_live_parameters),
             )
         self._cast_remaining_params()
+        if config.activation_checkpointing.get("checkpoint_blocks", False):
+            self._checkpoint_blocks()
         if self._built_presharded and self.device.type == "cuda":
             # The zero.Init slices were freed while the shards were laid out around them; hand those
             # blocks back so training's allocations start from unfragmented memory.
@@ -127,6 +129,26 @@ class ZeroEngine(torch.nn.Module):
         self.lr_scheduler = lr_scheduler
 
     # ------------------------------------------------------------- setup
+
+    def _checkpoint_blocks(self) -> None:
+        """Recompute each block's forward in backward instead of keeping its activations.
+
+        The block's ``forward`` (not its ``__call__``) is wrapped, so stage 3's hooks run once per
+        call as usual and the recomputation happens while backward has the block gathered.
+        """
+        from torch.utils.checkpoint import checkpoint
+
+        from hf_zero.zero.params import find_units
+
+        for _, block in find_units(self.module):
+            inner = block.forward
+
+            def forward(*args: Any, _inner: Any = inner, _block: torch.nn.Module = block, **kwargs: Any) -> Any:
+                if _block.training and torch.is_grad_enabled():
+                    return checkpoint(_inner, *args, use_reentrant=False, **kwargs)
+                return _inner(*args, **kwargs)
+
+            block.forward = forward
 
     def _check_presharded(self, model: torch.nn.Module, stage: int, optimizer: torch.optim.Optimizer | None) -> None:
         """A model built under ``zero.Init`` must be trained on the ranks that built it.

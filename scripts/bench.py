@@ -78,6 +78,7 @@ def run_engine(name: str, args: argparse.Namespace) -> dict:
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-5, "weight_decay": 0.0}},
             "zero_optimization": {"stage": stage, "reduce_bucket_size": args.bucket, "allgather_bucket_size": args.bucket},
             "steps_per_print": 10**9,
+            "activation_checkpointing": {"checkpoint_blocks": bool(args.checkpoint_blocks)},
         }
         engine, _, _, _ = hf_zero.initialize(model=model, config=cfg)
 
@@ -199,6 +200,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--bucket", type=float, default=5e8)
+    ap.add_argument("--checkpoint_blocks", action="store_true",
+                    help="hf_zero engines recompute each block in backward (activation_checkpointing.checkpoint_blocks)")
     ap.add_argument("--json", default="", help=argparse.SUPPRESS)
     args, _ = ap.parse_known_args()
     args.bucket = int(args.bucket)

