@@ -72,6 +72,21 @@ def fill_auto(config: dict, args: transformers.TrainingArguments, world_size: in
     check("gradient_accumulation_steps", gas, "gradient_accumulation_steps")
     check("train_batch_size", micro * gas * world_size, "per_device_train_batch_size x gradient_accumulation_steps x world size")
     check("gradient_clipping", float(args.max_grad_norm), "max_grad_norm")
+    opt = cfg.get("optimizer")
+    if isinstance(opt, dict) and isinstance(opt.get("params"), dict):
+        params = opt["params"]
+        for key, want, arg in (("lr", args.learning_rate, "learning_rate"), ("weight_decay", args.weight_decay, "weight_decay"),
+                               ("eps", args.adam_epsilon, "adam_epsilon"),
+                               ("betas", [args.adam_beta1, args.adam_beta2], "adam_beta1/adam_beta2")):
+            have = params.get(key, "auto")
+            if have != "auto" and (list(have) if isinstance(have, (list, tuple)) else have) != want:
+                mismatches.append(f"optimizer.params.{key}: config has {have}, TrainingArguments has {want} (--{arg})")
+    sched = cfg.get("scheduler")
+    if isinstance(sched, dict) and isinstance(sched.get("params"), dict):
+        have = sched["params"].get("warmup_max_lr", "auto")
+        if have != "auto" and have != args.learning_rate:
+            mismatches.append(f"scheduler.params.warmup_max_lr: config has {have}, TrainingArguments has "
+                              f"{args.learning_rate} (--learning_rate)")
     for key, on, arg in (("bf16", bool(args.bf16), "bf16"), ("fp16", bool(args.fp16), "fp16")):
         section = cfg.get(key)
         if isinstance(section, dict):
