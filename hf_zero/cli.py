@@ -1,4 +1,5 @@
-"""The ``hf-zero`` command: ``launch`` (DeepSpeed's launcher flags, run by torchrun) and ``estimate``.
+"""The ``hf-zero`` command: ``launch`` (DeepSpeed's launcher flags, run by torchrun), ``estimate``,
+``consolidate``, and ``push`` / ``pull`` (the Hugging Face Hub, through :mod:`hf_zero.hub`).
 
 ``hf-zero launch`` is a translation, not a launcher (DESIGN.md rule 8): it maps DeepSpeed's
 flags one to one onto ``torch.distributed.run`` and then *becomes* that process (``exec``), so
@@ -340,28 +341,103 @@ def _cmd_consolidate(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---------------------------------------------------------------------------- push / pull
+
+
+def _add_push_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "push",
+        help="upload a saved model folder to the Hugging Face Hub (with a model card if it has none)",
+        description="Upload DIR to the Hub repo REPO_ID in one commit, creating the repo (and the branch "
+        "named by --revision) if needed, and a model card if DIR has no README.md. Resume checkpoints "
+        "(global_step*/, latest, checkpoint-*/) stay local unless --include-resume-state. The token comes from "
+        "HF_TOKEN or `hf auth login`, never from the command line (where other users could read it).",
+        allow_abbrev=False,
+    )
+    p.add_argument(
+        "dir", help="a folder written by save_pretrained, engine.save_pretrained or hf-zero consolidate"
+    )
+    p.add_argument("repo_id", help="the Hub repo, e.g. my-user/my-model")
+    p.add_argument("--revision", default=None, help="branch to commit to (created from main if missing)")
+    p.add_argument(
+        "--private", action="store_true", default=None, help="create the repo private (new repos only)"
+    )
+    p.add_argument("--commit-message", "--commit_message", dest="commit_message", default=None,
+                   help="commit summary (default: a fixed hf_zero message)")
+    p.add_argument("--create-pr", "--create_pr", dest="create_pr", action="store_true",
+                   help="open a pull request against main instead of committing to it")
+    p.add_argument(
+        "--include-resume-state",
+        "--include_resume_state",
+        dest="include_resume_state",
+        action="store_true",
+        help="also upload resume checkpoints (optimizer state, RNG, 'latest')",
+    )
+    p.set_defaults(handler=_cmd_push)
+
+
+def _cmd_push(args: argparse.Namespace) -> int:
+    from hf_zero.hub import push_to_hub
+
+    url = push_to_hub(args.dir, args.repo_id, revision=args.revision, private=args.private,
+                      commit_message=args.commit_message, create_pr=args.create_pr,
+                      include_resume_state=args.include_resume_state)
+    print(f"pushed {args.dir} to {args.repo_id}: {url}")
+    return 0
+
+
+def _add_pull_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "pull",
+        help="download a Hub model repo into a folder",
+        description="Download every file of the Hub repo REPO_ID (at --revision) into DIR as plain files, "
+        "ready for from_pretrained (or load_checkpoint, when resume state was pushed).",
+        allow_abbrev=False,
+    )
+    p.add_argument("repo_id", help="the Hub repo, e.g. my-user/my-model")
+    p.add_argument("dir", help="where to put the files (created if missing)")
+    p.add_argument("--revision", default=None, help="branch, tag or commit (default: main)")
+    p.set_defaults(handler=_cmd_pull)
+
+
+def _cmd_pull(args: argparse.Namespace) -> int:
+    from hf_zero.hub import pull_from_hub
+
+    path = pull_from_hub(args.repo_id, args.dir, revision=args.revision)
+    print(f"pulled {args.repo_id}{'@' + args.revision if args.revision else ''} into {path}")
+    return 0
+
+
 # -------------------------------------------------------------------------------- main
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``hf-zero`` parser with its subcommands."""
     parser = argparse.ArgumentParser(
-        prog="hf-zero", description="ZeRO training for the Hugging Face stack: launch jobs and size them."
+        prog="hf-zero",
+        description="ZeRO training for the Hugging Face stack: launch jobs, size them, and move their "
+        "weights to and from the Hub.",
     )
-    subparsers = parser.add_subparsers(dest="command", metavar="{launch,estimate,consolidate}", required=True)
+    subparsers = parser.add_subparsers(
+        dest="command", metavar="{launch,estimate,consolidate,push,pull}", required=True
+    )
     _add_launch_parser(subparsers)
     _add_estimate_parser(subparsers)
     _add_consolidate_parser(subparsers)
+    _add_push_parser(subparsers)
+    _add_pull_parser(subparsers)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``hf-zero`` console script; returns the exit status."""
+    from hf_zero.hub import HubError  # light: huggingface_hub is imported only when a push/pull runs
+
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         return args.handler(args)
-    except (LaunchError, ValueError, OSError) as e:
+    except (LaunchError, HubError, ValueError, OSError) as e:
         print(f"hf-zero {args.command}: error: {e}", file=sys.stderr)
         return 2
 
