@@ -424,6 +424,38 @@ class ZeroEngine(torch.nn.Module):
 
         return consolidated.save_pretrained(self, save_directory, max_shard_size=max_shard_size, dtype=dtype)
 
+    def push_to_hub(
+        self,
+        repo_id: str,
+        save_directory: str,
+        *,
+        revision: str | None = None,
+        private: bool | None = None,
+        commit_message: str | None = None,
+        token: str | None = None,
+        include_resume_state: bool = False,
+        card_kwargs: dict | None = None,
+    ) -> str | None:
+        """Consolidate into ``save_directory`` and upload it (every rank calls this; rank 0 uploads).
+
+        The model card records this engine's ZeRO config; with ``include_resume_state`` the resume
+        checkpoints saved in the same folder (``save_checkpoint(save_directory)``) go too, so a run
+        can be picked up elsewhere with ``hf-zero pull`` and ``load_checkpoint``. Returns the commit
+        URL on rank 0.
+        """
+        from hf_zero import hub
+
+        self.save_pretrained(save_directory)
+        url = None
+        if self.global_rank == 0:
+            kwargs = {"zero_config": self.config.raw, **(card_kwargs or {})}
+            url = hub.push_to_hub(
+                save_directory, repo_id, revision=revision, private=private, commit_message=commit_message,
+                token=token, include_resume_state=include_resume_state, card_kwargs=kwargs,
+            )
+        dist.barrier(self.group)
+        return url
+
     # --------------------------------------------------------- helpers
 
     def memory_bytes(self) -> dict[str, int]:
