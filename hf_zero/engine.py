@@ -95,6 +95,7 @@ class ZeroEngine(torch.nn.Module):
         self._boundary_override: bool | None = None
         self._built_presharded = False
         self._clip_override: float | None = None
+        self._norm_stats: tuple[torch.Tensor, torch.Tensor] | None = None  # computed early by current_grad_norm
 
         stage = config.zero_optimization.stage
         self._check_presharded(model, stage, optimizer)
@@ -274,8 +275,9 @@ class ZeroEngine(torch.nn.Module):
         zo = self.zero_optimizer
         if zo is None or not zo.reduced:
             return None
-        norm, _ = zo.grad_norm_and_overflow(need_overflow=False)
-        return norm / (self.loss_scaler.scale if self.loss_scaler is not None else 1.0)
+        if self._norm_stats is None:  # the step reuses it: one norm, one all-reduce per step
+            self._norm_stats = zo.grad_norm_and_overflow(need_overflow=self.loss_scaler is not None)
+        return self._norm_stats[0] / (self.loss_scaler.scale if self.loss_scaler is not None else 1.0)
 
     def was_step_applied(self) -> bool:
         return self._step_applied
@@ -335,7 +337,8 @@ class ZeroEngine(torch.nn.Module):
                 "ranks (every backward ran inside engine.no_sync()); run the boundary's backward outside no_sync()"
             )
         scaler = self.loss_scaler
-        norm, bad = zo.grad_norm_and_overflow(need_overflow=scaler is not None)
+        stats, self._norm_stats = self._norm_stats, None
+        norm, bad = stats if stats is not None else zo.grad_norm_and_overflow(need_overflow=scaler is not None)
         scale = scaler.scale if scaler is not None else 1.0
         if scaler is not None and bool(bad > 0):  # fp16 needs this one host sync per step
             scaler.update(True)
@@ -368,6 +371,7 @@ class ZeroEngine(torch.nn.Module):
             logger.info("step=%d, skipped=%d, lr=[%s]%s", self.global_steps, self.skipped_steps, lrs, extra)
 
     def zero_grad(self) -> None:
+        self._norm_stats = None
         if self.zero_optimizer is not None:
             self.zero_optimizer.zero_grad()
 
