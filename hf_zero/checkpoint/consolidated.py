@@ -151,6 +151,34 @@ def engine_entries(module: torch.nn.Module, dtype: torch.dtype | None) -> tuple[
     return entries, tensors
 
 
+class OneUnitAtATime:
+    """Whole values of an engine's tensors, with at most one stage-3 group gathered at a time.
+
+    Asking for a tensor of another group releases the previous one, so walking a state dict in
+    module order gathers each unit once and never holds two.
+    """
+
+    def __init__(self, engine: Any) -> None:
+        zo = engine.zero_optimizer
+        if zo is not None and zo.runtime is not None:
+            zo.runtime.release_inference()
+        self.current: Any = None
+
+    def full(self, t: torch.Tensor) -> torch.Tensor:
+        g = getattr(t, "hf_zero_group", None)
+        if g is not None and g is not self.current:
+            self.release()
+            g.gather(None)
+            g.wait()
+            self.current = g
+        return t
+
+    def release(self) -> None:
+        if self.current is not None:
+            self.current.reshard()
+            self.current = None
+
+
 def save_pretrained(engine: Any, save_directory: str, max_shard_size: int | str = "5GB", dtype: torch.dtype | None = None) -> list[str]:
     """Consolidate the engine's weights into ``save_directory`` (collective; rank 0 writes).
 
@@ -164,29 +192,19 @@ def save_pretrained(engine: Any, save_directory: str, max_shard_size: int | str 
     if rank == 0:
         os.makedirs(save_directory, exist_ok=True)
     module = engine.module
-    zo = engine.zero_optimizer
-    if zo is not None and zo.runtime is not None:
-        zo.runtime.release_inference()
+    units = OneUnitAtATime(engine)
     entries, tensors = engine_entries(module, dtype)
     first_float = next((dt for _, dt, _ in entries if dt.is_floating_point), None)
-    current: list[Any] = []
 
     def produce(name: str) -> torch.Tensor | None:
-        t = tensors[name]
-        g = getattr(t, "hf_zero_group", None)
-        if g is not None and (not current or current[0] is not g):
-            for old in current:
-                old.reshard()
-            current.clear()
-            g.gather(None)
-            g.wait()
-            current.append(g)
-        return t.detach().cpu().clone() if rank == 0 else None
+        t = units.full(tensors[name])
+        # One copy (device to host, or a host clone): the writer hands the bytes to numpy, which must
+        # not pin the unit's storage (it is resized to 0 when the unit is released).
+        return t.detach().to("cpu", copy=True) if rank == 0 else None
 
     with torch.no_grad():
         files = write_weights(save_directory, entries, produce, max_shard_size, writer=rank == 0)
-    for g in current:
-        g.reshard()
+    units.release()
     if rank == 0:
         save_model_config(module, save_directory, first_float)
     dist.barrier(engine.group)

@@ -220,12 +220,12 @@ class Accelerator(accelerate.Accelerator):
         engine = self._engine_of(model)
         if engine is None:
             return super().get_state_dict(model, unwrap=unwrap)
-        from hf_zero.zero.init import GatheredParameters
+        from hf_zero.checkpoint.consolidated import OneUnitAtATime
 
-        out: dict[str, torch.Tensor] = {}
-        for name, t in engine.module.state_dict(keep_vars=True).items():
-            with GatheredParameters([t] if isinstance(t, torch.nn.Parameter) else []):
-                out[name] = t.detach().cpu().clone()
+        units = OneUnitAtATime(engine)
+        with torch.no_grad():
+            out = {name: units.full(t).detach().to("cpu", copy=True) for name, t in engine.module.state_dict(keep_vars=True).items()}
+        units.release()
         return out
 
     def save_model(self, model: Any, save_directory: str, max_shard_size: int | str = "10GB", safe_serialization: bool = True) -> None:
