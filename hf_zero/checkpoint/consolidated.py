@@ -229,6 +229,9 @@ def consolidate(
     with open(os.path.join(path, "checkpoint.json")) as f:
         meta = json.load(f)
     reader = _Reader(path, int(meta["world_size"]))
+    damaged = reader.damaged()
+    if damaged:
+        raise CheckpointError(damaged[0])
     entries, kinds = [], {}
     for name, info in meta["params"].items():
         saved = getattr(torch, info["dtype"])

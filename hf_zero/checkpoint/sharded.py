@@ -324,6 +324,7 @@ class _Reader:
         self.index: dict[tuple[str, str], list[tuple[str, str, int, int]]] = defaultdict(list)
         self.scalars: dict[str, dict[str, Any]] = {}
         self.rank_meta: list[dict] = []
+        self.digests: dict[str, str] = {}
         for r in range(world):
             meta_path = os.path.join(path, f"rank{r:05d}.json")
             if not os.path.isfile(meta_path):
@@ -336,12 +337,7 @@ class _Reader:
             for fname in {*rm["files"].values(), *rm.get("sha256", {})}:
                 if os.path.basename(fname) != fname or fname.startswith("."):
                     raise CheckpointError(f"{meta_path} names the file {fname!r} outside its checkpoint folder; refusing to read it")
-            for fname, digest in rm.get("sha256", {}).items():
-                full = os.path.join(path, fname)
-                if not os.path.isfile(full):
-                    raise CheckpointError(f"{path} is incomplete: {fname} is missing")
-                if _sha256(full) != digest:
-                    raise CheckpointError(f"{full} does not match the checksum recorded when it was saved; the file is damaged")
+            self.digests.update(rm.get("sha256", {}))
             self.rank_meta.append(rm)
             for key, (name, a, b) in rm["ranges"].items():
                 kind = key.split("|", 1)[0]
@@ -349,6 +345,21 @@ class _Reader:
             for name, vals in rm["scalars"].items():
                 self.scalars.setdefault(name, {}).update(vals)
         self.files0 = self.rank_meta[0]["files"]
+
+    def damaged(self, share: int = 0, shares: int = 1) -> list[str]:
+        """Files (every ``shares``-th, from ``share``) missing or not matching their saved sha256.
+
+        Ranks split the hashing between them and pool the findings, so a checkpoint is read once
+        for verification, not once per rank.
+        """
+        errors = []
+        for fname in sorted(self.digests)[share::shares]:
+            full = os.path.join(self.path, fname)
+            if not os.path.isfile(full):
+                errors.append(f"{self.path} is incomplete: {fname} is missing")
+            elif _sha256(full) != self.digests[fname]:
+                errors.append(f"{full} does not match the checksum recorded when it was saved; the file is damaged")
+        return errors
 
     def handle(self, fname: str) -> Any:
         if fname not in self.handles:
@@ -416,6 +427,12 @@ def load(
         if list(p.shape) != saved_params[n]["shape"]:
             raise CheckpointError(f"{path}: parameter '{n}' has shape {saved_params[n]['shape']} there and {list(p.shape)} here")
     reader = _Reader(path, int(meta["world_size"]))
+    found = reader.damaged(dist.get_rank(engine.group), engine.world_size)
+    pooled: list[list[str] | None] = [None] * engine.world_size
+    dist.all_gather_object(pooled, found, group=engine.group)
+    errors = [e for part in pooled for e in (part or [])]
+    if errors:  # every rank raises the same sentence, before anything was loaded
+        raise CheckpointError(errors[0])
     zo = engine.zero_optimizer
     if zo is None:
         raise CheckpointError("load_checkpoint needs an engine with an optimizer")
