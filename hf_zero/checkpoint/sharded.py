@@ -170,6 +170,7 @@ def save(engine: Any, save_dir: str, tag: str | None, client_state: dict | None,
         os.makedirs(partial)
     dist.barrier(group)
 
+    # Host copies (one per tensor: a device-to-host copy on GPU, a clone on CPU) of what this rank owns.
     tensors: dict[str, torch.Tensor] = {}
     ranges: dict[str, Any] = {}
     scalars: dict[str, dict[str, Any]] = {}
@@ -183,12 +184,12 @@ def save(engine: Any, save_dir: str, tag: str | None, client_state: dict | None,
             n = b - a
             if master is not None:
                 key = f"master|{slot.name}"
-                tensors[key] = master.detach()[m : m + n].float().cpu().clone()
+                tensors[key] = master.detach()[m : m + n].to("cpu", torch.float32, copy=True)
                 ranges[key] = [slot.name, a, b]
                 for k, v in state.items():
                     if torch.is_tensor(v) and v.numel() == master.numel() and v.numel() > 1:
                         key = f"optim.{k}|{slot.name}"
-                        tensors[key] = v.detach()[m : m + n].cpu().clone()
+                        tensors[key] = v.detach()[m : m + n].to("cpu", copy=True)
                         ranges[key] = [slot.name, a, b]
                     elif torch.is_tensor(v) and v.numel() <= 1:
                         scalars.setdefault(slot.name, {})[k] = {"value": v.item(), "dtype": str(v.dtype).removeprefix("torch.")}
@@ -196,18 +197,18 @@ def save(engine: Any, save_dir: str, tag: str | None, client_state: dict | None,
                         scalars.setdefault(slot.name, {})[k] = {"value": _jsonable(v, f"optimizer state '{k}'")}
             else:  # a frozen stage-3 group: its shard holds the values
                 key = f"frozen|{slot.name}"
-                tensors[key] = g.param_shard.detach()[m : m + n].cpu().clone()
+                tensors[key] = g.param_shard.detach()[m : m + n].to("cpu", copy=True)
                 ranges[key] = [slot.name, a, b]
     grouped = {id(s.param) for g in zo._all_groups() for s in g.slots}
     if rank == 0:
         for name, p in engine.module.named_parameters():
             if id(p) not in grouped:  # frozen and whole on every rank
                 key = f"frozen|{name}"
-                tensors[key] = p.detach().reshape(-1).cpu().clone()
+                tensors[key] = p.detach().reshape(-1).to("cpu", copy=True)
                 ranges[key] = [name, 0, p.numel()]
         for name, b in engine.module.state_dict(keep_vars=True).items():
             if not isinstance(b, torch.nn.Parameter) and torch.is_tensor(b):
-                tensors[f"buffer|{name}"] = b.detach().cpu().clone()
+                tensors[f"buffer|{name}"] = b.detach().to("cpu", copy=True)
     rng_tensors, rng_meta = _rng_state(engine.device)
     tensors.update(rng_tensors)
 
