@@ -45,3 +45,45 @@ def test_every_mismatch_is_listed(tmp_path: Path) -> None:
                  "bf16.enabled: config has True", "optimizer.params.lr: config has 0.001"):
         assert part in msg, msg
     assert "gradient_accumulation_steps" not in msg and "\n" not in msg
+
+
+def _trainer(tmp_path: Path, scheduler_params: dict):  # noqa: ANN202
+    import torch
+    from accelerate.state import AcceleratorState, GradientState
+
+    import hf_zero
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    zero = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+            "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto"}},
+            "scheduler": {"type": "WarmupDecayLR", "params": scheduler_params}, "zero_optimization": {"stage": 1}}
+    args = hf_zero.TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=4, learning_rate=3e-4,
+                                     warmup_steps=7, report_to="none", use_cpu=True, zero_config=zero)
+    return hf_zero.Trainer(model=torch.nn.Linear(3, 2), args=args)
+
+
+def test_scheduler_autos_come_from_the_trainer(tmp_path: Path) -> None:
+    trainer = _trainer(tmp_path, {"warmup_min_lr": "auto", "warmup_max_lr": "auto", "warmup_num_steps": "auto",
+                                  "total_num_steps": "auto"})
+    trainer.create_optimizer()
+    sched = trainer.create_scheduler(num_training_steps=50)
+    lrs = []
+    for _ in range(50):
+        lrs.append(trainer.optimizer.param_groups[0]["lr"])
+        trainer.optimizer.step()
+        sched.step()
+    assert max(lrs) == pytest.approx(3e-4) and lrs.index(max(lrs)) == 7  # warm up over --warmup_steps to --learning_rate
+    assert lrs[-1] < lrs[7] / 10  # and decay to 0 over the Trainer's 50 steps
+
+
+def test_scheduler_step_counts_that_contradict_the_trainer_are_listed(tmp_path: Path) -> None:
+    with pytest.raises(UsageError, match="scheduler.params.warmup_max_lr: config has 0.001"):  # known at init
+        _trainer(tmp_path, {"warmup_max_lr": 1e-3})
+    trainer = _trainer(tmp_path, {"warmup_num_steps": 100, "total_num_steps": 60})
+    trainer.create_optimizer()
+    with pytest.raises(UsageError) as info:
+        trainer.create_scheduler(num_training_steps=50)
+    msg = str(info.value)
+    assert "scheduler.params.warmup_num_steps: config has 100, the Trainer computed 7" in msg, msg
+    assert "scheduler.params.total_num_steps: config has 60, the Trainer computed 50" in msg, msg

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import socket
 import subprocess
 import sys
 import textwrap
@@ -376,3 +377,56 @@ def test_engine_push_pull_from_pretrained_and_resume(client: Client, work: Path)
     """
     res = _ok(client.python(check))
     assert "RESULT True True True" in res.stdout, res.stdout[-2000:] + res.stderr[-2000:]
+
+
+def test_trainer_push_to_hub_uploads_consolidated_weights_and_card(client: Client, work: Path) -> None:
+    """``hf_zero.Trainer(push_to_hub=True)`` on 2 processes under stage 3: the repo gets the consolidated
+    weights (``from_pretrained`` by repo id equals what the engine holds), the tokenizer-free config and a
+    model card tagged ``hf_zero``; checkpoints' resume state stays local."""
+    out = work / "trainer_run"
+    script = work / "trainer_push.py"
+    script.write_text(textwrap.dedent(f"""
+        import json, torch, hf_zero
+        from datasets import Dataset
+        from transformers import LlamaConfig, LlamaForCausalLM
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                             num_attention_heads=4, num_key_value_heads=2, vocab_size=128))
+        ids = torch.randint(0, 128, (16, 8), generator=torch.Generator().manual_seed(1)).tolist()
+        args = hf_zero.TrainingArguments(
+            output_dir={str(out)!r}, per_device_train_batch_size=2, max_steps=3, learning_rate=1e-2,
+            report_to="none", use_cpu=True, disable_tqdm=True, save_strategy="steps", save_steps=2,
+            push_to_hub=True, hub_model_id="user/trainer-run", hub_strategy="end",
+            zero_config={{"zero_optimization": {{"stage": 3, "stage3_param_persistence_threshold": 40}},
+                         "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto"}})
+        trainer = hf_zero.Trainer(model=model, args=args, train_dataset=Dataset.from_dict({{"input_ids": ids, "labels": ids}}))
+        trainer.train()
+        trainer.push_to_hub(commit_message="end of zero run")
+        state = trainer.accelerator.get_state_dict(trainer.model_wrapped)
+        if trainer.is_world_process_zero():
+            json.dump({{k: v.float().reshape(-1).tolist() for k, v in state.items()}}, open({str(work / "trainer_ref.json")!r}, "w"))
+    """))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    _ok(client.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
+                    str(script)]))
+    check = f"""
+        import json, torch
+        from huggingface_hub import HfApi, ModelCard
+        from transformers import AutoModelForCausalLM
+        ref = json.load(open({str(work / "trainer_ref.json")!r}))
+        files = sorted(HfApi().list_repo_files("user/trainer-run"))
+        model = AutoModelForCausalLM.from_pretrained("user/trainer-run")
+        same = all(p.detach().reshape(-1).tolist() == ref[n] for n, p in model.named_parameters())
+        card = ModelCard.load("user/trainer-run")
+        print("RESULT", same, json.dumps(files), json.dumps(card.data.tags))
+    """
+    res = _ok(client.python(check))
+    line = next(x for x in res.stdout.splitlines() if x.startswith("RESULT"))
+    same, rest = line.split(" ", 2)[1:]
+    files, tags = json.loads(rest[: rest.index("] [") + 1]), json.loads(rest[rest.index("] [") + 2:])
+    assert same == "True", res.stdout[-2000:]
+    assert "model.safetensors" in files and "config.json" in files and "README.md" in files, files
+    assert not any(f.startswith("checkpoint-") or "zero_state" in f for f in files), files
+    assert "hf_zero" in tags and "zero-stage-3" in tags, tags

@@ -165,9 +165,17 @@ class Trainer(transformers.Trainer):
             "warmup_min_lr": 0.0, "warmup_max_lr": self.args.learning_rate,
             "warmup_num_steps": self.args.get_warmup_steps(num_training_steps), "total_num_steps": num_training_steps,
         }
+        mismatches = []
         for key, value in fills.items():
-            if params.get(key) == "auto":
+            have = params.get(key)
+            if have == "auto":
                 params[key] = value
+            elif key != "warmup_min_lr" and have is not None and have != value:
+                # an explicit step count the arguments contradict would warm up or decay over a run nobody asked for
+                mismatches.append(f"scheduler.params.{key}: config has {have}, the Trainer computed {value} "
+                                  f"(--{'learning_rate' if key == 'warmup_max_lr' else 'warmup_steps/max_steps'})")
+        if mismatches:
+            raise UsageError("zero_config contradicts the training arguments: " + "; ".join(mismatches))
         opt = optimizer if optimizer is not None else self.optimizer
         self.lr_scheduler = build_scheduler(section["type"], params, getattr(opt, "optimizer", opt))
         self._created_lr_scheduler = True
@@ -188,6 +196,14 @@ class Trainer(transformers.Trainer):
                 f.write(self.args.to_json_string())
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+    def create_model_card(self, *args: Any, tags: str | list[str] | None = None, **kwargs: Any) -> None:
+        """transformers' card, tagged ``hf_zero`` (and the ZeRO stage) so the Hub page says how it was trained."""
+        if self.zero_enabled:
+            tags = [tags] if isinstance(tags, str) else list(tags or [])
+            stage = (self.args.zero_config_dict.get("zero_optimization") or {}).get("stage", 0)
+            tags += [t for t in ("hf_zero", f"zero-stage-{stage}") if t not in tags]
+        return super().create_model_card(*args, tags=tags, **kwargs)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         if not self.zero_enabled or self.engine is None:
