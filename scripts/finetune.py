@@ -100,7 +100,9 @@ def main(argv: list[str] | None = None) -> dict:
     labels = sorted(set(raw["train"][script.label_column]))
     set_seed(args.seed)  # before the new classification head is initialised, so every rank starts the same
     tokenizer = AutoTokenizer.from_pretrained(script.model_name_or_path)
-    model = AutoModelForSequenceClassification.from_pretrained(script.model_name_or_path, num_labels=len(labels))
+    # fp32 weights whatever the checkpoint's dtype: --bf16/--fp16 (and ZeRO's bf16) are mixed precision over fp32 masters
+    model = AutoModelForSequenceClassification.from_pretrained(script.model_name_or_path, num_labels=len(labels),
+                                                               dtype=torch.float32)
 
     def tokenize(batch: dict) -> dict:
         enc = tokenizer(batch[script.text_column], truncation=True, padding="max_length", max_length=script.max_length)
@@ -126,12 +128,16 @@ def main(argv: list[str] | None = None) -> dict:
         "accuracy_before": before.get("eval_accuracy"), "accuracy_after": after.get("eval_accuracy"),
         "train_loss": result.training_loss, "steps": result.global_step, "saved": final_dir,
         "samples_per_second": result.metrics.get("train_samples_per_second"),
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None,
     }
     if trainer.is_world_process_zero():
         if script.model_card:
             write_card(final_dir, script, args, summary)
         print(f"[finetune] accuracy {summary['accuracy_before']} -> {summary['accuracy_after']}, "
-              f"train loss {summary['train_loss']:.4f}, {summary['steps']} steps, weights in {final_dir}", flush=True)
+              f"train loss {summary['train_loss']:.4f}, {summary['steps']} steps, "
+              f"{summary['samples_per_second']} samples/s, weights in {final_dir}", flush=True)
+        if summary["peak_gib"] is not None:
+            print(f"[finetune] peak CUDA memory {summary['peak_gib']:.2f} GiB (rank 0)", flush=True)
     return summary
 
 
