@@ -21,6 +21,7 @@ import tempfile
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LINE = re.compile(r"\[finetune\] accuracy (\S+) -> (\S+), train loss (\S+), (\d+) steps, (\S+) samples/s")
+STEADY = re.compile(r"\[finetune\] steady state (\S+) samples/s")
 PEAK = re.compile(r"\[finetune\] peak CUDA memory (\S+) GiB")
 
 
@@ -48,9 +49,10 @@ def run(gpus: int, model: str, mode: str, steps: int, batch: int, length: int, w
     if proc.returncode != 0 or not found:
         tail = (proc.stdout + proc.stderr)[-2500:]
         return {"mode": mode, "error": f"exit {proc.returncode}: {tail}"}
-    peak = PEAK.search(proc.stdout)
+    peak, steady = PEAK.search(proc.stdout), STEADY.search(proc.stdout)
     return {"mode": mode, "acc_before": found.group(1), "acc_after": found.group(2), "loss": float(found.group(3)),
-            "samples_s": float(found.group(5)), "peak_gib": float(peak.group(1)) if peak else float("nan")}
+            "samples_s": float(found.group(5)),
+            "steady_s": float(steady.group(1)) if steady else float("nan"), "peak_gib": float(peak.group(1)) if peak else float("nan")}
 
 
 def main() -> None:
@@ -76,15 +78,16 @@ def main() -> None:
             r["model"] = name
             rows.append(r)
             print(r, flush=True)
-    print("\n| model | engine | samples/s (all GPUs) | vs DDP | peak GiB (rank 0) | accuracy before -> after | loss |")
-    print("|---|---|---|---|---|---|---|")
+    print("\n| model | engine | samples/s, whole train() | steady samples/s (after step 10) | steady vs DDP "
+          "| peak GiB (rank 0) | accuracy before -> after | loss |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "error" in r:
-            print(f"| {r['model']} | {r['mode']} | failed | | | | |")
+            print(f"| {r['model']} | {r['mode']} | failed | | | | | |")
             continue
         base = next((x for x in rows if x["model"] == r["model"] and x["mode"] == "ddp" and "samples_s" in x), None)
-        ratio = f"{r['samples_s'] / base['samples_s']:.3f}" if base else "-"
-        print(f"| {r['model']} | {r['mode']} | {r['samples_s']:.1f} | {ratio} | {r['peak_gib']:.2f} | "
+        ratio = f"{r['steady_s'] / base['steady_s']:.3f}" if base else "-"
+        print(f"| {r['model']} | {r['mode']} | {r['samples_s']:.1f} | {r['steady_s']:.1f} | {ratio} | {r['peak_gib']:.2f} | "
               f"{r['acc_before']} -> {r['acc_after']} | {r['loss']:.4f} |")
 
 

@@ -87,3 +87,23 @@ def test_scheduler_step_counts_that_contradict_the_trainer_are_listed(tmp_path: 
     msg = str(info.value)
     assert "scheduler.params.warmup_num_steps: config has 100, the Trainer computed 7" in msg, msg
     assert "scheduler.params.total_num_steps: config has 60, the Trainer computed 50" in msg, msg
+
+
+def test_auto_bucket_sizes_follow_the_hidden_size_with_a_floor() -> None:
+    from types import SimpleNamespace
+
+    from hf_zero.integrations.accelerate import MIN_AUTO_REDUCE_BUCKET, fill_bucket_autos
+
+    def filled(hidden: int) -> dict:
+        cfg = {"zero_optimization": {"stage": 3, "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
+                                     "stage3_param_persistence_threshold": "auto"}}
+        fill_bucket_autos(cfg, SimpleNamespace(config=SimpleNamespace(hidden_size=hidden)))
+        return cfg["zero_optimization"]
+
+    small, large = filled(1024), filled(8192)
+    assert small["reduce_bucket_size"] == MIN_AUTO_REDUCE_BUCKET  # 1024**2 would be ~1M: latency-bound buckets
+    assert large["reduce_bucket_size"] == 8192 * 8192
+    assert small["stage3_prefetch_bucket_size"] == int(0.9 * 1024 * 1024)
+    assert small["stage3_param_persistence_threshold"] == 10240
+    with pytest.raises(UsageError, match="no config.hidden_size"):
+        fill_bucket_autos({"zero_optimization": {"reduce_bucket_size": "auto"}}, SimpleNamespace(config=None))
