@@ -91,7 +91,7 @@ def steady_throughput_callback(warmup_steps: int = 10):  # noqa: ANN201
     return SteadyThroughput()
 
 
-def main(argv: list[str] | None = None) -> dict:
+def main(argv: list[str] | None = None, callbacks: list | None = None) -> dict:
     import datasets
     import evaluate
     from transformers import AutoModelForSequenceClassification, AutoTokenizer, HfArgumentParser
@@ -152,6 +152,8 @@ def main(argv: list[str] | None = None) -> dict:
                       processing_class=tokenizer, compute_metrics=compute_metrics if eval_split else None)
     steady = steady_throughput_callback()
     trainer.add_callback(steady)
+    for callback in callbacks or []:
+        trainer.add_callback(callback)
     before = trainer.evaluate() if eval_split else {}
     result = trainer.train()
     after = trainer.evaluate() if eval_split else {}

@@ -1,0 +1,66 @@
+"""Where a Trainer step's time goes: ``scripts/finetune.py`` with the torch profiler around a few steps.
+
+    torchrun --nproc_per_node 2 scripts/profile_trainer.py --zero_config configs/zero2.json --model_name_or_path M
+
+Every argument is finetune.py's. Rank 0 prints the step's wall time beside the time the GPU was busy
+(the gap is host overhead the GPU waited through), then the operators that took the most GPU and the
+most host time. ``HF_ZERO_PROFILE_STEPS`` (``10:15``) picks the steps; ``HF_ZERO_PROFILE_TRACE`` names a
+Chrome trace file to write as well.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import torch
+from transformers import TrainerCallback
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import finetune  # noqa: E402
+
+
+class ProfileSteps(TrainerCallback):
+    """Starts the profiler before step ``first`` and stops it after step ``last``."""
+
+    def __init__(self, first: int, last: int) -> None:
+        self.first, self.last = first, last
+        self.prof: torch.profiler.profile | None = None
+        self.t0 = 0.0
+
+    def on_step_begin(self, args, state, control, **kwargs):  # noqa: ANN001, ANN201
+        if state.global_step == self.first:
+            acts = [torch.profiler.ProfilerActivity.CPU]
+            if torch.cuda.is_available():
+                acts.append(torch.profiler.ProfilerActivity.CUDA)
+                torch.cuda.synchronize()
+            self.prof = torch.profiler.profile(activities=acts)
+            self.prof.__enter__()
+            self.t0 = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):  # noqa: ANN001, ANN201
+        if self.prof is None or state.global_step != self.last:
+            return
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - self.t0
+        self.prof.__exit__(None, None, None)
+        steps = self.last - self.first
+        if state.is_world_process_zero:
+            events = self.prof.key_averages()
+            busy = sum(e.self_device_time_total for e in events) / 1e3 if torch.cuda.is_available() else 0.0
+            print(f"[profile] {steps} steps: {1e3 * wall / steps:.1f} ms/step wall, "
+                  f"{busy / steps:.1f} ms/step summed GPU kernel time (streams overlap, so this can exceed wall)")
+            key = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+            print(events.table(sort_by=key, row_limit=18, max_name_column_width=60))
+            print(events.table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=60))
+            trace = os.environ.get("HF_ZERO_PROFILE_TRACE")
+            if trace:
+                self.prof.export_chrome_trace(trace)
+        self.prof = None
+
+
+if __name__ == "__main__":
+    first, last = (int(x) for x in os.environ.get("HF_ZERO_PROFILE_STEPS", "10:15").split(":"))
+    finetune.main(callbacks=[ProfileSteps(first, last)])
