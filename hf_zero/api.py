@@ -46,6 +46,30 @@ def _param_groups(model: torch.nn.Module, model_parameters: Any) -> list[dict] |
     return params
 
 
+def _resolve_batch_sizes_on_every_rank(cfg: ZeroConfig, group: Any) -> None:
+    """Resolve the batch triple and check that every rank got the same one (one sentence on every rank).
+
+    Ranks started with different configs would otherwise train on different global batches, or
+    hang in a collective; a rank whose config is refused makes the others refuse too.
+    """
+    error: ConfigError | None = None
+    try:
+        cfg.resolve_batch_sizes(dist.get_world_size(group))
+        mine = [1, cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps]
+    except ConfigError as e:
+        error, mine = e, [0, 0, 0, 0]
+    every = hz_dist.gather_ints(mine, group)
+    if error is not None:
+        raise error
+    refused = [r for r, v in enumerate(every) if not v[0]]
+    if refused:
+        raise ConfigError(f"the config's batch sizes were refused on rank {refused[0]} (its error says why); every rank must run the same config")
+    if any(v != every[0] for v in every):
+        r = next(r for r, v in enumerate(every) if v != every[0])
+        show = lambda v: f"train_batch_size {v[1]}, train_micro_batch_size_per_gpu {v[2]}, gradient_accumulation_steps {v[3]}"  # noqa: E731
+        raise ConfigError(f"batch sizes differ across ranks: rank 0 has {show(every[0])} but rank {r} has {show(every[r])}; every rank must run the same config")
+
+
 def _make_dataloader(training_data: Any, collate_fn: Callable | None, cfg: ZeroConfig, group: Any) -> torch.utils.data.DataLoader:
     """A loader that gives each data-parallel rank its own micro-batches, shuffled with the config seed."""
     if not isinstance(training_data, torch.utils.data.Dataset) and not hasattr(training_data, "__getitem__"):
@@ -92,8 +116,12 @@ def initialize(
         raise UsageError(f"initialize(model=...) got a {type(model).__name__} with no parameters; there is nothing to train")
     cfg = ZeroConfig.load(_config_from(args, config, config_params))
     hz_dist.init_distributed(distributed_port=distributed_port)
-    group = None
-    cfg.resolve_batch_sizes(dist.get_world_size(group))
+    from hf_zero.pipe.module import PipelineModule
+
+    pipeline = isinstance(model, PipelineModule)
+    # A pipeline's batch sizes, optimizer shards and data loader are per data-parallel replica of its stage.
+    group = model.dp_group if pipeline else None
+    _resolve_batch_sizes_on_every_rank(cfg, group)
 
     groups = _param_groups(model, model_parameters)
     if optimizer is not None and cfg.optimizer is not None:
@@ -117,7 +145,12 @@ def initialize(
     else:
         torch_opt = None
 
-    engine = ZeroEngine(model, cfg, torch_opt, group=group)
+    if pipeline:
+        from hf_zero.pipe.engine import PipelineEngine
+
+        engine = PipelineEngine(model, cfg, torch_opt)  # a ZeroEngine over the stage, group = its data-parallel group
+    else:
+        engine = ZeroEngine(model, cfg, torch_opt, group=group)
 
     sched = None
     if lr_scheduler is not None and cfg.scheduler is not None:

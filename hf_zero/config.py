@@ -34,15 +34,27 @@ from hf_zero.config_schema import (
     BF16_INERT,
     BF16_KEYS,
     BF16_UNSUPPORTED,
+    CHECKPOINT_INERT,
+    CHECKPOINT_KEYS,
     COMMUNICATION_DTYPES,
+    COMPILE_INERT,
+    COMPILE_KEYS,
+    COMPILE_KWARGS,
+    COMPILE_MODES,
+    COMPILE_UNSUPPORTED,
     DEEPSPEED_ONLY_OPTIMIZERS,
     DEEPSPEED_ONLY_SCHEDULERS,
     FP16_INERT,
     FP16_KEYS,
     FP16_UNSUPPORTED,
     GATHER_16BIT_ALIAS,
+    NONFINITE_LOSS,
     OPTIMIZER_INERT,
     OPTIMIZER_KEYS,
+    PIPELINE_AUTO,
+    PIPELINE_INERT,
+    PIPELINE_KEYS,
+    PIPELINE_SCHEDULES,
     SCHEDULER_KEYS,
     SUPPORTED_OPTIMIZERS,
     SUPPORTED_SCHEDULERS,
@@ -131,6 +143,24 @@ class ZeroOptimizationConfig:
 
 
 @dataclass
+class PipelineConfig:
+    """``pipeline``: read when the model is a ``PipelineModule`` (``stages`` None: whatever the module says)."""
+
+    stages: int | None = None
+    activation_checkpoint_interval: int = 0
+    schedule: str = "1f1b"  # hf_zero's key: "1f1b" or "gpipe"
+
+
+@dataclass
+class CompileConfig:
+    """``compile``: ``torch.compile`` each block at ``initialize`` (see :mod:`hf_zero.compile`)."""
+
+    enabled: bool = False
+    backend: str = "inductor"
+    kwargs: dict = field(default_factory=dict)
+
+
+@dataclass
 class ZeroConfig:
     """A parsed, validated DeepSpeed config; build it with :meth:`load`."""
 
@@ -149,6 +179,10 @@ class ZeroConfig:
     steps_per_print: int | None = 10  # null: never print, DeepSpeed's own default
     seed: int | None = None  # hf_zero extension: the seed of the distributed sampler's shuffle
     activation_checkpointing: dict = field(default_factory=dict)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    compile: CompileConfig = field(default_factory=CompileConfig)
+    nonfinite_loss: str = "skip"  # hf_zero extension: "skip" | "stop" | "off" (config_schema.NONFINITE_LOSS)
+    checkpoint_keep_last: int | None = None  # hf_zero extension: checkpoint.keep_last; None keeps every checkpoint
     raw: dict = field(default_factory=dict)  # the user's dict as given (a deep copy)
     auto_keys: set[str] = field(default_factory=set)  # JSON paths whose value was "auto"
 
@@ -295,6 +329,11 @@ class _Parser:
             raise ConfigError(
                 f"activation_checkpointing.checkpoint_blocks: got {checkpointing['checkpoint_blocks']!r}, expected true or false"
             )
+        cfg.compile = self.compile(data)
+        cfg.nonfinite_loss = get("nonfinite_loss", OneOf(NONFINITE_LOSS), "skip")
+        ckpt = self.section(data, "checkpoint", '{"keep_last": 3}')
+        self.sort_keys(ckpt, "checkpoint", CHECKPOINT_KEYS, CHECKPOINT_INERT)
+        cfg.checkpoint_keep_last = self.reader(ckpt, "checkpoint")("keep_last", Int(1), None, nullable=True)
         cfg.optimizer = self.named(data, "optimizer", OptimizerConfig, SUPPORTED_OPTIMIZERS, DEEPSPEED_ONLY_OPTIMIZERS)
         cfg.scheduler = self.named(data, "scheduler", SchedulerConfig, SUPPORTED_SCHEDULERS, DEEPSPEED_ONLY_SCHEDULERS)
         cfg.fp16 = self.fp16(data)
@@ -305,6 +344,7 @@ class _Parser:
         if cfg.fp16.enabled and cfg.bf16.enabled:
             raise ConfigError(f"fp16.enabled: got True while {bf16_name}.enabled is also True; enable at most one of fp16 and bf16")
         cfg.zero_optimization = self.zero(data)
+        cfg.pipeline = self.pipeline(data)
         cfg.auto_keys = self.auto_keys
         if self.ignored:
             names = ", ".join(dict.fromkeys(self.ignored))
@@ -358,6 +398,39 @@ class _Parser:
             return check(value, full)
 
         return get
+
+    def compile(self, data: dict) -> CompileConfig:
+        """``compile``: enabled, a ``torch._dynamo`` backend name, and torch.compile's own keyword arguments."""
+        section = self.section(data, "compile", '{"enabled": true, "backend": "inductor"}')
+        self.sort_keys(section, "compile", COMPILE_KEYS, COMPILE_INERT, COMPILE_UNSUPPORTED)
+        get = self.reader(section, "compile")
+        out = CompileConfig(enabled=get("enabled", Bool(), False))
+        if "backend" in section:
+            backend = section["backend"]
+            import torch._dynamo
+
+            known = tuple(torch._dynamo.list_backends(exclude_tags=()))
+            if not isinstance(backend, str) or backend not in known:
+                raise ConfigError(f"compile.backend: got {show(backend)}, expected one of {', '.join(known)}")
+            out.backend = backend
+        kwargs = section.get("kwargs") or {}
+        if not isinstance(kwargs, dict):
+            raise ConfigError(f"compile.kwargs: got {show(kwargs)}, expected an object like {{\"mode\": \"max-autotune\"}}")
+        for key, value in kwargs.items():
+            full = f"compile.kwargs.{key}"
+            if key not in COMPILE_KWARGS:
+                raise ConfigError(f"{full}: not an argument of torch.compile here; expected one of {', '.join(COMPILE_KWARGS)}")
+            if key == "mode":
+                value = OneOf(COMPILE_MODES)(value, full)
+            elif key in ("fullgraph", "dynamic"):
+                if value is not None and not isinstance(value, bool):
+                    raise ConfigError(f"{full}: got {show(value)}, expected true, false or null")
+            elif not isinstance(value, dict):
+                raise ConfigError(f"{full}: got {show(value)}, expected an object of inductor options")
+            out.kwargs[key] = value
+        if "mode" in out.kwargs and "options" in out.kwargs:
+            raise ConfigError("compile.kwargs: torch.compile takes mode or options, not both; keep one")
+        return out
 
     @staticmethod
     def section(data: dict, key: str, example: str) -> dict:
@@ -416,6 +489,16 @@ class _Parser:
             consecutive_hysteresis=get("consecutive_hysteresis", Bool(), False),
             min_loss_scale=get("min_loss_scale", Number(0.0, strict=True), 1.0),
             auto_cast=section.get("auto_cast", False),  # type checked by sort_keys
+        )
+
+    def pipeline(self, data: dict) -> PipelineConfig:
+        section = self.section(data, "pipeline", '{"schedule": "1f1b"}')
+        self.sort_keys(section, "pipeline", PIPELINE_KEYS, PIPELINE_INERT)
+        get = self.reader(section, "pipeline", auto=PIPELINE_AUTO)
+        return PipelineConfig(
+            stages=get("stages", Int(1), None),
+            activation_checkpoint_interval=get("activation_checkpoint_interval", Int(0), 0),
+            schedule=get("schedule", OneOf(PIPELINE_SCHEDULES), "1f1b"),
         )
 
     def zero(self, data: dict) -> ZeroOptimizationConfig:

@@ -38,6 +38,9 @@ DEEPSPEED_ONLY_OPTIMIZERS = (
 SUPPORTED_SCHEDULERS = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
 DEEPSPEED_ONLY_SCHEDULERS = ("LRRangeTest", "OneCycle")
 COMMUNICATION_DTYPES = ("fp32", "fp16", "bf16")
+# "skip" (the default): the step is skipped and counted in skipped_steps, as fp16 overflows are;
+# "stop": the run raises; "off": no check (DeepSpeed's behaviour, and no host sync per step).
+NONFINITE_LOSS = ("skip", "stop", "off")
 
 # ---------------------------------------------------------------- top level
 
@@ -45,6 +48,10 @@ TOP_KEYS = (
     "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping",
     "optimizer", "scheduler", "fp16", "bf16", "zero_optimization", "communication_data_type",
     "prescale_gradients", "gradient_predivide_factor", "steps_per_print", "seed", "activation_checkpointing",
+    "checkpoint",  # DeepSpeed's section; hf_zero acts on its own key "keep_last" there (CHECKPOINT_KEYS)
+    "nonfinite_loss",  # hf_zero's: what a bf16/fp32 step with an inf/nan loss or gradient does (NONFINITE_LOSS)
+    "pipeline",  # read when the model is a PipelineModule (PIPELINE_KEYS)
+    "compile",  # torch.compile of each block (COMPILE_KEYS)
 )
 BF16_ALIAS = "bfloat16"  # DeepSpeed's older name for the bf16 section
 
@@ -55,8 +62,7 @@ TOP_INERT: dict[str, Any] = {
     "use_data_before_expert_parallelism": False, "seq_parallel_comm_data_type": "fp32",
     "flops_profiler": SWITCH, "tensorboard": SWITCH, "wandb": SWITCH, "csv_monitor": SWITCH, "comet": SWITCH,
     "comms_logger": SWITCH, "autotuning": SWITCH, "nebula": SWITCH, "datastates": SWITCH,
-    "timers": SECTION, "checkpoint": SECTION, "aio": SECTION, "data_types": SECTION, "compile": SECTION,
-    "pipeline": SECTION,
+    "timers": SECTION, "aio": SECTION, "data_types": SECTION,
 }
 
 TOP_UNSUPPORTED: dict[str, tuple[Any, str]] = {
@@ -131,6 +137,35 @@ ZERO_UNSUPPORTED: dict[str, tuple[Any, str]] = {
     "zenflow": (SECTION, "ZenFlow is not supported yet; remove the section"),
 }
 
+# ---------------------------------------------------------------- checkpoint
+
+CHECKPOINT_KEYS = (
+    "keep_last",  # hf_zero's: save_checkpoint keeps the N newest checkpoints of its folder (null: all)
+)
+CHECKPOINT_INERT: dict[str, Any] = {
+    "tag_validation": "Warn", "load_universal": False, "use_node_local_storage": False, "parallel_write": SECTION,
+    "writer": SECTION,
+}
+
+# ---------------------------------------------------------------- compile
+
+COMPILE_KEYS = (
+    "enabled", "backend",
+    "kwargs",  # torch.compile's keyword arguments (COMPILE_KWARGS)
+)
+COMPILE_KWARGS = ("mode", "fullgraph", "dynamic", "options")
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+# DeepSpeed's DeepCompile (its own graph passes) is another engine; its tuning keys mean nothing here
+COMPILE_UNSUPPORTED: dict[str, tuple[Any, str]] = {
+    "deepcompile": (False, 'DeepSpeed\'s DeepCompile is not supported; use "compile": {"enabled": true} (torch.compile of each block)'),
+}
+COMPILE_INERT: dict[str, Any] = {
+    "free_activation": False, "offload_activation": False, "offload_opt_states": False, "double_buffer": True,
+    "symmetric_memory": False, "debug_log": False, "offload_parameters": False, "sync_before_reduce": False,
+    "sync_after_reduce": False, "sync_before_allgather": False, "sync_after_allgather": False,
+    "keep_int_input_tensors": True, "keep_all_input_tensors": False,
+}
+
 # ---------------------------------------------------------------- optimizer, scheduler, activation checkpointing
 
 OPTIMIZER_KEYS = ("type", "params")
@@ -142,6 +177,19 @@ ACTIVATION_CHECKPOINTING_KEYS = (
     "checkpoint_blocks",  # hf_zero's: recompute every block (unit) in backward instead of storing activations
 )
 
+
+# ---------------------------------------------------------------- pipeline (used with a PipelineModule)
+
+PIPELINE_KEYS = (
+    "stages", "activation_checkpoint_interval",
+    "schedule",  # hf_zero's: "1f1b" (DeepSpeed's, the default) or "gpipe"
+)
+PIPELINE_AUTO = frozenset({"stages"})
+PIPELINE_SCHEDULES = ("1f1b", "gpipe")
+PIPELINE_INERT: dict[str, Any] = {
+    "partition": "best", "seed_layers": False, "pipe_partitioned": True, "grad_partitioned": True,
+    "use_reentrant": True,
+}
 
 # ---------------------------------------------------------------- value checks
 

@@ -8,9 +8,13 @@ same training code runs on NCCL with one process per GPU and on gloo with CPU pr
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import os
+import re
+import socket
 import sys
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -57,6 +61,10 @@ def init_distributed(
     over an in-memory store so that no port is opened. Calling this twice is harmless.
     ``auto_mpi_discovery``, ``distributed_port``, ``verbose`` and ``config`` are accepted
     for signature compatibility with DeepSpeed.
+
+    ``timeout`` bounds how long a collective waits for a rank that stopped answering (hung, or
+    on NCCL, dead) before every other rank raises; without it, ``HF_ZERO_COMM_TIMEOUT``
+    (seconds) applies when set, else torch's default (30 minutes on gloo, 10 on NCCL).
     """
     del auto_mpi_discovery, distributed_port, verbose, config, dist_init_required
     if dist.is_initialized():
@@ -65,6 +73,7 @@ def init_distributed(
     if backend == "nccl" and torch.cuda.is_available():
         torch.cuda.set_device(get_device())
     kwargs: dict = {}
+    timeout = timeout if timeout is not None else comm_timeout()
     if timeout is not None:
         kwargs["timeout"] = timeout
     launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
@@ -73,6 +82,10 @@ def init_distributed(
     # tutorial scripts never destroy it, so the group hf_zero created is destroyed at exit.
     atexit.register(_destroy_at_exit)
     _watch_uncaught_exceptions()
+    if init_method is None and launched and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        dist.init_process_group(backend, store=_attempt_store(kwargs.get("timeout")), rank=_env_int("RANK", 0),
+                                world_size=_env_int("WORLD_SIZE", 1), **kwargs)
+        return
     if init_method is not None or launched:
         dist.init_process_group(
             backend,
@@ -88,6 +101,39 @@ def init_distributed(
             "(RANK, WORLD_SIZE, MASTER_ADDR) are set; start the script with `hf-zero launch` or torchrun."
         )
     dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **kwargs)
+
+
+TIMEOUT_ENV = "HF_ZERO_COMM_TIMEOUT"
+
+
+def comm_timeout() -> datetime.timedelta | None:
+    """The collective timeout ``HF_ZERO_COMM_TIMEOUT`` asks for (seconds, > 0), or None when unset."""
+    text = os.environ.get(TIMEOUT_ENV, "").strip()
+    if not text:
+        return None
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:
+        raise ValueError(f"{TIMEOUT_ENV}: got {text!r}, expected a number of seconds > 0")
+    return datetime.timedelta(seconds=seconds)
+
+
+def _attempt_store(timeout: datetime.timedelta | None) -> dist.Store:
+    """torchrun's agent store, with keys of this restart attempt only.
+
+    With torchrun's static rendezvous (``--master-addr/--master-port``, which ``hf-zero launch``
+    uses) the agent keeps one store across ``--max_restarts`` attempts and torch's ``env://``
+    does not prefix it, so a restarted rank can read the gloo/NCCL address its dead predecessor
+    published and fail to connect ("Gloo connectFullMesh failed ... Connection refused"). Keys
+    under ``hf_zero/attempt_<TORCHELASTIC_RESTART_COUNT>`` belong to one attempt.
+    """
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), _env_int("WORLD_SIZE", 1), is_master=False,
+        timeout=timeout or datetime.timedelta(minutes=30),
+    )
+    return dist.PrefixStore(f"hf_zero/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
 _failed = False
@@ -126,3 +172,162 @@ def get_world_size(group: dist.ProcessGroup | None = None) -> int:
 
 def is_main_process() -> bool:
     return get_rank() == 0
+
+
+def gather_ints(values: list[int], group: dist.ProcessGroup | None = None) -> list[list[int]]:
+    """Every rank's ``values`` (same length on each), as a list indexed by rank; no pickle involved."""
+    world = get_world_size(group)
+    if world == 1:
+        return [list(values)]
+    device = get_device() if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    mine = torch.tensor(values, dtype=torch.int64, device=device)
+    out = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(out, mine, group=group)
+    return [t.tolist() for t in out]
+
+
+def gather_json(obj: object, group: dist.ProcessGroup | None = None) -> list:
+    """Every rank's ``obj`` (anything JSON can hold), indexed by rank: JSON bytes in tensors, never pickle."""
+    import json
+
+    if get_world_size(group) == 1:
+        return [obj]
+    data = json.dumps(obj).encode()
+    sizes = [n for (n,) in gather_ints([len(data)], group)]
+    device = get_device() if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    mine = torch.zeros(max(sizes), dtype=torch.uint8, device=device)
+    if data:
+        mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+    out = [torch.empty_like(mine) for _ in sizes]
+    dist.all_gather(out, mine, group=group)
+    return [json.loads(bytes(t[:n].cpu().tolist()).decode()) for t, n in zip(out, sizes)]
+
+
+# ------------------------------------------------------------------ a rank that dies or hangs
+#
+# When a peer process dies, gloo's next collective on every other rank fails with a socket error
+# ("Connection closed by peer [10.0.0.2]:41237") that names an address, not a rank; when a peer
+# hangs, the collective fails after the process group's timeout. Neither says which rank to look
+# at. So every engine writes "host pid" for its rank into the process group's store when it is
+# built, and when a collective fails the survivors look their peers up there: a peer on the same
+# host whose process is gone (or a zombie) is named as dead. The store is torchrun's agent store
+# (or the test's FileStore), which outlives the ranks.
+
+_COMM_FAILURE = re.compile(
+    r"connection (closed|reset|refused)|closed by peer|broken pipe|timed out|read error|write error|"
+    r"unhandled system error|remote process exited",
+    re.I,
+)
+_registered: set[int] = set()
+
+
+class PeerFailureError(RuntimeError):
+    """A collective failed because another rank died, hung, or dropped its connection."""
+
+
+def _store() -> dist.Store | None:
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:
+        return None
+
+
+def _key(rank: int) -> str:
+    return f"hf_zero/proc/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{rank}"
+
+
+def register_process() -> None:
+    """Record this rank's host and pid in the store, so survivors can tell which rank died."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    rank = dist.get_rank()
+    store = _store()
+    if store is None or id(store) in _registered:
+        return
+    try:
+        store.set(_key(rank), f"{socket.gethostname()} {os.getpid()}")
+        _registered.add(id(store))
+    except Exception:  # diagnostics only; never fail a run over them
+        pass
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` runs; a zombie (killed, not yet reaped by torchrun) counts as gone."""
+    if not os.path.isdir("/proc/self"):  # no procfs (macOS): signal 0 tells existence only
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except OSError:
+            return True
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False
+
+
+def dead_ranks() -> list[tuple[int, int]]:
+    """``(rank, pid)`` of the peers on this host whose process is gone, from the store's records."""
+    store, host = _store(), socket.gethostname()
+    if store is None or not dist.is_initialized():
+        return []
+    dead = []
+    for r in range(dist.get_world_size()):
+        if r == dist.get_rank():
+            continue
+        try:
+            if not store.check([_key(r)]):
+                continue
+            peer_host, pid = store.get(_key(r)).decode().split()
+        except Exception:
+            continue
+        if peer_host == host and not _alive(int(pid)):
+            dead.append((r, int(pid)))
+    return dead
+
+
+def describe_peer_failure(error: BaseException, doing: str) -> str | None:
+    """One sentence for a collective that failed because of another rank; None if it was not that."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return None
+    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    if not isinstance(error, dist.DistError) and not _COMM_FAILURE.search(text):
+        return None
+    rank, world = dist.get_rank(), dist.get_world_size()
+    timeout = comm_timeout()
+    limit = f"{timeout.total_seconds():g} s ({TIMEOUT_ENV})" if timeout is not None else "the process group's timeout"
+    dead = dead_ranks()
+    if dead:
+        names = ", ".join(f"rank {r} (pid {pid})" for r, pid in dead)
+        verb = "has" if len(dead) == 1 else "have"
+        return (
+            f"{names} {verb} died, so rank {rank} stops in {doing} instead of waiting for it; "
+            "restart from the last checkpoint (hf-zero launch --max_restarts N does it automatically)"
+        )
+    others = [r for r in range(world) if r != rank]
+    who = f"rank {others[0]}" if len(others) == 1 else "another rank"
+    if re.search(r"timed out|timeout", text, re.I):
+        return (
+            f"{who} did not answer within {limit}, so rank {rank} stops in {doing}; "
+            f"it is hung or far behind (gloo/NCCL said: {text[:200]})"
+        )
+    return (
+        f"rank {rank} lost its connection to {who} in {doing}, which usually means that rank died "
+        f"(torchrun's summary names the rank that failed first; the backend said: {text[:200]})"
+    )
+
+
+@contextlib.contextmanager
+def peer_failure_guard(doing: str) -> Iterator[None]:
+    """Turn a collective failure caused by another rank into one :class:`PeerFailureError` sentence."""
+    try:
+        yield
+    except PeerFailureError:
+        raise
+    except RuntimeError as e:
+        sentence = describe_peer_failure(e, doing)
+        if sentence is None:
+            raise
+        raise PeerFailureError(sentence) from None

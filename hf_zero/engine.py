@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from hf_zero import dist as hz_dist
 from hf_zero.config import ZeroConfig
-from hf_zero.precision import LossScaler, reduce_dtype
+from hf_zero.precision import LossScaler, NonFiniteLossError, reduce_dtype
 from hf_zero.zero import collectives as C
 from hf_zero.zero.partition import ShardedOptimizer
 from hf_zero.zero.preshard import is_presharded, materialize_
@@ -96,8 +96,10 @@ class ZeroEngine(torch.nn.Module):
         self._built_presharded = False
         self._clip_override: float | None = None
         self._norm_stats: tuple[torch.Tensor, torch.Tensor] | None = None  # computed early by current_grad_norm
+        self._compiled = False
 
         stage = config.zero_optimization.stage
+        hz_dist.register_process()  # so that, should a peer die, the survivors can name it
         self._check_presharded(model, stage, optimizer)
         self._move_to_device()
         self._broadcast_module()
@@ -119,6 +121,8 @@ class ZeroEngine(torch.nn.Module):
                 max_live_numel=int(config.zero_optimization.stage3_max_live_parameters),
             )
         self._cast_remaining_params()
+        if config.compile.enabled:  # before checkpointing, so the recomputation runs the compiled blocks too
+            self.compile(config.compile.backend, config.compile.kwargs)
         if config.activation_checkpointing.get("checkpoint_blocks", False):
             self._checkpoint_blocks()
         if self._built_presharded and self.device.type == "cuda":
@@ -131,6 +135,25 @@ class ZeroEngine(torch.nn.Module):
 
     # ------------------------------------------------------------- setup
 
+    def compile(self, backend: str | Any = "inductor", compile_kwargs: dict | None = None) -> None:
+        """DeepSpeed's ``engine.compile``: ``torch.compile`` each block of the model (see :mod:`hf_zero.compile`).
+
+        Blocks, not the whole model, so the ZeRO hooks stay outside the graphs; the config's
+        ``compile`` section does the same at ``initialize``.
+        """
+        from hf_zero.compile import compile_blocks
+
+        if compile_kwargs is not None and not isinstance(compile_kwargs, dict):
+            raise UsageError(f"engine.compile(compile_kwargs=...) expects a dict of torch.compile arguments, got {type(compile_kwargs).__name__}")
+        if compile_blocks(self.module, backend, compile_kwargs) == 0 and not self._compiled:
+            raise UsageError(f"engine.compile(): {type(self.module).__name__} has no blocks to compile")
+        self._compiled = True
+
+    @property
+    def is_compiled(self) -> bool:
+        """Whether the blocks run compiled (DeepSpeed's property of the same name)."""
+        return self._compiled
+
     def _checkpoint_blocks(self) -> None:
         """Recompute each block's forward in backward instead of keeping its activations.
 
@@ -141,6 +164,12 @@ class ZeroEngine(torch.nn.Module):
 
         from hf_zero.zero.params import find_units
 
+        mc = getattr(self.module, "config", None)
+        if getattr(mc, "use_cache", False):
+            # As transformers does under gradient checkpointing: a KV cache filled while training is
+            # dead weight, and its writes inside a recomputed block stop torch.compile capturing it.
+            logger.info("activation_checkpointing.checkpoint_blocks: setting the model's config.use_cache to False")
+            mc.use_cache = False
         for _, block in find_units(self.module):
             inner = block.forward
 
@@ -288,10 +317,19 @@ class ZeroEngine(torch.nn.Module):
         cast = self.compute_dtype if self.compute_dtype != torch.float32 else None
         args = _to_device(args, self.device, cast)
         kwargs = _to_device(kwargs, self.device, cast)
-        return self.module(*args, **kwargs)
+        if self.world_size == 1:
+            return self.module(*args, **kwargs)
+        with hz_dist.peer_failure_guard("forward"):  # stage 3 gathers parameters here
+            return self.module(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
         """Backward of the micro-batch loss, scaled for accumulation (and fp16)."""
+        if self.world_size == 1:
+            return self._backward(loss, retain_graph, scale_wrt_gas)
+        with hz_dist.peer_failure_guard(f"backward of step {self.global_steps}"):
+            return self._backward(loss, retain_graph, scale_wrt_gas)
+
+    def _backward(self, loss: torch.Tensor, retain_graph: bool, scale_wrt_gas: bool) -> torch.Tensor:
         if not torch.is_tensor(loss) or loss.numel() != 1:
             raise UsageError(
                 f"engine.backward(loss) needs a scalar loss but got {_shape_of(loss)}; reduce it first, "
@@ -323,7 +361,11 @@ class ZeroEngine(torch.nn.Module):
         boundary = self.is_gradient_accumulation_boundary()
         self._step_applied = False
         if boundary:
-            self._take_model_step()
+            if self.world_size == 1:
+                self._take_model_step()
+            else:
+                with hz_dist.peer_failure_guard(f"step {self.global_steps}"):
+                    self._take_model_step()
         self.micro_steps += 1
         self.global_samples += self.train_micro_batch_size_per_gpu() * self.dp_world_size
         self._boundary_override = None
@@ -349,6 +391,11 @@ class ZeroEngine(torch.nn.Module):
             )
             self.global_steps += 1
             return
+        if scaler is None and self.config.nonfinite_loss != "off" and not bool(torch.isfinite(norm)):
+            # bf16/fp32: one host sync per optimizer step (fp16 already has one, above). The global
+            # norm is the same number on every rank, so every rank reaches the same verdict.
+            self._nonfinite_step(float(norm))
+            return
         norm = norm / scale
         self._global_grad_norm = norm
         coef: torch.Tensor | float = 1.0 / scale
@@ -370,6 +417,26 @@ class ZeroEngine(torch.nn.Module):
             extra = f", loss_scale={scale:g}" if scaler is not None else ""
             logger.info("step=%d, skipped=%d, lr=[%s]%s", self.global_steps, self.skipped_steps, lrs, extra)
 
+    def _nonfinite_step(self, norm: float) -> None:
+        """The gradients hold inf/nan (a nan/inf loss makes them so): skip the step or stop, as configured."""
+        zo = self.zero_optimizer
+        assert zo is not None
+        self._clip_override = None
+        if self.config.nonfinite_loss == "stop":
+            raise NonFiniteLossError(
+                f"step {self.global_steps}: the loss or gradients are not finite (global gradient norm {norm}); "
+                'stopping before the optimizer touched anything, as "nonfinite_loss" is "stop" '
+                '(set it to "skip" to skip such steps instead)'
+            )
+        zo.zero_grad()
+        self.skipped_steps += 1
+        self.global_steps += 1
+        logger.warning(
+            "step %d: the loss or gradients are not finite (global gradient norm %s); step skipped, weights and "
+            "optimizer state unchanged (%d skipped so far; \"nonfinite_loss\": \"stop\" stops instead)",
+            self.global_steps - 1, norm, self.skipped_steps,
+        )
+
     def zero_grad(self) -> None:
         self._norm_stats = None
         if self.zero_optimizer is not None:
@@ -379,17 +446,25 @@ class ZeroEngine(torch.nn.Module):
 
     def save_checkpoint(
         self, save_dir: str, tag: str | None = None, client_state: dict | None = None, save_latest: bool = True,
-        exclude_frozen_parameters: bool = False,
+        exclude_frozen_parameters: bool = False, keep_last: int | None = None,
     ) -> str:
         """Write a resume checkpoint (every rank calls this); ``tag`` defaults to ``global_step<N>``.
 
         The checkpoint loads at any world size and ZeRO stage; see :mod:`hf_zero.checkpoint.sharded`.
+        ``keep_last=N`` (default: the config's ``checkpoint.keep_last``; None keeps all) deletes
+        all but the N newest checkpoints in ``save_dir`` once this one is complete and ``latest``
+        points at it; the one ``latest`` names is never deleted.
         """
         from hf_zero.checkpoint import sharded
 
         if exclude_frozen_parameters:
             raise UsageError("save_checkpoint(exclude_frozen_parameters=True) is not supported yet; leave it False")
-        return sharded.save(self, save_dir, tag, client_state, save_latest=save_latest)
+        if keep_last is None:
+            keep_last = self.config.checkpoint_keep_last
+        if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
+            raise UsageError(f"save_checkpoint(keep_last=...): got {keep_last!r}, expected an integer >= 1 (or None to keep all)")
+        with hz_dist.peer_failure_guard("save_checkpoint"):
+            return sharded.save(self, save_dir, tag, client_state, save_latest=save_latest, keep_last=keep_last)
 
     def load_checkpoint(
         self,
@@ -411,10 +486,11 @@ class ZeroEngine(torch.nn.Module):
             raise UsageError("load_checkpoint(load_module_strict=False) is not supported yet; the model must match the checkpoint")
         if custom_load_fn is not None:
             raise UsageError("load_checkpoint(custom_load_fn=...) is not supported; checkpoints are read as safetensors")
-        return sharded.load(
-            self, load_dir, tag, load_optimizer_states=load_optimizer_states,
-            load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
-        )
+        with hz_dist.peer_failure_guard("load_checkpoint"):
+            return sharded.load(
+                self, load_dir, tag, load_optimizer_states=load_optimizer_states,
+                load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
+            )
 
     def save_pretrained(
         self, save_directory: str, max_shard_size: int | str = "5GB", dtype: torch.dtype | None = None
@@ -450,14 +526,22 @@ class ZeroEngine(torch.nn.Module):
         from hf_zero import hub
 
         self.save_pretrained(save_directory)
-        url = None
+        url, failure, error = None, None, None
         if self.global_rank == 0:
             kwargs = {"zero_config": self.config.raw, **(card_kwargs or {})}
-            url = hub.push_to_hub(
-                save_directory, repo_id, revision=revision, private=private, commit_message=commit_message,
-                token=token, include_resume_state=include_resume_state, card_kwargs=kwargs,
-            )
-        dist.barrier(self.group)
+            try:
+                url = hub.push_to_hub(
+                    save_directory, repo_id, revision=revision, private=private, commit_message=commit_message,
+                    token=token, include_resume_state=include_resume_state, card_kwargs=kwargs,
+                )
+            except Exception as e:  # every rank learns of it, instead of waiting for rank 0 in a barrier
+                failure, error = e, str(e) if isinstance(e, hub.HubError) else f"{type(e).__name__}: {e}"
+        if self.world_size > 1:
+            error = hz_dist.gather_json(error, self.group)[0]
+        if failure is not None:
+            raise failure
+        if error is not None:
+            raise hub.HubError(f"rank 0 could not push: {error}")
         return url
 
     # --------------------------------------------------------- helpers

@@ -4,6 +4,10 @@ The scaler follows DeepSpeed's rules so a run moved from DeepSpeed sees the same
 history: on overflow the step is skipped and, once ``hysteresis`` overflows have been
 absorbed, the scale halves (never below ``min_loss_scale``); after ``loss_scale_window``
 clean steps since the last overflow it doubles.
+
+bf16 and fp32 have no scaler; there the engine checks the global gradient norm it computes
+anyway, and a non-finite one (which a nan/inf loss always produces) skips the step or stops
+the run, as the hf_zero config key ``"nonfinite_loss"`` says (:class:`NonFiniteLossError`).
 """
 
 from __future__ import annotations
@@ -17,6 +21,10 @@ from hf_zero.config import FP16Config, ZeroConfig
 
 class LossScaleFloorError(FloatingPointError):
     """fp16 gradients overflowed with the loss scale already at ``min_loss_scale``."""
+
+
+class NonFiniteLossError(FloatingPointError):
+    """A bf16/fp32 step had an inf/nan loss or gradient and the config says ``"nonfinite_loss": "stop"``."""
 
 
 class LossScaler:

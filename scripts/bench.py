@@ -23,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -81,6 +82,8 @@ def run_engine(name: str, args: argparse.Namespace) -> dict:
             "activation_checkpointing": {"checkpoint_blocks": bool(args.checkpoint_blocks)},
         }
         engine, _, _, _ = hf_zero.initialize(model=model, config=cfg)
+        if args.compile:
+            engine.compile()  # inductor, block by block; the warm-up steps absorb the compilation
 
         def step(ids: torch.Tensor) -> torch.Tensor:
             loss = engine(input_ids=ids, labels=ids).loss
@@ -88,6 +91,8 @@ def run_engine(name: str, args: argparse.Namespace) -> dict:
             engine.step()
             return loss
 
+    elif name.startswith("pipe"):
+        return run_pipeline(name, args)
     elif name == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -132,6 +137,8 @@ def run_engine(name: str, args: argparse.Namespace) -> dict:
 
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         for layer in model.model.layers:
+            if args.compile:  # as torchtitan does: compile each block, then shard it
+                layer.compile()
             fully_shard(layer, mp_policy=mp)
         fully_shard(model, mp_policy=mp)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.0, fused=True)
@@ -158,6 +165,9 @@ def run_engine(name: str, args: argparse.Namespace) -> dict:
         if i >= args.warmup:
             times.append(time.perf_counter() - t0)
         losses.append(float(loss.detach()))
+    if args.profile:
+        profile_steps(name, step, lambda: torch.randint(0, 32000, (args.micro, args.seq), device="cuda", generator=g),
+                      args.profile)
     med = statistics.median(times)
     tok = args.micro * args.seq / med
     peak = torch.tensor(torch.cuda.max_memory_allocated() / 2**30, device="cuda")
@@ -177,6 +187,109 @@ def run_engine(name: str, args: argparse.Namespace) -> dict:
         out["build_peak_gib"] = build_peak
         out["full_model_gib"] = nparams * 4 / 2**30
     return out
+
+
+def profile_steps(name: str, step: Callable, batch: Callable, trace_dir: str, n: int = 2) -> None:
+    """Two more steps under the torch profiler: rank 0 prints where the time went and writes a Chrome trace.
+
+    The summary splits a step's wall time into GPU kernel time by kind (matmuls and attention,
+    NCCL, the optimizer, the rest) so exposed communication and host gaps show as numbers.
+    """
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=acts) as prof:
+        t0 = time.perf_counter()
+        for _ in range(n):
+            step(batch())
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) / n * 1e3
+    if dist.get_rank() != 0:
+        return
+    kinds = {"nccl": 0.0, "gemm/attention": 0.0, "optimizer": 0.0, "other": 0.0}
+    for e in prof.key_averages():
+        t = e.self_device_time_total / 1e3 / n
+        if t <= 0:
+            continue
+        k = e.key.lower()
+        if "nccl" in k:
+            kinds["nccl"] += t
+        elif any(x in k for x in ("gemm", "nvjet", "cutlass", "flash", "attention", "sm90", "matmul")):
+            kinds["gemm/attention"] += t
+        elif "adam" in k:
+            kinds["optimizer"] += t
+        else:
+            kinds["other"] += t
+    parts = ", ".join(f"{k} {v:.1f} ms" for k, v in kinds.items())
+    print(f"[profile] {name}: {wall:.1f} ms/step wall; GPU kernel time per step: {parts} "
+          "(NCCL runs on its own streams, so the sum can exceed the wall time)", flush=True)
+    print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=12, max_name_column_width=70), flush=True)
+    os.makedirs(trace_dir, exist_ok=True)
+    prof.export_chrome_trace(os.path.join(trace_dir, f"{name}.json"))
+
+
+def run_pipeline(name: str, args: argparse.Namespace) -> dict:
+    """``pipeN``: the shape split into N stages (x world/N data-parallel replicas), ``--pipe_micro`` micro-batches.
+
+    Each stage is built from the config, so a rank only ever holds its own layers. Besides
+    tokens/s, every rank times its forwards and backwards with CUDA events; the rest of the
+    step is its bubble (waiting for a neighbour), reported per stage beside 1F1B's (p-1)/(m+p-1).
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import hf_zero
+    from hf_zero.pipe import split_causal_lm
+
+    world = dist.get_world_size()
+    stages, m = int(name[4:] or 4), args.pipe_micro
+    cfg = LlamaConfig(vocab_size=32000, max_position_embeddings=args.seq, **SHAPES[args.model])
+    cfg._attn_implementation = "sdpa"
+    with torch.device("meta"):
+        meta = LlamaForCausalLM(cfg)
+    fpt, nparams = flops_per_token(meta, args.seq), sum(p.numel() for p in meta.parameters())
+    del meta
+    torch.cuda.reset_peak_memory_stats()
+    pipe = split_causal_lm(cfg, stages)
+    engine, _, _, _ = hf_zero.initialize(model=pipe, config={
+        "train_micro_batch_size_per_gpu": args.micro,
+        "gradient_accumulation_steps": m,
+        "bf16": {"enabled": True},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-5, "weight_decay": 0.0}},
+        "zero_optimization": {"stage": 0, "reduce_bucket_size": args.bucket},
+        "pipeline": {"schedule": args.pipe_schedule},
+        "steps_per_print": 10**9,
+    })
+    engine.measure_compute = True
+    g = torch.Generator(device="cuda").manual_seed(1234 + pipe.dp_rank)
+    times, bubbles, losses = [], [], []
+    for i in range(args.warmup + args.steps):
+        batch = [(ids, ids) for ids in (torch.randint(0, 32000, (args.micro, args.seq), device="cuda", generator=g)
+                                        for _ in range(m))]
+        dist.barrier()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        loss = engine.train_batch(iter(batch))
+        torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        busy = engine.compute_seconds()
+        if i >= args.warmup:
+            times.append(dt)
+            bubbles.append(1.0 - busy / dt)
+        losses.append(float(loss))
+    med = statistics.median(times)
+    dp = world // stages
+    tok = m * args.micro * args.seq * dp / med / world  # per GPU, comparable with the data-parallel rows
+    mine = torch.tensor([statistics.median(bubbles)], device="cuda")
+    every = [torch.zeros_like(mine) for _ in range(world)]
+    dist.all_gather(every, mine)
+    per_stage = [statistics.mean(float(every[pipe.topology.rank(s, d)]) for d in range(dp)) for s in range(stages)]
+    peak = torch.tensor(torch.cuda.max_memory_allocated() / 2**30, device="cuda")
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    return {
+        "engine": name, "params": nparams, "tokens_per_s_per_gpu": tok, "mfu": tok * fpt / (PEAK_TFLOPS * 1e12),
+        "peak_gib": float(peak), "first_loss": losses[0], "last_loss": losses[-1], "world": world,
+        "alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries", 0),
+        "bubble_per_stage": per_stage, "bubble_formula": (stages - 1) / (m + stages - 1), "micro_batches": m,
+    }
 
 
 def child(args: argparse.Namespace) -> None:
@@ -200,8 +313,13 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--bucket", type=float, default=5e8)
+    ap.add_argument("--profile", metavar="DIR", default="",
+                    help="after timing, profile 2 more steps per engine: rank 0 prints a summary and writes DIR/<engine>.json")
+    ap.add_argument("--compile", action="store_true", help="torch.compile each block: hf_zero engines with engine.compile(), FSDP2 with module.compile()")
     ap.add_argument("--checkpoint_blocks", action="store_true",
                     help="hf_zero engines recompute each block in backward (activation_checkpointing.checkpoint_blocks)")
+    ap.add_argument("--pipe_micro", type=int, default=8, help="pipeN engines: micro-batches per step (1F1B's m)")
+    ap.add_argument("--pipe_schedule", default="1f1b", choices=["1f1b", "gpipe"], help="pipeN engines: the schedule")
     ap.add_argument("--json", default="", help=argparse.SUPPRESS)
     args, _ = ap.parse_known_args()
     args.bucket = int(args.bucket)
@@ -235,6 +353,10 @@ def main() -> None:
               f"{r['first_loss']:.3f}→{r['last_loss']:.3f} |")
     print("allocator retries (cudaFree + retry) on rank 0: " + ", ".join(f"{r['engine']} {r.get('alloc_retries', '?')}" for r in rows))
     for r in rows:
+        if "bubble_per_stage" in r:
+            stages = ", ".join(f"{100 * b:.1f}%" for b in r["bubble_per_stage"])
+            print(f"{r['engine']}: {r['micro_batches']} micro-batches, measured bubble per stage {stages} "
+                  f"(mean {100 * statistics.mean(r['bubble_per_stage']):.1f}%) vs (p-1)/(m+p-1) = {100 * r['bubble_formula']:.1f}%")
         if "build_peak_gib" in r:
             print(f"{r['engine']}: built under zero.Init with a peak of {r['build_peak_gib']:.2f} GiB per GPU "
                   f"(the whole model in fp32 is {r['full_model_gib']:.2f} GiB)")

@@ -17,7 +17,13 @@ step, and a pipeline layout (which only changes who owns what) fits the same for
 
 Atomic: every rank writes into ``.<tag>.partial/``; after a barrier rank 0 writes
 ``checkpoint.json`` last, fsyncs, renames the directory to ``<tag>`` and only then replaces
-``latest``. A crash at any point leaves the previous checkpoint and ``latest`` untouched.
+``latest``. A crash at any point leaves the previous checkpoint and ``latest`` untouched; the
+next save into the folder removes what the crash left (``.<tag>.partial`` and friends).
+
+Rotation (``keep_last=N``): only after the new checkpoint is complete and ``latest`` points at it,
+rank 0 removes all but the N newest checkpoints (by ``global_steps``, then time), never the one
+``latest`` names. A removed checkpoint is first renamed to a hidden ``.<tag>.deleting``, so a
+crash halfway through a deletion never leaves a half-deleted folder that looks like a checkpoint.
 """
 
 from __future__ import annotations
@@ -144,7 +150,70 @@ def _set_rng_state(tensors: dict[str, torch.Tensor], meta: dict[str, Any], devic
 # ---------------------------------------------------------------------- save
 
 
-def save(engine: Any, save_dir: str, tag: str | None, client_state: dict | None, save_latest: bool = True) -> str:
+_LEFTOVERS = (".partial", ".old", ".deleting")
+
+
+def _clean_leftovers(save_dir: str) -> None:
+    """Remove what a crashed save or rotation left; put back a tag caught between its two renames."""
+    for name in os.listdir(save_dir):
+        full = os.path.join(save_dir, name)
+        if not (name.startswith(".") and name.endswith(_LEFTOVERS) and os.path.isdir(full)):
+            continue
+        if name.endswith(".old"):
+            tag = name[1 : -len(".old")]
+            if tag and not os.path.exists(os.path.join(save_dir, tag)):
+                os.replace(full, os.path.join(save_dir, tag))  # the crash came before its replacement arrived
+                continue
+        shutil.rmtree(full, ignore_errors=True)
+
+
+def _read_latest(save_dir: str) -> str | None:
+    try:
+        with open(os.path.join(save_dir, LATEST)) as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def rotate(save_dir: str, keep_last: int, current: str) -> list[str]:
+    """Remove all but the ``keep_last`` newest checkpoints of ``save_dir``; returns the tags removed.
+
+    Never removes ``current`` or the tag ``latest`` names; folders that are not hf_zero
+    checkpoints (no readable ``checkpoint.json`` of this format) are not touched.
+    """
+    found = []
+    for name in os.listdir(save_dir):
+        meta_path = os.path.join(save_dir, name, "checkpoint.json")
+        if name.startswith(".") or not os.path.isfile(meta_path):
+            continue
+        try:
+            with open(meta_path) as f:
+                meta = json.load(f)
+            if meta.get("format") != FORMAT:
+                continue
+            found.append((int(meta["global_steps"]), os.path.getmtime(meta_path), name))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            continue
+    found.sort(reverse=True)
+    keep = {name for _, _, name in found[:keep_last]} | {current, _read_latest(save_dir)}
+    removed = []
+    for _, _, name in found:
+        if name in keep:
+            continue
+        hidden = os.path.join(save_dir, f".{name}.deleting")
+        shutil.rmtree(hidden, ignore_errors=True)
+        os.replace(os.path.join(save_dir, name), hidden)
+        shutil.rmtree(hidden, ignore_errors=True)
+        removed.append(name)
+    if removed:
+        _fsync_dir(save_dir)
+    return removed
+
+
+def save(
+    engine: Any, save_dir: str, tag: str | None, client_state: dict | None, save_latest: bool = True,
+    keep_last: int | None = None,
+) -> str:
     """Write a resume checkpoint of ``engine``; collective (every rank calls it). Returns its path."""
     from safetensors.torch import save_file
 
@@ -166,7 +235,7 @@ def save(engine: Any, save_dir: str, tag: str | None, client_state: dict | None,
     client = _jsonable(client_state or {}, "client_state")  # every rank checks before anything is written
     if rank == 0:
         os.makedirs(save_dir, exist_ok=True)
-        shutil.rmtree(partial, ignore_errors=True)  # a crashed earlier attempt at the same tag
+        _clean_leftovers(save_dir)  # crashed earlier saves (at this tag or any other)
         os.makedirs(partial)
     dist.barrier(group)
 
@@ -306,6 +375,8 @@ def save(engine: Any, save_dir: str, tag: str | None, client_state: dict | None,
                 os.fsync(f.fileno())
             os.replace(tmp, os.path.join(save_dir, LATEST))
             _fsync_dir(save_dir)
+        if keep_last is not None:
+            rotate(save_dir, keep_last, tag)
     dist.barrier(group)
     return final
 
@@ -393,7 +464,12 @@ def resolve_tag(load_dir: str, tag: str | None) -> str:
             raise CheckpointError(f"{load_dir} has no '{LATEST}' file; pass tag= or a directory written by save_checkpoint")
         with open(latest) as f:
             tag = f.read().strip()
-    path = os.path.join(load_dir, str(tag))
+    tag = str(tag)
+    if not tag or tag in (".", "..") or "/" in tag or os.sep in tag:
+        raise CheckpointError(
+            f"{load_dir}: the tag {tag!r} is not a plain folder name inside {load_dir}; refusing to read outside it"
+        )
+    path = os.path.join(load_dir, tag)
     if not os.path.isfile(os.path.join(path, "checkpoint.json")):
         raise CheckpointError(f"{path} is not a complete hf_zero checkpoint (no checkpoint.json)")
     return path
@@ -429,8 +505,9 @@ def load(
             raise CheckpointError(f"{path}: parameter '{n}' has shape {saved_params[n]['shape']} there and {list(p.shape)} here")
     reader = _Reader(path, int(meta["world_size"]))
     found = reader.damaged(dist.get_rank(engine.group), engine.world_size)
-    pooled: list[list[str] | None] = [None] * engine.world_size
-    dist.all_gather_object(pooled, found, group=engine.group)
+    from hf_zero.dist import gather_json
+
+    pooled = gather_json(found, engine.group)  # JSON in tensors: loading a checkpoint never unpickles
     errors = [e for part in pooled for e in (part or [])]
     if errors:  # every rank raises the same sentence, before anything was loaded
         raise CheckpointError(errors[0])

@@ -29,7 +29,7 @@ from hf_zero.integrations.accelerate import Accelerator, load_zero_config
 ZERO_STATE_TAG = "zero_state"
 
 
-@dataclass
+@dataclass(repr=False)
 class TrainingArguments(transformers.TrainingArguments):
     """transformers' ``TrainingArguments`` plus ``zero_config`` (a DeepSpeed-style JSON path or dict)."""
 
@@ -243,7 +243,7 @@ class Trainer(transformers.Trainer):
         self.engine.load_checkpoint(self.state.best_model_checkpoint, tag=ZERO_STATE_TAG, load_module_only=True)
 
 
-@dataclass
+@dataclass(repr=False)
 class Seq2SeqTrainingArguments(TrainingArguments, transformers.Seq2SeqTrainingArguments):
     """transformers' ``Seq2SeqTrainingArguments`` (``predict_with_generate``, ...) plus ``zero_config``."""
 
