@@ -1,34 +1,27 @@
-"""Pipeline parallelism (``PipelineModule``, ``LayerSpec``, ``TiedLayerSpec``): not built yet.
+"""Pipeline parallelism with DeepSpeed's names: ``PipelineModule``, ``LayerSpec``, ``TiedLayerSpec``.
 
-The names exist so that a DeepSpeed script that imports them fails at the point of use with a
-sentence saying so, rather than with an ImportError that looks like a broken install.
+- :mod:`hf_zero.pipe.module`: the layer specs and ``PipelineModule`` (partitioning, tied weights,
+  process groups, activation checkpointing);
+- :mod:`hf_zero.pipe.schedule`: 1F1B and GPipe as plain lists of actions;
+- :mod:`hf_zero.pipe.engine`: ``PipelineEngine`` (``train_batch`` / ``eval_batch``), what
+  ``hf_zero.initialize(model=PipelineModule)`` returns;
+- :mod:`hf_zero.pipe.hf`: ``split_causal_lm``, a transformers causal LM cut into stages under its own
+  parameter names;
+- :mod:`hf_zero.pipe.checkpoint`: the stages' weights consolidated into one ``from_pretrained`` folder.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-_MESSAGE = (
-    "hf_zero does not support pipeline parallelism yet ({name}); train the model unsplit with "
-    "ZeRO stage 1-3 (zero_optimization.stage), which needs no PipelineModule"
-)
+from hf_zero.pipe.module import LayerSpec, NamedLayerSpec, PipelineError, PipelineModule, TiedLayerSpec
 
 
-class _NotYet:
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        raise NotImplementedError(_MESSAGE.format(name=type(self).__name__))
+def split_causal_lm(model_or_config: Any, num_stages: int, **kwargs: Any) -> PipelineModule:
+    """A transformers causal LM (Llama family, GPT-2) or its config as a ``PipelineModule``; see :mod:`hf_zero.pipe.hf`."""
+    from hf_zero.pipe.hf import split_causal_lm as split
+
+    return split(model_or_config, num_stages, **kwargs)
 
 
-class LayerSpec(_NotYet):
-    """DeepSpeed's lazily built layer; not supported yet."""
-
-
-class TiedLayerSpec(_NotYet):
-    """DeepSpeed's tied layer; not supported yet."""
-
-
-class PipelineModule(_NotYet):
-    """DeepSpeed's pipeline container; not supported yet."""
-
-
-__all__ = ["LayerSpec", "PipelineModule", "TiedLayerSpec"]
+__all__ = ["LayerSpec", "NamedLayerSpec", "PipelineError", "PipelineModule", "TiedLayerSpec", "split_causal_lm"]

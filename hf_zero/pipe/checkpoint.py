@@ -1,0 +1,86 @@
+"""A pipelined model's full weights as one Hugging Face folder.
+
+Each stage holds only its layers, under the model's own names, so consolidating is a matter of
+rank 0 asking each stage for its tensors in stage order and streaming them into the writer of
+:mod:`hf_zero.checkpoint.consolidated`. The first data-parallel replica of each stage answers
+(stages 0-2 keep whole parameters on every replica). A tied weight is held by several stages
+under one name; the first stage's copy is written.
+
+The lists of names travel as JSON bytes in tensors, not as pickled objects (no pickle, rule 6).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hf_zero.checkpoint.consolidated import save_model_config, write_weights
+
+_DT = {str(dt): dt for dt in (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
+                              torch.int16, torch.int8, torch.uint8, torch.bool)}
+
+
+def _all_gather_json(obj: Any, device: torch.device) -> list[Any]:
+    raw = torch.tensor(list(json.dumps(obj).encode()), dtype=torch.uint8, device=device)
+    size = torch.tensor([raw.numel()], dtype=torch.int64, device=device)
+    sizes = [torch.zeros_like(size) for _ in range(dist.get_world_size())]
+    dist.all_gather(sizes, size)
+    longest = int(max(s.item() for s in sizes))
+    padded = torch.zeros(longest, dtype=torch.uint8, device=device)
+    padded[: raw.numel()] = raw
+    bufs = [torch.zeros_like(padded) for _ in sizes]
+    dist.all_gather(bufs, padded)
+    return [json.loads(bytes(b[: int(s.item())].tolist()).decode()) for b, s in zip(bufs, sizes)]
+
+
+def save_pretrained(engine: Any, save_directory: str, max_shard_size: int | str = "5GB",
+                    dtype: torch.dtype | None = None) -> list[str]:
+    """Consolidate every stage into ``save_directory`` (collective over the world; global rank 0 writes)."""
+    module = engine.module
+    rank = dist.get_rank()
+    if rank == 0:
+        os.makedirs(save_directory, exist_ok=True)
+    mine: dict[str, torch.Tensor] = {}
+    listing = []
+    if module.dp_rank == 0:
+        seen: set[int] = set()
+        for name, t in module.state_dict(keep_vars=True).items():
+            if id(t) in seen:
+                continue
+            seen.add(id(t))
+            mine[name] = t
+            listing.append([name, str(t.dtype), list(t.shape)])
+    everyone = _all_gather_json(listing, engine.device)
+    owner: dict[str, tuple[int, torch.dtype, tuple[int, ...]]] = {}
+    entries = []
+    for r, names in enumerate(everyone):  # rank order is stage order
+        for name, held, shape in names:
+            if name not in owner:
+                owner[name] = (r, _DT[held], tuple(shape))
+                saved = dtype if (dtype is not None and _DT[held].is_floating_point) else _DT[held]
+                entries.append((name, saved, tuple(shape)))
+
+    def produce(name: str) -> torch.Tensor | None:
+        src, held, shape = owner[name]
+        if src == rank == 0:
+            return mine[name].detach().to("cpu", copy=True)
+        if rank == src:
+            dist.send(mine[name].detach().contiguous(), dst=0)
+        elif rank == 0:
+            buf = torch.empty(shape, dtype=held, device=engine.device)
+            dist.recv(buf, src=src)
+            return buf.to("cpu")
+        return None
+
+    with torch.no_grad():
+        files = write_weights(save_directory, entries, produce, max_shard_size, writer=rank == 0)
+    if rank == 0:
+        floats = [dt for _, dt, _ in entries if dt.is_floating_point]
+        save_model_config(module, save_directory, floats[0] if floats else None)
+    dist.barrier()
+    return files
+

@@ -1,0 +1,498 @@
+"""PipelineEngine: ``train_batch`` / ``eval_batch`` over a ``PipelineModule``, one stage per process.
+
+The engine walks the stage's schedule (a list of actions from :mod:`hf_zero.pipe.schedule`):
+loads micro-batches, runs forwards and backwards, and moves activations forward and gradients
+back with point-to-point sends on a two-rank group per neighbouring pair. Neighbouring
+communication actions are posted together (``batch_isend_irecv``), sends are never waited for
+before the next compute (on GPU the copy overlaps the next forward), and a micro-batch's kept
+tensors are dropped as soon as its backward has sent its gradient.
+
+Data parallelism and ZeRO are not re-implemented: the engine *is* a ``ZeroEngine`` over the
+stage's own module with ``group=`` the stage's data-parallel group, so the flat buffers, the
+bucketed reduction during the last backward and the sharded optimizer step are the ones every
+other hf_zero run uses. What the pipeline adds at the step:
+
+- tied weights (an embedding on the first stage, the LM head on the last) are placed in their
+  own flat bucket, so their (data-parallel-averaged) gradient shards line up across the stages
+  holding them and are summed with one all-reduce over the tie group;
+- the gradient norm (for clipping and the fp16 overflow check) is over the whole pipeline, each
+  tied weight counted once, with one all-reduce over the world.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hf_zero.config import ConfigError, ZeroConfig
+from hf_zero.engine import UsageError, ZeroEngine, _to_device
+from hf_zero.pipe import schedule as S
+from hf_zero.pipe.module import PipelineModule
+
+_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int16,
+           torch.int8, torch.uint8, torch.bool]
+_META_LEN = 64  # int64 words: [is_tuple, n, (dtype, ndim, *shape) per tensor]
+
+
+def _flatten(x: Any, what: str) -> tuple[list[torch.Tensor], bool]:
+    if torch.is_tensor(x):
+        return [x], False
+    if isinstance(x, (tuple, list)) and all(torch.is_tensor(t) for t in x):
+        return list(x), True
+    raise UsageError(f"a pipeline stage's {what} must be a tensor or a tuple of tensors, got {type(x).__name__}")
+
+
+def _encode_meta(tensors: list[torch.Tensor], is_tuple: bool) -> list[int]:
+    words = [int(is_tuple), len(tensors)]
+    for t in tensors:
+        if t.dtype not in _DTYPES:
+            raise UsageError(f"a pipeline activation has dtype {t.dtype}, which cannot be sent between stages")
+        words += [_DTYPES.index(t.dtype), t.dim(), *t.shape]
+    if len(words) > _META_LEN:
+        raise UsageError(f"a pipeline activation of {len(tensors)} tensors is too large to describe; pass at most a few tensors between stages")
+    return words + [0] * (_META_LEN - len(words))
+
+
+def _decode_meta(words: list[int]) -> tuple[list[tuple[torch.dtype, tuple[int, ...]]], bool]:
+    is_tuple, n, i, out = bool(words[0]), words[1], 2, []
+    for _ in range(n):
+        dt, nd = _DTYPES[words[i]], words[i + 1]
+        out.append((dt, tuple(words[i + 2 : i + 2 + nd])))
+        i += 2 + nd
+    return out, is_tuple
+
+
+def split_batch(batch: Any) -> tuple[Any, Any]:
+    """A micro-batch as ``(inputs, labels)``: DeepSpeed's pair, or a transformers-style dict.
+
+    A dict gives ``input_ids`` (with ``attention_mask``, as a tuple, when present) as inputs and
+    ``labels`` (default: the input ids, the causal-LM convention) as labels.
+    """
+    if isinstance(batch, Mapping) and "input_ids" in batch:
+        ids = batch["input_ids"]
+        inputs = (ids, batch["attention_mask"]) if batch.get("attention_mask") is not None else ids
+        return inputs, batch.get("labels", ids)
+    if isinstance(batch, (tuple, list)) and len(batch) == 2:
+        return batch[0], batch[1]
+    raise UsageError(
+        f"a pipeline micro-batch must be a pair (inputs, labels) or a dict with input_ids, got {type(batch).__name__}"
+    )
+
+
+@dataclass
+class _Run:
+    """What one train_batch / eval_batch call keeps between actions, by micro-batch."""
+
+    train: bool
+    micro_batches: int
+    next_batch: Any
+    compute_loss: bool = True
+    inputs: dict[int, Any] = field(default_factory=dict)
+    labels: dict[int, Any] = field(default_factory=dict)
+    outputs: dict[int, Any] = field(default_factory=dict)
+    out_grads: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+    losses: list[torch.Tensor] = field(default_factory=list)
+    results: list[Any] = field(default_factory=list)
+    sent_meta: list[int] | None = None
+    recv_meta: tuple[list, bool] | None = None
+    pending: list[Any] = field(default_factory=list)  # send handles not yet known complete
+
+
+class PipelineEngine(ZeroEngine):
+    """DeepSpeed's ``PipelineEngine``: ``train_batch()`` runs one whole step of micro-batches."""
+
+    def __init__(self, model: PipelineModule, config: ZeroConfig, optimizer: torch.optim.Optimizer | None,
+                 lr_scheduler: Any = None) -> None:
+        if config.zero_optimization.stage == 3:
+            raise ConfigError(
+                "zero_optimization.stage: got 3, but ZeRO stage 3 cannot be combined with pipeline parallelism "
+                "(a PipelineModule); use stage 0, 1 or 2"
+            )
+        pcfg = config.pipeline
+        if pcfg.stages is not None and pcfg.stages != model.num_stages:
+            raise ConfigError(
+                f"pipeline.stages: got {pcfg.stages}, but the PipelineModule has num_stages={model.num_stages}; "
+                'make them agree or set "auto"'
+            )
+        if pcfg.activation_checkpoint_interval and not model.activation_checkpoint_interval:
+            model.activation_checkpoint_interval = pcfg.activation_checkpoint_interval
+        self.schedule_name = pcfg.schedule
+        tied = model.tied_weights()
+        if optimizer is not None:
+            _isolate(optimizer, [w for w, _, _ in tied])
+        super().__init__(model, config, optimizer, lr_scheduler=lr_scheduler, group=model.dp_group)
+        self.num_stages, self.stage_id = model.num_stages, model.stage_id
+        self.dp_rank = model.dp_rank
+        self._tied: list[tuple[Any, Any, bool]] = []  # (flat group, tie group, first holder)
+        if self.zero_optimizer is not None:
+            for weight, group, first in tied:
+                if not weight.requires_grad:
+                    continue
+                fg, _ = self.zero_optimizer._slot_of[id(weight)]
+                assert len(fg.slots) == 1, "a tied weight must sit alone in its flat bucket"
+                self._tied.append((fg, group, first))
+        self.training_dataloader = None
+        self._data_iter: Iterator | None = None
+        # Set to True to time this stage's forwards and backwards (CUDA events on GPU): the bubble
+        # is then what the step spends outside them (scripts/bench.py reports it).
+        self.measure_compute = False
+        self._compute_marks: list[Any] = []
+
+    # ------------------------------------------------------------ DeepSpeed API
+
+    def is_first_stage(self) -> bool:
+        return self.stage_id == 0
+
+    def is_last_stage(self) -> bool:
+        return self.stage_id == self.num_stages - 1
+
+    def set_dataiterator(self, iterator: Iterator) -> None:
+        """The iterator ``train_batch()`` draws from when called without one."""
+        self._data_iter = iterator
+
+    def _source(self, data_iter: Any, call: str) -> Any:
+        """The iterator this stage draws micro-batches from (None on middle stages, which need none).
+
+        ``train_batch`` remembers its iterator (and falls back to the ``training_data`` loader);
+        ``eval_batch`` uses the one it is given and leaves the training iterator where it was.
+        """
+        it = None
+        if data_iter is not None:
+            it = data_iter if isinstance(data_iter, Iterator) else iter(data_iter)
+        if call == "train_batch":
+            if it is not None:
+                self._data_iter = it
+            elif self._data_iter is None and self.training_dataloader is not None:
+                self._data_iter = _repeat(self.training_dataloader)
+            it = self._data_iter
+        if not (self.is_first_stage() or self.is_last_stage()):
+            return None  # middle stages take their inputs from the previous stage
+        if it is None:
+            raise UsageError(
+                f"{call}() got no data: pass data_iter= (an iterator of (inputs, labels) micro-batches) "
+                "or give initialize(training_data=...)"
+            )
+        return it
+
+    def train_batch(self, data_iter: Any = None) -> torch.Tensor:
+        """One optimizer step over ``gradient_accumulation_steps`` micro-batches; the mean loss, on every stage."""
+        if self.zero_optimizer is None:
+            raise UsageError("train_batch() needs an optimizer; give one in the config or to initialize()")
+        it = self._source(data_iter, "train_batch")
+        m = self.gradient_accumulation_steps()
+        self.module.train()
+        run = _Run(train=True, micro_batches=m, next_batch=(lambda: split_batch(next(it))) if it is not None else None)
+        self._execute(S.build(self.schedule_name, self.num_stages, self.stage_id, m), run)
+        self.micro_steps += m
+        self.global_samples += self.train_micro_batch_size_per_gpu() * m * self.dp_world_size
+        return self._mean_loss(run)
+
+    def eval_batch(self, data_iter: Any, return_logits: bool = False, compute_loss: bool = True,
+                   reduce_output: str = "avg", bcast_loss: bool = True, num_micro_batches: int | None = None) -> Any:
+        """Forward only over ``num_micro_batches`` (default: the accumulation steps); the mean loss on every stage.
+
+        With ``return_logits`` the last stage also gets the outputs, one per micro-batch: ``(loss, outputs)``.
+        """
+        del reduce_output, bcast_loss
+        it = self._source(data_iter, "eval_batch")
+        m = num_micro_batches or self.gradient_accumulation_steps()
+        was_training = self.module.training
+        self.module.eval()
+        run = _Run(train=False, micro_batches=m, compute_loss=compute_loss,
+                   next_batch=(lambda: split_batch(next(it))) if it is not None else None)
+        try:
+            with torch.no_grad():
+                self._execute(S.inference(self.num_stages, self.stage_id, m), run)
+        finally:
+            self.module.train(was_training)
+        loss = self._mean_loss(run) if compute_loss else None
+        if return_logits:
+            return loss, (run.results if self.is_last_stage() else None)
+        return loss
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """``engine(inputs)``: one forward through every stage (no gradients); the output on the last stage, None elsewhere.
+
+        Every rank of a pipeline must call it (the stages pass the activation along); only the
+        first stage's ``inputs`` are used. Training goes through ``train_batch()``.
+        """
+        if kwargs:
+            raise UsageError("engine(...) of a pipeline takes the inputs positionally, as the first layer does; got keyword arguments")
+        inputs = args[0] if len(args) == 1 else tuple(args)
+        run = _Run(train=False, micro_batches=1, compute_loss=False, next_batch=lambda: (inputs, None))
+        with torch.no_grad():
+            self._execute(S.inference(self.num_stages, self.stage_id, 1), run)
+        return run.results[0] if self.is_last_stage() else None
+
+    def backward(self, loss: Any, retain_graph: bool = False, scale_wrt_gas: bool = True) -> Any:
+        raise UsageError("engine.backward() is not used with pipeline parallelism; call engine.train_batch(data_iter), which runs forward, backward and step")
+
+    def step(self, lr_kwargs: dict | None = None) -> None:
+        raise UsageError("engine.step() is not used with pipeline parallelism; call engine.train_batch(data_iter), which runs forward, backward and step")
+
+    def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None,
+                        save_latest: bool = True, exclude_frozen_parameters: bool = False) -> str:
+        raise UsageError("save_checkpoint() does not support pipeline parallelism yet; use engine.save_pretrained(dir) for the weights")
+
+    def load_checkpoint(self, *args: Any, **kwargs: Any) -> tuple[str, dict]:
+        raise UsageError("load_checkpoint() does not support pipeline parallelism yet; build the model from a save_pretrained folder")
+
+    def save_pretrained(self, save_directory: str, max_shard_size: int | str = "5GB",
+                        dtype: torch.dtype | None = None) -> list[str]:
+        """Every stage's weights in one Hugging Face folder (every rank calls this; global rank 0 writes)."""
+        from hf_zero.pipe.checkpoint import save_pretrained
+
+        return save_pretrained(self, save_directory, max_shard_size=max_shard_size, dtype=dtype)
+
+    def __repr__(self) -> str:
+        return (f"PipelineEngine(stage={self.stage_id}/{self.num_stages}, dp={self.dp_world_size}, "
+                f"zero_stage={self.zero_optimization_stage()}, schedule={self.schedule_name})")
+
+    # ------------------------------------------------------------ the schedule
+
+    def compute_seconds(self) -> float:
+        """Seconds this stage spent in forwards and backwards since the last call (needs ``measure_compute``)."""
+        total = 0.0
+        for start, end in self._compute_marks:
+            if isinstance(start, float):
+                total += end - start
+            else:
+                end.synchronize()
+                total += start.elapsed_time(end) / 1000.0
+        self._compute_marks.clear()
+        return total
+
+    def _mark(self) -> Any:
+        if self.device.type == "cuda":
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        import time
+
+        return time.perf_counter()
+
+    def _execute(self, actions: list[S.Action], run: _Run) -> None:
+        for step in S.exchanges(actions, self.stage_id):
+            a = step[0]
+            if self.measure_compute and isinstance(a, (S.Forward, S.Backward)):
+                start = self._mark()
+                self._forward(a.micro, run) if isinstance(a, S.Forward) else self._backward(a.micro, run)
+                self._compute_marks.append((start, self._mark()))
+            elif isinstance(a, S.COMM):
+                self._exchange(step, run)
+            elif isinstance(a, S.LoadMicroBatch):
+                self._load(a.micro, run)
+            elif isinstance(a, S.Forward):
+                self._forward(a.micro, run)
+            elif isinstance(a, S.Backward):
+                self._backward(a.micro, run)
+            elif isinstance(a, S.ReduceGrads):
+                self._reduce_tied_grads()
+            elif isinstance(a, S.OptimizerStep):
+                self._optimizer_step()
+        for work in run.pending:
+            work.wait()
+        run.pending.clear()
+
+    def _load(self, i: int, run: _Run) -> None:
+        if run.next_batch is None:
+            return
+        try:
+            inputs, labels = run.next_batch()
+        except StopIteration:
+            raise UsageError(
+                f"the data iterator ran out at micro-batch {i} of {run.micro_batches}; each train_batch() takes "
+                "gradient_accumulation_steps micro-batches"
+            ) from None
+        cast = self.compute_dtype if self.compute_dtype != torch.float32 else None
+        if self.is_first_stage():
+            run.inputs[i] = _to_device(inputs, self.device, cast)
+        if self.is_last_stage() and labels is not None:
+            run.labels[i] = _to_device(labels, self.device, None)
+
+    def _forward(self, i: int, run: _Run) -> None:
+        x = run.inputs[i] if (run.train and not self.is_first_stage()) else run.inputs.pop(i)
+        with torch.enable_grad() if run.train else torch.no_grad():
+            out = self.module(x)
+            if self.is_last_stage():
+                labels = run.labels.pop(i, None)
+                if run.compute_loss:
+                    loss_fn = self.module.loss_fn
+                    loss = loss_fn(out, labels) if loss_fn is not None else out
+                    if not torch.is_tensor(loss) or loss.numel() != 1:
+                        raise UsageError(
+                            "the last pipeline stage must produce a scalar loss: give PipelineModule(loss_fn=...) "
+                            "or make the last layer return the loss"
+                        )
+                    run.losses.append(loss.detach().float())
+                    if run.train:
+                        run.outputs[i] = loss
+                if not run.train:
+                    run.results.append(out)
+                return
+        run.outputs[i] = out
+
+    def _backward(self, j: int, run: _Run) -> None:
+        zo = self.zero_optimizer
+        assert zo is not None
+        zo.prepare_backward(j == run.micro_batches - 1)  # the last backward reduces over data parallel
+        out = run.outputs.pop(j)
+        if self.is_last_stage():
+            scaled = out.float() / run.micro_batches
+            if self.loss_scaler is not None:
+                scaled = scaled * self.loss_scaler.scale
+            scaled.backward()
+        else:
+            outs, _ = _flatten(out, "output")
+            grads = run.out_grads.pop(j)
+            pairs = [(t, g) for t, g in zip([t for t in outs if t.is_floating_point()], grads) if t.requires_grad]
+            if pairs:
+                torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+        zo.finish_backward()
+
+    # ------------------------------------------------------------ point to point
+
+    def _peer(self, stage: int) -> tuple[int, Any]:
+        return self.module.topology.rank(stage, self.dp_rank), self.module.p2p_groups[stage]
+
+    def _exchange(self, actions: list[S.Action], run: _Run) -> None:
+        """Post one neighbour's sends and receives together; wait only for what is received."""
+        peer_stage = S.peer(actions[0], self.stage_id)
+        rank, group = self._peer(peer_stage)
+        ops: list[dist.P2POp] = []
+        is_recv: list[bool] = []
+        landed: list[tuple[int, list[torch.Tensor], str]] = []
+        for a in actions:
+            if isinstance(a, S.SendActivation):
+                tensors, is_tuple = _flatten(run.outputs[a.micro], "output")
+                meta = _encode_meta(tensors, is_tuple)
+                if run.sent_meta is None:
+                    run.sent_meta = meta
+                    run.pending.extend(self._post([dist.P2POp(dist.isend, torch.tensor(meta, device=self.device), rank, group)]))
+                elif meta != run.sent_meta:
+                    raise UsageError(
+                        "the micro-batches of one train_batch() must have the same shapes (padded to one length); "
+                        f"micro-batch {a.micro} differs from the first"
+                    )
+                for t in tensors:
+                    ops.append(dist.P2POp(dist.isend, t.detach().contiguous(), rank, group))
+                    is_recv.append(False)
+                if not run.train:
+                    run.outputs.pop(a.micro)  # nothing to backpropagate: the send holds the only reference
+            elif isinstance(a, S.RecvActivation):
+                if run.recv_meta is None:
+                    buf = torch.zeros(_META_LEN, dtype=torch.int64, device=self.device)
+                    for w in self._post([dist.P2POp(dist.irecv, buf, rank, group)]):
+                        w.wait()
+                    run.recv_meta = _decode_meta(buf.tolist())
+                specs, _ = run.recv_meta
+                bufs = [torch.empty(shape, dtype=dt, device=self.device) for dt, shape in specs]
+                for b in bufs:
+                    ops.append(dist.P2POp(dist.irecv, b, rank, group))
+                    is_recv.append(True)
+                landed.append((a.micro, bufs, "act"))
+            elif isinstance(a, S.SendGrad):
+                x = run.inputs.pop(a.micro)
+                tensors, _ = _flatten(x, "input")
+                for t in tensors:
+                    if t.is_floating_point():
+                        g = t.grad if t.grad is not None else torch.zeros_like(t)
+                        ops.append(dist.P2POp(dist.isend, g, rank, group))
+                        is_recv.append(False)
+            elif isinstance(a, S.RecvGrad):
+                tensors, _ = _flatten(run.outputs[a.micro], "output")
+                bufs = [torch.empty_like(t) for t in tensors if t.is_floating_point()]
+                for b in bufs:
+                    ops.append(dist.P2POp(dist.irecv, b, rank, group))
+                    is_recv.append(True)
+                landed.append((a.micro, bufs, "grad"))
+        if ops:
+            works = self._post(ops)
+            if len(works) == len(ops):  # one handle per op (gloo): leave the sends in flight
+                for w, r in zip(works, is_recv):
+                    if r:
+                        w.wait()
+                    else:
+                        run.pending.append(w)
+            else:  # one coalesced handle (NCCL): waiting only orders the compute stream after it
+                for w in works:
+                    w.wait()
+        for micro, bufs, kind in landed:
+            if kind == "grad":
+                run.out_grads[micro] = bufs
+                continue
+            _, is_tuple = run.recv_meta  # type: ignore[misc]
+            if run.train:
+                for b in bufs:
+                    if b.is_floating_point():
+                        b.requires_grad_()
+            run.inputs[micro] = tuple(bufs) if is_tuple else bufs[0]
+        run.pending = [w for w in run.pending if not w.is_completed()]
+
+    @staticmethod
+    def _post(ops: list[dist.P2POp]) -> list[Any]:
+        return [w for w in dist.batch_isend_irecv(ops) if w is not None]
+
+    # ------------------------------------------------------------ step
+
+    def _reduce_tied_grads(self) -> None:
+        """Sum each tied weight's gradient shard over the stages that hold it (after the data-parallel average)."""
+        for fg, group, _ in self._tied:
+            if fg.master.grad is not None:
+                dist.all_reduce(fg.master.grad, group=group)
+
+    def _optimizer_step(self) -> None:
+        """Norm over the whole pipeline (each tied weight once), then the ZeRO step of this stage."""
+        zo = self.zero_optimizer
+        assert zo is not None
+        skip = {id(fg) for fg, _, first in self._tied if not first}
+        groups = [g for g in zo._all_groups() if id(g) not in skip]
+        sq = [g.grad_sq_sum() for g in groups]
+        stats = torch.stack([torch.stack(sq).sum() if sq else torch.zeros((), device=self.device),
+                             torch.zeros((), device=self.device)])
+        if self.loss_scaler is not None:
+            bad = [g.nonfinite() for g in zo._all_groups()]
+            if bad:
+                stats[1] = torch.stack(bad).sum()
+        dist.all_reduce(stats)
+        if self.zero_optimization_stage() == 0:
+            stats[0] = stats[0] / self.dp_world_size  # every replica holds the same whole gradients
+        self._norm_stats = (stats[0].sqrt(), stats[1])
+        self._take_model_step()
+
+    def _mean_loss(self, run: _Run) -> torch.Tensor:
+        """Mean micro-batch loss of the last stage, averaged over data parallel, broadcast down the pipeline."""
+        loss = torch.zeros((), dtype=torch.float32, device=self.device)
+        if self.is_last_stage() and run.losses:
+            loss = torch.stack(run.losses).mean()
+            if self.dp_world_size > 1:
+                dist.all_reduce(loss, group=self.group)
+                loss = loss / self.dp_world_size
+        if self.num_stages > 1:
+            src = self.module.topology.rank(self.num_stages - 1, self.dp_rank)
+            dist.broadcast(loss, src=src, group=self.module.pipe_group)
+        return loss
+
+
+def _repeat(loader: Any) -> Iterator:
+    """The training loader as an endless iterator (a new epoch when one ends), as DeepSpeed's RepeatingLoader."""
+    while True:
+        yield from loader
+
+
+def _isolate(optimizer: torch.optim.Optimizer, tied: list[torch.nn.Parameter]) -> None:
+    """Give every tied weight a param group of its own (same hyper-parameters), hence its own flat bucket.
+
+    Its flat buffer then has the same size on every stage that holds it, so each data-parallel
+    rank owns the same shard of it on each stage and the shards can be summed over the tie group.
+    """
+    for w in tied:
+        for g in optimizer.param_groups:
+            if any(p is w for p in g["params"]) and len(g["params"]) > 1:
+                g["params"] = [p for p in g["params"] if p is not w]
+                optimizer.add_param_group({**{k: v for k, v in g.items() if k != "params"}, "params": [w]})
+                break
