@@ -143,6 +143,7 @@ class ZeroEngine(torch.nn.Module):
         """
         from hf_zero.compile import compile_blocks
 
+        self._no_kv_cache_in_training("compile")
         if compile_kwargs is not None and not isinstance(compile_kwargs, dict):
             raise UsageError(f"engine.compile(compile_kwargs=...) expects a dict of torch.compile arguments, got {type(compile_kwargs).__name__}")
         if compile_blocks(self.module, backend, compile_kwargs) == 0 and not self._compiled:
@@ -154,6 +155,19 @@ class ZeroEngine(torch.nn.Module):
         """Whether the blocks run compiled (DeepSpeed's property of the same name)."""
         return self._compiled
 
+    def _no_kv_cache_in_training(self, why: str) -> None:
+        """Turn a transformers model's ``config.use_cache`` off, as transformers does under gradient checkpointing.
+
+        A KV cache filled while training is dead weight; its writes inside a recomputed block stop
+        torch.compile from capturing the block, and its per-layer index makes dynamo compile each
+        block separately (past ``torch._dynamo.config.cache_size_limit`` blocks, silently eager).
+        ``generate`` passes ``use_cache`` itself, so decoding still caches.
+        """
+        mc = getattr(self.module, "config", None)
+        if getattr(mc, "use_cache", False):
+            logger.info("%s: setting the model's config.use_cache to False", why)
+            mc.use_cache = False
+
     def _checkpoint_blocks(self) -> None:
         """Recompute each block's forward in backward instead of keeping its activations.
 
@@ -164,12 +178,7 @@ class ZeroEngine(torch.nn.Module):
 
         from hf_zero.zero.params import find_units
 
-        mc = getattr(self.module, "config", None)
-        if getattr(mc, "use_cache", False):
-            # As transformers does under gradient checkpointing: a KV cache filled while training is
-            # dead weight, and its writes inside a recomputed block stop torch.compile capturing it.
-            logger.info("activation_checkpointing.checkpoint_blocks: setting the model's config.use_cache to False")
-            mc.use_cache = False
+        self._no_kv_cache_in_training("activation_checkpointing.checkpoint_blocks")
         for _, block in find_units(self.module):
             inner = block.forward
 
