@@ -3,7 +3,7 @@
 ``import hf_zero as deepspeed`` is meant to just work: the names below are DeepSpeed's.
 """
 
-from hf_zero import zero
+from hf_zero import pipe, zero
 from hf_zero.api import initialize
 from hf_zero.config import ConfigError, ZeroConfig
 from hf_zero.dist import init_distributed
@@ -12,7 +12,7 @@ from hf_zero.engine import UsageError, ZeroEngine
 __version__ = "0.1.0"
 
 __all__ = [
-    "zero", "Accelerator", "Trainer", "TrainingArguments", "Seq2SeqTrainer", "Seq2SeqTrainingArguments", "ConfigError", "UsageError", "ZeroConfig", "ZeroEngine", "init_distributed", "initialize",
+    "pipe", "zero", "Accelerator", "Trainer", "TrainingArguments", "Seq2SeqTrainer", "Seq2SeqTrainingArguments", "ConfigError", "UsageError", "ZeroConfig", "ZeroEngine", "init_distributed", "initialize",
     "__version__",
 ]
 

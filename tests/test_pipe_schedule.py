@@ -101,3 +101,13 @@ def test_inference_is_forwards_only_and_bad_arguments_say_so() -> None:
         S.build("zigzag", 2, 0, 4)
     with pytest.raises(ValueError, match="stage_id 2"):
         S.one_f_one_b(2, 2, 4)
+
+
+def test_pipe_is_reachable_as_deepspeed_pipe() -> None:
+    """``import hf_zero as deepspeed; deepspeed.pipe.PipelineModule`` works without importing hf_zero.pipe first."""
+    import subprocess
+    import sys
+
+    code = "import hf_zero as deepspeed; print(deepspeed.pipe.PipelineModule.__name__, deepspeed.pipe.LayerSpec.__name__)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == ["PipelineModule", "LayerSpec"], out.stderr[-2000:]
