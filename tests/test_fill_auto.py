@@ -107,3 +107,15 @@ def test_auto_bucket_sizes_follow_the_hidden_size_with_a_floor() -> None:
     assert small["stage3_param_persistence_threshold"] == 10240
     with pytest.raises(UsageError, match="no config.hidden_size"):
         fill_bucket_autos({"zero_optimization": {"reduce_bucket_size": "auto"}}, SimpleNamespace(config=None))
+
+
+def test_pipeline_config_is_for_initialize_and_refused_by_the_trainer(tmp_path: Path) -> None:
+    from hf_zero.config import ZeroConfig
+    from hf_zero.integrations.transformers import TrainingArguments
+
+    cfg = ZeroConfig.load(str(REPO / "configs" / "pipeline.json"))
+    cfg.resolve_batch_sizes(4)
+    assert (cfg.pipeline.schedule, cfg.train_batch_size, cfg.zero_optimization.stage) == ("1f1b", 128, 1)
+    with pytest.raises(UsageError, match="has a pipeline section, but Trainer/Accelerator train the model unsplit"):
+        TrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True,
+                          zero_config=str(REPO / "configs" / "pipeline.json"))

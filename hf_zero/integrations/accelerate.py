@@ -42,12 +42,23 @@ def load_zero_config(zero_config: str | os.PathLike | dict | None) -> dict | Non
     if zero_config is None:
         zero_config = os.environ.get(ENV_VAR) or None
     if zero_config is None or isinstance(zero_config, dict):
-        return None if zero_config is None else dict(zero_config)
+        return None if zero_config is None else _no_pipeline(dict(zero_config), "(dict)")
     path = os.fspath(zero_config)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"zero_config: {path} does not exist; pass a DeepSpeed-style JSON file or a dict")
     with open(path) as f:
-        return json.load(f)
+        return _no_pipeline(json.load(f), path)
+
+
+def _no_pipeline(config: Any, where: str) -> Any:
+    """A ``pipeline`` section cannot be honoured here: Trainer and Accelerate loops call the model as a whole."""
+    if isinstance(config, dict) and config.get("pipeline"):
+        raise UsageError(
+            f"zero_config {where} has a pipeline section, but Trainer/Accelerator train the model unsplit; "
+            "run pipelines with hf_zero.initialize(model=hf_zero.pipe.split_causal_lm(...)) and engine.train_batch, "
+            "or remove the section"
+        )
+    return config
 
 
 MIN_AUTO_REDUCE_BUCKET = 25_000_000  # elements; 50 MB in bf16, twice DDP's default bucket
