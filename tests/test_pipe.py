@@ -293,3 +293,43 @@ def _check_errors(msgs: list[str]) -> None:
     assert "partition_method='fancy'" in msgs[2] and "unknown" in msgs[2], msgs
     assert msgs[3].startswith("ConfigError: zero_optimization.stage: got 3") and "pipeline" in msgs[3], msgs
     assert msgs[4].startswith("UsageError: train_batch() got no data"), msgs
+
+
+def _own_loss(rank: int, world: int) -> dict:
+    """Each model split into 2 stages against its own forward, with a padding mask (and Mistral's
+    sliding window): the positions, masks and rotary tables the stages build (once per micro-batch,
+    shared by their blocks) must be the ones the model builds."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    import hf_zero
+    from hf_zero.pipe import split_causal_lm
+
+    def mistral():  # noqa: ANN202
+        torch.manual_seed(0)
+        return MistralForCausalLM(MistralConfig(vocab_size=32, hidden_size=16, intermediate_size=24, num_hidden_layers=4,
+                                                num_attention_heads=2, num_key_value_heads=1, sliding_window=3,
+                                                max_position_embeddings=32))
+
+    out = {}
+    for name, build in (("llama", _llama), ("mistral", mistral), ("gpt2", _gpt2)):
+        model = build().eval()
+        ids = torch.randint(0, 32, (2 * MB, 8), generator=torch.Generator().manual_seed(4))
+        mask = torch.ones_like(ids)
+        mask[0, :3] = 0  # left padding on one row, right padding on another
+        mask[MB, -2:] = 0
+        labels = ids.masked_fill(mask == 0, -100)
+        with torch.no_grad():
+            own = [float(model(input_ids=ids[i:i + MB], attention_mask=mask[i:i + MB], labels=labels[i:i + MB]).loss)
+                   for i in (0, MB)]
+        engine, _, _, _ = hf_zero.initialize(model=split_causal_lm(model, 2), config={
+            "train_micro_batch_size_per_gpu": MB, "gradient_accumulation_steps": 2})
+        batches = [{"input_ids": ids[i:i + MB], "attention_mask": mask[i:i + MB], "labels": labels[i:i + MB]}
+                   for i in (0, MB)]
+        got = float(engine.eval_batch(iter(batches)))
+        out[name] = (got, sum(own) / 2)
+    return out
+
+
+def test_split_models_give_their_own_loss_with_padding_and_sliding_window() -> None:
+    for name, (got, own) in spawn(_own_loss, 2)[0].items():
+        assert abs(got - own) <= 1e-5 * abs(own), (name, got, own)

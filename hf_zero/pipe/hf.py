@@ -70,6 +70,30 @@ def _embed(module: nn.Embedding, x: Any) -> Any:
     return _join(module(ids), mask)
 
 
+class _SharedInputs:
+    """Position ids, attention mask and rotary ``(cos, sin)`` of the current micro-batch, built once for
+    all of a stage's blocks.
+
+    A model's own ``forward`` builds them once and hands them to every layer; here each block runs
+    on its own, so without this every block rebuilt them (the mask, the rotary kernels and a
+    signature lookup per block and micro-batch). They depend only on the sequence length, the
+    device, the dtype, the padding mask (the same tensor object travels with the hidden states
+    through a stage) and the attention type, which make the key; nothing in them needs gradients.
+    """
+
+    def __init__(self) -> None:
+        self._entries: dict[str, tuple[tuple, torch.Tensor | None, Any]] = {}
+
+    def get(self, kind: str, hidden: torch.Tensor, mask: torch.Tensor | None, build: Callable[[], Any]) -> Any:
+        key = (hidden.shape[1], hidden.device, hidden.dtype)
+        entry = self._entries.get(kind)
+        if entry is not None and entry[0] == key and entry[1] is mask:
+            return entry[2]
+        value = build()
+        self._entries[kind] = (key, mask, value)  # holds the mask, so its identity cannot be reused
+        return value
+
+
 class _Rotary:
     """One rotary embedding per stage, shared by its blocks: the model's own when a model was given.
 
@@ -78,6 +102,7 @@ class _Rotary:
 
     def __init__(self, config: Any, given: nn.Module | None) -> None:
         self.config, self.module = config, given
+        self.shared = _SharedInputs()
 
     def get(self, device: torch.device) -> nn.Module:
         if self.module is None:
@@ -112,11 +137,16 @@ class _BlockForward:
         from transformers import masking_utils
 
         hidden, mask = _split_inputs(x)
-        position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
-        fn = (masking_utils.create_sliding_window_causal_mask if self._attention_type(block) == "sliding_attention"
-              else masking_utils.create_causal_mask)
-        attn_mask = _call_mask(fn, self.config, hidden, mask, position_ids)
-        cos_sin = self.rotary.get(hidden.device)(hidden, position_ids)
+        kind = self._attention_type(block)
+
+        def build() -> tuple:
+            position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+            fn = (masking_utils.create_sliding_window_causal_mask if kind == "sliding_attention"
+                  else masking_utils.create_causal_mask)
+            return position_ids, _call_mask(fn, self.config, hidden, mask, position_ids), \
+                self.rotary.get(hidden.device)(hidden, position_ids)
+
+        position_ids, attn_mask, cos_sin = self.rotary.shared.get(kind, hidden, mask, build)
         out = block(hidden, attention_mask=attn_mask, position_ids=position_ids, position_embeddings=cos_sin, use_cache=False)
         out = out[0] if isinstance(out, tuple) else out
         return _join(out, mask)
@@ -125,15 +155,19 @@ class _BlockForward:
 class _GPT2BlockForward:
     """A GPT-2 block with the causal mask its model builds (absolute positions were added at the embedding)."""
 
-    def __init__(self, config: Any) -> None:
-        self.config = config
+    def __init__(self, config: Any, shared: _SharedInputs) -> None:
+        self.config, self.shared = config, shared
 
     def __call__(self, block: nn.Module, x: Any) -> Any:
         from transformers import masking_utils
 
         hidden, mask = _split_inputs(x)
-        position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
-        attn_mask = _call_mask(masking_utils.create_causal_mask, self.config, hidden, mask, position_ids)
+
+        def build() -> tuple:
+            position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+            return position_ids, _call_mask(masking_utils.create_causal_mask, self.config, hidden, mask, position_ids)
+
+        position_ids, attn_mask = self.shared.get("full_attention", hidden, mask, build)
         out = block(hidden, None, attn_mask, use_cache=False, position_ids=position_ids)
         out = out[0] if isinstance(out, tuple) else out
         return _join(out, mask)
@@ -250,8 +284,9 @@ def causal_lm_layers(model_or_config: Any) -> tuple[list[Any], Any, str]:
             layers.append(_spec("transformer.wte", nn.Embedding, (vocab, d), {}, _embed, sub("transformer.wte")))
         layers.append(_spec("transformer.wpe", nn.Embedding, (config.n_positions, d), {}, _GPT2Positions(config.embd_pdrop),
                             sub("transformer.wpe")))
+        shared = _SharedInputs()
         for i in range(config.n_layer):
-            layers.append(_spec(f"transformer.h.{i}", block_cls, (config,), {"layer_idx": i}, _GPT2BlockForward(config),
+            layers.append(_spec(f"transformer.h.{i}", block_cls, (config,), {"layer_idx": i}, _GPT2BlockForward(config, shared),
                                 sub(f"transformer.h.{i}")))
         layers.append(_spec("transformer.ln_f", nn.LayerNorm, (d,), {"eps": config.layer_norm_epsilon}, _norm,
                             sub("transformer.ln_f")))
