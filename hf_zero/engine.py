@@ -392,18 +392,23 @@ class ZeroEngine(torch.nn.Module):
         norm, bad = stats if stats is not None else zo.grad_norm_and_overflow(need_overflow=scaler is not None)
         scale = scaler.scale if scaler is not None else 1.0
         if scaler is not None and bool(bad > 0):  # fp16 needs this one host sync per step
-            scaler.update(True)
-            self.skipped_steps += 1
-            zo.zero_grad()
-            logger.warning(
-                "step %d: fp16 gradient overflow, step skipped; loss scale now %g", self.global_steps, scaler.scale
-            )
-            self.global_steps += 1
+            scaler.update(True)  # raises once the scale is already at min_loss_scale
+            self._skip_step(f"fp16 gradient overflow, step skipped; loss scale now {scaler.scale:g}")
             return
         if scaler is None and self.config.nonfinite_loss != "off" and not bool(torch.isfinite(norm)):
             # bf16/fp32: one host sync per optimizer step (fp16 already has one, above). The global
             # norm is the same number on every rank, so every rank reaches the same verdict.
-            self._nonfinite_step(float(norm))
+            if self.config.nonfinite_loss == "stop":
+                raise NonFiniteLossError(
+                    f"step {self.global_steps}: the loss or gradients are not finite (global gradient norm "
+                    f"{float(norm)}); stopping before the optimizer touched anything, as \"nonfinite_loss\" is "
+                    '"stop" (set it to "skip" to skip such steps instead)'
+                )
+            self._skip_step(
+                f"the loss or gradients are not finite (global gradient norm {float(norm)}); step skipped, weights "
+                f"and optimizer state unchanged ({self.skipped_steps + 1} skipped so far; \"nonfinite_loss\": \"stop\" "
+                "stops instead)"
+            )
             return
         norm = norm / scale
         self._global_grad_norm = norm
@@ -426,25 +431,14 @@ class ZeroEngine(torch.nn.Module):
             extra = f", loss_scale={scale:g}" if scaler is not None else ""
             logger.info("step=%d, skipped=%d, lr=[%s]%s", self.global_steps, self.skipped_steps, lrs, extra)
 
-    def _nonfinite_step(self, norm: float) -> None:
-        """The gradients hold inf/nan (a nan/inf loss makes them so): skip the step or stop, as configured."""
-        zo = self.zero_optimizer
-        assert zo is not None
+    def _skip_step(self, why: str) -> None:
+        """A step whose gradients cannot be applied (fp16 overflow, or inf/nan): count it, drop the gradients."""
+        assert self.zero_optimizer is not None
         self._clip_override = None
-        if self.config.nonfinite_loss == "stop":
-            raise NonFiniteLossError(
-                f"step {self.global_steps}: the loss or gradients are not finite (global gradient norm {norm}); "
-                'stopping before the optimizer touched anything, as "nonfinite_loss" is "stop" '
-                '(set it to "skip" to skip such steps instead)'
-            )
-        zo.zero_grad()
+        self.zero_optimizer.zero_grad()
         self.skipped_steps += 1
+        logger.warning("step %d: %s", self.global_steps, why)
         self.global_steps += 1
-        logger.warning(
-            "step %d: the loss or gradients are not finite (global gradient norm %s); step skipped, weights and "
-            "optimizer state unchanged (%d skipped so far; \"nonfinite_loss\": \"stop\" stops instead)",
-            self.global_steps - 1, norm, self.skipped_steps,
-        )
 
     def zero_grad(self) -> None:
         self._norm_stats = None
