@@ -205,9 +205,16 @@ def profile_steps(name: str, step: Callable, batch: Callable, trace_dir: str, n:
         wall = (time.perf_counter() - t0) / n * 1e3
     if dist.get_rank() != 0:
         return
+    print_profile(prof, name, wall, n)
+    os.makedirs(trace_dir, exist_ok=True)
+    prof.export_chrome_trace(os.path.join(trace_dir, f"{name}.json"))
+
+
+def print_profile(prof: torch.profiler.profile, name: str, wall_ms: float, steps: int) -> None:
+    """A step's wall time beside its GPU kernel time by kind, then the operators that took the most GPU time."""
     kinds = {"nccl": 0.0, "gemm/attention": 0.0, "optimizer": 0.0, "other": 0.0}
     for e in prof.key_averages():
-        t = e.self_device_time_total / 1e3 / n
+        t = e.self_device_time_total / 1e3 / steps
         if t <= 0:
             continue
         k = e.key.lower()
@@ -220,11 +227,9 @@ def profile_steps(name: str, step: Callable, batch: Callable, trace_dir: str, n:
         else:
             kinds["other"] += t
     parts = ", ".join(f"{k} {v:.1f} ms" for k, v in kinds.items())
-    print(f"[profile] {name}: {wall:.1f} ms/step wall; GPU kernel time per step: {parts} "
+    print(f"[profile] {name}: {wall_ms:.1f} ms/step wall; GPU kernel time per step: {parts} "
           "(NCCL runs on its own streams, so the sum can exceed the wall time)", flush=True)
     print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=12, max_name_column_width=70), flush=True)
-    os.makedirs(trace_dir, exist_ok=True)
-    prof.export_chrome_trace(os.path.join(trace_dir, f"{name}.json"))
 
 
 def run_pipeline(name: str, args: argparse.Namespace) -> dict:

@@ -2,9 +2,9 @@
 
     torchrun --nproc_per_node 2 scripts/profile_trainer.py --zero_config configs/zero2.json --model_name_or_path M
 
-Every argument is finetune.py's. Rank 0 prints the step's wall time beside the time the GPU was busy
-(the gap is host overhead the GPU waited through), then the operators that took the most GPU and the
-most host time. ``HF_ZERO_PROFILE_STEPS`` (``10:15``) picks the steps; ``HF_ZERO_PROFILE_TRACE`` names a
+Every argument is finetune.py's. Rank 0 prints the step's wall time beside its GPU kernel time by
+kind (bench.py's summary: NCCL, matmuls and attention, optimizer, the rest), then the operators that
+took the most GPU and the most host time. ``HF_ZERO_PROFILE_STEPS`` (``10:15``) picks the steps; ``HF_ZERO_PROFILE_TRACE`` names a
 Chrome trace file to write as well.
 """
 
@@ -19,6 +19,7 @@ from transformers import TrainerCallback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import finetune  # noqa: E402
+from bench import print_profile  # noqa: E402
 
 
 class ProfileSteps(TrainerCallback):
@@ -48,13 +49,9 @@ class ProfileSteps(TrainerCallback):
         self.prof.__exit__(None, None, None)
         steps = self.last - self.first
         if state.is_world_process_zero:
-            events = self.prof.key_averages()
-            busy = sum(e.self_device_time_total for e in events) / 1e3 if torch.cuda.is_available() else 0.0
-            print(f"[profile] {steps} steps: {1e3 * wall / steps:.1f} ms/step wall, "
-                  f"{busy / steps:.1f} ms/step summed GPU kernel time (streams overlap, so this can exceed wall)")
-            key = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
-            print(events.table(sort_by=key, row_limit=18, max_name_column_width=60))
-            print(events.table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=60))
+            print_profile(self.prof, f"Trainer steps {self.first}-{self.last}", 1e3 * wall / steps, steps)
+            # the host side too: a Trainer step's Python (hooks, autograd's per-parameter work) shows here
+            print(self.prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=60))
             trace = os.environ.get("HF_ZERO_PROFILE_TRACE")
             if trace:
                 self.prof.export_chrome_trace(trace)
