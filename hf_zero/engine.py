@@ -311,8 +311,8 @@ class ZeroEngine(torch.nn.Module):
     def current_grad_norm(self) -> torch.Tensor | None:
         """Global L2 norm of the reduced, unscaled gradients now (between the boundary backward and step)."""
         zo = self.zero_optimizer
-        if zo is None or not zo.reduced:
-            return None
+        if zo is None or not zo.reduced or not self.is_gradient_accumulation_boundary():
+            return None  # (stage 2 has reduced the micro-steps so far, but the step's gradient is not whole)
         if self._norm_stats is None:  # the step reuses it: one norm, one all-reduce per step
             self._norm_stats = zo.grad_norm_and_overflow(need_overflow=self.loss_scaler is not None)
         return self._norm_stats[0] / (self.loss_scaler.scale if self.loss_scaler is not None else 1.0)
@@ -356,8 +356,9 @@ class ZeroEngine(torch.nn.Module):
             scaled = scaled / self.gradient_accumulation_steps()
         if self.loss_scaler is not None:
             scaled = scaled * self.loss_scaler.scale
-        sync = self.is_gradient_accumulation_boundary() and not self._no_sync
-        self.zero_optimizer.prepare_backward(sync)
+        zo = self.zero_optimizer
+        sync = not self._no_sync and (self.is_gradient_accumulation_boundary() or zo.reduces_every_micro_step)
+        zo.prepare_backward(sync)
         scaled.reshape(()).backward(retain_graph=retain_graph)
         self.zero_optimizer.finish_backward()
         return loss

@@ -8,8 +8,11 @@ freed yet), per data-parallel rank, for Ψ trainable parameters on N ranks. They
   is no extra master copy;
 - in bf16/fp16 every rank keeps 16-bit parameters (none at stage 3, where a unit's 16-bit
   weights are cast from the fp32 master shard when it is gathered), 16-bit gradients as
-  backward writes them (freed after the reduce-scatter at stages 2 and 3), fp32 reduced
+  backward writes them (freed after the reduce-scatter at stages 1-3), fp32 reduced
   gradients, and an fp32 master copy next to the optimizer state for the elements it owns;
+- with gradient accumulation, stages 0 and 1 also hold the full gradients between the
+  micro-steps of a step (stage 1 reduces them once, at the boundary); stages 2 and 3 reduce
+  every micro-step and hold only the shard;
 - a quantity "/N" is one shard: ``ceil(Ψ/N)`` elements, because each flat buffer is padded to a
   multiple of N. Buffers are per bucket, so padding adds at most N-1 elements per buffer, which
   the estimate leaves out.
@@ -116,7 +119,7 @@ def estimate_memory(
 
     if dtype_key == "fp32":
         p_elems, p_sym = n_of(stage >= 3)
-        g_elems, g_sym = n_of(stage >= 2)
+        g_elems, g_sym = n_of(stage >= 1)
         o_elems, o_sym = n_of(stage >= 1)
         params, grads, optim = 4 * p_elems, 4 * g_elems, k * o_elems
         formula = f"params 4{p_sym} + grads 4{g_sym} + optim {k}{o_sym}"
@@ -127,8 +130,6 @@ def estimate_memory(
         optim = (4 + k) * o_elems
         if stage == 0:
             grads, g_text = 2 * full + 4 * full, "(2Ψ + 4Ψ)"
-        elif stage == 1:
-            grads, g_text = 2 * full + 4 * shard, "(2Ψ + 4Ψ/N)"
         else:
             grads, g_text = 4 * shard, "4Ψ/N"
         formula = f"params {p_text} + grads {g_text} + optim (4+{k}){o_sym}"

@@ -61,3 +61,55 @@ def test_bytes_held_match_estimator() -> None:
         s3 = per_rank[6]
         assert s3["stage"] == 3 and s3["dtype"] == "fp32"
         assert all_bytes / WORLD <= s3["held"]["params"] <= all_bytes / WORLD + 4 * WORLD * s3["buffers"], (all_bytes, s3)
+
+
+def _between_micro_steps(rank: int, world: int, stages: list) -> list:
+    """Gradient bytes held after the first (non-boundary) backward of a 3-micro-step step."""
+    import torch
+
+    import hf_zero
+
+    out = []
+    for stage in stages:
+        model = make_model()
+        engine, _, _, _ = hf_zero.initialize(model=model, config={
+            "train_micro_batch_size_per_gpu": 2,
+            "gradient_accumulation_steps": 3,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+            "zero_optimization": {"stage": stage, "reduce_bucket_size": 60},
+            "bf16": {"enabled": True},
+        })
+        ids, labels = make_data(3, 2 * world)
+        held = []
+        for t in range(3):
+            loss = engine(ids[t, rank * 2 : rank * 2 + 2], labels[t, rank * 2 : rank * 2 + 2])
+            engine.backward(loss)
+            held.append(engine.memory_bytes()["grads"])
+            engine.step()
+        psi = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        weights = torch.cat([p.detach().float().reshape(-1) for p in model.parameters()]).tolist()
+        buffers = len(engine.zero_optimizer.flat_groups)
+        out.append({"stage": stage, "held": held, "psi": psi, "weights": weights, "buffers": buffers})
+    return out
+
+
+def test_stage1_reduces_at_the_boundary_stage2_every_micro_step() -> None:
+    """Under accumulation stage 1 keeps full 16-bit gradients until the boundary (one reduction a
+    step); stage 2 reduces each micro-step into its fp32 shard and frees them. At the step both
+    hold only the shard, and both train to the same weights (the oracles in test_parity check
+    them against one process)."""
+    results = spawn(_between_micro_steps, WORLD, [1, 2])
+    for per_rank in results:
+        s1, s2 = per_rank
+        psi = s1["psi"]
+        shard_bytes = 4 * -(-psi // WORLD)
+        slack = s1["buffers"] * (WORLD - 1) * 4  # padding: at most N-1 fp32 elements per bucket
+        # stage 1, micro-step 1: full bf16 gradients, nothing reduced yet
+        assert abs(s1["held"][0] - 2 * psi) <= slack, s1["held"]
+        # stage 2, micro-step 1: only the fp32 shard of the averaged gradient
+        assert abs(s2["held"][0] - shard_bytes) <= slack, s2["held"]
+        # at the boundary both hold the shard only
+        for s in (s1, s2):
+            assert abs(s["held"][2] - shard_bytes) <= slack, (s["stage"], s["held"])
+        diff = max(abs(a - b) for a, b in zip(s1["weights"], s2["weights"]))
+        assert diff <= 1e-2, diff  # bf16 weights; stage 2 sums micro-steps in fp32, stage 1 in bf16

@@ -224,7 +224,7 @@ class Accelerator(accelerate.Accelerator):
     @contextlib.contextmanager
     def no_sync(self, model: Any) -> Iterator[None]:
         if isinstance(model, ZeroEngine):
-            yield  # the engine already communicates only on accumulation boundaries
+            yield  # the engine decides when to reduce (stages 0-1 on boundaries, 2-3 every micro-step)
             return
         with super().no_sync(model):
             yield

@@ -61,8 +61,12 @@ class FlatGroup:
     """A bucket of parameters sharing one flat parameter buffer and one flat gradient buffer.
 
     ``partitioned`` is True for ZeRO stages 1 and above: the optimizer state and the reduced
-    gradient cover only ``[shard_lo, shard_hi)``. ``free_grads_after_reduce`` is stage 2's rule:
-    the full gradient buffer is released once its shard has been reduced.
+    gradient cover only ``[shard_lo, shard_hi)``. ``free_grads_after_reduce`` (every partitioned
+    stage): the full gradient buffer is allocated when its first gradient arrives and released
+    once its shard has been reduced, so between steps a rank holds only its gradient shard. When
+    the reduction happens is the engine's choice: stage 1 accumulates full gradients over the
+    micro-steps and reduces once at the boundary (least communication), stage 2 reduces every
+    micro-step into the shard (least memory), as DeepSpeed's stages do.
     """
 
     def __init__(
@@ -174,16 +178,16 @@ class FlatGroup:
             if not self.partitioned:
                 C.all_reduce_(src, self.group, self.world_size)
                 out = src
-            elif src.data_ptr() == self.grad_flat.data_ptr() and not self.free_grads_after_reduce:
-                # fp32 stage 1: reduce into this rank's own chunk of the gradient buffer, no copy.
-                out = src[self.shard_lo : self.shard_hi]
-                C.reduce_scatter_(out, src, self.group, self.world_size)
             else:
                 out = torch.empty(self.shard_numel, dtype=self.reduce_dtype, device=self.device)
                 C.reduce_scatter_(out, src, self.group, self.world_size)
             if out.dtype != torch.float32:
                 out = out.float()
             out.div_(self.world_size)
+            if self.master.grad is not None and self.free_grads_after_reduce:
+                # Stage 2 reduces every micro-step: the shard accumulates the averaged gradients.
+                self.master.grad.add_(out)
+                out = self.master.grad
         self.master.grad = out
         self.launched = True
         if self.free_grads_after_reduce:

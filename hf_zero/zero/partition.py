@@ -2,8 +2,13 @@
 
 - Stage 0: gradients all-reduced per bucket; every rank steps the whole (fp32 master) buffer.
 - Stage 1: gradients reduce-scattered; each rank steps only its shard of the masters and the
-  optimizer state, then the updated parameters are all-gathered.
-- Stage 2: as stage 1, and the full gradient buffer of a bucket is freed once reduced.
+  optimizer state, then the updated parameters are all-gathered. Full gradients accumulate
+  over the micro-steps of a step and are reduced once, at the boundary.
+- Stage 2: as stage 1, but reduced every micro-step into the fp32 shard, so no full gradient
+  outlives the backward that made it (more communication under gradient accumulation, less memory).
+
+In both, a bucket's full gradient buffer exists only from its first gradient until its
+reduce-scatter is issued (with one micro-step per step the two stages are the same schedule).
 
 Buckets are launched strictly in bucket order (like DDP) even when autograd finishes them
 out of order, so that every rank issues the same collectives in the same order: a bucket
@@ -119,7 +124,7 @@ class ShardedOptimizer:
                     compute_dtype=compute_dtype,
                     reduce_dtype=reduce_dtype,
                     partitioned=stage >= 1,
-                    free_grads_after_reduce=stage >= 2,
+                    free_grads_after_reduce=stage >= 1,
                     group=group,
                     rank=self.rank,
                     world_size=self.world_size,
@@ -208,12 +213,23 @@ class ShardedOptimizer:
     def state(self) -> dict:
         return self.optimizer.state
 
+    @property
+    def reduces_every_micro_step(self) -> bool:
+        """Stages 2-3 reduce-scatter each micro-step's gradients (stages 0-1 only at the boundary)."""
+        return self.stage >= 2
+
     def prepare_backward(self, sync: bool) -> None:
-        """Before ``loss.backward()``: gradient views in place; ``sync`` means reduce as buckets fill."""
+        """Before ``loss.backward()``: gradient views in place; ``sync`` means reduce as buckets fill.
+
+        A backward without ``sync`` leaves unreduced gradients behind, so ``reduced`` turns False
+        until a synced backward has reduced them too.
+        """
         self._sync = sync
+        if not sync:
+            self.reduced = False
         self._next_launch = 0
         for fg in self.flat_groups:
-            # Stage 2 allocates a bucket's buffer when its first gradient arrives (adopt_grad), so
+            # Stages 1-2 allocate a bucket's buffer when its first gradient arrives (adopt_grad), so
             # the activation peak at the start of backward does not also carry every gradient.
             if not fg.free_grads_after_reduce:
                 fg.ensure_grad_buffer()
