@@ -111,3 +111,27 @@ def test_pipe_is_reachable_as_deepspeed_pipe() -> None:
     code = "import hf_zero as deepspeed; print(deepspeed.pipe.PipelineModule.__name__, deepspeed.pipe.LayerSpec.__name__)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.stdout.split() == ["PipelineModule", "LayerSpec"], out.stderr[-2000:]
+
+
+def test_compute_partition_gives_the_lm_head_stage_fewer_blocks() -> None:
+    """``"compute"`` (split_causal_lm's default) weighs embedding lookups as free and the LM head
+    by its weights: on the 1.1B Llama shape the head (65.5M weights, ~1.5 blocks) costs the last
+    stage blocks, where equal blocks per stage made it the slowest and left stage 0 waiting."""
+    from transformers import GPT2Config, LlamaConfig
+
+    from hf_zero.pipe.hf import causal_lm_layers
+    from hf_zero.pipe.module import _compute_weights, partition_balanced
+
+    cfg = LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
+                      num_attention_heads=32, num_key_value_heads=4)
+    layers, _, _ = causal_lm_layers(cfg)
+    w = _compute_weights(layers)
+    block = w[1]
+    assert w[0] == 0 and w[-1] == 32000 * 2048 and all(x == block for x in w[1:23])
+    assert partition_balanced(w, 2) == [0, 13, 25]  # 12 blocks | 10 blocks + norm + head
+    assert partition_balanced(w, 4) == [0, 7, 13, 19, 25]  # 6 | 6 | 6 | 4 + head
+    # tied GPT-2: the first use of wte is a lookup (free), the second is the head (a matmul); wpe is free
+    gcfg = GPT2Config(vocab_size=500, n_embd=64, n_layer=4, n_head=4, tie_word_embeddings=True)
+    glayers, _, _ = causal_lm_layers(gcfg)
+    gw = _compute_weights(glayers)
+    assert gw[0] == 0 and gw[1] == 0 and gw[-1] == 500 * 64 and gw[2] > 0

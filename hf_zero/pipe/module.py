@@ -158,6 +158,27 @@ def _count_params(layer: Any) -> int:
     return sum(p.numel() for p in module.parameters() if p.requires_grad)
 
 
+def _compute_weights(specs: list[Any]) -> list[int]:
+    """Per-layer cost for ``partition_method="compute"``: trainable parameters, except lookups.
+
+    A matmul layer costs about 2 FLOPs per weight per token forward (and twice that backward),
+    so its parameter count is its share of the compute; an embedding lookup has many weights
+    and next to no FLOPs. ``"parameters"`` would give the stage holding the embedding fewer
+    blocks and leave the LM head's stage the slowest; here embeddings weigh nothing, except a
+    tied weight's later uses (a ``TiedLayerSpec`` key seen before: the LM head), which are matmuls.
+    """
+    weights, seen = [], set()
+    for layer in specs:
+        n = _count_params(layer)
+        if isinstance(layer, TiedLayerSpec):
+            lookup = layer.key not in seen and issubclass(layer.typename, nn.Embedding)
+            seen.add(layer.key)
+        else:
+            lookup = isinstance(layer, nn.Embedding) or (isinstance(layer, LayerSpec) and issubclass(layer.typename, nn.Embedding))
+        weights.append(0 if lookup else n)
+    return weights
+
+
 # ---------------------------------------------------------------- topology
 
 
@@ -202,8 +223,10 @@ class PipelineModule(nn.Module):
     """The layers this process's stage owns, built from ``layers``; see the module docstring.
 
     ``partition_method``: ``"parameters"`` balances trainable parameter counts (DeepSpeed's
-    default), ``"uniform"`` balances layer counts, ``"type:<regex>"`` balances the layers whose
-    class name matches (``"type:DecoderLayer"`` puts equally many transformer blocks on each stage).
+    default), ``"compute"`` balances them with embedding lookups counted as free (a proxy for
+    FLOPs: the LM head's stage gets fewer blocks), ``"uniform"`` balances layer counts,
+    ``"type:<regex>"`` balances the layers whose class name matches (``"type:DecoderLayer"`` puts
+    equally many transformer blocks on each stage).
     ``activation_checkpoint_interval=k`` recomputes every run of ``k`` layers in backward
     (``torch.utils.checkpoint``, non-reentrant) instead of keeping their activations.
     """
@@ -277,6 +300,8 @@ class PipelineModule(nn.Module):
             return partition_uniform(len(specs), p)
         if lowered == "parameters":
             return partition_balanced([_count_params(layer) for layer in specs], p)
+        if lowered == "compute":
+            return partition_balanced(_compute_weights(specs), p)
         if lowered.startswith("type:"):
             pattern = method.split(":", 1)[1]
             try:
@@ -289,7 +314,7 @@ class PipelineModule(nn.Module):
                 raise PipelineError(f"PipelineModule(partition_method={method!r}) matches no layer; the layers are {names}")
             return partition_balanced(hits, p)
         raise PipelineError(
-            f"PipelineModule(partition_method={method!r}) is unknown; expected 'parameters', 'uniform' or 'type:<regex>'"
+            f"PipelineModule(partition_method={method!r}) is unknown; expected 'parameters', 'compute', 'uniform' or 'type:<regex>'"
         )
 
     def _make_groups(self) -> None:
