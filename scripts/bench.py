@@ -32,6 +32,8 @@ SHAPES = {
     "tiny": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4),
     "1.1b": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32, num_key_value_heads=4),
     "7.2b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32),
+    # Llama-2-13B's shape: 13.0B parameters, 208 GB of fp32 weights + gradients + Adam state for DDP
+    "13b": dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=40, num_attention_heads=40, num_key_value_heads=40),
 }
 PEAK_TFLOPS = 989.0
 
@@ -39,7 +41,9 @@ PEAK_TFLOPS = 989.0
 def build_model(shape: str, seq: int) -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(vocab_size=32000, max_position_embeddings=seq, **SHAPES[shape])
+    # use_cache=False: training needs no KV cache, and with one transformers hands every block a
+    # cache whose per-layer index makes torch.compile build a graph per block (eager past 8).
+    cfg = LlamaConfig(vocab_size=32000, max_position_embeddings=seq, use_cache=False, **SHAPES[shape])
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
     with torch.device("cuda"):  # (inside zero.Init, modules are built on the GPU and sliced as they are made)
