@@ -80,7 +80,6 @@ class ShardedParamGroup:
             s.param.data = self.full[s.offset : s.offset + s.numel].view(s.shape)
             s.param.hf_zero_group = self  # lets GatheredParameters find a parameter's shards
         self.full.untyped_storage().resize_(0)
-        self.grad_flat: torch.Tensor | None = None
         self.state = ShardState.SHARDED
         self._event: torch.cuda.Event | None = None
         self.ready = 0
@@ -137,35 +136,43 @@ class ShardedParamGroup:
     # ------------------------------------------------------------- grads
 
     def prepare_grads(self) -> None:
-        """Before this unit's backward: gradients accumulate into one flat buffer."""
-        if not self.trainable or self.grad_flat is not None:
-            return
-        self.grad_flat = torch.zeros(self.padded_numel, dtype=self.compute_dtype, device=self.device)
-        for s in self.slots:
-            s.param.grad = self.grad_flat[s.offset : s.offset + s.numel].view(s.shape)
-        self.ready = 0
+        """Before this unit's backward: start counting its gradients.
+
+        No buffer is made here. Autograd stores each parameter's gradient as it produces it (no
+        copy), and :meth:`reduce_grads` casts them straight into the reduce-scatter's input on
+        the communication stream. Accumulating into a zeroed 16-bit flat buffer instead cost a
+        memset and an add over every unit's gradients on the compute stream (about 1% of a
+        7.2B step) and a second pass to cast it.
+        """
+        if self.trainable:
+            self.ready = 0
 
     def adopt_grad(self, slot: ParamSlot) -> None:
-        """Keep ``slot.param.grad`` inside grad_flat even if autograd (or the user) replaced it."""
-        g = slot.param.grad
-        if self.grad_flat is None:
-            self.prepare_grads()
-        assert self.grad_flat is not None
-        view = self.grad_flat[slot.offset : slot.offset + slot.numel].view(slot.shape)
-        if g is not None and g.data_ptr() != view.data_ptr():
-            view.copy_(g)
-            slot.param.grad = view
+        """Autograd accumulated into ``slot.param.grad``: it stays where autograd put it until reduced."""
+
+    def has_grads(self) -> bool:
+        """Whether any parameter holds a gradient not yet reduce-scattered."""
+        return self.trainable and any(s.param.grad is not None for s in self.slots)
 
     def reduce_grads(self, stream: torch.cuda.Stream | None, limit: C.InflightLimit | None = None) -> None:
         """Reduce-scatter this micro-step's gradients and add them to the fp32 gradient shard."""
-        if self.grad_flat is None:
+        grads = [s.param.grad for s in self.slots]
+        if not self.trainable or all(g is None for g in grads):
             return
         assert self.master is not None
         if limit is not None:
             limit.before_issue(stream)
-        grad_flat = self.grad_flat
-        with C.on_stream(stream):
-            src = grad_flat if grad_flat.dtype == self.reduce_dtype else grad_flat.to(self.reduce_dtype)
+        with C.on_stream(stream), torch.no_grad():
+            # One pass: each gradient is cast into its place in the flat reduce-scatter input.
+            src = torch.empty(self.padded_numel, dtype=self.reduce_dtype, device=self.device)
+            for slot, g in zip(self.slots, grads):
+                view = src[slot.offset : slot.offset + slot.numel]
+                if g is None:  # unused in this backward
+                    view.zero_()
+                else:
+                    view.copy_(g.reshape(-1))
+            if self.padded_numel > self.numel:
+                src[self.numel :].zero_()
             out = torch.empty(self.shard_numel, dtype=self.reduce_dtype, device=self.device)
             C.reduce_scatter_(out, src, self.group, self.world_size)
             out = out.float().div_(self.world_size)
@@ -173,13 +180,14 @@ class ShardedParamGroup:
                 self.master.grad = out
             else:
                 self.master.grad.add_(out)
+        held = [g for g in grads if g is not None]  # made on the compute stream, read on `stream`
         if limit is not None:
-            limit.after_issue(stream, [grad_flat])
+            limit.after_issue(stream, held)
         elif stream is not None:
-            grad_flat.record_stream(stream)
-        for s in self.slots:
-            s.param.grad = None
-        self.grad_flat = None
+            for g in held:
+                g.record_stream(stream)
+        for slot in self.slots:
+            slot.param.grad = None
         self.ready = 0
 
     def publish_master(self, stream: torch.cuda.Stream | None) -> None:
@@ -402,11 +410,11 @@ class Stage3Runtime:
     def finish_backward(self) -> None:
         """End of backward: reduce what is still pending (root, units with unused parameters), release all."""
         for u in self.units:
-            if u.index in self.in_backward or any(g.grad_flat is not None for g in u.groups):
+            if u.index in self.in_backward or any(g.has_grads() for g in u.groups):
                 self._reduce(u)
             u.reshard()
         if self.root_unit is not None:
-            if any(g.grad_flat is not None for g in self.root_unit.groups):
+            if any(g.has_grads() for g in self.root_unit.groups):
                 self._reduce(self.root_unit)
             self.root_unit.reshard()
         self.limit.drain(self.reduce_stream)

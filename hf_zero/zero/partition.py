@@ -334,7 +334,8 @@ class ShardedOptimizer:
         params += sum(size(g.master if g.param_shard is None and not g.mixed else g.param_shard) for g in self.shard_groups)
         params += sum(size(g.full) for g in self.shard_groups)
         grads = sum(size(fg.grad_flat) + size(fg.master.grad) for fg in self.flat_groups)
-        grads += sum(size(g.grad_flat) + size(None if g.master is None else g.master.grad) for g in self.shard_groups)
+        grads += sum(sum(size(x.param.grad) for x in g.slots) + size(None if g.master is None else g.master.grad)
+                     for g in self.shard_groups)
         optim = sum(size(m) for m in self.master_params())
         for st in self.optimizer.state.values():
             for v in st.values():
