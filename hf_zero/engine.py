@@ -390,6 +390,14 @@ class ZeroEngine(torch.nn.Module):
             )
         scaler = self.loss_scaler
         stats, self._norm_stats = self._norm_stats, None
+        clip = self._clip_override if self._clip_override is not None else self.gradient_clipping()
+        if stats is None and scaler is None and clip <= 0 and self.config.nonfinite_loss == "off":
+            # Nothing reads the norm: skip its pass over every gradient shard (as plain torch
+            # does without clipping); get_global_grad_norm() is then None for this step.
+            self._clip_override = None
+            self._global_grad_norm = None
+            self._apply_step(zo, 1.0, None, 1.0)
+            return
         norm, bad = stats if stats is not None else zo.grad_norm_and_overflow(need_overflow=scaler is not None)
         scale = scaler.scale if scaler is not None else 1.0
         if scaler is not None and bool(bad > 0):  # fp16 needs this one host sync per step
@@ -414,10 +422,13 @@ class ZeroEngine(torch.nn.Module):
         norm = norm / scale
         self._global_grad_norm = norm
         coef: torch.Tensor | float = 1.0 / scale
-        clip = self._clip_override if self._clip_override is not None else self.gradient_clipping()
         self._clip_override = None
         if clip > 0:
             coef = (clip / (norm + 1e-6)).clamp(max=1.0) / scale
+        self._apply_step(zo, coef, scaler, scale)
+
+    def _apply_step(self, zo: Any, coef: torch.Tensor | float, scaler: Any, scale: float) -> None:
+        """Unscale/clip, step the optimizer on the shards, publish the weights, and count the step."""
         zo.scale_grads(coef)
         zo.step_and_publish()
         if scaler is not None:

@@ -84,6 +84,7 @@ def run_engine(name: str, args: argparse.Namespace) -> dict:
             "zero_optimization": {"stage": stage, "reduce_bucket_size": args.bucket, "allgather_bucket_size": args.bucket},
             "steps_per_print": 10**9,
             "activation_checkpointing": {"checkpoint_blocks": bool(args.checkpoint_blocks)},
+            **json.loads(args.hf_config),
         }
         engine, _, _, _ = hf_zero.initialize(model=model, config=cfg)
         if args.compile:
@@ -327,6 +328,8 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true", help="torch.compile each block: hf_zero engines with engine.compile(), FSDP2 with module.compile()")
     ap.add_argument("--checkpoint_blocks", action="store_true",
                     help="hf_zero engines recompute each block in backward (activation_checkpointing.checkpoint_blocks)")
+    ap.add_argument("--hf_config", default="{}", metavar="JSON",
+                    help='top-level keys added to the hf_zero engines\' config, e.g. \'{"nonfinite_loss": "off"}\'')
     ap.add_argument("--pipe_micro", type=int, default=8, help="pipeN engines: micro-batches per step (1F1B's m)")
     ap.add_argument("--pipe_schedule", default="1f1b", choices=["1f1b", "gpipe"], help="pipeN engines: the schedule")
     ap.add_argument("--json", default="", help=argparse.SUPPRESS)

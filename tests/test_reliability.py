@@ -102,6 +102,23 @@ def _numerics(rank: int, world: int) -> dict:
         r.update(skipped=engine.skipped_steps, global_steps=engine.global_steps, warnings=list(warnings))
         out[name] = r
 
+    # "off" without clipping skips the global norm's pass (nothing reads it) and trains the same
+    snaps, norm_calls = {}, {}
+    for mode in ("skip", "off"):
+        cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": ADAMW, "zero_optimization": {"stage": 2},
+               "bf16": {"enabled": True}, "nonfinite_loss": mode}
+        engine, _, _, _ = hf_zero.initialize(model=make_model(), config=cfg)
+        zo, calls = engine.zero_optimizer, []
+        inner = zo.grad_norm_and_overflow
+        zo.grad_norm_and_overflow = lambda need_overflow, _f=inner, _c=calls: _c.append(1) or _f(need_overflow)
+        for t in range(3):
+            engine.backward(engine(ids[t, mine], labels[t, mine]))
+            engine.step()
+        snaps[mode], norm_calls[mode] = _snapshot(engine), len(calls)
+        out[f"norm_after_{mode}"] = engine.get_global_grad_norm()
+    out["off_same_as_skip"] = _same(snaps["skip"], snaps["off"])
+    out["norm_calls"] = norm_calls
+
     # fp16: an overflow on every step halves the scale down to min_loss_scale, then the run stops
     cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": ADAMW, "zero_optimization": {"stage": 2},
            "fp16": {"enabled": True, "initial_scale_power": 4, "min_loss_scale": 2, "hysteresis": 1}}
@@ -141,6 +158,13 @@ def test_nonfinite_loss_is_skipped_or_stops_and_fp16_storms_stop_at_min_loss_sca
             "fp16 gradients overflowed at step 3 with the loss scale already at fp16.min_loss_scale=2; the run "
             "cannot continue in fp16 — lower the learning rate, check the data for inf/nan, or train in bf16."
         ), f
+
+
+def test_nonfinite_loss_off_without_clipping_skips_the_norm(two_ranks) -> None:  # noqa: ANN001
+    for r in two_ranks[1]:
+        n = r["numerics"]
+        assert n["off_same_as_skip"] and n["norm_calls"] == {"skip": 3, "off": 0}, n["norm_calls"]
+        assert n["norm_after_off"] is None and n["norm_after_skip"] > 0
 
 
 def test_nonfinite_loss_config_key() -> None:
