@@ -238,17 +238,16 @@ def consolidate(
         dt = dtype if dtype is not None and saved.is_floating_point else saved
         entries.append((name, dt, tuple(info["shape"])))
         kinds[name] = ("master" if ("master", name) in reader.index else "frozen", info)
-    for key in reader.files0:
-        if key.startswith("buffer|"):
-            name = key.split("|", 1)[1]
-            t = reader.tensor(0, key)
+    for name, (r, key) in reader.buffers.items():  # rank 0's, or in a pipeline each stage's
+        if name not in kinds:
+            t = reader.tensor(r, key)
             entries.append((name, t.dtype, tuple(t.shape)))
             kinds[name] = ("buffer", None)
 
     def produce(name: str) -> torch.Tensor:
         kind, info = kinds[name]
         if kind == "buffer":
-            return reader.tensor(0, f"buffer|{name}")
+            return reader.tensor(*reader.buffers[name])
         shape = info["shape"]
         n = 1
         for d in shape:

@@ -15,6 +15,15 @@ Nothing is stored by flat-buffer position: every tensor is "elements [a, b) of p
 owns and reads exactly those from whichever files hold them, so resharding needs no conversion
 step, and a pipeline layout (which only changes who owns what) fits the same format.
 
+Pipelines (a ``PipelineEngine``): every rank of the world writes its own ``rankNNNNN`` files (by
+global rank), holding its stage's parameters under the model's own names; ``checkpoint.json``
+carries the parameter table of every stage and, under ``"pipeline"``, each stage's optimizer
+param groups and scheduler state (stages have optimizers of their own). A tied weight (held by
+several stages under one name) is stored once, by the first stage holding it, and read back by
+every stage holding it. Since nothing is stored by stage either, a pipeline checkpoint loads at
+another data-parallel degree or number of stages, and into a plain ``ZeroEngine`` of the same
+model (and the other way round): each rank reads the names and ranges it owns.
+
 Atomic: every rank writes into ``.<tag>.partial/``; after a barrier rank 0 writes
 ``checkpoint.json`` last, fsyncs, renames the directory to ``<tag>`` and only then replaces
 ``latest``. A crash at any point leaves the previous checkpoint and ``latest`` untouched; the
@@ -34,6 +43,7 @@ import random
 import shutil
 from collections import defaultdict
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -69,6 +79,39 @@ def owned_ranges(group: Any) -> Iterator[tuple[Any, int, int, int]]:
 def _writes(group: Any, rank: int) -> bool:
     """Whether this rank is the one that stores the group's elements (stage 0 replicates them)."""
     return getattr(group, "partitioned", True) or rank == 0
+
+
+@dataclass
+class _Layout:
+    """Which ranks write one checkpoint together, and what this rank stores of what it holds.
+
+    Without a pipeline: the engine's group, ranks numbered within it. With one: the whole world
+    (each stage holds other parameters), files numbered by global rank; replicated values (ZeRO
+    stage 0, frozen parameters, buffers) are stored by data-parallel rank 0 of each stage, and a
+    tied weight only by the first stage holding it.
+    """
+
+    group: Any
+    rank: int
+    world: int
+    dp_rank: int
+    stage: int | None = None
+    num_stages: int | None = None
+    dp: int = 1
+    others: set[int] = field(default_factory=set)  # ids of tied parameters another stage stores
+
+
+def _layout(engine: Any) -> _Layout:
+    from hf_zero.pipe.module import PipelineModule
+
+    module = engine.module
+    dp_rank = dist.get_rank(engine.group)
+    if isinstance(module, PipelineModule):
+        others = {id(w) for w, _, first in module.tied_weights() if not first}
+        return _Layout(None, dist.get_rank(), dist.get_world_size(), dp_rank, module.stage_id, module.num_stages,
+                       module.topology.dp, others)
+    world = dist.get_world_size(engine.group)
+    return _Layout(engine.group, dp_rank, world, dp_rank, dp=world)
 
 
 def _sha256(path: str) -> str:
@@ -210,6 +253,34 @@ def rotate(save_dir: str, keep_last: int, current: str) -> list[str]:
     return removed
 
 
+def _optimizer_table(engine: Any) -> dict[str, Any]:
+    """This engine's parameter table, optimizer param groups (hyper-parameters and names) and scheduler, as JSON.
+
+    A pipeline stage has an optimizer of its own, so a pipeline checkpoint keeps one per stage.
+    """
+    zo = engine.zero_optimizer
+    groups_meta = []
+    for pg in zo.optimizer.param_groups:
+        hyper = {k: _jsonable(v, f"optimizer param group '{k}'") for k, v in pg.items() if k != "params"}
+        groups_meta.append(hyper)
+    group_of = {}
+    for gi, names in enumerate(zo.group_names):
+        for n in names:
+            group_of[n] = gi
+    sched = engine.lr_scheduler
+    return {
+        "param_groups": groups_meta,
+        "group_names": [list(names) for names in zo.group_names],
+        "lr_scheduler": _jsonable(sched.state_dict(), "lr_scheduler state")
+        if sched is not None and hasattr(sched, "state_dict") else None,
+        "params": {
+            n: {"shape": list(p.shape), "dtype": str(p.dtype).removeprefix("torch."), "trainable": p.requires_grad,
+                "group": group_of.get(n)}
+            for n, p in engine.module.named_parameters()
+        },
+    }
+
+
 def save(
     engine: Any, save_dir: str, tag: str | None, client_state: dict | None, save_latest: bool = True,
     keep_last: int | None = None,
@@ -228,11 +299,26 @@ def save(
     tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
     if not tag or "/" in tag or tag.startswith(".") or tag == LATEST:
         raise CheckpointError(f"save_checkpoint(tag={tag!r}): a tag must be a plain, non-hidden directory name other than '{LATEST}'")
-    group, rank = engine.group, dist.get_rank(engine.group)
-    world = dist.get_world_size(group)
+    lay = _layout(engine)
+    group, rank, world = lay.group, lay.rank, lay.world
     final = os.path.join(save_dir, tag)
     partial = os.path.join(save_dir, f".{tag}.partial")
     client = _jsonable(client_state or {}, "client_state")  # every rank checks before anything is written
+    stage_tables: list[dict] = []
+    if lay.stage is not None:
+        # Each stage's optimizer and parameter table, pooled (JSON in tensors) before anything is
+        # written, so a state that cannot be stored stops every rank with the same sentence.
+        try:
+            mine, err = (_optimizer_table(engine) if lay.dp_rank == 0 else None), None
+        except CheckpointError as e:
+            mine, err = None, str(e)
+        from hf_zero.dist import gather_json
+
+        pooled = gather_json({"table": mine, "error": err}, group)
+        errors = [p["error"] for p in pooled if p["error"]]
+        if errors:
+            raise CheckpointError(errors[0])
+        stage_tables = [p["table"] for p in pooled if p["table"] is not None]  # rank order is stage order
     if rank == 0:
         os.makedirs(save_dir, exist_ok=True)
         _clean_leftovers(save_dir)  # crashed earlier saves (at this tag or any other)
@@ -245,11 +331,13 @@ def save(
     scalars: dict[str, dict[str, Any]] = {}
     opt_state = zo.optimizer.state
     for g in zo._all_groups():
-        if not _writes(g, rank):
+        if not _writes(g, lay.dp_rank):
             continue
         master = g.master
         state = opt_state.get(master, {}) if master is not None else {}
         for slot, a, b, m in owned_ranges(g):
+            if id(slot.param) in lay.others:
+                continue  # a tied weight: the first stage holding it stores it
             n = b - a
             if master is not None:
                 key = f"master|{slot.name}"
@@ -268,10 +356,10 @@ def save(
                 key = f"frozen|{slot.name}"
                 tensors[key] = g.param_shard.detach()[m : m + n].to("cpu", copy=True)
                 ranges[key] = [slot.name, a, b]
-    grouped = {id(s.param) for g in zo._all_groups() for s in g.slots}
-    if rank == 0:
+    grouped = {id(s.param) for g in zo._all_groups() for s in g.slots} | lay.others
+    if lay.dp_rank == 0:
         for name, p in engine.module.named_parameters():
-            if id(p) not in grouped:  # frozen and whole on every rank
+            if id(p) not in grouped:  # frozen and whole on every rank (of the stage)
                 key = f"frozen|{name}"
                 tensors[key] = p.detach().reshape(-1).to("cpu", copy=True)
                 ranges[key] = [name, 0, p.numel()]
@@ -319,18 +407,13 @@ def save(
         "rng": rng_meta,
         "sampler": sampler.state_dict() if hasattr(sampler, "state_dict") else None,
     }
+    if lay.stage is not None:
+        rank_meta["stage"] = lay.stage
     _write_json(os.path.join(partial, f"rank{rank:05d}.json"), rank_meta)
     dist.barrier(group)
 
     if rank == 0:
-        groups_meta = []
-        for pg in zo.optimizer.param_groups:
-            hyper = {k: _jsonable(v, f"optimizer param group '{k}'") for k, v in pg.items() if k != "params"}
-            groups_meta.append(hyper)
-        group_of = {}
-        for gi, names in enumerate(zo.group_names):
-            for n in names:
-                group_of[n] = gi
+        table = stage_tables[0] if stage_tables else _optimizer_table(engine)
         meta = {
             "format": FORMAT,
             "world_size": world,
@@ -342,17 +425,22 @@ def save(
             "global_samples": engine.global_samples,
             "skipped_steps": engine.skipped_steps,
             "loss_scaler": engine.loss_scaler.state_dict() if engine.loss_scaler is not None else None,
-            "lr_scheduler": _jsonable(engine.lr_scheduler.state_dict(), "lr_scheduler state")
-            if engine.lr_scheduler is not None and hasattr(engine.lr_scheduler, "state_dict")
-            else None,
-            "optimizer": {"type": type(zo.optimizer).__name__, "param_groups": groups_meta},
-            "params": {
-                n: {"shape": list(p.shape), "dtype": str(p.dtype).removeprefix("torch."), "trainable": p.requires_grad,
-                    "group": group_of.get(n)}
-                for n, p in engine.module.named_parameters()
-            },
+            "lr_scheduler": table["lr_scheduler"],
+            "optimizer": {"type": type(zo.optimizer).__name__, "param_groups": table["param_groups"]},
+            "params": table["params"],
             "client_state": client,
         }
+        if stage_tables:
+            params: dict[str, Any] = {}
+            for s, t in enumerate(stage_tables):
+                for n, info in t["params"].items():
+                    params.setdefault(n, {**info, "stage": s})  # a tied weight: recorded at its first stage
+            meta["params"] = params
+            meta["pipeline"] = {
+                "num_stages": lay.num_stages,
+                "data_parallel": lay.dp,
+                "stages": [{k: t[k] for k in ("param_groups", "group_names", "lr_scheduler")} for t in stage_tables],
+            }
         from hf_zero.checkpoint.consolidated import save_model_config
 
         save_model_config(engine.module, partial, None)  # so `hf-zero consolidate` can write config.json
@@ -397,6 +485,7 @@ class _Reader:
         self.scalars: dict[str, dict[str, Any]] = {}
         self.rank_meta: list[dict] = []
         self.digests: dict[str, str] = {}
+        self.buffers: dict[str, tuple[int, str]] = {}  # name -> (rank, key): rank 0 or, in a pipeline, its stage's
         for r in range(world):
             meta_path = os.path.join(path, f"rank{r:05d}.json")
             if not os.path.isfile(meta_path):
@@ -416,6 +505,9 @@ class _Reader:
                 self.index[(kind, name)].append((rm["files"][key], key, a, b))
             for name, vals in rm["scalars"].items():
                 self.scalars.setdefault(name, {}).update(vals)
+            for key in rm["files"]:
+                if key.startswith("buffer|"):
+                    self.buffers.setdefault(key.split("|", 1)[1], (r, key))
         self.files0 = self.rank_meta[0]["files"]
 
     def damaged(self, share: int = 0, shares: int = 1) -> list[str]:
@@ -483,7 +575,13 @@ def load(
     load_lr_scheduler_states: bool = True,
     load_module_only: bool = False,
 ) -> tuple[str, dict]:
-    """Restore ``engine`` from a checkpoint of any world size and stage. Returns ``(path, client_state)``."""
+    """Restore ``engine`` from a checkpoint of any world size and stage. Returns ``(path, client_state)``.
+
+    Every check (names, shapes, optimizer groups, file checksums) runs on every rank and the
+    findings are pooled before anything is touched, so a refused checkpoint raises the same
+    sentence on every rank and leaves the engine as it was; in a pipeline each stage checks what
+    it holds.
+    """
     path = resolve_tag(load_dir, tag)
     try:
         with open(os.path.join(path, "checkpoint.json")) as f:
@@ -492,31 +590,53 @@ def load(
         raise CheckpointError(f"{path}/checkpoint.json is not valid JSON ({e}); the checkpoint is damaged") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise CheckpointError(f"{path}: format {meta.get('format')!r} is not {FORMAT!r}")
+    lay = _layout(engine)
     saved_params = meta["params"]
     here = dict(engine.module.named_parameters())
+    problems: list[str] = []  # this rank's reasons to refuse
     missing = sorted(set(here) - set(saved_params))
     extra = sorted(set(saved_params) - set(here))
+    if lay.stage is not None:
+        extra = []  # a stage holds part of the model: what no stage holds is known once the names are pooled
     if missing or extra:
-        raise CheckpointError(
-            f"{path} was saved from a different model: missing {missing[:5]}, unexpected {extra[:5]}; load it into the same architecture"
-        )
+        problems.append(_different_model(path, missing, extra))
     for n, p in here.items():
-        if list(p.shape) != saved_params[n]["shape"]:
-            raise CheckpointError(f"{path}: parameter '{n}' has shape {saved_params[n]['shape']} there and {list(p.shape)} here")
-    reader = _Reader(path, int(meta["world_size"]))
-    found = reader.damaged(dist.get_rank(engine.group), engine.world_size)
-    from hf_zero.dist import gather_json
-
-    pooled = gather_json(found, engine.group)  # JSON in tensors: loading a checkpoint never unpickles
-    errors = [e for part in pooled for e in (part or [])]
-    if errors:  # every rank raises the same sentence, before anything was loaded
-        raise CheckpointError(errors[0])
+        if n in saved_params and list(p.shape) != saved_params[n]["shape"]:
+            problems.append(f"{path}: parameter '{n}' has shape {saved_params[n]['shape']} there and {list(p.shape)} here")
+            break
+    if lay.stage is None and problems:  # every rank holds the whole model: every rank finds the same
+        raise CheckpointError(problems[0])
     zo = engine.zero_optimizer
     if zo is None:
         raise CheckpointError("load_checkpoint needs an engine with an optimizer")
+    hypers: list[dict | None] | None = None
+    sched_state: Any = None
+    if not load_module_only and not problems and (load_optimizer_states or load_lr_scheduler_states):
+        try:
+            hypers, sched_state = _optimizer_plan(engine, meta, path, lay)
+        except CheckpointError as e:
+            if load_optimizer_states:
+                problems.append(str(e))
+            else:  # only the scheduler is wanted: this stage's (or the one) as saved
+                saved = _saved_optimizers(meta)
+                sched_state = saved[lay.stage if lay.stage is not None and lay.stage < len(saved) else 0]["lr_scheduler"]
+    reader = _Reader(path, int(meta["world_size"]))
+    found = problems + reader.damaged(lay.rank, lay.world)
+    from hf_zero.dist import gather_json
+
+    # JSON in tensors: loading a checkpoint never unpickles
+    pooled = gather_json({"errors": found, "names": sorted(here) if lay.stage is not None and lay.dp_rank == 0 else None},
+                         lay.group)
+    errors = [e for part in pooled for e in part["errors"]]
+    if lay.stage is not None and not errors:
+        held = {n for part in pooled for n in (part["names"] or [])}
+        extra = sorted(set(saved_params) - held)
+        if extra:
+            errors.append(_different_model(path, [], extra))
+    if errors:  # every rank raises the same sentence, before anything was loaded
+        raise CheckpointError(errors[0])
     if zo.runtime is not None:
         zo.runtime.release_inference()
-    rank = dist.get_rank(engine.group)
     with torch.no_grad():
         grouped = set()
         for g in zo._all_groups():
@@ -543,17 +663,15 @@ def load(
             p.data.copy_(buf.view(p.shape))
         state = engine.module.state_dict(keep_vars=True)
         for name, b in state.items():
-            if not isinstance(b, torch.nn.Parameter) and torch.is_tensor(b):
-                key = f"buffer|{name}"
-                if key in reader.files0:
-                    b.copy_(reader.tensor(0, key))
+            if not isinstance(b, torch.nn.Parameter) and torch.is_tensor(b) and name in reader.buffers:
+                b.copy_(reader.tensor(*reader.buffers[name]))
         for g in zo._all_groups():
             g.publish_master(None)
-    if not load_module_only and load_optimizer_states:
-        _load_optimizer(engine, reader, meta, path)
+    if hypers is not None and load_optimizer_states:
+        _load_optimizer(engine, reader, hypers)
     if not load_module_only:
-        if load_lr_scheduler_states and engine.lr_scheduler is not None and meta["lr_scheduler"] is not None:
-            engine.lr_scheduler.load_state_dict(_unjson(meta["lr_scheduler"]))
+        if load_lr_scheduler_states and engine.lr_scheduler is not None and sched_state is not None:
+            engine.lr_scheduler.load_state_dict(_unjson(sched_state))
         if engine.loss_scaler is not None and meta["loss_scaler"] is not None:
             engine.loss_scaler.load_state_dict(meta["loss_scaler"])
         engine.global_steps = int(meta["global_steps"])
@@ -563,8 +681,9 @@ def load(
         engine.micro_steps = int(meta["micro_steps"]) if same_gas else engine.global_steps * engine.gradient_accumulation_steps()
         engine.global_samples = int(meta["global_samples"])
         engine.skipped_steps = int(meta["skipped_steps"])
-        same_world = int(meta["world_size"]) == engine.world_size
-        src = rank if same_world else 0
+        # Each rank's random streams come back to the rank that had them only in the same layout.
+        same_layout = (meta.get("pipeline") or {}).get("num_stages") == lay.num_stages
+        src = lay.rank if int(meta["world_size"]) == lay.world and same_layout else 0
         rng_keys = [k for k in reader.rank_meta[src]["files"] if k.startswith("rng.")]
         _set_rng_state({k: reader.tensor(src, k) for k in rng_keys}, reader.rank_meta[src]["rng"], engine.device)
         sampler = getattr(getattr(engine, "training_dataloader", None), "sampler", None)
@@ -574,16 +693,90 @@ def load(
     return path, _unjson(meta["client_state"])
 
 
-def _load_optimizer(engine: Any, reader: _Reader, meta: dict, path: str) -> None:
+def _different_model(path: str, missing: list[str], extra: list[str]) -> str:
+    return (f"{path} was saved from a different model: missing {missing[:5]}, unexpected {extra[:5]}; "
+            "load it into the same architecture")
+
+
+def _saved_optimizers(meta: dict) -> list[dict]:
+    """The saved optimizers as ``{param_groups, group_names, lr_scheduler}``: one per pipeline stage, or the one."""
+    if meta.get("pipeline"):
+        return list(meta["pipeline"]["stages"])
+    groups = meta["optimizer"]["param_groups"]
+    names: list[list[str]] = [[] for _ in groups]
+    for n, info in meta["params"].items():
+        gi = info.get("group")
+        if gi is not None and 0 <= gi < len(names):
+            names[gi].append(n)
+    return [{"param_groups": groups, "group_names": names, "lr_scheduler": meta["lr_scheduler"]}]
+
+
+def _optimizer_plan(engine: Any, meta: dict, path: str, lay: _Layout) -> tuple[list[dict | None], Any]:
+    """The saved hyper-parameters for each of this run's param groups, and the scheduler state to load.
+
+    Where this run's optimizer has the saved one's groups (no pipeline on either side, or this
+    stage of the same pipeline) they match by position, as the optimizer's own state dict does.
+    Across layouts (another number of stages, a pipeline into a plain engine or back) a group
+    takes the hyper-parameters of the saved group that held its parameters, found by name; a
+    group without trainable parameters keeps its own (``None``).
+    """
+    zo = engine.zero_optimizer
+    here = [set(names) for names in zo.group_names]
+    saved = _saved_optimizers(meta)
+    first = [saved[lay.stage]] if lay.stage is not None and lay.stage < len(saved) else []
+    for v in first + saved:
+        if len(v["param_groups"]) == len(here) and all(set(a) == b for a, b in zip(v["group_names"], here)):
+            return list(v["param_groups"]), v["lr_scheduler"]
+    if lay.stage is None and not meta.get("pipeline"):  # the same layout, other names: by position, as always
+        if len(saved[0]["param_groups"]) != len(here):
+            raise CheckpointError(
+                f"{path} has {len(saved[0]['param_groups'])} optimizer param groups and this run has {len(here)}; "
+                "build the optimizer the same way, or pass load_optimizer_states=False"
+            )
+        return list(saved[0]["param_groups"]), saved[0]["lr_scheduler"]
+    where = {n: (vi, gi) for vi, v in enumerate(saved) for gi, names in enumerate(v["group_names"]) for n in names}
+    hypers: list[dict | None] = []
+    picks: list[tuple[int, int] | None] = []
+    for i, names in enumerate(zo.group_names):
+        hits = sorted({where[n] for n in names if n in where})
+        lost = [n for n in names if n not in where]
+        if lost:
+            raise CheckpointError(
+                f"{path}: parameter '{lost[0]}' is trainable here but was not in any optimizer param group when saved; "
+                "train the same parameters, or pass load_optimizer_states=False"
+            )
+        if not hits:
+            hypers.append(None)
+            picks.append(None)
+            continue
+        values = [_plain(saved[vi]["param_groups"][gi]) for vi, gi in hits]
+        if any(v != values[0] for v in values[1:]):
+            raise CheckpointError(
+                f"{path}: optimizer param group {i} here holds parameters that were saved in param groups with "
+                "different hyper-parameters; split the param groups as they were, or pass load_optimizer_states=False"
+            )
+        vi, gi = hits[0]
+        hypers.append(saved[vi]["param_groups"][gi])
+        picks.append((vi, gi))
+    # A scheduler's per-group lists (base_lrs, _last_lr) follow the groups they belong to.
+    source = next((p[0] for p in picks if p is not None), lay.stage if lay.stage is not None and lay.stage < len(saved) else 0)
+    state = saved[source]["lr_scheduler"]
+    count = len(saved[source]["param_groups"])
+    index = [p[1] if p is not None and p[0] == source else 0 for p in picks]
+    if isinstance(state, dict):
+        state = {k: [v[j] for j in index] if isinstance(v, list) and len(v) == count else v for k, v in state.items()}
+    return hypers, state
+
+
+def _plain(hyper: dict) -> dict:
+    """Hyper-parameters without the keys that only say how the step runs (compared across groups)."""
+    return {k: v for k, v in hyper.items() if k not in _KERNEL_KEYS}
+
+
+def _load_optimizer(engine: Any, reader: _Reader, hypers: list[dict | None]) -> None:
     """Rebuild torch's optimizer state for this rank's masters, then let torch place it."""
     zo = engine.zero_optimizer
     opt = zo.optimizer
-    saved_groups = meta["optimizer"]["param_groups"]
-    if len(saved_groups) != len(opt.param_groups):
-        raise CheckpointError(
-            f"{path} has {len(saved_groups)} optimizer param groups and this run has {len(opt.param_groups)}; "
-            "build the optimizer the same way, or pass load_optimizer_states=False"
-        )
     master_index = {id(m): i for i, m in enumerate(m for pg in opt.param_groups for m in pg["params"])}
     state_keys = sorted({kind.removeprefix("optim.") for kind, _ in reader.index if kind.startswith("optim.")})
     new_state: dict[int, dict[str, Any]] = {}
@@ -613,8 +806,8 @@ def _load_optimizer(engine: Any, reader: _Reader, meta: dict, path: str) -> None
         if st:
             new_state[master_index[id(g.master)]] = st
     groups = []
-    for pg, saved in zip(opt.param_groups, saved_groups):
-        d = dict(_unjson(saved))
+    for pg, saved in zip(opt.param_groups, hypers):
+        d = dict(_unjson(saved)) if saved is not None else {k: v for k, v in pg.items() if k != "params"}
         for k in _KERNEL_KEYS:  # how this run's optimizer steps (fused on GPU, loops on CPU) stays its own
             if k in pg:
                 d[k] = pg[k]

@@ -17,6 +17,11 @@ other hf_zero run uses. What the pipeline adds at the step:
   holding them and are summed with one all-reduce over the tie group;
 - the gradient norm (for clipping and the fp16 overflow check) is over the whole pipeline, each
   tied weight counted once, with one all-reduce over the world.
+
+``save_checkpoint`` / ``load_checkpoint`` are the ``ZeroEngine``'s: every rank of the world calls
+them, and :mod:`hf_zero.checkpoint.sharded` stores each stage's parameters under the model's own
+names (a tied weight once), so the checkpoint loads at another data-parallel degree or number of
+stages, or into a plain ``ZeroEngine`` of the same model.
 """
 
 from __future__ import annotations
@@ -233,13 +238,6 @@ class PipelineEngine(ZeroEngine):
 
     def step(self, lr_kwargs: dict | None = None) -> None:
         raise UsageError("engine.step() is not used with pipeline parallelism; call engine.train_batch(data_iter), which runs forward, backward and step")
-
-    def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None,
-                        save_latest: bool = True, exclude_frozen_parameters: bool = False) -> str:
-        raise UsageError("save_checkpoint() does not support pipeline parallelism yet; use engine.save_pretrained(dir) for the weights")
-
-    def load_checkpoint(self, *args: Any, **kwargs: Any) -> tuple[str, dict]:
-        raise UsageError("load_checkpoint() does not support pipeline parallelism yet; build the model from a save_pretrained folder")
 
     def save_pretrained(self, save_directory: str, max_shard_size: int | str = "5GB",
                         dtype: torch.dtype | None = None) -> list[str]:
