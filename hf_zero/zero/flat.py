@@ -115,6 +115,7 @@ class FlatGroup:
         del fp32_flat
         self._point_params_at(self.param_flat)
         self.grad_flat: torch.Tensor | None = None
+        self.direct = False  # this backward leaves gradients where autograd puts them (begin_backward)
         self.grad_state = GradState.EMPTY
         self.ready = 0  # parameters whose gradient for this backward has been accumulated
         self.launched = False  # reduction issued in this step
@@ -148,8 +149,23 @@ class FlatGroup:
                 s.param.grad = view
         self.grad_state = GradState.ACCUMULATING
 
+    def begin_backward(self, reduces: bool) -> None:
+        """Before a backward. If it reduces and nothing is accumulated yet, gradients stay as autograd makes them.
+
+        That "direct" backward allocates no flat buffer: each gradient is stored by autograd
+        without a copy and cast straight into the reduce-scatter's input when the bucket is
+        reduced, instead of a zeroed buffer that autograd adds into (a memset and an add over
+        every gradient on the compute stream) and a second pass to cast it. Backward passes that
+        only accumulate (stage 1 between boundaries, ``no_sync``) keep the flat buffer.
+        """
+        self.direct = reduces and self.free_grads_after_reduce and self.grad_flat is None
+        if not self.free_grads_after_reduce:
+            self.ensure_grad_buffer()
+
     def adopt_grad(self, slot: ParamSlot) -> None:
         """Called after autograd accumulated into ``slot.param.grad``: keep it inside grad_flat."""
+        if self.direct:
+            return  # reduce_grads reads it where autograd left it
         if self.grad_flat is None:
             self.ensure_grad_buffer()
             return
@@ -167,14 +183,30 @@ class FlatGroup:
         Under stage 2 the full gradient buffer is released right after the reduce-scatter is
         issued, so at most the buckets still in flight hold full gradients during backward.
         """
-        if self.grad_flat is None:  # no parameter of this bucket was used: still take part
+        direct = self.direct and self.grad_flat is None
+        held: list[torch.Tensor] = []
+        if not direct and self.grad_flat is None:  # no parameter of this bucket was used: still take part
             self.ensure_grad_buffer()
-        assert self.grad_flat is not None
         self.grad_state = GradState.REDUCING
         with C.on_stream(stream):
-            src = self.grad_flat
-            if src.dtype != self.reduce_dtype:
-                src = src.to(self.reduce_dtype)
+            if direct:
+                # Cast each gradient into its place in the reduce-scatter input (one pass, side stream).
+                src = torch.empty(self.padded_numel, dtype=self.reduce_dtype, device=self.device)
+                for s in self.slots:
+                    view, g = src[s.offset : s.offset + s.numel], s.param.grad
+                    if g is None:  # unused in this backward
+                        view.zero_()
+                    else:
+                        view.copy_(g.reshape(-1))
+                        held.append(g)
+                if self.padded_numel > self.numel:
+                    src[self.numel :].zero_()
+            else:
+                assert self.grad_flat is not None
+                src = self.grad_flat
+                held.append(src)
+                if src.dtype != self.reduce_dtype:
+                    src = src.to(self.reduce_dtype)
             if not self.partitioned:
                 C.all_reduce_(src, self.group, self.world_size)
                 out = src
@@ -194,8 +226,10 @@ class FlatGroup:
             # Measured: bounding in-flight buckets (as stage 3 does) cost stage 2 about 4% on the
             # 7.2B shape and saved no peak memory, so stage 2 lets the allocator track the stream.
             if stream is not None:
-                self.grad_flat.record_stream(stream)
+                for t in held:
+                    t.record_stream(stream)
             self.release_grad_buffer()
+        self.direct = False
 
     def finish_reduce(self) -> None:
         """After the compute stream has waited on the reduction."""

@@ -229,10 +229,10 @@ class ShardedOptimizer:
             self.reduced = False
         self._next_launch = 0
         for fg in self.flat_groups:
-            # Stages 1-2 allocate a bucket's buffer when its first gradient arrives (adopt_grad), so
-            # the activation peak at the start of backward does not also carry every gradient.
-            if not fg.free_grads_after_reduce:
-                fg.ensure_grad_buffer()
+            # Stages 1-2 allocate a bucket's buffer, if at all, when its first gradient arrives
+            # (adopt_grad), so the activation peak at the start of backward does not also carry
+            # every gradient; a backward that reduces leaves gradients where autograd puts them.
+            fg.begin_backward(sync)
             fg.ready = 0
             fg.launched = False
 
@@ -334,6 +334,7 @@ class ShardedOptimizer:
         params += sum(size(g.master if g.param_shard is None and not g.mixed else g.param_shard) for g in self.shard_groups)
         params += sum(size(g.full) for g in self.shard_groups)
         grads = sum(size(fg.grad_flat) + size(fg.master.grad) for fg in self.flat_groups)
+        grads += sum(size(s.param.grad) for fg in self.flat_groups if fg.direct for s in fg.slots)
         grads += sum(sum(size(x.param.grad) for x in g.slots) + size(None if g.master is None else g.master.grad)
                      for g in self.shard_groups)
         optim = sum(size(m) for m in self.master_params())
