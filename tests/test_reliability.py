@@ -29,13 +29,14 @@ def _all_faults(rank: int, world: int, root: str) -> dict:
         "bad_input": _bad_input(rank, world, os.path.join(root, "bad_input")),
         "rotation": _rotation(rank, world, os.path.join(root, "rotation")),
         "planted": _planted(rank, world, os.path.join(root, "planted")),
+        "save_faults": _save_faults(rank, world, os.path.join(root, "save_faults")),
     }
 
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict]]:
     root = tmp_path_factory.mktemp("reliability")
-    for sub in ("bad_input", "rotation", "planted"):
+    for sub in ("bad_input", "rotation", "planted", "save_faults"):
         (root / sub).mkdir()
     return root, spawn(_all_faults, 2, str(root))
 
@@ -460,3 +461,88 @@ def _planted(rank: int, world: int, root: str) -> dict:
     dist.barrier()
     path, _ = _engine().load_checkpoint(str(d))
     return {"loaded": os.path.basename(path), "marker": marker}
+
+
+def _save_faults(rank: int, world: int, root: str) -> dict:
+    """A save that fails on one rank, or on all: every rank raises at once, nothing saved before is lost."""
+    import time
+
+    import safetensors.torch
+
+    import hf_zero.checkpoint.consolidated as consolidated
+    from hf_zero.checkpoint import CheckpointError
+
+    d = Path(root, "run")
+    engine = _engine({"zero_optimization": {"stage": 2}})
+    _one_step(engine, 0)
+    engine.save_checkpoint(str(d))  # global_step1, named by latest
+    out: dict = {}
+
+    def attempt(name: str) -> None:
+        t0 = time.monotonic()
+        try:
+            engine.save_checkpoint(str(d))
+            out[name] = {"error": None}
+        except CheckpointError as e:
+            out[name] = {"error": str(e)}
+        out[name]["seconds"] = time.monotonic() - t0
+        out[name]["listing"] = sorted(os.listdir(d))
+        out[name]["latest"] = (d / "latest").read_text()
+
+    _one_step(engine, 1)
+    real_save_file = safetensors.torch.save_file
+
+    def disk_full(*args, **kwargs) -> None:  # noqa: ANN002, ANN003
+        raise OSError(28, "No space left on device")
+
+    # 1. rank 1's disk fills up while it writes its shards
+    if rank == 1:
+        safetensors.torch.save_file = disk_full
+    try:
+        attempt("disk_full_rank1")
+    finally:
+        safetensors.torch.save_file = real_save_file
+
+    # 2. rank 0 fails after every share is written, while it writes the index
+    real_config = consolidated.save_model_config
+    if rank == 0:
+        consolidated.save_model_config = disk_full
+    try:
+        attempt("index_fails_rank0")
+    finally:
+        consolidated.save_model_config = real_config
+
+    # 3. a param group value no checkpoint can hold, on every rank: refused before anything is written
+    pg = engine.zero_optimizer.optimizer.param_groups[0]
+    pg["note"] = object()
+    attempt("unstorable")
+    del pg["note"]
+
+    # 4. the same run saves again once the fault is gone, and a fresh engine resumes from it
+    attempt("recovered")
+    out["resumed"] = os.path.basename(_engine({"zero_optimization": {"stage": 2}}).load_checkpoint(str(d))[0])
+    return out
+
+
+def test_a_save_that_fails_on_one_rank_stops_every_rank_and_keeps_the_previous_checkpoint(two_ranks) -> None:  # noqa: ANN001
+    """Without agreement the other ranks waited in a barrier for the failed one until the timeout."""
+    root = two_ranks[0] / "save_faults" / "run"
+    for r in (rank["save_faults"] for rank in two_ranks[1]):
+        disk, index = r["disk_full_rank1"], r["index_fails_rank0"]
+        assert disk["error"] == (
+            f"save_checkpoint failed on rank 1 (OSError: [Errno 28] No space left on device); the checkpoints "
+            f"already in {root} are kept"
+        ), disk
+        assert index["error"] == disk["error"].replace("rank 1", "rank 0"), index
+        for case in (disk, index):  # the half-written global_step2 is gone, global_step1 and latest untouched
+            assert case["listing"] == ["global_step1", "latest"] and case["latest"] == "global_step1", case
+            assert case["seconds"] < 30, case
+        bad = r["unstorable"]
+        assert bad["error"] == (
+            "optimizer param group 'note' is of type object, which a checkpoint cannot store without pickle; keep it to "
+            "numbers, strings, lists, dicts and tensors"
+        ), bad
+        assert bad["listing"] == ["global_step1", "latest"], bad
+        ok = r["recovered"]
+        assert ok["error"] is None and ok["listing"] == ["global_step1", "global_step2", "latest"], ok
+        assert ok["latest"] == "global_step2" and r["resumed"] == "global_step2", r

@@ -152,7 +152,7 @@ def _jsonable(obj: Any, where: str) -> Any:
     if isinstance(obj, dict):
         return {str(k): _jsonable(v, f"{where}.{k}") for k, v in obj.items()}
     raise CheckpointError(
-        f"{where} is a {type(obj).__name__}, which a checkpoint cannot store without pickle; "
+        f"{where} is of type {type(obj).__name__}, which a checkpoint cannot store without pickle; "
         "keep it to numbers, strings, lists, dicts and tensors"
     )
 
@@ -285,9 +285,12 @@ def save(
     engine: Any, save_dir: str, tag: str | None, client_state: dict | None, save_latest: bool = True,
     keep_last: int | None = None,
 ) -> str:
-    """Write a resume checkpoint of ``engine``; collective (every rank calls it). Returns its path."""
-    from safetensors.torch import save_file
+    """Write a resume checkpoint of ``engine``; collective (every rank calls it). Returns its path.
 
+    A failure on any rank (a full disk, a state JSON cannot hold) raises on every rank after the
+    ranks agree on it, so none is left waiting; the half-written folder is removed and the
+    previous checkpoints and ``latest`` stay as they were.
+    """
     zo = engine.zero_optimizer
     if zo is None:
         raise CheckpointError("save_checkpoint needs an engine with an optimizer")
@@ -300,30 +303,77 @@ def save(
     if not tag or "/" in tag or tag.startswith(".") or tag == LATEST:
         raise CheckpointError(f"save_checkpoint(tag={tag!r}): a tag must be a plain, non-hidden directory name other than '{LATEST}'")
     lay = _layout(engine)
-    group, rank, world = lay.group, lay.rank, lay.world
+    group, rank = lay.group, lay.rank
     final = os.path.join(save_dir, tag)
     partial = os.path.join(save_dir, f".{tag}.partial")
     client = _jsonable(client_state or {}, "client_state")  # every rank checks before anything is written
-    stage_tables: list[dict] = []
-    if lay.stage is not None:
-        # Each stage's optimizer and parameter table, pooled (JSON in tensors) before anything is
-        # written, so a state that cannot be stored stops every rank with the same sentence.
-        try:
-            mine, err = (_optimizer_table(engine) if lay.dp_rank == 0 else None), None
-        except CheckpointError as e:
-            mine, err = None, str(e)
-        from hf_zero.dist import gather_json
+    # The optimizer and parameter table (one per stage in a pipeline) is made and checked on
+    # every rank before anything is written, so a state that cannot be stored (a param group
+    # value JSON cannot hold, a scheduler whose state_dict fails) stops every rank with the same
+    # sentence instead of rank 0 alone, after the others are already waiting for it.
+    try:
+        mine, err = (_optimizer_table(engine) if lay.stage is None or lay.dp_rank == 0 else None), None
+    except Exception as e:  # noqa: BLE001 - any failure must reach every rank
+        mine, err = None, _reason(e)
+    from hf_zero.dist import gather_json
 
-        pooled = gather_json({"table": mine, "error": err}, group)
-        errors = [p["error"] for p in pooled if p["error"]]
-        if errors:
-            raise CheckpointError(errors[0])
-        stage_tables = [p["table"] for p in pooled if p["table"] is not None]  # rank order is stage order
+    pooled = gather_json({"table": mine if lay.stage is not None else None, "error": err}, group)
+    _agree([p["error"] for p in pooled], save_dir)
+    stage_tables = [p["table"] for p in pooled if p["table"] is not None]  # rank order is stage order
+    table = stage_tables[0] if stage_tables else mine
+    err = None
     if rank == 0:
-        os.makedirs(save_dir, exist_ok=True)
-        _clean_leftovers(save_dir)  # crashed earlier saves (at this tag or any other)
-        os.makedirs(partial)
-    dist.barrier(group)
+        try:
+            os.makedirs(save_dir, exist_ok=True)
+            _clean_leftovers(save_dir)  # crashed earlier saves (at this tag or any other)
+            os.makedirs(partial)
+        except Exception as e:  # noqa: BLE001
+            err = _reason(e)
+    _agree(gather_json(err, group), save_dir)
+    try:
+        _write_share(engine, lay, zo, partial)
+    except Exception as e:  # noqa: BLE001 - a full disk on one rank must not leave the others waiting
+        err = _reason(e)
+    errors = gather_json(err, group)
+    if any(errors):
+        if rank == 0:  # free the space the half-written checkpoint took, before anyone returns
+            shutil.rmtree(partial, ignore_errors=True)
+        dist.barrier(group)
+        _agree(errors, save_dir)
+
+    if rank == 0:
+        try:
+            _finish(engine, lay, zo, table, stage_tables, client, save_dir, partial, final, tag, save_latest, keep_last)
+        except Exception as e:  # noqa: BLE001
+            err = _reason(e)
+            shutil.rmtree(partial, ignore_errors=True)  # not published; a tag moved aside comes back on the next save
+    _agree(gather_json(err, group), save_dir)
+    return final
+
+
+def _reason(e: BaseException) -> str:
+    """An exception as the clause of one sentence: a CheckpointError's own words, others with their type."""
+    return str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"
+
+
+def _agree(errors: list[str | None], save_dir: str) -> None:
+    """Raise the first failing rank's error on every rank; all ranks call this with the pooled errors.
+
+    One sentence everywhere: a failure every rank found (a state JSON cannot hold) in its own words,
+    one rank's (its disk is full) naming that rank.
+    """
+    for r, e in enumerate(errors):
+        if e:
+            if all(x == e for x in errors):
+                raise CheckpointError(e)
+            raise CheckpointError(f"save_checkpoint failed on rank {r} ({e}); the checkpoints already in {save_dir} are kept")
+
+
+def _write_share(engine: Any, lay: _Layout, zo: Any, partial: str) -> None:
+    """This rank's part of a checkpoint: its shards, optimizer state and RNG in safetensors, and its index."""
+    from safetensors.torch import save_file
+
+    rank = lay.rank
 
     # Host copies (one per tensor: a device-to-host copy on GPU, a clone on CPU) of what this rank owns.
     tensors: dict[str, torch.Tensor] = {}
@@ -410,63 +460,65 @@ def save(
     if lay.stage is not None:
         rank_meta["stage"] = lay.stage
     _write_json(os.path.join(partial, f"rank{rank:05d}.json"), rank_meta)
-    dist.barrier(group)
 
-    if rank == 0:
-        table = stage_tables[0] if stage_tables else _optimizer_table(engine)
-        meta = {
-            "format": FORMAT,
-            "world_size": world,
-            "zero_stage": engine.zero_optimization_stage(),
-            "compute_dtype": str(engine.compute_dtype).removeprefix("torch."),
-            "global_steps": engine.global_steps,
-            "micro_steps": engine.micro_steps,
-            "gradient_accumulation_steps": engine.gradient_accumulation_steps(),
-            "global_samples": engine.global_samples,
-            "skipped_steps": engine.skipped_steps,
-            "loss_scaler": engine.loss_scaler.state_dict() if engine.loss_scaler is not None else None,
-            "lr_scheduler": table["lr_scheduler"],
-            "optimizer": {"type": type(zo.optimizer).__name__, "param_groups": table["param_groups"]},
-            "params": table["params"],
-            "client_state": client,
+
+def _finish(
+    engine: Any, lay: _Layout, zo: Any, table: dict, stage_tables: list[dict], client: Any, save_dir: str, partial: str,
+    final: str, tag: str, save_latest: bool, keep_last: int | None,
+) -> None:
+    """Rank 0, once every rank's share is on disk: the checkpoint's index, then the renames that publish it."""
+    world = lay.world
+    meta = {
+        "format": FORMAT,
+        "world_size": world,
+        "zero_stage": engine.zero_optimization_stage(),
+        "compute_dtype": str(engine.compute_dtype).removeprefix("torch."),
+        "global_steps": engine.global_steps,
+        "micro_steps": engine.micro_steps,
+        "gradient_accumulation_steps": engine.gradient_accumulation_steps(),
+        "global_samples": engine.global_samples,
+        "skipped_steps": engine.skipped_steps,
+        "loss_scaler": engine.loss_scaler.state_dict() if engine.loss_scaler is not None else None,
+        "lr_scheduler": table["lr_scheduler"],
+        "optimizer": {"type": type(zo.optimizer).__name__, "param_groups": table["param_groups"]},
+        "params": table["params"],
+        "client_state": client,
+    }
+    if stage_tables:
+        params: dict[str, Any] = {}
+        for s, t in enumerate(stage_tables):
+            for n, info in t["params"].items():
+                params.setdefault(n, {**info, "stage": s})  # a tied weight: recorded at its first stage
+        meta["params"] = params
+        meta["pipeline"] = {
+            "num_stages": lay.num_stages,
+            "data_parallel": lay.dp,
+            "stages": [{k: t[k] for k in ("param_groups", "group_names", "lr_scheduler")} for t in stage_tables],
         }
-        if stage_tables:
-            params: dict[str, Any] = {}
-            for s, t in enumerate(stage_tables):
-                for n, info in t["params"].items():
-                    params.setdefault(n, {**info, "stage": s})  # a tied weight: recorded at its first stage
-            meta["params"] = params
-            meta["pipeline"] = {
-                "num_stages": lay.num_stages,
-                "data_parallel": lay.dp,
-                "stages": [{k: t[k] for k in ("param_groups", "group_names", "lr_scheduler")} for t in stage_tables],
-            }
-        from hf_zero.checkpoint.consolidated import save_model_config
+    from hf_zero.checkpoint.consolidated import save_model_config
 
-        save_model_config(engine.module, partial, None)  # so `hf-zero consolidate` can write config.json
-        _write_json(os.path.join(partial, "checkpoint.json"), meta)
-        _fsync_dir(partial)
-        if os.path.exists(final):  # overwriting a tag: the old one goes only once the new one is whole
-            old = os.path.join(save_dir, f".{tag}.old")
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(final, old)
-            os.replace(partial, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(partial, final)
+    save_model_config(engine.module, partial, None)  # so `hf-zero consolidate` can write config.json
+    _write_json(os.path.join(partial, "checkpoint.json"), meta)
+    _fsync_dir(partial)
+    if os.path.exists(final):  # overwriting a tag: the old one goes only once the new one is whole
+        old = os.path.join(save_dir, f".{tag}.old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+        os.replace(partial, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(partial, final)
+    _fsync_dir(save_dir)
+    if save_latest:
+        tmp = os.path.join(save_dir, f".{LATEST}.tmp")
+        with open(tmp, "w") as f:
+            f.write(tag)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, os.path.join(save_dir, LATEST))
         _fsync_dir(save_dir)
-        if save_latest:
-            tmp = os.path.join(save_dir, f".{LATEST}.tmp")
-            with open(tmp, "w") as f:
-                f.write(tag)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, os.path.join(save_dir, LATEST))
-            _fsync_dir(save_dir)
-        if keep_last is not None:
-            rotate(save_dir, keep_last, tag)
-    dist.barrier(group)
-    return final
+    if keep_last is not None:
+        rotate(save_dir, keep_last, tag)
 
 
 # ---------------------------------------------------------------------- load
