@@ -27,11 +27,13 @@ def _data() -> torch.Tensor:
     return torch.randint(0, 32, (STEPS, GB, SEQ), generator=torch.Generator().manual_seed(5))
 
 
-def _config(model: str, micro: int, zero: int, pipe: bool) -> tuple[dict, dict]:
+def _config(model: str, micro: int, zero: int, pipe: bool, bf16: bool = False) -> tuple[dict, dict]:
     """The engine config and the extra initialize() arguments: Llama with the config's AdamW and
     WarmupLR, GPT-2 with a torch SGD and LambdaLR (whose per-group lists must follow the groups)."""
     cfg: dict = {"train_micro_batch_size_per_gpu": MB, "gradient_accumulation_steps": micro, "gradient_clipping": 0.5,
                  "zero_optimization": {"stage": zero, "reduce_bucket_size": 200}, "steps_per_print": 10**6}
+    if bf16:
+        cfg["bf16"] = {"enabled": True}
     if pipe:
         cfg["pipeline"] = {"schedule": "1f1b"}
     if model == "gpt2":
@@ -45,7 +47,7 @@ def _config(model: str, micro: int, zero: int, pipe: bool) -> tuple[dict, dict]:
 class _Run:
     """A pipeline (``stages`` > 0) or plain engine over the global batch: ``step(t)`` trains on batch t."""
 
-    def __init__(self, model: str, stages: int, zero: int = 0) -> None:
+    def __init__(self, model: str, stages: int, zero: int = 0, bf16: bool = False) -> None:
         import torch.distributed as dist
 
         import hf_zero
@@ -55,7 +57,7 @@ class _Run:
         self.stages = stages
         self.dp = world // stages if stages else world
         self.micro = GB // (MB * self.dp)
-        cfg, extra = _config(model, self.micro, zero, bool(stages))
+        cfg, extra = _config(model, self.micro, zero, bool(stages), bf16)
         module = split_causal_lm(MODELS[model](), stages) if stages else MODELS[model]()
         self.engine, _, _, _ = hf_zero.initialize(model=module, config=cfg, **extra)
         self.d = module.dp_rank if stages else dist.get_rank()
@@ -83,14 +85,14 @@ class _Run:
         return {n: p.detach().clone() for n, p in self.engine.module.named_parameters()}
 
 
-def _exact(model: str, stages: int, zero: int, root: Path) -> dict:
+def _exact(model: str, stages: int, zero: int, root: Path, bf16: bool = False) -> dict:
     """6 steps uninterrupted; 3, save, fresh engine, load, 3 more: equal bit for bit."""
-    ref = _Run(model, stages, zero)
+    ref = _Run(model, stages, zero, bf16)
     losses = ref.train(0, STEPS)
-    first = _Run(model, stages, zero)
+    first = _Run(model, stages, zero, bf16)
     first.train(0, K)
     first.engine.save_checkpoint(str(root), client_state={"model": model, "step": K})
-    again = _Run(model, stages, zero)
+    again = _Run(model, stages, zero, bf16)
     path, client = again.engine.load_checkpoint(str(root))
     out = {"client": client, "path": Path(path).name, "losses": again.train(K, STEPS), "ref": losses[K:],
            "weights_equal": all(torch.equal(p, ref.weights()[n]) for n, p in again.weights().items()),
@@ -180,6 +182,10 @@ def _world2(rank: int, world: int, root: str) -> dict:
 def _world4(rank: int, world: int, root: str) -> dict:
     base = Path(root)
     out = {model: _exact(model, 2, 1, base / f"{model}-2x2") for model in ("llama", "gpt2")}
+    # ZeRO-2 inside the pipeline (each stage's gradients reduce-scattered every micro-batch), and
+    # bf16 compute with fp32 masters: the same exact resume
+    out["llama-zero2"] = _exact("llama", 2, 2, base / "llama-2x2-zero2")
+    out["gpt2-zero2-bf16"] = _exact("gpt2", 2, 2, base / "gpt2-2x2-zero2-bf16", bf16=True)
     # another data-parallel degree: the 2 stages x 1 checkpoint into 2 stages x 2 (ZeRO-1)
     wider = _Run("llama", 2, 1)
     wider.engine.load_checkpoint(str(base / "llama"))
@@ -226,8 +232,11 @@ def test_pipeline_resume_reshard_consolidate_and_refusals(tmp_path: Path) -> Non
     ref = two[0]["llama"]["all_ref"][K:]
     four = spawn(_world4, 4, str(tmp_path))
     for r in four:
-        _check_exact(r["llama"])
-        _check_exact(r["gpt2"])
+        for name in ("llama", "gpt2", "llama-zero2", "gpt2-zero2-bf16"):
+            _check_exact(r[name])
+    for name, stage, dtype in (("llama-2x2-zero2", 2, "float32"), ("gpt2-2x2-zero2-bf16", 2, "bfloat16")):
+        meta = json.loads((tmp_path / name / "global_step3" / "checkpoint.json").read_text())
+        assert (meta["zero_stage"], meta["compute_dtype"], meta["pipeline"]["data_parallel"]) == (stage, dtype, 2), meta
         assert max(abs(a - b) / abs(b) for a, b in zip(r["dp_1_to_2"], ref)) < TOL, (r["dp_1_to_2"], ref)
     ref22 = four[0]["llama"]["all_ref"][K:]
     for r in four:
