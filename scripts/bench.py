@@ -170,6 +170,8 @@ def run_engine(name: str, args: argparse.Namespace) -> dict:
         if i >= args.warmup:
             times.append(time.perf_counter() - t0)
         losses.append(float(loss.detach()))
+    if args.memory_peak:
+        memory_peak(name, step, torch.randint(0, 32000, (args.micro, args.seq), device="cuda", generator=g))
     if args.profile:
         profile_steps(name, step, lambda: torch.randint(0, 32000, (args.micro, args.seq), device="cuda", generator=g),
                       args.profile)
@@ -192,6 +194,62 @@ def run_engine(name: str, args: argparse.Namespace) -> dict:
         out["build_peak_gib"] = build_peak
         out["full_model_gib"] = nparams * 4 / 2**30
     return out
+
+
+def memory_peak(name: str, step: Callable, ids: torch.Tensor, top: int = 14) -> None:
+    """One more step with the allocator's history on: rank 0 prints what was alive at that step's peak.
+
+    The allocation and free events are replayed in order; at the highest point, the live blocks
+    are summed by the innermost frame that belongs to hf_zero, transformers, torch.distributed
+    or this script (else the innermost Python frame), so two engines' peaks can be compared
+    line by line. Blocks allocated before the step (weights, optimizer state) are one line.
+    """
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
+    step(ids)
+    torch.cuda.synchronize()
+    snap = torch.cuda.memory._snapshot()
+    torch.cuda.memory._record_memory_history(enabled=None)
+    if dist.get_rank() != 0:
+        return
+    trace = snap["device_traces"][torch.cuda.current_device()]
+    held, in_step = peak_breakdown(trace, before)
+    gib = 2**30
+    print(f"[memory] {name}: step peak {(held + sum(in_step.values())) / gib:.2f} GiB = {held / gib:.2f} GiB held from "
+          f"before the step + {sum(in_step.values()) / gib:.2f} GiB allocated in it, by where:", flush=True)
+    for w, b in sorted(in_step.items(), key=lambda kv: -kv[1])[:top]:
+        print(f"[memory] {name}:   {b / gib:7.3f} GiB  {w}", flush=True)
+
+
+def peak_breakdown(trace: list[dict], before: int) -> tuple[int, dict[str, int]]:
+    """Replay allocator events: (bytes from before the step still held at the peak, live bytes by where)."""
+    mine = ("hf_zero/", "transformers/", "torch/distributed/", "bench.py")
+
+    def where(frames: list[dict]) -> str:
+        for f in frames:
+            if any(m in f["filename"] for m in mine):
+                return f"{f['filename'].split('site-packages/')[-1].split('/work/')[-1]}:{f['line']} {f['name']}"
+        return f"{frames[0]['filename'].rsplit('/', 1)[-1]}:{frames[0]['line']} {frames[0]['name']}" if frames else "?"
+
+    live: dict[int, tuple[int, str]] = {}
+    old_freed = cur = peak = peak_old_freed = 0  # old_freed: bytes from before the step that it freed
+    at_peak: dict[int, tuple[int, str]] = {}
+    for e in trace:
+        if e["action"] == "alloc":
+            live[e["addr"]] = (e["size"], where(e.get("frames", [])))
+            cur += e["size"]
+            if cur - old_freed > peak:
+                peak, peak_old_freed, at_peak = cur - old_freed, old_freed, dict(live)
+        elif e["action"] == "free_completed":
+            if e["addr"] in live:
+                cur -= live.pop(e["addr"])[0]
+            else:
+                old_freed += e["size"]
+    sums: dict[str, int] = {}
+    for size, w in at_peak.values():
+        sums[w] = sums.get(w, 0) + size
+    return before - peak_old_freed, sums
 
 
 def profile_steps(name: str, step: Callable, batch: Callable, trace_dir: str, n: int = 2) -> None:
@@ -323,6 +381,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--bucket", type=float, default=5e8)
+    ap.add_argument("--memory_peak", action="store_true",
+                    help="after timing, one more step per engine with the allocator's history: rank 0 prints what is alive at its peak")
     ap.add_argument("--profile", metavar="DIR", default="",
                     help="after timing, profile 2 more steps per engine: rank 0 prints a summary and writes DIR/<engine>.json")
     ap.add_argument("--compile", action="store_true", help="torch.compile each block: hf_zero engines with engine.compile(), FSDP2 with module.compile()")
