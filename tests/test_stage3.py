@@ -149,3 +149,48 @@ def test_stage3_matches_single_process(world: int) -> None:
             assert r["w_err"] < 1e-5, r
             # each rank holds 1/N of the sharded parameters (plus < N elements of padding per group)
             assert r["held"] * world - r["sharded"] < world * r["n_groups"], r
+
+
+def _embedding_held(rank: int, world: int) -> dict:
+    """Bytes behind the input embedding's weight while the LM head runs and when backward starts."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import hf_zero
+
+    out = {}
+    for tied in (False, True):
+        torch.manual_seed(0)
+        cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=30, intermediate_size=47, num_hidden_layers=2, num_attention_heads=3,
+                          num_key_value_heads=1, max_position_embeddings=SEQ, tie_word_embeddings=tied)
+        model = LlamaForCausalLM(cfg)
+        engine, _, _, _ = hf_zero.initialize(model=model, config={
+            "train_micro_batch_size_per_gpu": MICRO, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}, "steps_per_print": 1000})
+        weight = model.model.embed_tokens.weight
+        seen: dict = {}
+
+        def at_head(_m, _args, logits, seen=seen, weight=weight) -> None:  # noqa: ANN001
+            seen["forward_end"] = weight.untyped_storage().nbytes()
+            logits.register_hook(lambda g: seen.__setitem__("backward_start", weight.untyped_storage().nbytes()))
+
+        model.lm_head.register_forward_hook(at_head)
+        ids = _data(MICRO * world)[0, rank * MICRO : (rank + 1) * MICRO]
+        engine.backward(engine(input_ids=ids, labels=ids).loss)
+        engine.step()
+        seen["after_step"] = weight.untyped_storage().nbytes()
+        seen["units"] = [u.name for u in engine.zero_optimizer.runtime.units]
+        seen["full"] = VOCAB * 30 * 4
+        out["tied" if tied else "untied"] = seen
+    return out
+
+
+def test_an_untied_input_embedding_is_released_between_its_forward_and_its_backward() -> None:
+    """Kept in the root unit it stayed gathered all step; as a unit of its own it is gathered only to run."""
+    for r in spawn(_embedding_held, 2):
+        untied, tied = r["untied"], r["tied"]
+        assert untied["units"] == ["model.embed_tokens", "model.layers.0", "model.layers.1"], untied
+        assert untied["forward_end"] == untied["backward_start"] == untied["after_step"] == 0, untied
+        # tied to the LM head it must be whole whenever either runs: it stays in the root
+        assert tied["units"] == ["model.layers.0", "model.layers.1"], tied
+        assert tied["forward_end"] >= tied["full"] and tied["backward_start"] >= tied["full"], tied
+        assert tied["after_step"] == 0, tied

@@ -1,9 +1,10 @@
 """ZeRO stage 3: parameters live sharded and are gathered per unit just before use.
 
 A *unit* is a transformer block (for ``transformers`` models, an instance of a class named in
-``_no_split_modules``), otherwise a top-level child; whatever parameters belong to no unit form
-the *root* unit (embeddings, final norm, LM head), which stays gathered for the whole
-forward+backward of a step — that is also what keeps tied embeddings simple.
+``_no_split_modules``), otherwise a top-level child; an input embedding no other module shares
+is a unit too. Whatever parameters belong to no unit form the *root* unit (final norm, LM head,
+a tied embedding), which stays gathered for the whole forward+backward of a step — that is
+also what keeps tied embeddings simple.
 
 Life of a unit in one training step::
 
@@ -219,6 +220,35 @@ def find_units(module: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
                     out.append((n, m))
             return out
     return [(n, m) for n, m in module.named_children() if any(True for _ in m.parameters())]
+
+
+def input_embedding_unit(
+    module: torch.nn.Module, units: list[tuple[str, torch.nn.Module]]
+) -> tuple[str, torch.nn.Module] | None:
+    """The model's input embedding as a stage-3 unit of its own, when nothing else uses its weight.
+
+    Left in the root unit it would stay gathered for the whole step, as the root does, though
+    only the lookup at the start of forward and its gradient at the end of backward use it. As a
+    unit it is released in between, which takes its 16-bit size (0.3 GiB for a 13B Llama) off
+    the peak at the start of backward. A weight tied to the LM head (GPT-2) stays in the root.
+    """
+    get = getattr(module, "get_input_embeddings", None)
+    try:
+        emb = get() if callable(get) else None
+    except (NotImplementedError, AttributeError):
+        return None
+    if not isinstance(emb, torch.nn.Module) or emb is module:
+        return None
+    name = next((n for n, m in module.named_modules() if m is emb), "")
+    if not name or any(name == u or name.startswith(u + ".") or u.startswith(name + ".") for u, _ in units):
+        return None  # not found, or already a unit (or inside one, or holding one)
+    own = {id(p) for p in emb.parameters()}
+    if not own:
+        return None
+    for n, p in module.named_parameters(remove_duplicate=False):
+        if id(p) in own and not n.startswith(name + "."):
+            return None  # tied: some other module reads this weight
+    return name, emb
 
 
 def _tensors_requiring_grad(obj: object) -> list[torch.Tensor]:

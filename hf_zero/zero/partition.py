@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from hf_zero.zero import collectives as C
 from hf_zero.zero.flat import FlatGroup, ParamSlot
-from hf_zero.zero.params import ShardedParamGroup, Stage3Runtime, Unit, find_units
+from hf_zero.zero.params import ShardedParamGroup, Stage3Runtime, Unit, find_units, input_embedding_unit
 from hf_zero.zero.preshard import materialize_
 
 
@@ -169,6 +169,9 @@ class ShardedOptimizer:
         slices, and only the unit being laid out is gathered whole, so no rank ever holds the model.
         """
         unit_mods = find_units(module)
+        embedding = input_embedding_unit(module, unit_mods)
+        if embedding is not None:
+            unit_mods = [embedding, *unit_mods]
         unit_of: dict[int, int] = {}
         for ui, (_, m) in enumerate(unit_mods):
             for p in m.parameters():
