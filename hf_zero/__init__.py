@@ -4,7 +4,7 @@
 """
 
 from hf_zero import pipe, zero
-from hf_zero.api import initialize
+from hf_zero.api import add_config_arguments, initialize
 from hf_zero.config import ConfigError, ZeroConfig
 from hf_zero.dist import init_distributed
 from hf_zero.engine import UsageError, ZeroEngine
@@ -13,7 +13,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "pipe", "zero", "Accelerator", "Trainer", "TrainingArguments", "Seq2SeqTrainer", "Seq2SeqTrainingArguments", "ConfigError", "UsageError", "ZeroConfig", "ZeroEngine", "init_distributed", "initialize",
-    "__version__",
+    "add_config_arguments", "comm", "accelerator", "checkpointing", "ops", "utils", "runtime", "__version__",
 ]
 
 _LAZY = {
@@ -25,10 +25,16 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> object:
-    """Integrations load on first use, so ``import hf_zero`` does not import Accelerate."""
-    if name in _LAZY:
-        import importlib
+# DeepSpeed's submodules, reachable as attributes (``deepspeed.comm.get_rank()``) as well as by import.
+_SUBMODULES = ("comm", "accelerator", "checkpointing", "ops", "utils", "runtime")
 
+
+def __getattr__(name: str) -> object:
+    """Integrations and DeepSpeed's submodules load on first use, so ``import hf_zero`` does not import Accelerate."""
+    import importlib
+
+    if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name]), name)
+    if name in _SUBMODULES:
+        return importlib.import_module(f"hf_zero.{name}")
     raise AttributeError(f"module 'hf_zero' has no attribute {name!r}")

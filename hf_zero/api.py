@@ -21,10 +21,32 @@ from hf_zero.engine import UsageError, ZeroEngine
 from hf_zero.optim import build_optimizer, build_scheduler
 
 
+def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """DeepSpeed's command-line flags (``--deepspeed``, ``--deepspeed_config``) on the script's own parser.
+
+    DeepSpeed's tutorials end their argument parsing with ``parser = deepspeed.add_config_arguments(parser)``
+    and pass the parsed namespace as ``initialize(args=args)``, which reads the config path from
+    ``args.deepspeed_config``. ``--deepscale`` and ``--deepscale_config`` are DeepSpeed's old
+    names, kept for old scripts; ``--deepspeed_mpi`` is refused at ``initialize`` (no MPI here).
+    """
+    group = parser.add_argument_group("DeepSpeed", "DeepSpeed configurations (read by hf_zero)")
+    group.add_argument("--deepspeed", default=False, action="store_true",
+                       help="Enable DeepSpeed (helper flag for user code, no impact on the engine)")
+    group.add_argument("--deepspeed_config", default=None, type=str, help="DeepSpeed JSON configuration file.")
+    group.add_argument("--deepscale", default=False, action="store_true", help="Deprecated: use --deepspeed")
+    group.add_argument("--deepscale_config", default=None, type=str, help="Deprecated: use --deepspeed_config")
+    group.add_argument("--deepspeed_mpi", default=False, action="store_true", help="Not supported by hf_zero")
+    return parser
+
+
 def _config_from(args: argparse.Namespace | None, config: Any, config_params: Any) -> Any:
     if config is None and config_params is not None:
         config = config_params
     from_args = getattr(args, "deepspeed_config", None) if args is not None else None
+    if args is not None and from_args is None:
+        from_args = getattr(args, "deepscale_config", None)
+    if args is not None and getattr(args, "deepspeed_mpi", False):
+        raise UsageError("--deepspeed_mpi: hf_zero starts its ranks with torchrun (hf-zero launch), not MPI; drop the flag")
     if config is not None and from_args is not None:
         raise UsageError(
             "initialize() got a config both in config= and in args.deepspeed_config; pass only one of them"

@@ -223,6 +223,34 @@ def consolidate(
     """
     from tqdm.auto import tqdm
 
+    from hf_zero.checkpoint.sharded import CheckpointError
+
+    path, entries, produce = _plan(checkpoint_dir, tag, dtype)
+    os.makedirs(out_dir, exist_ok=True)
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise CheckpointError(f"{path} has no config.json (the model was not a transformers model); nothing to build a from_pretrained folder from")
+    bar = tqdm(total=len(entries), desc="consolidating", unit="tensor", disable=not progress)
+    files = write_weights(out_dir, entries, produce, max_shard_size, writer=True, progress=bar)
+    bar.close()
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(path)
+    floats = [dt for _, dt, _ in entries if dt.is_floating_point]
+    if floats:
+        cfg.dtype = floats[0]
+    cfg.save_pretrained(out_dir)
+    gen = os.path.join(path, "generation_config.json")
+    if os.path.isfile(gen):
+        import shutil
+
+        shutil.copyfile(gen, os.path.join(out_dir, "generation_config.json"))
+    return files
+
+
+def _plan(
+    checkpoint_dir: str, tag: str | None, dtype: torch.dtype | None
+) -> tuple[str, list[tuple[str, torch.dtype, tuple[int, ...]]], Any]:
+    """A resume checkpoint's tensors: its folder, (name, dtype, shape) of each, and a function that reads one whole."""
     from hf_zero.checkpoint.sharded import CheckpointError, _Reader, resolve_tag
 
     path = resolve_tag(checkpoint_dir, tag)
@@ -254,24 +282,14 @@ def consolidate(
             n *= d
         buf = torch.empty(n, dtype=torch.float32 if kind == "master" else getattr(torch, info["dtype"]))
         reader.read(kind, name, 0, n, buf)
-        return buf.view(shape)
+        out = buf.view(shape)
+        return out if out.dtype == dtypes[name] else out.to(dtypes[name])
 
-    os.makedirs(out_dir, exist_ok=True)
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        raise CheckpointError(f"{path} has no config.json (the model was not a transformers model); nothing to build a from_pretrained folder from")
-    bar = tqdm(total=len(entries), desc="consolidating", unit="tensor", disable=not progress)
-    files = write_weights(out_dir, entries, produce, max_shard_size, writer=True, progress=bar)
-    bar.close()
-    from transformers import AutoConfig
+    dtypes = {name: dt for name, dt, _ in entries}
+    return path, entries, produce
 
-    cfg = AutoConfig.from_pretrained(path)
-    floats = [dt for _, dt, _ in entries if dt.is_floating_point]
-    if floats:
-        cfg.dtype = floats[0]
-    cfg.save_pretrained(out_dir)
-    gen = os.path.join(path, "generation_config.json")
-    if os.path.isfile(gen):
-        import shutil
 
-        shutil.copyfile(gen, os.path.join(out_dir, "generation_config.json"))
-    return files
+def read_state_dict(checkpoint_dir: str, tag: str | None = None, dtype: torch.dtype | None = torch.float32) -> dict[str, torch.Tensor]:
+    """Offline, on a CPU: a resume checkpoint's whole model as a state dict (fp32 masters by default), buffers included."""
+    _, entries, produce = _plan(checkpoint_dir, tag, dtype)
+    return {name: produce(name) for name, _, _ in entries}

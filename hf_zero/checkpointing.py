@@ -1,0 +1,113 @@
+"""``deepspeed.checkpointing`` under hf_zero: activation checkpointing called from the user's model code.
+
+Megatron-style models call ``deepspeed.checkpointing.checkpoint(block, hidden, mask)`` inside
+their forward to recompute a block in backward instead of storing its activations, after
+``deepspeed.checkpointing.configure(None, deepspeed_config=...)``. Here that is PyTorch's
+non-reentrant ``torch.utils.checkpoint`` (the RNG state is restored for the recomputation, so
+dropout draws the same masks). Of the config's ``activation_checkpointing`` options,
+``cpu_checkpointing`` keeps the saved inputs in host memory (``torch.autograd.graph.save_on_cpu``)
+and ``synchronize_checkpoint_boundary`` synchronizes the device around each checkpoint;
+``partition_activations`` splits checkpoints across model-parallel ranks, of which hf_zero has
+none, so there is nothing to split. For whole transformers blocks without touching model code,
+``"activation_checkpointing": {"checkpoint_blocks": true}`` in the engine config does the same.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from hf_zero.engine import UsageError
+
+__all__ = ["checkpoint", "non_reentrant_checkpoint", "configure", "is_configured", "reset"]
+
+logger = logging.getLogger("hf_zero")
+
+_OPTIONS = {"partition_activations": False, "cpu_checkpointing": False, "synchronize_checkpoint_boundary": False,
+            "contiguous_memory_optimization": False, "number_checkpoints": None, "profile": False}
+_state: dict[str, Any] = {"configured": False, **_OPTIONS}
+
+
+def _section(deepspeed_config: Any) -> dict:
+    """The ``activation_checkpointing`` section of a config given as a path, a dict or a loaded config."""
+    if deepspeed_config is None:
+        return {}
+    if isinstance(deepspeed_config, (str, os.PathLike)):
+        with open(deepspeed_config) as f:
+            deepspeed_config = json.load(f)
+    if isinstance(deepspeed_config, dict):
+        section = deepspeed_config.get("activation_checkpointing", {})
+    else:
+        section = getattr(deepspeed_config, "activation_checkpointing", {})
+    if not isinstance(section, dict):
+        raise UsageError(f"activation_checkpointing: got {section!r}, expected an object of options")
+    return section
+
+
+def configure(
+    mpu_: Any,
+    deepspeed_config: Any = None,
+    partition_activations: bool | None = None,
+    contiguous_checkpointing: bool | None = None,
+    num_checkpoints: int | None = None,
+    checkpoint_in_cpu: bool | None = None,
+    synchronize: bool | None = None,
+    profile: bool | None = None,
+) -> None:
+    """Set the options of :func:`checkpoint` from a config's ``activation_checkpointing`` section and/or arguments."""
+    if mpu_ is not None:
+        raise UsageError("checkpointing.configure(mpu_=...): model parallelism is not supported by hf_zero; pass None")
+    opts = dict(_OPTIONS)
+    for key, value in _section(deepspeed_config).items():
+        if key in opts:
+            opts[key] = value
+    given = {"partition_activations": partition_activations, "contiguous_memory_optimization": contiguous_checkpointing,
+             "number_checkpoints": num_checkpoints, "cpu_checkpointing": checkpoint_in_cpu,
+             "synchronize_checkpoint_boundary": synchronize, "profile": profile}
+    opts.update({k: v for k, v in given.items() if v is not None})
+    if opts["profile"]:
+        raise UsageError("activation_checkpointing.profile: got true, but hf_zero does not time checkpoints; use torch.profiler")
+    if opts["contiguous_memory_optimization"]:
+        logger.warning("activation_checkpointing.contiguous_memory_optimization has no effect in hf_zero: "
+                       "PyTorch's caching allocator reuses the checkpoint buffers")
+    _state.update(opts, configured=True)
+
+
+def is_configured() -> bool:
+    return bool(_state["configured"])
+
+
+def reset() -> None:
+    """DeepSpeed frees its contiguous checkpoint buffers here; hf_zero keeps none, so only the options stay."""
+
+
+def checkpoint(function: Callable, *args: Any) -> Any:
+    """``function(*args)``, with its activations recomputed in backward instead of stored."""
+    sync = _state["synchronize_checkpoint_boundary"] and torch.cuda.is_available()
+    if sync:
+        torch.cuda.synchronize()
+    if _state["cpu_checkpointing"]:
+        with torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()):
+            out = torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False)
+    else:
+        out = torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False)
+    if sync:
+        torch.cuda.synchronize()
+    return out
+
+
+non_reentrant_checkpoint = checkpoint
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("model_parallel_cuda_manual_seed", "get_cuda_rng_tracker", "CheckpointFunction", "model_parallel_reconfigure_tp_seed"):
+        raise AttributeError(
+            f"hf_zero.checkpointing.{name} belongs to model parallelism, which hf_zero does not support; "
+            "use hf_zero.checkpointing.checkpoint and torch.manual_seed"
+        )
+    raise AttributeError(f"module 'hf_zero.checkpointing' has no attribute {name!r}")

@@ -1,0 +1,41 @@
+"""``deepspeed.utils`` under hf_zero: its logger, ``log_dist`` and ``zero_to_fp32``.
+
+DeepSpeed's per-parameter stage-3 accessors (``safe_get_full_fp32_param`` and the like) are not
+here yet; asking for one says so instead of failing with a bare AttributeError.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from hf_zero.utils import zero_to_fp32
+
+__all__ = ["logger", "log_dist", "zero_to_fp32"]
+
+logger = logging.getLogger("hf_zero")
+
+_NOT_YET = (
+    "safe_get_full_fp32_param", "safe_get_full_grad", "safe_get_full_optimizer_state", "safe_set_full_fp32_param",
+    "safe_set_full_optimizer_state", "safe_get_local_fp32_param", "safe_get_local_grad", "set_z3_leaf_modules",
+    "groups", "OnDevice",
+)
+
+
+def log_dist(message: str, ranks: list[int] | None = None, level: int = logging.INFO) -> None:
+    """Log ``message`` on the listed ranks only (all ranks for ``[-1]``; rank 0 when ``ranks`` is None)."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    wanted = [0] if ranks is None else ranks
+    if -1 in wanted or rank in wanted:
+        logger.log(level, "[Rank %d] %s", rank, message)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _NOT_YET:
+        raise AttributeError(
+            f"hf_zero.utils.{name} (DeepSpeed's deepspeed.utils.{name}) is not supported by hf_zero yet; to read or "
+            "change full stage-3 parameters use `with hf_zero.zero.GatheredParameters(params, modifier_rank=0):`"
+        )
+    raise AttributeError(f"module 'hf_zero.utils' has no attribute {name!r}")

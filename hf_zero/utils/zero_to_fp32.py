@@ -1,0 +1,117 @@
+"""``deepspeed.utils.zero_to_fp32`` under hf_zero: a resume checkpoint's weights, whole, in fp32.
+
+DeepSpeed users turn a ZeRO checkpoint into one state dict with these three functions (or the
+``zero_to_fp32.py`` script DeepSpeed copies beside each checkpoint). They read hf_zero's
+checkpoints here (any world size, ZeRO stage or pipeline layout, as saved by
+``engine.save_checkpoint``), on a CPU, without starting processes. For a ``from_pretrained``
+folder, ``hf-zero consolidate`` (or ``engine.save_pretrained``) is the direct way. Files are
+written as safetensors only: hf_zero never writes or reads pickles.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from hf_zero.engine import UsageError
+
+__all__ = [
+    "get_fp32_state_dict_from_zero_checkpoint", "load_state_dict_from_zero_checkpoint",
+    "convert_zero_checkpoint_to_fp32_state_dict",
+]
+
+
+def _frozen_names(checkpoint_dir: str, tag: str | None) -> set[str]:
+    import json
+
+    from hf_zero.checkpoint.sharded import resolve_tag
+
+    with open(os.path.join(resolve_tag(checkpoint_dir, tag), "checkpoint.json")) as f:
+        params = json.load(f)["params"]
+    return {n for n, info in params.items() if not info.get("trainable", True)}
+
+
+def get_fp32_state_dict_from_zero_checkpoint(
+    checkpoint_dir: str, tag: str | None = None, exclude_frozen_parameters: bool = False, lazy_mode: bool = False,
+) -> dict[str, torch.Tensor]:
+    """Every parameter (from the fp32 masters) and buffer of the checkpoint, whole, on the CPU.
+
+    ``checkpoint_dir`` is the folder given to ``save_checkpoint`` (``tag`` defaults to what its
+    ``latest`` names) or a tag folder itself.
+    """
+    from hf_zero.checkpoint.consolidated import read_state_dict
+
+    if lazy_mode:
+        raise UsageError("get_fp32_state_dict_from_zero_checkpoint(lazy_mode=True) is not supported by hf_zero; leave it False")
+    checkpoint_dir, tag = _split(checkpoint_dir, tag)
+    state = read_state_dict(checkpoint_dir, tag, dtype=torch.float32)
+    if exclude_frozen_parameters:
+        for name in _frozen_names(checkpoint_dir, tag):
+            state.pop(name, None)
+    return state
+
+
+def load_state_dict_from_zero_checkpoint(model: torch.nn.Module, checkpoint_dir: str, tag: str | None = None) -> torch.nn.Module:
+    """Load the checkpoint's fp32 weights into ``model`` (a plain, unwrapped module) and return it.
+
+    Unlike DeepSpeed's (``strict=False``), names the checkpoint has and the model lacks, or the
+    other way round, are an error: a silently half-loaded model is worse than a refusal.
+    """
+    state = get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise UsageError(
+            f"the checkpoint in {checkpoint_dir} does not fit {type(model).__name__}: missing {sorted(missing)[:5]}, "
+            f"unexpected {sorted(unexpected)[:5]}; load it into the model it was saved from"
+        )
+    return model
+
+
+def convert_zero_checkpoint_to_fp32_state_dict(
+    checkpoint_dir: str, output_dir: str, max_shard_size: int | str = "5GB", safe_serialization: bool = True,
+    tag: str | None = None, exclude_frozen_parameters: bool = False,
+) -> list[str]:
+    """Write the checkpoint's fp32 weights into ``output_dir`` as ``model.safetensors`` (sharded above ``max_shard_size``).
+
+    Returns the files written. For a transformers model the folder also gets ``config.json``, so
+    it loads with ``from_pretrained``.
+    """
+    from hf_zero.checkpoint.consolidated import _plan, write_weights
+
+    if not safe_serialization:
+        raise UsageError("convert_zero_checkpoint_to_fp32_state_dict(safe_serialization=False): hf_zero writes safetensors only "
+                         "(pickle files can run code when loaded); leave it True")
+    checkpoint_dir, tag = _split(checkpoint_dir, tag)
+    _, entries, produce = _plan(checkpoint_dir, tag, torch.float32)  # one tensor in memory at a time
+    if exclude_frozen_parameters:
+        frozen = _frozen_names(checkpoint_dir, tag)
+        entries = [e for e in entries if e[0] not in frozen]
+    os.makedirs(output_dir, exist_ok=True)
+    files = write_weights(output_dir, entries, produce, max_shard_size, writer=True)
+    _copy_config(checkpoint_dir, tag, output_dir)
+    return files
+
+
+def _split(checkpoint_dir: str, tag: str | None) -> tuple[str, str | None]:
+    """Accept a tag folder itself (``…/global_step10``) as DeepSpeed's script does, as well as its parent."""
+    if tag is None and os.path.isfile(os.path.join(checkpoint_dir, "checkpoint.json")):
+        parent, leaf = os.path.split(os.path.normpath(checkpoint_dir))
+        return parent, leaf
+    return checkpoint_dir, tag
+
+
+def _copy_config(checkpoint_dir: str, tag: str | None, output_dir: str) -> None:
+    import shutil
+
+    from hf_zero.checkpoint.sharded import resolve_tag
+
+    src = resolve_tag(checkpoint_dir, tag)
+    for name in ("config.json", "generation_config.json"):
+        if os.path.isfile(os.path.join(src, name)):
+            shutil.copyfile(os.path.join(src, name), os.path.join(output_dir, name))
+
+
+def __getattr__(name: str) -> Any:
+    raise AttributeError(f"module 'hf_zero.utils.zero_to_fp32' has no attribute {name!r}")

@@ -1,0 +1,230 @@
+"""DeepSpeed's API beyond ``initialize``: what a script written for DeepSpeed calls, with the import swapped.
+
+One 2-rank run (gloo) of a script in the shape of DeepSpeed's tutorials: ``add_config_arguments``
+and ``initialize(args=...)``, ``comm`` for its all-reduce, ``get_accelerator()`` for the device,
+``ops.adam.FusedAdam`` as the optimizer, ``checkpointing.checkpoint`` inside the model's forward,
+``runtime.lr_schedules.WarmupLR``, then ``save_checkpoint`` and ``utils.zero_to_fp32``. The
+oracle is one process training the same model with torch's AdamW and no checkpointing on the
+concatenated batch: losses and weights equal to rel. 1e-5 (fp32), and the fp32 state dict read
+back from the checkpoint equals the engine's weights exactly.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.distributed import spawn
+
+STEPS, MICRO, SEQ, VOCAB = 3, 2, 6, 37
+LR, WD = 1e-2, 0.01
+
+
+def _llama() -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
+                                        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=SEQ))
+
+
+CALLS: list[int] = []  # the layers' inner forwards run: once in forward, once more when backward recomputes
+
+
+def _checkpointed(model: torch.nn.Module) -> torch.nn.Module:
+    """Each decoder layer's forward through deepspeed.checkpointing.checkpoint, as Megatron-style code does."""
+    import hf_zero as deepspeed
+
+    for layer in model.model.layers:
+        inner = layer.forward
+
+        def run(h, args, kwargs, _inner=inner):  # noqa: ANN001, ANN202
+            CALLS.append(1)
+            return _inner(h, *args, **kwargs)
+
+        def forward(hidden_states, *args, _run=run, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+            return deepspeed.checkpointing.checkpoint(lambda h: _run(h, args, kwargs), hidden_states)
+
+        layer.forward = forward
+    return model
+
+
+def _data() -> torch.Tensor:
+    return torch.randint(0, VOCAB, (STEPS, 2 * MICRO, SEQ), generator=torch.Generator().manual_seed(3))
+
+
+def _script(rank: int, world: int, root: str, cpu_checkpointing: bool) -> dict:
+    import argparse
+
+    import hf_zero as deepspeed
+    import hf_zero.comm as dist
+    from hf_zero.accelerator import get_accelerator
+    from hf_zero.runtime.lr_schedules import WarmupLR
+    from hf_zero.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    cfg_path = Path(root, f"ds_config_{rank}.json")
+    cfg = {"train_micro_batch_size_per_gpu": MICRO, "zero_optimization": {"stage": 2}, "steps_per_print": 1000,
+           "activation_checkpointing": {"partition_activations": True, "cpu_checkpointing": cpu_checkpointing}}
+    cfg_path.write_text(json.dumps(cfg))
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--local_rank", type=int, default=-1)
+    parser = deepspeed.add_config_arguments(parser)
+    args = parser.parse_args(["--deepspeed", "--deepspeed_config", str(cfg_path)])
+
+    deepspeed.init_distributed()
+    acc = get_accelerator()
+    out = {"device": acc.device_name(), "backend": acc.communication_backend_name(), "rank": dist.get_rank(),
+           "world": dist.get_world_size(), "local_rank": dist.get_local_rank(), "args": [args.deepspeed, args.local_rank],
+           "ranks": [dist.get_all_ranks_from_group(), dist.get_all_ranks_from_group(dist.new_group([1]))]}
+    try:
+        acc.lazy_call(print)
+    except AttributeError as e:
+        out["missing"] = str(e)
+    deepspeed.checkpointing.configure(None, deepspeed_config=args.deepspeed_config)
+    out["configured"] = deepspeed.checkpointing.is_configured()
+
+    model = _checkpointed(_llama()).to(acc.device_name())
+    opt = deepspeed.ops.adam.FusedAdam(model.parameters(), lr=LR, weight_decay=WD)
+    sched = WarmupLR(opt, warmup_min_lr=0.0, warmup_max_lr=LR, warmup_num_steps=2, warmup_type="linear")
+    engine, opt, _, sched = deepspeed.initialize(args=args, model=model, optimizer=opt, lr_scheduler=sched)
+    ids = _data()
+    losses = []
+    for t in range(STEPS):
+        batch = ids[t, rank * MICRO : (rank + 1) * MICRO]
+        loss = engine(input_ids=batch, labels=batch).loss
+        engine.backward(loss)
+        engine.step()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        losses.append(total.item() / world)
+    engine.save_checkpoint(str(Path(root, "ckpt")))
+    dist.barrier()
+    state = get_fp32_state_dict_from_zero_checkpoint(str(Path(root, "ckpt")))
+    weights = {n: p.detach() for n, p in engine.module.named_parameters()}
+    out["losses"] = losses
+    out["calls"] = len(CALLS)
+    out["state_equal"] = sorted(state) == sorted(weights) and all(torch.equal(state[n], w) for n, w in weights.items())
+    out["weights"] = {n: w.reshape(-1).tolist() for n, w in weights.items()}
+    inner = engine.zero_optimizer.optimizer  # initialize returns the engine's wrapper, as DeepSpeed does
+    out["fused_flag"] = isinstance(inner, deepspeed.ops.adam.FusedAdam) and inner.param_groups[0]["decoupled_weight_decay"]
+    return out
+
+
+def _oracle() -> tuple[list[float], dict[str, torch.Tensor]]:
+    from hf_zero.runtime.lr_schedules import WarmupLR
+
+    model = _llama()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+    sched = WarmupLR(opt, warmup_min_lr=0.0, warmup_max_lr=LR, warmup_num_steps=2, warmup_type="linear")
+    ids = _data()
+    losses = []
+    for t in range(STEPS):
+        loss = model(input_ids=ids[t], labels=ids[t]).loss
+        loss.backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {n: p.detach() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("cpu_checkpointing", [False, True])
+def test_a_deepspeed_script_runs_with_the_import_swapped(tmp_path: Path, cpu_checkpointing: bool) -> None:
+    ref_losses, ref_w = _oracle()
+    for r in spawn(_script, 2, str(tmp_path), cpu_checkpointing):
+        assert (r["device"], r["backend"], r["world"], r["local_rank"]) == ("cpu", "gloo", 2, r["rank"]), r
+        assert r["args"] == [True, -1] and r["configured"] and r["fused_flag"], r
+        assert r["calls"] == 2 * 2 * STEPS, r["calls"]  # 2 layers, each recomputed in backward
+        assert r["ranks"] == [[0, 1], [1]] if r["rank"] == 1 else r["ranks"][0] == [0, 1], r
+        assert r["missing"] == ("get_accelerator().lazy_call (of DeepSpeed's accelerator interface) is not supported by "
+                                "hf_zero yet; use torch.backends.cpu directly"), r
+        assert max(abs(a - b) / abs(b) for a, b in zip(r["losses"], ref_losses)) < 1e-5, (r["losses"], ref_losses)
+        for n, w in r["weights"].items():
+            ref = ref_w[n].reshape(-1)
+            assert float((torch.tensor(w) - ref).norm() / ref.norm()) < 1e-5, n
+        assert r["state_equal"], "zero_to_fp32's state dict differs from the engine's weights"
+
+
+def test_zero_to_fp32_convert_and_load_and_refusals(tmp_path: Path) -> None:
+    """The other two zero_to_fp32 functions, on a checkpoint written by a 1-rank engine of a transformers model."""
+    from transformers import AutoModelForCausalLM
+
+    import hf_zero as deepspeed
+    from hf_zero.utils.zero_to_fp32 import (
+        convert_zero_checkpoint_to_fp32_state_dict,
+        get_fp32_state_dict_from_zero_checkpoint,
+        load_state_dict_from_zero_checkpoint,
+    )
+
+    spawn(_one_rank_checkpoint, 1, str(tmp_path))
+    ckpt = tmp_path / "ckpt"
+    tag_dir = ckpt / "global_step1"
+    by_parent = get_fp32_state_dict_from_zero_checkpoint(str(ckpt))
+    by_tag = get_fp32_state_dict_from_zero_checkpoint(str(tag_dir))  # the tag folder itself, as DeepSpeed's script allows
+    assert by_parent.keys() == by_tag.keys() and all(torch.equal(by_parent[k], by_tag[k]) for k in by_parent)
+    assert all(t.dtype == torch.float32 for t in by_parent.values())
+    files = convert_zero_checkpoint_to_fp32_state_dict(str(ckpt), str(tmp_path / "out"), max_shard_size="20KB")
+    assert len(files) > 1 and (tmp_path / "out" / "model.safetensors.index.json").is_file(), files
+    loaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"))
+    assert all(torch.equal(p, by_parent[n]) for n, p in loaded.named_parameters())
+    fresh = load_state_dict_from_zero_checkpoint(_llama(), str(ckpt))
+    assert all(torch.equal(p, by_parent[n]) for n, p in fresh.named_parameters())
+    with pytest.raises(deepspeed.UsageError, match="does not fit Linear: missing"):
+        load_state_dict_from_zero_checkpoint(torch.nn.Linear(2, 2), str(ckpt))
+    with pytest.raises(deepspeed.UsageError, match="hf_zero writes safetensors only"):
+        convert_zero_checkpoint_to_fp32_state_dict(str(ckpt), str(tmp_path / "pickle"), safe_serialization=False)
+    assert not (tmp_path / "pickle").exists()
+
+
+def _one_rank_checkpoint(rank: int, world: int, root: str) -> dict:
+    import hf_zero
+
+    model = _llama()
+    engine, _, _, _ = hf_zero.initialize(model=model, config={
+        "train_micro_batch_size_per_gpu": MICRO, "optimizer": {"type": "AdamW", "params": {"lr": LR}},
+        "zero_optimization": {"stage": 3}, "bf16": {"enabled": True}, "steps_per_print": 1000})
+    ids = _data()[0, :MICRO]
+    engine.backward(engine(input_ids=ids, labels=ids).loss)
+    engine.step()
+    engine.save_checkpoint(str(Path(root, "ckpt")))
+    return {}
+
+
+def test_fused_adam_checkpointing_options_and_what_is_not_there() -> None:
+    import hf_zero as deepspeed
+    from hf_zero.ops.adam import DeepSpeedCPUAdam, FusedAdam
+
+    # adam_w_mode=False: weight decay added to the gradient (L2), as torch's Adam does
+    torch.manual_seed(0)
+    a, b = torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)
+    b.load_state_dict(a.state_dict())
+    opts = [FusedAdam(a.parameters(), lr=0.1, weight_decay=0.1, adam_w_mode=False), torch.optim.Adam(b.parameters(), lr=0.1, weight_decay=0.1)]
+    for _ in range(3):
+        for m, o in zip((a, b), opts):
+            m(torch.ones(2, 4)).pow(2).sum().backward()
+            o.step()
+            o.zero_grad()
+    assert all(torch.allclose(p, q, rtol=0, atol=1e-7) for p, q in zip(a.parameters(), b.parameters()))
+    with pytest.raises(deepspeed.UsageError, match="no AMSGrad variant"):
+        FusedAdam(a.parameters(), amsgrad=True)
+    with pytest.raises(deepspeed.UsageError, match="DeepSpeedCPUAdam is for ZeRO-Offload"):
+        DeepSpeedCPUAdam(a.parameters())
+    with pytest.raises(deepspeed.UsageError, match="model parallelism is not supported"):
+        deepspeed.checkpointing.configure(object())
+    with pytest.raises(deepspeed.UsageError, match="profile: got true"):
+        deepspeed.checkpointing.configure(None, profile=True)
+    with pytest.raises(AttributeError, match="belongs to model parallelism"):
+        deepspeed.checkpointing.get_cuda_rng_tracker  # noqa: B018
+    with pytest.raises(AttributeError, match="safe_get_full_grad .* is not supported by hf_zero yet"):
+        deepspeed.utils.safe_get_full_grad  # noqa: B018
+    with pytest.raises(deepspeed.UsageError, match="--deepspeed_mpi"):
+        import argparse
+
+        args = deepspeed.add_config_arguments(argparse.ArgumentParser()).parse_args(["--deepspeed_mpi"])
+        deepspeed.initialize(args=args, model=torch.nn.Linear(2, 2), config={"train_batch_size": 1})
+    assert deepspeed.comm.all_to_all_single is torch.distributed.all_to_all_single  # torch's names pass through
+    with pytest.raises(AttributeError, match="hf_zero.comm has no 'all_to_all_everything'"):
+        deepspeed.comm.all_to_all_everything  # noqa: B018
