@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tests import test_checkpoint, test_compile, test_parity, test_stage3  # noqa: E402
+from tests import test_checkpoint, test_compile, test_ds_api, test_parity, test_stage3  # noqa: E402
 
 TOL = 1e-5
 
@@ -65,6 +65,25 @@ def _compiled(rank: int, world: int) -> list[dict]:
     return rows
 
 
+def _ds_api(rank: int, world: int) -> list[dict]:
+    """tests/test_ds_api.py's DeepSpeed-shaped script on the GPUs: get_accelerator() says cuda, FusedAdam runs
+    torch's fused kernel on the shards, checkpointing recomputes (with cpu_checkpointing: pinned host copies)."""
+    import tempfile
+
+    root = os.path.join(tempfile.gettempdir(), f"hf_zero_gpu_check_ds_api_{world}")
+    os.makedirs(root, exist_ok=True)
+    ref_losses, ref_w = test_ds_api._oracle(world)
+    rows = []
+    for cpu_ckpt in (False, True):
+        r = test_ds_api._script(rank, world, root, cpu_ckpt)
+        loss_err = max(abs(a - b) / abs(b) for a, b in zip(r["losses"], ref_losses))
+        w_err = max(float((torch.tensor(w) - ref_w[n].reshape(-1)).norm() / ref_w[n].norm()) for n, w in r["weights"].items())
+        ok = (r["device"], r["backend"]) == ("cuda", "nccl") and r["fused_kernel"] and r["state_equal"]
+        rows.append({"case": f"FusedAdam+checkpointing.checkpoint, cpu_checkpointing={cpu_ckpt}, fused={r['fused_kernel']}",
+                     "loss_err": loss_err, "w_err": w_err if ok else float("inf")})
+    return rows
+
+
 def main() -> int:
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl")
@@ -73,6 +92,7 @@ def main() -> int:
     rows += [("stage 3", r) for r in test_stage3._grid(rank, world, test_stage3.CASES)]
     rows += [("resume", r) for r in _resume(rank, world)]
     rows += [("compile (inductor)", r) for r in _compiled(rank, world)]
+    rows += [("DeepSpeed API", r) for r in _ds_api(rank, world)]
     worst = torch.tensor([max(r["loss_err"], r["w_err"]) for _, r in rows], device="cuda")
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     failed = 0

@@ -52,8 +52,8 @@ def _checkpointed(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def _data() -> torch.Tensor:
-    return torch.randint(0, VOCAB, (STEPS, 2 * MICRO, SEQ), generator=torch.Generator().manual_seed(3))
+def _data(world: int = 2) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (STEPS, world * MICRO, SEQ), generator=torch.Generator().manual_seed(3))
 
 
 def _script(rank: int, world: int, root: str, cpu_checkpointing: bool) -> dict:
@@ -90,7 +90,7 @@ def _script(rank: int, world: int, root: str, cpu_checkpointing: bool) -> dict:
     opt = deepspeed.ops.adam.FusedAdam(model.parameters(), lr=LR, weight_decay=WD)
     sched = WarmupLR(opt, warmup_min_lr=0.0, warmup_max_lr=LR, warmup_num_steps=2, warmup_type="linear")
     engine, opt, _, sched = deepspeed.initialize(args=args, model=model, optimizer=opt, lr_scheduler=sched)
-    ids = _data()
+    ids = _data(world)
     losses = []
     for t in range(STEPS):
         batch = ids[t, rank * MICRO : (rank + 1) * MICRO]
@@ -110,16 +110,17 @@ def _script(rank: int, world: int, root: str, cpu_checkpointing: bool) -> dict:
     out["weights"] = {n: w.reshape(-1).tolist() for n, w in weights.items()}
     inner = engine.zero_optimizer.optimizer  # initialize returns the engine's wrapper, as DeepSpeed does
     out["fused_flag"] = isinstance(inner, deepspeed.ops.adam.FusedAdam) and inner.param_groups[0]["decoupled_weight_decay"]
+    out["fused_kernel"] = bool(inner.param_groups[0]["fused"])  # on GPU shards: torch's fused Adam
     return out
 
 
-def _oracle() -> tuple[list[float], dict[str, torch.Tensor]]:
+def _oracle(world: int = 2) -> tuple[list[float], dict[str, torch.Tensor]]:
     from hf_zero.runtime.lr_schedules import WarmupLR
 
     model = _llama()
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
     sched = WarmupLR(opt, warmup_min_lr=0.0, warmup_max_lr=LR, warmup_num_steps=2, warmup_type="linear")
-    ids = _data()
+    ids = _data(world)
     losses = []
     for t in range(STEPS):
         loss = model(input_ids=ids[t], labels=ids[t]).loss
