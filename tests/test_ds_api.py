@@ -103,7 +103,7 @@ def _script(rank: int, world: int, root: str, cpu_checkpointing: bool) -> dict:
     engine.save_checkpoint(str(Path(root, "ckpt")))
     dist.barrier()
     state = get_fp32_state_dict_from_zero_checkpoint(str(Path(root, "ckpt")))
-    weights = {n: p.detach() for n, p in engine.module.named_parameters()}
+    weights = {n: p.detach().cpu() for n, p in engine.module.named_parameters()}
     out["losses"] = losses
     out["calls"] = len(CALLS)
     out["state_equal"] = sorted(state) == sorted(weights) and all(torch.equal(state[n], w) for n, w in weights.items())
