@@ -300,6 +300,31 @@ class ZeroEngine(torch.nn.Module):
     def get_lr(self) -> list[float]:
         return [g["lr"] for g in self.zero_optimizer.param_groups] if self.zero_optimizer else []
 
+    def get_mom(self) -> list[Any]:
+        """Each param group's momentum: Adam's ``betas``, SGD's ``momentum`` (DeepSpeed's ``get_mom``)."""
+        if not self.zero_optimizer:
+            return []
+        return [g["betas"] if "betas" in g else g.get("momentum") for g in self.zero_optimizer.param_groups]
+
+    def get_batch_info(self) -> tuple[int, int, int]:
+        """``(train_batch_size, train_micro_batch_size_per_gpu, gradient_accumulation_steps)``."""
+        return self.train_batch_size(), self.train_micro_batch_size_per_gpu(), self.gradient_accumulation_steps()
+
+    def get_data_types(self) -> tuple[torch.dtype, torch.dtype]:
+        """The dtype the model computes in and the dtype gradients are averaged in."""
+        return self.compute_dtype, reduce_dtype(self.config)
+
+    @property
+    def mp_world_size(self) -> int:
+        """Model (tensor) parallel degree: hf_zero has none, so 1, as DeepSpeed reports without an mpu."""
+        return 1
+
+    def empty_partition_cache(self) -> None:
+        """Stage 3: release the blocks that no-grad forwards (evaluation, ``generate``) left gathered."""
+        zo = self.zero_optimizer
+        if zo is not None and zo.runtime is not None:
+            zo.runtime.release_inference()
+
     def get_global_grad_norm(self) -> float | None:
         """Norm of the averaged gradients before clipping, at the last applied step."""
         return None if self._global_grad_norm is None else float(self._global_grad_norm)
@@ -518,6 +543,28 @@ class ZeroEngine(torch.nn.Module):
         from hf_zero.checkpoint import consolidated
 
         return consolidated.save_pretrained(self, save_directory, max_shard_size=max_shard_size, dtype=dtype)
+
+    def save_16bit_model(
+        self, save_dir: str, save_filename: str = "model.safetensors", exclude_frozen_parameters: bool = False
+    ) -> bool:
+        """The whole model's state dict in its compute dtype, in one file (every rank calls this; rank 0 writes).
+
+        DeepSpeed's method writes ``pytorch_model.bin``, a pickle; hf_zero writes safetensors only,
+        so the default name is ``model.safetensors`` and a ``.bin`` name is refused. Stage-3 blocks
+        are gathered one at a time (no ``stage3_gather_16bit_weights_on_model_save`` needed).
+        Tied weights are written once, under their first name. Returns True, as DeepSpeed does.
+        """
+        from hf_zero.checkpoint import consolidated
+
+        if not str(save_filename).endswith(".safetensors"):
+            raise UsageError(
+                f"save_16bit_model(save_filename={save_filename!r}): hf_zero writes safetensors only (a pickled .bin "
+                "can run code when loaded); pass a name ending in .safetensors, such as 'model.safetensors'"
+            )
+        consolidated.save_single_file(self, save_dir, save_filename, exclude_frozen=exclude_frozen_parameters)
+        return True
+
+    save_fp16_model = save_16bit_model
 
     def push_to_hub(
         self,

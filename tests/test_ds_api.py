@@ -229,3 +229,59 @@ def test_fused_adam_checkpointing_options_and_what_is_not_there() -> None:
     assert deepspeed.comm.all_to_all_single is torch.distributed.all_to_all_single  # torch's names pass through
     with pytest.raises(AttributeError, match="hf_zero.comm has no 'all_to_all_everything'"):
         deepspeed.comm.all_to_all_everything  # noqa: B018
+
+
+def _engine_methods(rank: int, world: int, root: str) -> dict:
+    import safetensors.torch
+
+    import hf_zero as deepspeed
+
+    model = _llama()
+    model.model.norm.weight.requires_grad_(False)  # one frozen parameter, for exclude_frozen_parameters
+    engine, _, _, _ = deepspeed.initialize(model=model, config={
+        "train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": [0.8, 0.99]}},
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}, "bf16": {"enabled": True},
+        "steps_per_print": 1000})
+    ids = _data(world)
+    for t in range(2):
+        batch = ids[t, rank * MICRO : (rank + 1) * MICRO]
+        engine.backward(engine(input_ids=batch, labels=batch).loss)
+        engine.step()
+    out = {"batch_info": list(engine.get_batch_info()), "mom": [list(m) for m in engine.get_mom()],
+           "types": [str(t) for t in engine.get_data_types()], "mp": engine.mp_world_size}
+    layer_w = engine.module.model.layers[0].mlp.up_proj.weight
+    with torch.no_grad():
+        engine(input_ids=ids[0, :MICRO])  # evaluation keeps blocks gathered for the next no-grad forward
+    out["gathered_after_eval"] = layer_w.untyped_storage().nbytes()
+    engine.empty_partition_cache()
+    out["gathered_after_empty"] = layer_w.untyped_storage().nbytes()
+    assert engine.save_16bit_model(str(Path(root, "w16"))) is True
+    engine.save_16bit_model(str(Path(root, "w16")), "trainable.safetensors", exclude_frozen_parameters=True)
+    engine.save_pretrained(str(Path(root, "pretrained")))  # the reference: save_pretrained's consolidation
+    try:
+        engine.save_16bit_model(str(Path(root, "bin")), "pytorch_model.bin")
+    except deepspeed.UsageError as e:
+        out["bin"] = str(e)
+    if rank == 0:
+        full = safetensors.torch.load_file(str(Path(root, "w16", "model.safetensors")))
+        ref = safetensors.torch.load_file(str(Path(root, "pretrained", "model.safetensors")))
+        trainable = safetensors.torch.load_file(str(Path(root, "w16", "trainable.safetensors")))
+        out["equal_to_pretrained"] = full.keys() == ref.keys() and all(torch.equal(full[k], ref[k]) for k in ref)
+        out["dtypes"] = sorted({str(t.dtype) for t in full.values()})
+        out["excluded"] = sorted(set(full) - set(trainable))
+    return out
+
+
+def test_engine_save_16bit_model_and_the_small_engine_methods(tmp_path: Path) -> None:
+    results = spawn(_engine_methods, 2, str(tmp_path))
+    for r in results:
+        assert r["batch_info"] == [2 * MICRO * 2, MICRO, 2] and r["mom"] == [[0.8, 0.99]] and r["mp"] == 1, r
+        assert r["types"] == ["torch.bfloat16", "torch.float32"], r
+        assert r["gathered_after_eval"] > 0 and r["gathered_after_empty"] == 0, r
+        assert r["bin"] == ("save_16bit_model(save_filename='pytorch_model.bin'): hf_zero writes safetensors only (a pickled "
+                            ".bin can run code when loaded); pass a name ending in .safetensors, such as 'model.safetensors'"), r
+    r0 = results[0]
+    assert r0["equal_to_pretrained"] and r0["dtypes"] == ["torch.bfloat16"], r0
+    assert r0["excluded"] == ["model.norm.weight"], r0
+    assert not (tmp_path / "bin").exists()

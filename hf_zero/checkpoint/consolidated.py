@@ -211,6 +211,33 @@ def save_pretrained(engine: Any, save_directory: str, max_shard_size: int | str 
     return files
 
 
+def save_single_file(engine: Any, save_dir: str, filename: str, exclude_frozen: bool = False) -> str:
+    """The engine's whole state dict, in its own dtypes, as one safetensors file (collective; rank 0 writes)."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank(engine.group)
+    module = engine.module
+    units = OneUnitAtATime(engine)
+    entries, tensors = engine_entries(module, None)
+    if exclude_frozen:
+        entries = [e for e in entries if not (isinstance(tensors[e[0]], torch.nn.Parameter) and not tensors[e[0]].requires_grad)]
+    path = os.path.join(save_dir, filename)
+    writer = None
+    if rank == 0:
+        os.makedirs(save_dir, exist_ok=True)
+        writer = StreamingSafetensorsWriter(path, entries)
+    with torch.no_grad():
+        for name, _, _ in entries:
+            t = units.full(tensors[name])
+            if writer is not None:
+                writer.write(name, t.detach().to("cpu", copy=True))
+    units.release()
+    if writer is not None:
+        writer.close()
+    dist.barrier(engine.group)
+    return path
+
+
 def consolidate(
     checkpoint_dir: str, out_dir: str, tag: str | None = None, max_shard_size: int | str = "5GB",
     dtype: torch.dtype | None = torch.float32, progress: bool = True,
