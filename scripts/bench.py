@@ -401,7 +401,8 @@ def main() -> None:
     unused = [flag for flag, on in (("--profile", args.profile), ("--memory_peak", args.memory_peak), ("--compile", args.compile),
                                     ("--checkpoint_blocks", args.checkpoint_blocks)) if on]
     if unused and any(e.startswith("pipe") for e in args.engines.split(",")):
-        raise SystemExit(f"{', '.join(unused)} apply to the hf/ddp/fsdp2/ds engines, not to pipeN; run the pipeline engines without them")
+        raise SystemExit(f"{', '.join(unused)} {'is' if len(unused) == 1 else 'are'} for the hf/ddp/fsdp2/ds engines, not pipeN; "
+                         "run the pipeline engines without them")
     nproc = args.gpus or torch.cuda.device_count()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
