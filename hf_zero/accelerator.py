@@ -77,10 +77,16 @@ class Accelerator:
 
     # ----------------------------------------------------------- random
     def manual_seed(self, seed: int) -> None:
-        torch.cuda.manual_seed(seed) if self._cuda else torch.manual_seed(seed)
+        if self._cuda:
+            torch.cuda.manual_seed(seed)
+        else:
+            torch.manual_seed(seed)
 
     def manual_seed_all(self, seed: int) -> None:
-        torch.cuda.manual_seed_all(seed) if self._cuda else torch.manual_seed(seed)
+        if self._cuda:
+            torch.cuda.manual_seed_all(seed)
+        else:
+            torch.manual_seed(seed)
 
     def initial_seed(self) -> int:
         return torch.cuda.initial_seed() if self._cuda else torch.initial_seed()
