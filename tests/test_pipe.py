@@ -283,16 +283,20 @@ def _errors(rank: int, world: int) -> list[str]:
     engine, _, _, _ = hf_zero.initialize(model=split_causal_lm(_llama(layers=2), 2), config={
         "train_batch_size": 4, "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}})
     catch(lambda: engine.train_batch())
+    catch(lambda: engine.save_16bit_model("never-written"))
     return out
 
 
 def _check_errors(msgs: list[str]) -> None:
-    """Bad num_stages (twice), partition_method, ZeRO-3 with a pipeline, train_batch without data: one sentence each."""
+    """Bad num_stages (twice), partition_method, ZeRO-3 with a pipeline, train_batch without data, save_16bit_model:
+    one sentence each."""
     assert "does not divide the world size 2" in msgs[0], msgs
     assert "has more stages than layers (3)" in msgs[1], msgs
     assert "partition_method='fancy'" in msgs[2] and "unknown" in msgs[2], msgs
     assert msgs[3].startswith("ConfigError: zero_optimization.stage: got 3") and "pipeline" in msgs[3], msgs
     assert msgs[4].startswith("UsageError: train_batch() got no data"), msgs
+    assert msgs[5] == ("UsageError: save_16bit_model() is not supported for a pipeline engine; call "
+                       "engine.save_pretrained(save_dir), which writes every stage's weights into one from_pretrained folder"), msgs
 
 
 def _own_loss(rank: int, world: int) -> dict:

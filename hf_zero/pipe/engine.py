@@ -246,6 +246,16 @@ class PipelineEngine(ZeroEngine):
 
         return save_pretrained(self, save_directory, max_shard_size=max_shard_size, dtype=dtype)
 
+    def save_16bit_model(self, save_dir: str, save_filename: str = "model.safetensors",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        """Refused: each stage holds only its layers, so one file needs every stage's share (save_pretrained does that)."""
+        raise UsageError(
+            "save_16bit_model() is not supported for a pipeline engine; call engine.save_pretrained(save_dir), "
+            "which writes every stage's weights into one from_pretrained folder"
+        )
+
+    save_fp16_model = save_16bit_model
+
     def __repr__(self) -> str:
         return (f"PipelineEngine(stage={self.stage_id}/{self.num_stages}, dp={self.dp_world_size}, "
                 f"zero_stage={self.zero_optimization_stage()}, schedule={self.schedule_name})")
