@@ -68,6 +68,11 @@ def init_distributed(
     """
     del auto_mpi_discovery, distributed_port, verbose, config, dist_init_required
     if dist.is_initialized():
+        # Made by someone else (Accelerate's PartialState, for the Trainer): a gloo group still must
+        # not be left to interpreter teardown, which can abort a rank of a finished run (see below;
+        # seen in 1 of 3 fresh-clone CI runs, on the Trainer push test of tests/test_hub.py).
+        if dist.get_backend() == "gloo":
+            _destroy_at_exit_once()
         return
     backend = dist_backend or default_backend()
     if backend == "nccl" and torch.cuda.is_available():
@@ -80,8 +85,7 @@ def init_distributed(
     # A process group still alive at interpreter exit can abort the process ("terminate called
     # without an active exception") once gloo's worker threads are torn down in arbitrary order;
     # tutorial scripts never destroy it, so the group hf_zero created is destroyed at exit.
-    atexit.register(_destroy_at_exit)
-    _watch_uncaught_exceptions()
+    _destroy_at_exit_once()
     if init_method is None and launched and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         dist.init_process_group(backend, store=_attempt_store(kwargs.get("timeout")), rank=_env_int("RANK", 0),
                                 world_size=_env_int("WORLD_SIZE", 1), **kwargs)
@@ -149,6 +153,17 @@ def _watch_uncaught_exceptions() -> None:
         previous(exc_type, exc, tb)
 
     sys.excepthook = hook
+
+
+_exit_registered = False
+
+
+def _destroy_at_exit_once() -> None:
+    global _exit_registered
+    if not _exit_registered:
+        _exit_registered = True
+        atexit.register(_destroy_at_exit)
+        _watch_uncaught_exceptions()
 
 
 def _destroy_at_exit() -> None:
