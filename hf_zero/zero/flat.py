@@ -57,6 +57,30 @@ def lay_out(named_params: list[tuple[str, torch.nn.Parameter]]) -> tuple[list[Pa
     return slots, offset
 
 
+def pack_grads(
+    slots: list[ParamSlot], padded_numel: int, dtype: torch.dtype, device: torch.device
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The slots' gradients, each cast into its place in one flat buffer of ``dtype``, and the gradients read.
+
+    One pass from autograd's gradients into a reduction's input: no zeroed buffer for autograd to
+    add into. An unused parameter (no gradient) and the padding after the last slot are zeros.
+    Runs on the current stream; the caller keeps the returned gradients alive for it.
+    """
+    src = torch.empty(padded_numel, dtype=dtype, device=device)
+    held: list[torch.Tensor] = []
+    for s in slots:
+        view, g = src[s.offset : s.offset + s.numel], s.param.grad
+        if g is None:
+            view.zero_()
+        else:
+            view.copy_(g.reshape(-1))
+            held.append(g)
+    end = slots[-1].offset + slots[-1].numel if slots else 0  # lay_out places slots back to back
+    if padded_numel > end:
+        src[end:].zero_()
+    return src, held
+
+
 class FlatGroup:
     """A bucket of parameters sharing one flat parameter buffer and one flat gradient buffer.
 
@@ -183,28 +207,15 @@ class FlatGroup:
         Under stage 2 the full gradient buffer is released right after the reduce-scatter is
         issued, so at most the buckets still in flight hold full gradients during backward.
         """
-        direct = self.direct and self.grad_flat is None
-        held: list[torch.Tensor] = []
-        if not direct and self.grad_flat is None:  # no parameter of this bucket was used: still take part
+        if not self.direct and self.grad_flat is None:  # no parameter of this bucket was used: still take part
             self.ensure_grad_buffer()
         self.grad_state = GradState.REDUCING
         with C.on_stream(stream):
-            if direct:
-                # Cast each gradient into its place in the reduce-scatter input (one pass, side stream).
-                src = torch.empty(self.padded_numel, dtype=self.reduce_dtype, device=self.device)
-                for s in self.slots:
-                    view, g = src[s.offset : s.offset + s.numel], s.param.grad
-                    if g is None:  # unused in this backward
-                        view.zero_()
-                    else:
-                        view.copy_(g.reshape(-1))
-                        held.append(g)
-                if self.padded_numel > self.numel:
-                    src[self.numel :].zero_()
+            if self.direct:  # autograd's gradients, cast into the reduce-scatter input on the side stream
+                src, held = pack_grads(self.slots, self.padded_numel, self.reduce_dtype, self.device)
             else:
                 assert self.grad_flat is not None
-                src = self.grad_flat
-                held.append(src)
+                src, held = self.grad_flat, [self.grad_flat]
                 if src.dtype != self.reduce_dtype:
                     src = src.to(self.reduce_dtype)
             if not self.partitioned:

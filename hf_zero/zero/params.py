@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from hf_zero.zero import collectives as C
-from hf_zero.zero.flat import ParamSlot, lay_out
+from hf_zero.zero.flat import ParamSlot, lay_out, pack_grads
 
 
 class ShardState(enum.Enum):
@@ -164,16 +164,7 @@ class ShardedParamGroup:
         if limit is not None:
             limit.before_issue(stream)
         with C.on_stream(stream), torch.no_grad():
-            # One pass: each gradient is cast into its place in the flat reduce-scatter input.
-            src = torch.empty(self.padded_numel, dtype=self.reduce_dtype, device=self.device)
-            for slot, g in zip(self.slots, grads):
-                view = src[slot.offset : slot.offset + slot.numel]
-                if g is None:  # unused in this backward
-                    view.zero_()
-                else:
-                    view.copy_(g.reshape(-1))
-            if self.padded_numel > self.numel:
-                src[self.numel :].zero_()
+            src, held = pack_grads(self.slots, self.padded_numel, self.reduce_dtype, self.device)
             out = torch.empty(self.shard_numel, dtype=self.reduce_dtype, device=self.device)
             C.reduce_scatter_(out, src, self.group, self.world_size)
             out = out.float().div_(self.world_size)
@@ -181,7 +172,7 @@ class ShardedParamGroup:
                 self.master.grad = out
             else:
                 self.master.grad.add_(out)
-        held = [g for g in grads if g is not None]  # made on the compute stream, read on `stream`
+        # `held`: made on the compute stream, read on `stream`
         if limit is not None:
             limit.after_issue(stream, held)
         elif stream is not None:
