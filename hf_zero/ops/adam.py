@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from hf_zero.engine import UsageError
+from hf_zero.optim import _adam_kernel, _materialise
 
 __all__ = ["FusedAdam", "DeepSpeedCPUAdam"]
 
@@ -40,12 +41,9 @@ class FusedAdam(torch.optim.Adam):
             raise UsageError("FusedAdam(amsgrad=True): FusedAdam has no AMSGrad variant (DeepSpeed's neither); use torch.optim.Adam(amsgrad=True)")
         if not bias_correction:
             raise UsageError("FusedAdam(bias_correction=False) is not supported by hf_zero; leave it True")
-        params = list(params)
-        tensors = [t for p in params for t in (p["params"] if isinstance(p, dict) else [p])]
-        tensors = [t for t in tensors if isinstance(t, torch.Tensor)]
-        on_gpu = bool(tensors) and all(t.is_cuda and t.is_floating_point() for t in tensors)
-        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                         decoupled_weight_decay=adam_w_mode, fused=True if on_gpu else None)
+        groups = _materialise(params)
+        super().__init__(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                         decoupled_weight_decay=adam_w_mode, **_adam_kernel(groups))
         self.set_grad_none = set_grad_none
         self.hf_zero_fuse_on_device = True  # the engine turns the fused kernel on once the shards are on the GPU
 
