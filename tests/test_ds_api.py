@@ -176,6 +176,12 @@ def test_zero_to_fp32_convert_and_load_and_refusals(tmp_path: Path) -> None:
     by_tag = get_fp32_state_dict_from_zero_checkpoint(str(tag_dir))  # the tag folder itself, as DeepSpeed's script allows
     assert by_parent.keys() == by_tag.keys() and all(torch.equal(by_parent[k], by_tag[k]) for k in by_parent)
     assert all(t.dtype == torch.float32 for t in by_parent.values())
+    trainable = get_fp32_state_dict_from_zero_checkpoint(str(ckpt), exclude_frozen_parameters=True)
+    assert sorted(set(by_parent) - set(trainable)) == ["model.norm.weight"]
+    convert_zero_checkpoint_to_fp32_state_dict(str(ckpt), str(tmp_path / "trainable"), exclude_frozen_parameters=True)
+    from safetensors.torch import load_file
+
+    assert sorted(load_file(str(tmp_path / "trainable" / "model.safetensors"))) == sorted(trainable)
     files = convert_zero_checkpoint_to_fp32_state_dict(str(ckpt), str(tmp_path / "out"), max_shard_size="20KB")
     assert len(files) > 1 and (tmp_path / "out" / "model.safetensors.index.json").is_file(), files
     loaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"))
@@ -193,6 +199,7 @@ def _one_rank_checkpoint(rank: int, world: int, root: str) -> dict:
     import hf_zero
 
     model = _llama()
+    model.model.norm.weight.requires_grad_(False)  # a frozen parameter, for exclude_frozen_parameters
     engine, _, _, _ = hf_zero.initialize(model=model, config={
         "train_micro_batch_size_per_gpu": MICRO, "optimizer": {"type": "AdamW", "params": {"lr": LR}},
         "zero_optimization": {"stage": 3}, "bf16": {"enabled": True}, "steps_per_print": 1000})

@@ -88,13 +88,18 @@ def write_weights(
     max_shard_size: int | str,
     writer: bool,
     progress: Iterable | None = None,
+    filename: str | None = None,
 ) -> list[str]:
     """Write every entry, asking ``produce(name)`` for its full value in order.
 
     ``produce`` runs on every rank (it may be a collective); only the ``writer`` rank writes.
+    ``filename`` puts everything in that one file (no index) instead of transformers' shards.
     Returns the files written.
     """
-    files, index = plan_shards(entries, max_shard_size)
+    if filename is not None:
+        files, index = {filename: [n for n, _, _ in entries]}, None
+    else:
+        files, index = plan_shards(entries, max_shard_size)
     spec = {n: (n, dt, shape) for n, dt, shape in entries}
     bar = progress
     for fname, names in files.items():
@@ -108,7 +113,7 @@ def write_weights(
                 bar.update(1)  # type: ignore[attr-defined]
         if w is not None:
             w.close()
-    if writer:
+    if writer and filename is None:
         stale = os.path.join(out_dir, "model.safetensors.index.json")
         if index is not None:
             tmp = stale + ".tmp"
@@ -188,25 +193,9 @@ def save_pretrained(engine: Any, save_directory: str, max_shard_size: int | str 
     """
     import torch.distributed as dist
 
-    rank = dist.get_rank(engine.group)
-    if rank == 0:
-        os.makedirs(save_directory, exist_ok=True)
-    module = engine.module
-    units = OneUnitAtATime(engine)
-    entries, tensors = engine_entries(module, dtype)
-    first_float = next((dt for _, dt, _ in entries if dt.is_floating_point), None)
-
-    def produce(name: str) -> torch.Tensor | None:
-        t = units.full(tensors[name])
-        # One copy (device to host, or a host clone): the writer hands the bytes to numpy, which must
-        # not pin the unit's storage (it is resized to 0 when the unit is released).
-        return t.detach().to("cpu", copy=True) if rank == 0 else None
-
-    with torch.no_grad():
-        files = write_weights(save_directory, entries, produce, max_shard_size, writer=rank == 0)
-    units.release()
-    if rank == 0:
-        save_model_config(module, save_directory, first_float)
+    files, entries = _write_engine(engine, save_directory, dtype, max_shard_size=max_shard_size)
+    if dist.get_rank(engine.group) == 0:
+        save_model_config(engine.module, save_directory, next((dt for _, dt, _ in entries if dt.is_floating_point), None))
     dist.barrier(engine.group)
     return files
 
@@ -215,27 +204,39 @@ def save_single_file(engine: Any, save_dir: str, filename: str, exclude_frozen: 
     """The engine's whole state dict, in its own dtypes, as one safetensors file (collective; rank 0 writes)."""
     import torch.distributed as dist
 
+    _write_engine(engine, save_dir, None, filename=filename, exclude_frozen=exclude_frozen)
+    dist.barrier(engine.group)
+    return os.path.join(save_dir, filename)
+
+
+def _write_engine(
+    engine: Any, out_dir: str, dtype: torch.dtype | None, max_shard_size: int | str = "5GB",
+    filename: str | None = None, exclude_frozen: bool = False,
+) -> tuple[list[str], list[tuple[str, torch.dtype, tuple[int, ...]]]]:
+    """Stream the engine's tensors into ``out_dir`` (collective; rank 0 writes), one stage-3 unit gathered at a time.
+
+    Returns the files written and the entries (name, dtype, shape) they hold.
+    """
+    import torch.distributed as dist
+
     rank = dist.get_rank(engine.group)
-    module = engine.module
+    if rank == 0:
+        os.makedirs(out_dir, exist_ok=True)
     units = OneUnitAtATime(engine)
-    entries, tensors = engine_entries(module, None)
+    entries, tensors = engine_entries(engine.module, dtype)
     if exclude_frozen:
         entries = [e for e in entries if not (isinstance(tensors[e[0]], torch.nn.Parameter) and not tensors[e[0]].requires_grad)]
-    path = os.path.join(save_dir, filename)
-    writer = None
-    if rank == 0:
-        os.makedirs(save_dir, exist_ok=True)
-        writer = StreamingSafetensorsWriter(path, entries)
+
+    def produce(name: str) -> torch.Tensor | None:
+        t = units.full(tensors[name])
+        # One copy (device to host, or a host clone): the writer hands the bytes to numpy, which must
+        # not pin the unit's storage (it is resized to 0 when the unit is released).
+        return t.detach().to("cpu", copy=True) if rank == 0 else None
+
     with torch.no_grad():
-        for name, _, _ in entries:
-            t = units.full(tensors[name])
-            if writer is not None:
-                writer.write(name, t.detach().to("cpu", copy=True))
+        files = write_weights(out_dir, entries, produce, max_shard_size, writer=rank == 0, filename=filename)
     units.release()
-    if writer is not None:
-        writer.close()
-    dist.barrier(engine.group)
-    return path
+    return files, entries
 
 
 def consolidate(
@@ -275,9 +276,12 @@ def consolidate(
 
 
 def _plan(
-    checkpoint_dir: str, tag: str | None, dtype: torch.dtype | None
+    checkpoint_dir: str, tag: str | None, dtype: torch.dtype | None, exclude_frozen: bool = False
 ) -> tuple[str, list[tuple[str, torch.dtype, tuple[int, ...]]], Any]:
-    """A resume checkpoint's tensors: its folder, (name, dtype, shape) of each, and a function that reads one whole."""
+    """A resume checkpoint's tensors: its folder, (name, dtype, shape) of each, and a function that reads one whole.
+
+    ``exclude_frozen`` leaves out the parameters that were saved as not trainable.
+    """
     from hf_zero.checkpoint.sharded import CheckpointError, _Reader, resolve_tag
 
     path = resolve_tag(checkpoint_dir, tag)
@@ -289,6 +293,8 @@ def _plan(
         raise CheckpointError(damaged[0])
     entries, kinds = [], {}
     for name, info in meta["params"].items():
+        if exclude_frozen and not info.get("trainable", True):
+            continue
         saved = getattr(torch, info["dtype"])
         dt = dtype if dtype is not None and saved.is_floating_point else saved
         entries.append((name, dt, tuple(info["shape"])))
@@ -316,7 +322,9 @@ def _plan(
     return path, entries, produce
 
 
-def read_state_dict(checkpoint_dir: str, tag: str | None = None, dtype: torch.dtype | None = torch.float32) -> dict[str, torch.Tensor]:
+def read_state_dict(
+    checkpoint_dir: str, tag: str | None = None, dtype: torch.dtype | None = torch.float32, exclude_frozen: bool = False,
+) -> dict[str, torch.Tensor]:
     """Offline, on a CPU: a resume checkpoint's whole model as a state dict (fp32 masters by default), buffers included."""
-    _, entries, produce = _plan(checkpoint_dir, tag, dtype)
+    _, entries, produce = _plan(checkpoint_dir, tag, dtype, exclude_frozen)
     return {name: produce(name) for name, _, _ in entries}

@@ -23,16 +23,6 @@ __all__ = [
 ]
 
 
-def _frozen_names(checkpoint_dir: str, tag: str | None) -> set[str]:
-    import json
-
-    from hf_zero.checkpoint.sharded import resolve_tag
-
-    with open(os.path.join(resolve_tag(checkpoint_dir, tag), "checkpoint.json")) as f:
-        params = json.load(f)["params"]
-    return {n for n, info in params.items() if not info.get("trainable", True)}
-
-
 def get_fp32_state_dict_from_zero_checkpoint(
     checkpoint_dir: str, tag: str | None = None, exclude_frozen_parameters: bool = False, lazy_mode: bool = False,
 ) -> dict[str, torch.Tensor]:
@@ -46,11 +36,7 @@ def get_fp32_state_dict_from_zero_checkpoint(
     if lazy_mode:
         raise UsageError("get_fp32_state_dict_from_zero_checkpoint(lazy_mode=True) is not supported by hf_zero; leave it False")
     checkpoint_dir, tag = _split(checkpoint_dir, tag)
-    state = read_state_dict(checkpoint_dir, tag, dtype=torch.float32)
-    if exclude_frozen_parameters:
-        for name in _frozen_names(checkpoint_dir, tag):
-            state.pop(name, None)
-    return state
+    return read_state_dict(checkpoint_dir, tag, dtype=torch.float32, exclude_frozen=exclude_frozen_parameters)
 
 
 def load_state_dict_from_zero_checkpoint(model: torch.nn.Module, checkpoint_dir: str, tag: str | None = None) -> torch.nn.Module:
@@ -84,10 +70,7 @@ def convert_zero_checkpoint_to_fp32_state_dict(
         raise UsageError("convert_zero_checkpoint_to_fp32_state_dict(safe_serialization=False): hf_zero writes safetensors only "
                          "(pickle files can run code when loaded); leave it True")
     checkpoint_dir, tag = _split(checkpoint_dir, tag)
-    _, entries, produce = _plan(checkpoint_dir, tag, torch.float32)  # one tensor in memory at a time
-    if exclude_frozen_parameters:
-        frozen = _frozen_names(checkpoint_dir, tag)
-        entries = [e for e in entries if e[0] not in frozen]
+    _, entries, produce = _plan(checkpoint_dir, tag, torch.float32, exclude_frozen_parameters)  # one tensor at a time
     os.makedirs(output_dir, exist_ok=True)
     files = write_weights(output_dir, entries, produce, max_shard_size, writer=True)
     _copy_config(checkpoint_dir, tag, output_dir)
