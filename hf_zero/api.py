@@ -17,7 +17,8 @@ import torch.distributed as dist
 from hf_zero import dist as hz_dist
 from hf_zero.config import ConfigError, ZeroConfig
 from hf_zero.data import ResumableDistributedSampler
-from hf_zero.engine import UsageError, ZeroEngine
+from hf_zero.engine import ZeroEngine
+from hf_zero.errors import UsageError
 from hf_zero.optim import build_optimizer, build_scheduler
 
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from hf_zero.engine import UsageError
+from hf_zero.errors import UsageError
 
 __all__ = ["checkpoint", "non_reentrant_checkpoint", "configure", "is_configured", "reset"]
 

@@ -22,6 +22,8 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from hf_zero.errors import LaunchError
+
 DEFAULT_MASTER_PORT = 29500  # DeepSpeed's (and torch's) default rendezvous port
 
 # DeepSpeed flags that only make sense when one node starts all others over ssh.
@@ -39,10 +41,6 @@ _UNSUPPORTED_FLAGS = (
     "comment",
     "account",
 )
-
-
-class LaunchError(ValueError):
-    """A launch that cannot be translated into a torchrun command; the message is one sentence."""
 
 
 @dataclass(frozen=True)

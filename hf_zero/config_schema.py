@@ -21,10 +21,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-
-class ConfigError(ValueError):
-    """A DeepSpeed config that cannot be run: one sentence with the JSON path, the value and what is allowed."""
-
+from hf_zero.errors import ConfigError
 
 AUTO = "auto"
 SWITCH = "<a section with an 'enabled' flag>"

@@ -19,6 +19,8 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
+from hf_zero.errors import PeerFailureError
+
 
 def _env_int(name: str, default: int) -> int:
     value = os.environ.get(name)
@@ -234,10 +236,6 @@ _COMM_FAILURE = re.compile(
     re.I,
 )
 _registered: set[int] = set()
-
-
-class PeerFailureError(RuntimeError):
-    """A collective failed because another rank died, hung, or dropped its connection."""
 
 
 def _store() -> dist.Store | None:

@@ -19,7 +19,8 @@ import torch.distributed as dist
 
 from hf_zero import dist as hz_dist
 from hf_zero.config import ZeroConfig
-from hf_zero.precision import LossScaler, NonFiniteLossError, reduce_dtype
+from hf_zero.errors import NonFiniteLossError, UsageError
+from hf_zero.precision import LossScaler, reduce_dtype
 from hf_zero.zero import collectives as C
 from hf_zero.zero.partition import ShardedOptimizer
 from hf_zero.zero.preshard import is_presharded, materialize_
@@ -34,10 +35,6 @@ def _ensure_log_handler() -> None:
         handler.setFormatter(logging.Formatter("[hf_zero] %(message)s"))
         logger.addHandler(handler)
         logger.setLevel(logging.INFO)
-
-
-class UsageError(ValueError):
-    """The engine's API was called in a way that cannot mean anything."""
 
 
 def _to_device(obj: Any, device: torch.device, float_dtype: torch.dtype | None) -> Any:

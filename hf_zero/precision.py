@@ -17,14 +17,7 @@ from typing import Any
 import torch
 
 from hf_zero.config import FP16Config, ZeroConfig
-
-
-class LossScaleFloorError(FloatingPointError):
-    """fp16 gradients overflowed with the loss scale already at ``min_loss_scale``."""
-
-
-class NonFiniteLossError(FloatingPointError):
-    """A bf16/fp32 step had an inf/nan loss or gradient and the config says ``"nonfinite_loss": "stop"``."""
+from hf_zero.errors import LossScaleFloorError, NonFiniteLossError  # noqa: F401 - NonFiniteLossError: its old import path
 
 
 class LossScaler:

@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from hf_zero.errors import CheckpointError
+
 _DTYPES = {
     torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
     torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
@@ -250,8 +252,6 @@ def consolidate(
     the rank files' slices, written, and dropped.
     """
     from tqdm.auto import tqdm
-
-    from hf_zero.checkpoint.sharded import CheckpointError
 
     path, entries, produce = _plan(checkpoint_dir, tag, dtype)
     os.makedirs(out_dir, exist_ok=True)

@@ -50,14 +50,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from hf_zero.errors import CheckpointError
+
 FORMAT = "hf_zero.resume/1"
 LATEST = "latest"
 MAX_FILE_BYTES = 2 * 2**30
 _KERNEL_KEYS = ("fused", "foreach", "capturable", "differentiable")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint cannot be written or read as asked."""
 
 
 # ------------------------------------------------------------------ ownership

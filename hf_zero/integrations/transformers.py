@@ -23,7 +23,7 @@ from typing import Any
 import accelerate
 import transformers
 
-from hf_zero.engine import UsageError
+from hf_zero.errors import UsageError
 from hf_zero.integrations.accelerate import Accelerator, load_zero_config
 
 ZERO_STATE_TAG = "zero_state"

@@ -34,7 +34,8 @@ import torch
 import torch.distributed as dist
 
 from hf_zero.config import ConfigError, ZeroConfig
-from hf_zero.engine import UsageError, ZeroEngine, _to_device
+from hf_zero.engine import ZeroEngine, _to_device
+from hf_zero.errors import UsageError
 from hf_zero.pipe import schedule as S
 from hf_zero.pipe.module import PipelineModule
 

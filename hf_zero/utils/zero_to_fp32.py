@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from hf_zero.engine import UsageError
+from hf_zero.errors import UsageError
 
 __all__ = [
     "get_fp32_state_dict_from_zero_checkpoint", "load_state_dict_from_zero_checkpoint",
