@@ -173,7 +173,7 @@ class ZeroEngine(torch.nn.Module):
         """
         from torch.utils.checkpoint import checkpoint
 
-        from hf_zero.zero.params import find_units
+        from hf_zero.zero.stage3 import find_units
 
         self._no_kv_cache_in_training("activation_checkpointing.checkpoint_blocks")
         for _, block in find_units(self.module):
@@ -318,9 +318,8 @@ class ZeroEngine(torch.nn.Module):
 
     def empty_partition_cache(self) -> None:
         """Stage 3: release the blocks that no-grad forwards (evaluation, ``generate``) left gathered."""
-        zo = self.zero_optimizer
-        if zo is not None and zo.runtime is not None:
-            zo.runtime.release_inference()
+        if self.zero_optimizer is not None:
+            self.zero_optimizer.release_inference()
 
     def get_global_grad_norm(self) -> float | None:
         """Norm of the averaged gradients before clipping, at the last applied step."""

@@ -74,13 +74,13 @@ def _generate(rank: int, world: int) -> dict:
         got = engine.module.generate(prompt, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
         want = ref.generate(prompt, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
     collectives.all_gather_ = orig
-    n_groups = len(engine.zero_optimizer.shard_groups)
+    n_groups = len(engine.zero_optimizer.stage3_groups)
     # training resumes: the inference gathering is released by the next training forward
     engine.train()
     ids = torch.randint(0, 61, (1, 8))
     engine.backward(engine(input_ids=ids, labels=ids).loss)
     engine.step()
-    sharded = all(grp.full.untyped_storage().nbytes() == 0 for grp in engine.zero_optimizer.shard_groups)
+    sharded = all(grp.full.untyped_storage().nbytes() == 0 for grp in engine.zero_optimizer.stage3_groups)
     return {"got": got.tolist(), "want": want.tolist(), "gathers": len(gathers), "groups": n_groups, "sharded_after": sharded}
 
 

@@ -166,14 +166,15 @@ class OneUnitAtATime:
     """
 
     def __init__(self, engine: Any) -> None:
-        zo = engine.zero_optimizer
-        if zo is not None and zo.runtime is not None:
-            zo.runtime.release_inference()
+        self.optimizer = engine.zero_optimizer
+        if self.optimizer is not None:
+            self.optimizer.release_inference()
         self.current: Any = None
 
     def full(self, t: torch.Tensor) -> torch.Tensor:
-        g = getattr(t, "hf_zero_group", None)
-        if g is not None and g is not self.current:
+        """``t`` itself, made whole first if its shard group keeps only shards between uses."""
+        g = self.optimizer.group_of(t) if self.optimizer is not None else None
+        if g is not None and not g.resident and g is not self.current:
             self.release()
             g.gather(None)
             g.wait()

@@ -42,7 +42,6 @@ import os
 import random
 import shutil
 from collections import defaultdict
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,27 +55,6 @@ FORMAT = "hf_zero.resume/1"
 LATEST = "latest"
 MAX_FILE_BYTES = 2 * 2**30
 _KERNEL_KEYS = ("fused", "foreach", "capturable", "differentiable")
-
-
-# ------------------------------------------------------------------ ownership
-
-
-def owned_ranges(group: Any) -> Iterator[tuple[Any, int, int, int]]:
-    """``(slot, a, b, m)``: elements ``[a, b)`` of ``slot.param`` are ``group.master[m : m + b - a]``."""
-    if hasattr(group, "shard_lo"):  # FlatGroup (stages 0-2)
-        lo, hi = group.shard_lo, group.shard_hi
-    else:  # ShardedParamGroup (stage 3)
-        lo = group.rank * group.shard_numel
-        hi = lo + group.shard_numel
-    for s in group.slots:
-        a, b = max(s.offset, lo), min(s.offset + s.numel, hi)
-        if a < b:
-            yield s, a - s.offset, b - s.offset, a - lo
-
-
-def _writes(group: Any, rank: int) -> bool:
-    """Whether this rank is the one that stores the group's elements (stage 0 replicates them)."""
-    return getattr(group, "partitioned", True) or rank == 0
 
 
 @dataclass
@@ -378,33 +356,34 @@ def _write_share(engine: Any, lay: _Layout, zo: Any, partial: str) -> None:
     ranges: dict[str, Any] = {}
     scalars: dict[str, dict[str, Any]] = {}
     opt_state = zo.optimizer.state
-    for g in zo._all_groups():
-        if not _writes(g, lay.dp_rank):
-            continue
-        master = g.master
-        state = opt_state.get(master, {}) if master is not None else {}
-        for slot, a, b, m in owned_ranges(g):
-            if id(slot.param) in lay.others:
+    for g in zo.groups:
+        if not (g.partitioned or lay.dp_rank == 0):
+            continue  # stage 0: every rank holds the same values; the first stores them
+        values = g.owned_values()
+        state = opt_state.get(g.master, {}) if g.master is not None else {}
+        for r in g.owned():
+            name, a, b, m = r.slot.name, r.lo, r.hi, r.at
+            if id(r.slot.param) in lay.others:
                 continue  # a tied weight: the first stage holding it stores it
             n = b - a
-            if master is not None:
-                key = f"master|{slot.name}"
-                tensors[key] = master.detach()[m : m + n].to("cpu", torch.float32, copy=True)
-                ranges[key] = [slot.name, a, b]
+            if g.master is not None:
+                key = f"master|{name}"
+                tensors[key] = values.detach()[m : m + n].to("cpu", torch.float32, copy=True)
+                ranges[key] = [name, a, b]
                 for k, v in state.items():
-                    if torch.is_tensor(v) and v.numel() == master.numel() and v.numel() > 1:
-                        key = f"optim.{k}|{slot.name}"
+                    if torch.is_tensor(v) and v.numel() == values.numel() and v.numel() > 1:
+                        key = f"optim.{k}|{name}"
                         tensors[key] = v.detach()[m : m + n].to("cpu", copy=True)
-                        ranges[key] = [slot.name, a, b]
+                        ranges[key] = [name, a, b]
                     elif torch.is_tensor(v) and v.numel() <= 1:
-                        scalars.setdefault(slot.name, {})[k] = {"value": v.item(), "dtype": str(v.dtype).removeprefix("torch.")}
+                        scalars.setdefault(name, {})[k] = {"value": v.item(), "dtype": str(v.dtype).removeprefix("torch.")}
                     else:
-                        scalars.setdefault(slot.name, {})[k] = {"value": _jsonable(v, f"optimizer state '{k}'")}
+                        scalars.setdefault(name, {})[k] = {"value": _jsonable(v, f"optimizer state '{k}'")}
             else:  # a frozen stage-3 group: its shard holds the values
-                key = f"frozen|{slot.name}"
-                tensors[key] = g.param_shard.detach()[m : m + n].to("cpu", copy=True)
-                ranges[key] = [slot.name, a, b]
-    grouped = {id(s.param) for g in zo._all_groups() for s in g.slots} | lay.others
+                key = f"frozen|{name}"
+                tensors[key] = values.detach()[m : m + n].to("cpu", copy=True)
+                ranges[key] = [name, a, b]
+    grouped = {id(s.param) for g in zo.groups for s in g.slots} | lay.others
     if lay.dp_rank == 0:
         for name, p in engine.module.named_parameters():
             if id(p) not in grouped:  # frozen and whole on every rank (of the stage)
@@ -685,23 +664,17 @@ def load(
             errors.append(_different_model(path, [], extra))
     if errors:  # every rank raises the same sentence, before anything was loaded
         raise CheckpointError(errors[0])
-    if zo.runtime is not None:
-        zo.runtime.release_inference()
+    zo.release_inference()
     with torch.no_grad():
         grouped = set()
-        for g in zo._all_groups():
-            for slot, a, b, m in owned_ranges(g):
-                grouped.add(id(slot.param))
-                n = b - a
-                if g.master is not None:
-                    buf = torch.empty(n, dtype=torch.float32)
-                    reader.read("master", slot.name, a, b, buf)
-                    g.master[m : m + n].copy_(buf)
-                else:
-                    buf = torch.empty(n, dtype=g.param_shard.dtype)
-                    kind = "frozen" if ("frozen", slot.name) in reader.index else "master"
-                    reader.read(kind, slot.name, a, b, buf)
-                    g.param_shard[m : m + n].copy_(buf)
+        for g in zo.groups:
+            values = g.owned_values()
+            for r in g.owned():
+                n = r.hi - r.lo
+                buf = torch.empty(n, dtype=values.dtype)
+                kind = "master" if g.trainable or ("frozen", r.slot.name) not in reader.index else "frozen"
+                reader.read(kind, r.slot.name, r.lo, r.hi, buf)
+                values[r.at : r.at + n].copy_(buf)
             for s in g.slots:
                 grouped.add(id(s.param))
         for name, p in engine.module.named_parameters():
@@ -715,7 +688,7 @@ def load(
         for name, b in state.items():
             if not isinstance(b, torch.nn.Parameter) and torch.is_tensor(b) and name in reader.buffers:
                 b.copy_(reader.tensor(*reader.buffers[name]))
-        for g in zo._all_groups():
+        for g in zo.groups:
             g.publish_master(None)
     if hypers is not None and load_optimizer_states:
         _load_optimizer(engine, reader, hypers)
@@ -830,22 +803,22 @@ def _load_optimizer(engine: Any, reader: _Reader, hypers: list[dict | None]) -> 
     master_index = {id(m): i for i, m in enumerate(m for pg in opt.param_groups for m in pg["params"])}
     state_keys = sorted({kind.removeprefix("optim.") for kind, _ in reader.index if kind.startswith("optim.")})
     new_state: dict[int, dict[str, Any]] = {}
-    for g in zo._all_groups():
+    for g in zo.groups:
         if g.master is None:
             continue
         st: dict[str, Any] = {}
         for k in state_keys:
             full = torch.zeros(g.master.numel(), dtype=torch.float32)
             any_part = False
-            for slot, a, b, m in owned_ranges(g):
-                if (f"optim.{k}", slot.name) in reader.index:
-                    reader.read(f"optim.{k}", slot.name, a, b, full[m : m + b - a])
+            for r in g.owned():
+                if (f"optim.{k}", r.slot.name) in reader.index:
+                    reader.read(f"optim.{k}", r.slot.name, r.lo, r.hi, full[r.at : r.at + r.hi - r.lo])
                     any_part = True
             if any_part:
                 st[k] = full
         scal: dict[str, Any] = {}
-        for slot, _, _, _ in owned_ranges(g):
-            for k, v in reader.scalars.get(slot.name, {}).items():
+        for r in g.owned():
+            for k, v in reader.scalars.get(r.slot.name, {}).items():
                 prev = scal.get(k)
                 if prev is not None and prev["value"] != v["value"]:
                     # Parameters stepped a different number of times share this master now: keep the most.

@@ -138,8 +138,8 @@ class PipelineEngine(ZeroEngine):
             for weight, group, first in tied:
                 if not weight.requires_grad:
                     continue
-                fg, _ = self.zero_optimizer._slot_of[id(weight)]
-                assert len(fg.slots) == 1, "a tied weight must sit alone in its flat bucket"
+                fg = self.zero_optimizer.group_of(weight)
+                assert fg is not None and len(fg.slots) == 1, "a tied weight must sit alone in its flat bucket"
                 self._tied.append((fg, group, first))
         self.training_dataloader = None
         self._data_iter: Iterator | None = None
@@ -451,20 +451,19 @@ class PipelineEngine(ZeroEngine):
     def _reduce_tied_grads(self) -> None:
         """Sum each tied weight's gradient shard over the stages that hold it (after the data-parallel average)."""
         for fg, group, _ in self._tied:
-            if fg.master.grad is not None:
-                dist.all_reduce(fg.master.grad, group=group)
+            fg.sum_grad_over(group)
 
     def _optimizer_step(self) -> None:
         """Norm over the whole pipeline (each tied weight once), then the ZeRO step of this stage."""
         zo = self.zero_optimizer
         assert zo is not None
         skip = {id(fg) for fg, _, first in self._tied if not first}
-        groups = [g for g in zo._all_groups() if id(g) not in skip]
+        groups = [g for g in zo.groups if id(g) not in skip]
         sq = [g.grad_sq_sum() for g in groups]
         stats = torch.stack([torch.stack(sq).sum() if sq else torch.zeros((), device=self.device),
                              torch.zeros((), device=self.device)])
         if self.loss_scaler is not None:
-            bad = [g.nonfinite() for g in zo._all_groups()]
+            bad = [g.nonfinite() for g in zo.groups]
             if bad:
                 stats[1] = torch.stack(bad).sum()
         dist.all_reduce(stats)

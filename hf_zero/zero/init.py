@@ -13,8 +13,8 @@ import torch.distributed as dist
 
 from hf_zero import dist as hz_dist
 from hf_zero.zero import collectives as C
-from hf_zero.zero.params import ShardState
 from hf_zero.zero.preshard import is_presharded, materialize_, preshard_, reshard_, slice_of
+from hf_zero.zero.stage3 import ShardState
 
 logger = logging.getLogger("hf_zero")
 
