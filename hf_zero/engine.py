@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from hf_zero import dist as hz_dist
+from hf_zero.checkpoint.ranks import CheckpointLayout
 from hf_zero.config import ZeroConfig
 from hf_zero.errors import NonFiniteLossError, UsageError
 from hf_zero.precision import LossScaler, reduce_dtype
@@ -486,12 +487,12 @@ class ZeroEngine(torch.nn.Module):
     ) -> str:
         """Write a resume checkpoint (every rank calls this); ``tag`` defaults to ``global_step<N>``.
 
-        The checkpoint loads at any world size and ZeRO stage; see :mod:`hf_zero.checkpoint.sharded`.
+        The checkpoint loads at any world size and ZeRO stage; its format is :mod:`hf_zero.checkpoint.format`.
         ``keep_last=N`` (default: the config's ``checkpoint.keep_last``; None keeps all) deletes
         all but the N newest checkpoints in ``save_dir`` once this one is complete and ``latest``
         points at it; the one ``latest`` names is never deleted.
         """
-        from hf_zero.checkpoint import sharded
+        from hf_zero.checkpoint.save import save
 
         if exclude_frozen_parameters:
             raise UsageError("save_checkpoint(exclude_frozen_parameters=True) is not supported yet; leave it False")
@@ -500,7 +501,7 @@ class ZeroEngine(torch.nn.Module):
         if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
             raise UsageError(f"save_checkpoint(keep_last=...): got {keep_last!r}, expected an integer >= 1 (or None to keep all)")
         with hz_dist.peer_failure_guard("save_checkpoint"):
-            return sharded.save(self, save_dir, tag, client_state, save_latest=save_latest, keep_last=keep_last)
+            return save(self, save_dir, tag, client_state, save_latest=save_latest, keep_last=keep_last)
 
     def load_checkpoint(
         self,
@@ -516,17 +517,21 @@ class ZeroEngine(torch.nn.Module):
 
         Returns ``(path, client_state)`` as DeepSpeed does.
         """
-        from hf_zero.checkpoint import sharded
+        from hf_zero.checkpoint.load import load
 
         if not load_module_strict:
             raise UsageError("load_checkpoint(load_module_strict=False) is not supported yet; the model must match the checkpoint")
         if custom_load_fn is not None:
             raise UsageError("load_checkpoint(custom_load_fn=...) is not supported; checkpoints are read as safetensors")
         with hz_dist.peer_failure_guard("load_checkpoint"):
-            return sharded.load(
+            return load(
                 self, load_dir, tag, load_optimizer_states=load_optimizer_states,
                 load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
             )
+
+    def checkpoint_layout(self) -> CheckpointLayout:
+        """Which ranks write a checkpoint of this engine together: its data-parallel group, each rank the whole model."""
+        return CheckpointLayout.data_parallel(self.group)
 
     def save_pretrained(
         self, save_directory: str, max_shard_size: int | str = "5GB", dtype: torch.dtype | None = None

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from hf_zero.checkpoint.format import CheckpointReader, read_meta, resolve_tag
 from hf_zero.errors import CheckpointError
 
 _DTYPES = {
@@ -254,7 +255,7 @@ def consolidate(
     """
     from tqdm.auto import tqdm
 
-    path, entries, produce = _plan(checkpoint_dir, tag, dtype)
+    path, entries, produce = checkpoint_weights(checkpoint_dir, tag, dtype)
     os.makedirs(out_dir, exist_ok=True)
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise CheckpointError(f"{path} has no config.json (the model was not a transformers model); nothing to build a from_pretrained folder from")
@@ -276,19 +277,16 @@ def consolidate(
     return files
 
 
-def _plan(
+def checkpoint_weights(
     checkpoint_dir: str, tag: str | None, dtype: torch.dtype | None, exclude_frozen: bool = False
 ) -> tuple[str, list[tuple[str, torch.dtype, tuple[int, ...]]], Any]:
     """A resume checkpoint's tensors: its folder, (name, dtype, shape) of each, and a function that reads one whole.
 
     ``exclude_frozen`` leaves out the parameters that were saved as not trainable.
     """
-    from hf_zero.checkpoint.sharded import CheckpointError, _Reader, resolve_tag
-
     path = resolve_tag(checkpoint_dir, tag)
-    with open(os.path.join(path, "checkpoint.json")) as f:
-        meta = json.load(f)
-    reader = _Reader(path, int(meta["world_size"]))
+    meta = read_meta(path)
+    reader = CheckpointReader(path, int(meta["world_size"]))
     damaged = reader.damaged()
     if damaged:
         raise CheckpointError(damaged[0])
@@ -327,5 +325,5 @@ def read_state_dict(
     checkpoint_dir: str, tag: str | None = None, dtype: torch.dtype | None = torch.float32, exclude_frozen: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Offline, on a CPU: a resume checkpoint's whole model as a state dict (fp32 masters by default), buffers included."""
-    _, entries, produce = _plan(checkpoint_dir, tag, dtype, exclude_frozen)
+    _, entries, produce = checkpoint_weights(checkpoint_dir, tag, dtype, exclude_frozen)
     return {name: produce(name) for name, _, _ in entries}

@@ -19,7 +19,7 @@ other hf_zero run uses. What the pipeline adds at the step:
   tied weight counted once, with one all-reduce over the world.
 
 ``save_checkpoint`` / ``load_checkpoint`` are the ``ZeroEngine``'s: every rank of the world calls
-them, and :mod:`hf_zero.checkpoint.sharded` stores each stage's parameters under the model's own
+them, and :mod:`hf_zero.checkpoint.save` stores each stage's parameters under the model's own
 names (a tied weight once), so the checkpoint loads at another data-parallel degree or number of
 stages, or into a plain ``ZeroEngine`` of the same model.
 """
@@ -33,6 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hf_zero.checkpoint.ranks import CheckpointLayout
 from hf_zero.config import ConfigError, ZeroConfig
 from hf_zero.engine import ZeroEngine, _to_device
 from hf_zero.errors import UsageError
@@ -239,6 +240,13 @@ class PipelineEngine(ZeroEngine):
 
     def step(self, lr_kwargs: dict | None = None) -> None:
         raise UsageError("engine.step() is not used with pipeline parallelism; call engine.train_batch(data_iter), which runs forward, backward and step")
+
+    def checkpoint_layout(self) -> CheckpointLayout:
+        """The whole world writes a pipeline's checkpoint: each rank its stage's share, a tied weight at its first stage."""
+        module = self.module
+        others = {id(w) for w, _, first in module.tied_weights() if not first}
+        return CheckpointLayout(None, dist.get_rank(), dist.get_world_size(), self.dp_rank, module.stage_id,
+                                module.num_stages, module.topology.dp, others)
 
     def save_pretrained(self, save_directory: str, max_shard_size: int | str = "5GB",
                         dtype: torch.dtype | None = None) -> list[str]:

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hf_zero.zero.gathered import GatheredParameters
 from hf_zero.zero.preshard import is_presharded, preshard_, shard_bounds
 
 logger = logging.getLogger("hf_zero")
@@ -225,8 +226,6 @@ def from_pretrained_sharded(cls: type, init: Any, pretrained_model_name_or_path:
 def _init_missing(model: torch.nn.Module, init: Any, missing_ids: set[int]) -> None:
     """Initialise only the parameters the checkpoint lacked, module by module, from rank 0."""
     from transformers import PreTrainedModel
-
-    from hf_zero.zero.init import GatheredParameters
 
     rank = dist.get_rank(init.group)
 
