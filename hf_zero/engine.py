@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -20,8 +20,10 @@ import torch.distributed as dist
 from hf_zero import dist as hz_dist
 from hf_zero.checkpoint.ranks import CheckpointLayout
 from hf_zero.config import ZeroConfig
-from hf_zero.errors import NonFiniteLossError, UsageError
+from hf_zero.data import to_device
+from hf_zero.errors import UsageError
 from hf_zero.precision import LossScaler, reduce_dtype
+from hf_zero.step import NormScope, StepPolicy
 from hf_zero.zero import collectives as C
 from hf_zero.zero.partition import ShardedOptimizer
 from hf_zero.zero.preshard import is_presharded, materialize_
@@ -36,25 +38,6 @@ def _ensure_log_handler() -> None:
         handler.setFormatter(logging.Formatter("[hf_zero] %(message)s"))
         logger.addHandler(handler)
         logger.setLevel(logging.INFO)
-
-
-def _to_device(obj: Any, device: torch.device, float_dtype: torch.dtype | None) -> Any:
-    """Move tensors (nested in tuples, lists and mappings) to ``device``; cast floats if asked."""
-    if torch.is_tensor(obj):
-        if float_dtype is not None and obj.is_floating_point() and obj.dtype != float_dtype:
-            return obj.to(device=device, dtype=float_dtype, non_blocking=True)
-        return obj.to(device, non_blocking=True) if obj.device != device else obj
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*(_to_device(v, device, float_dtype) for v in obj))
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_device(v, device, float_dtype) for v in obj)
-    if isinstance(obj, Mapping):
-        moved = {k: _to_device(v, device, float_dtype) for k, v in obj.items()}
-        try:
-            return type(obj)(moved)
-        except Exception:
-            return moved
-    return obj
 
 
 def _shape_of(x: Any) -> str:
@@ -92,16 +75,20 @@ class ZeroEngine(torch.nn.Module):
         self._no_sync = False
         self._boundary_override: bool | None = None
         self._built_presharded = False
-        self._clip_override: float | None = None
-        self._norm_stats: tuple[torch.Tensor, torch.Tensor] | None = None  # computed early by current_grad_norm
         self._compiled = False
 
         stage = config.zero_optimization.stage
         hz_dist.register_process()  # so that, should a peer die, the survivors can name it
         self._check_presharded(model, stage, optimizer)
-        self._move_to_device()
+        self._moveto_device()
         self._broadcast_module()
         self.loss_scaler = LossScaler(config.fp16) if config.fp16.enabled else None
+        # Clip, loss scale, the non-finite rule and the global norm (over this engine's group; a
+        # pipeline widens the scope to its stages): one policy for every engine (hf_zero/step.py).
+        self.step_policy = StepPolicy(
+            scaler=self.loss_scaler, nonfinite=config.nonfinite_loss, device=self.device,
+            scope=NormScope(group, self.world_size, replicas=self.world_size),
+        )
         self.zero_optimizer: ShardedOptimizer | None = None
         if optimizer is not None:
             bucket = int(config.zero_optimization.reduce_bucket_size)
@@ -205,7 +192,7 @@ class ZeroEngine(torch.nn.Module):
         if stage != 3 or optimizer is None:
             materialize_(pre, self.device)
 
-    def _move_to_device(self) -> None:
+    def _moveto_device(self) -> None:
         """``module.to(device)``, leaving parameters that only exist as ``zero.Init`` slices alone."""
         if not any(is_presharded(p) for p in self.module.parameters()):
             self.module.to(self.device)
@@ -328,16 +315,14 @@ class ZeroEngine(torch.nn.Module):
 
     def set_clip_for_next_step(self, max_norm: float) -> None:
         """Clip the next applied step at ``max_norm`` (how Accelerate's ``clip_grad_norm_`` reaches the engine)."""
-        self._clip_override = max_norm
+        self.step_policy.clip_next_step(max_norm)
 
     def current_grad_norm(self) -> torch.Tensor | None:
         """Global L2 norm of the reduced, unscaled gradients now (between the boundary backward and step)."""
         zo = self.zero_optimizer
         if zo is None or not zo.reduced or not self.is_gradient_accumulation_boundary():
             return None  # (stage 2 has reduced the micro-steps so far, but the step's gradient is not whole)
-        if self._norm_stats is None:  # the step reuses it: one norm, one all-reduce per step
-            self._norm_stats = zo.grad_norm_and_overflow(need_overflow=self.loss_scaler is not None)
-        return self._norm_stats[0] / (self.loss_scaler.scale if self.loss_scaler is not None else 1.0)
+        return self.step_policy.grad_norm(zo)  # the step reuses it: one norm, one all-reduce per step
 
     def was_step_applied(self) -> bool:
         return self._step_applied
@@ -346,8 +331,8 @@ class ZeroEngine(torch.nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         cast = self.compute_dtype if self.compute_dtype != torch.float32 else None
-        args = _to_device(args, self.device, cast)
-        kwargs = _to_device(kwargs, self.device, cast)
+        args = to_device(args, self.device, cast)
+        kwargs = to_device(kwargs, self.device, cast)
         if self.world_size == 1:
             return self.module(*args, **kwargs)
         with hz_dist.peer_failure_guard("forward"):  # stage 3 gathers parameters here
@@ -373,11 +358,7 @@ class ZeroEngine(torch.nn.Module):
             )
         if self.zero_optimizer is None:
             raise UsageError("engine.backward() needs an optimizer; give one in the config or to initialize()")
-        scaled = loss.float()
-        if scale_wrt_gas and self.gradient_accumulation_steps() > 1:
-            scaled = scaled / self.gradient_accumulation_steps()
-        if self.loss_scaler is not None:
-            scaled = scaled * self.loss_scaler.scale
+        scaled = self.step_policy.scale_loss(loss, self.gradient_accumulation_steps() if scale_wrt_gas else 1)
         zo = self.zero_optimizer
         sync = not self._no_sync and (self.is_gradient_accumulation_boundary() or zo.reduces_every_micro_step)
         zo.prepare_backward(sync)
@@ -403,6 +384,14 @@ class ZeroEngine(torch.nn.Module):
         self._boundary_override = None
 
     def _take_model_step(self) -> None:
+        """The optimizer step of an accumulation boundary: the step policy decides, the engine counts.
+
+        The policy (:class:`hf_zero.step.StepPolicy`) takes the global norm, applies the fp16
+        overflow / non-finite rule, unscales and clips the gradient shards, steps the masters and
+        publishes the new weights. Here the outcome is counted: an applied step moves the LR
+        scheduler and ``global_steps``; a skipped one drops the gradients and counts in
+        ``skipped_steps`` too. Every rank reaches the same verdict (the norm is global).
+        """
         zo = self.zero_optimizer
         assert zo is not None
         if not zo.reduced:
@@ -410,72 +399,26 @@ class ZeroEngine(torch.nn.Module):
                 "engine.step() reached an accumulation boundary but the gradients were never reduced across "
                 "ranks (every backward ran inside engine.no_sync()); run the boundary's backward outside no_sync()"
             )
-        scaler = self.loss_scaler
-        stats, self._norm_stats = self._norm_stats, None
-        clip = self._clip_override if self._clip_override is not None else self.gradient_clipping()
-        if stats is None and scaler is None and clip <= 0 and self.config.nonfinite_loss == "off":
-            # Nothing reads the norm: skip its pass over every gradient shard (as plain torch
-            # does without clipping); get_global_grad_norm() is then None for this step.
-            self._clip_override = None
-            self._global_grad_norm = None
-            self._apply_step(zo, 1.0, None, 1.0)
+        result = self.step_policy.step(zo, clip=self.gradient_clipping(), step=self.global_steps,
+                                       skipped=self.skipped_steps)
+        zo.zero_grad()
+        self.global_steps += 1
+        if not result.applied:
+            self.skipped_steps += 1
+            logger.warning("step %d: %s", self.global_steps - 1, result.reason)
             return
-        norm, bad = stats if stats is not None else zo.grad_norm_and_overflow(need_overflow=scaler is not None)
-        scale = scaler.scale if scaler is not None else 1.0
-        if scaler is not None and bool(bad > 0):  # fp16 needs this one host sync per step
-            scaler.update(True)  # raises once the scale is already at min_loss_scale
-            self._skip_step(f"fp16 gradient overflow, step skipped; loss scale now {scaler.scale:g}")
-            return
-        if scaler is None and self.config.nonfinite_loss != "off" and not bool(torch.isfinite(norm)):
-            # bf16/fp32: one host sync per optimizer step (fp16 already has one, above). The global
-            # norm is the same number on every rank, so every rank reaches the same verdict.
-            if self.config.nonfinite_loss == "stop":
-                raise NonFiniteLossError(
-                    f"step {self.global_steps}: the loss or gradients are not finite (global gradient norm "
-                    f"{float(norm)}); stopping before the optimizer touched anything, as \"nonfinite_loss\" is "
-                    '"stop" (set it to "skip" to skip such steps instead)'
-                )
-            self._skip_step(
-                f"the loss or gradients are not finite (global gradient norm {float(norm)}); step skipped, weights "
-                f"and optimizer state unchanged ({self.skipped_steps + 1} skipped so far; \"nonfinite_loss\": \"stop\" "
-                "stops instead)"
-            )
-            return
-        norm = norm / scale
-        self._global_grad_norm = norm
-        coef: torch.Tensor | float = 1.0 / scale
-        self._clip_override = None
-        if clip > 0:
-            coef = (clip / (norm + 1e-6)).clamp(max=1.0) / scale
-        self._apply_step(zo, coef, scaler, scale)
-
-    def _apply_step(self, zo: Any, coef: torch.Tensor | float, scaler: Any, scale: float) -> None:
-        """Unscale/clip, step the optimizer on the shards, publish the weights, and count the step."""
-        zo.scale_grads(coef)
-        zo.step_and_publish()
-        if scaler is not None:
-            scaler.update(False)
+        self._global_grad_norm = result.norm
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
-        zo.zero_grad()
         self._step_applied = True
-        self.global_steps += 1
         if self.global_rank == 0 and self.config.steps_per_print and self.global_steps % self.config.steps_per_print == 0:
             lrs = ", ".join(f"{lr:.3e}" for lr in self.get_lr())
-            extra = f", loss_scale={scale:g}" if scaler is not None else ""
+            extra = f", loss_scale={result.loss_scale:g}" if self.loss_scaler is not None else ""
             logger.info("step=%d, skipped=%d, lr=[%s]%s", self.global_steps, self.skipped_steps, lrs, extra)
 
-    def _skip_step(self, why: str) -> None:
-        """A step whose gradients cannot be applied (fp16 overflow, or inf/nan): count it, drop the gradients."""
-        assert self.zero_optimizer is not None
-        self._clip_override = None
-        self.zero_optimizer.zero_grad()
-        self.skipped_steps += 1
-        logger.warning("step %d: %s", self.global_steps, why)
-        self.global_steps += 1
-
     def zero_grad(self) -> None:
-        self._norm_stats = None
+        """Drop the gradients (and a norm computed from them); the step does this itself."""
+        self.step_policy.forget()
         if self.zero_optimizer is not None:
             self.zero_optimizer.zero_grad()
 

@@ -35,10 +35,13 @@ import torch.distributed as dist
 
 from hf_zero.checkpoint.ranks import CheckpointLayout
 from hf_zero.config import ConfigError, ZeroConfig
-from hf_zero.engine import ZeroEngine, _to_device
+from hf_zero.data import to_device
+from hf_zero.engine import ZeroEngine
 from hf_zero.errors import UsageError
 from hf_zero.pipe import schedule as S
 from hf_zero.pipe.module import PipelineModule
+from hf_zero.step import NormScope
+from hf_zero.zero.group import ShardGroup
 
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int16,
            torch.int8, torch.uint8, torch.bool]
@@ -134,7 +137,7 @@ class PipelineEngine(ZeroEngine):
         super().__init__(model, config, optimizer, lr_scheduler=lr_scheduler, group=model.dp_group)
         self.num_stages, self.stage_id = model.num_stages, model.stage_id
         self.dp_rank = model.dp_rank
-        self._tied: list[tuple[Any, Any, bool]] = []  # (flat group, tie group, first holder)
+        self._tied: list[tuple[ShardGroup, Any, bool]] = []  # (the weight's shard group, tie group, first holder)
         if self.zero_optimizer is not None:
             for weight, group, first in tied:
                 if not weight.requires_grad:
@@ -142,6 +145,12 @@ class PipelineEngine(ZeroEngine):
                 fg = self.zero_optimizer.group_of(weight)
                 assert fg is not None and len(fg.slots) == 1, "a tied weight must sit alone in its flat bucket"
                 self._tied.append((fg, group, first))
+        # The global norm spans every stage (one all-reduce over the world); a data-parallel
+        # replica's unpartitioned groups count once, a tied weight at its first stage only.
+        self.step_policy.scope = NormScope(
+            None, dist.get_world_size(), replicas=self.dp_world_size,
+            exclude=frozenset(id(g) for g, _, first in self._tied if not first),
+        )
         self.training_dataloader = None
         self._data_iter: Iterator | None = None
         # Set to True to time this stage's forwards and backwards (CUDA events on GPU): the bubble
@@ -297,20 +306,20 @@ class PipelineEngine(ZeroEngine):
             a = step[0]
             if self.measure_compute and isinstance(a, (S.Forward, S.Backward)):
                 start = self._mark()
-                self._forward(a.micro, run) if isinstance(a, S.Forward) else self._backward(a.micro, run)
+                self._forward_micro(a.micro, run) if isinstance(a, S.Forward) else self._backward_micro(a.micro, run)
                 self._compute_marks.append((start, self._mark()))
             elif isinstance(a, S.COMM):
                 self._exchange(step, run)
             elif isinstance(a, S.LoadMicroBatch):
                 self._load(a.micro, run)
             elif isinstance(a, S.Forward):
-                self._forward(a.micro, run)
+                self._forward_micro(a.micro, run)
             elif isinstance(a, S.Backward):
-                self._backward(a.micro, run)
+                self._backward_micro(a.micro, run)
             elif isinstance(a, S.ReduceGrads):
                 self._reduce_tied_grads()
             elif isinstance(a, S.OptimizerStep):
-                self._optimizer_step()
+                self._take_model_step()  # the step policy's norm spans the pipeline (see __init__)
         for work in run.pending:
             work.wait()
         run.pending.clear()
@@ -327,11 +336,12 @@ class PipelineEngine(ZeroEngine):
             ) from None
         cast = self.compute_dtype if self.compute_dtype != torch.float32 else None
         if self.is_first_stage():
-            run.inputs[i] = _to_device(inputs, self.device, cast)
+            run.inputs[i] = to_device(inputs, self.device, cast)
         if self.is_last_stage() and labels is not None:
-            run.labels[i] = _to_device(labels, self.device, None)
+            run.labels[i] = to_device(labels, self.device, None)
 
-    def _forward(self, i: int, run: _Run) -> None:
+    def _forward_micro(self, i: int, run: _Run) -> None:
+        """Forward of micro-batch ``i`` through this stage (and the loss on the last stage)."""
         x = run.inputs[i] if (run.train and not self.is_first_stage()) else run.inputs.pop(i)
         with torch.enable_grad() if run.train else torch.no_grad():
             out = self.module(x)
@@ -353,16 +363,14 @@ class PipelineEngine(ZeroEngine):
                 return
         run.outputs[i] = out
 
-    def _backward(self, j: int, run: _Run) -> None:
+    def _backward_micro(self, j: int, run: _Run) -> None:
+        """Backward of micro-batch ``j`` through this stage; the last one reduces over data parallel."""
         zo = self.zero_optimizer
         assert zo is not None
         zo.prepare_backward(j == run.micro_batches - 1)  # the last backward reduces over data parallel
         out = run.outputs.pop(j)
         if self.is_last_stage():
-            scaled = out.float() / run.micro_batches
-            if self.loss_scaler is not None:
-                scaled = scaled * self.loss_scaler.scale
-            scaled.backward()
+            self.step_policy.scale_loss(out, run.micro_batches).backward()
         else:
             outs, _ = _flatten(out, "output")
             grads = run.out_grads.pop(j)
@@ -460,25 +468,6 @@ class PipelineEngine(ZeroEngine):
         """Sum each tied weight's gradient shard over the stages that hold it (after the data-parallel average)."""
         for fg, group, _ in self._tied:
             fg.sum_grad_over(group)
-
-    def _optimizer_step(self) -> None:
-        """Norm over the whole pipeline (each tied weight once), then the ZeRO step of this stage."""
-        zo = self.zero_optimizer
-        assert zo is not None
-        skip = {id(fg) for fg, _, first in self._tied if not first}
-        groups = [g for g in zo.groups if id(g) not in skip]
-        sq = [g.grad_sq_sum() for g in groups]
-        stats = torch.stack([torch.stack(sq).sum() if sq else torch.zeros((), device=self.device),
-                             torch.zeros((), device=self.device)])
-        if self.loss_scaler is not None:
-            bad = [g.nonfinite() for g in zo.groups]
-            if bad:
-                stats[1] = torch.stack(bad).sum()
-        dist.all_reduce(stats)
-        if self.zero_optimization_stage() == 0:
-            stats[0] = stats[0] / self.dp_world_size  # every replica holds the same whole gradients
-        self._norm_stats = (stats[0].sqrt(), stats[1])
-        self._take_model_step()
 
     def _mean_loss(self, run: _Run) -> torch.Tensor:
         """Mean micro-batch loss of the last stage, averaged over data parallel, broadcast down the pipeline."""

@@ -299,23 +299,6 @@ class ShardedOptimizer:
 
     # --------------------------------------------------------------- step
 
-    def grad_norm_and_overflow(self, need_overflow: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """Global L2 norm of the (possibly loss-scaled) averaged gradients, and an inf/nan flag.
-
-        Stage 0 ranks hold identical full gradients, so no communication is needed; sharded
-        stages sum their shards' squares with one all-reduce of two numbers.
-        """
-        sq = [g.grad_sq_sum() for g in self.groups]
-        stats = torch.stack([torch.stack(sq).sum() if sq else torch.zeros((), device=self.device)])
-        if need_overflow:
-            bad = [g.nonfinite() for g in self.groups]
-            stats = torch.cat([stats, torch.stack(bad).sum().reshape(1)])
-        if self.stage >= 1:
-            C.all_reduce_(stats, self.group, self.world_size)
-        norm = stats[0].sqrt()
-        flag = stats[1] if need_overflow else torch.zeros((), device=self.device)
-        return norm, flag
-
     def scale_grads(self, coef: torch.Tensor | float) -> None:
         """Multiply every reduced gradient shard by ``coef`` (unscale and clip in one pass)."""
         grads = [m.grad for m in self.master_params() if m.grad is not None]
