@@ -187,10 +187,6 @@ def get_world_size(group: dist.ProcessGroup | None = None) -> int:
     return dist.get_world_size(group) if dist.is_initialized() else 1
 
 
-def is_main_process() -> bool:
-    return get_rank() == 0
-
-
 def gather_ints(values: list[int], group: dist.ProcessGroup | None = None) -> list[list[int]]:
     """Every rank's ``values`` (same length on each), as a list indexed by rank; no pickle involved."""
     world = get_world_size(group)

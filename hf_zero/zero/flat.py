@@ -18,10 +18,9 @@ the gradient norm.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from hf_zero.zero import collectives as C
-from hf_zero.zero.group import ParamSlot, ShardGroup, pack_grads
+from hf_zero.zero.group import ParamSlot, Placement, ShardGroup, pack_grads
 
 
 class FlatGroup(ShardGroup):
@@ -40,24 +39,13 @@ class FlatGroup(ShardGroup):
     resident = True
 
     def __init__(
-        self,
-        named_params: list[tuple[str, torch.nn.Parameter]],
-        *,
-        compute_dtype: torch.dtype,
-        reduce_dtype: torch.dtype,
-        partitioned: bool,
+        self, named_params: list[tuple[str, torch.nn.Parameter]], place: Placement, *, partitioned: bool,
         free_grads_after_reduce: bool,
-        group: dist.ProcessGroup | None,
-        rank: int,
-        world_size: int,
-        device: torch.device,
     ) -> None:
-        self.partitioned = partitioned and world_size > 1
+        self.partitioned = partitioned and place.world_size > 1
         self.free_grads_after_reduce = free_grads_after_reduce and self.partitioned
-        super().__init__(
-            named_params, parts=world_size if self.partitioned else 1, compute_dtype=compute_dtype,
-            reduce_dtype=reduce_dtype, group=group, rank=rank, world_size=world_size, device=device,
-        )
+        super().__init__(named_params, place, parts=place.world_size if self.partitioned else 1)
+        device = place.device
         # Flatten in fp32 first so the fp32 master starts from the user's exact weights,
         # not from their bf16/fp16 rounding.
         fp32_flat = torch.zeros(self.padded_numel, dtype=torch.float32, device=device)
@@ -66,7 +54,7 @@ class FlatGroup(ShardGroup):
                 fp32_flat[s.offset : s.offset + s.numel].copy_(s.param.detach().reshape(-1))
         if self.mixed:
             self.master = fp32_flat[self.shard_lo : self.shard_hi].clone()
-            self.param_flat = fp32_flat.to(compute_dtype)
+            self.param_flat = fp32_flat.to(self.compute_dtype)
         else:
             self.param_flat = fp32_flat
             self.master = fp32_flat[self.shard_lo : self.shard_hi]

@@ -53,6 +53,30 @@ class ParamSlot:
 
 
 @dataclass(frozen=True)
+class Placement:
+    """Where a shard group lives and how it communicates: its process group, the device, its dtypes.
+
+    ``group`` is explicit (None: the default world) and ``rank`` / ``world_size`` are this rank's
+    index in it and its size, so a group can shard over a data-parallel sub-group of the world.
+    ``compute_dtype`` is what the parameters are held in, ``reduce_dtype`` what gradients are
+    averaged in.
+    """
+
+    group: dist.ProcessGroup | None
+    rank: int
+    world_size: int
+    device: torch.device
+    compute_dtype: torch.dtype
+    reduce_dtype: torch.dtype
+
+    @classmethod
+    def over(cls, group: dist.ProcessGroup | None, device: torch.device, compute_dtype: torch.dtype,
+             reduce_dtype: torch.dtype) -> Placement:
+        """This rank's placement in ``group``."""
+        return cls(group, dist.get_rank(group), dist.get_world_size(group), device, compute_dtype, reduce_dtype)
+
+
+@dataclass(frozen=True)
 class OwnedRange:
     """Elements ``[lo, hi)`` of ``slot.param`` (flattened) are ``owned_values()[at : at + hi - lo]``."""
 
@@ -109,26 +133,16 @@ class ShardGroup(abc.ABC):
     resident: bool
     master: torch.Tensor | None
 
-    def __init__(
-        self,
-        named_params: list[tuple[str, torch.nn.Parameter]],
-        *,
-        parts: int,
-        compute_dtype: torch.dtype,
-        reduce_dtype: torch.dtype,
-        group: dist.ProcessGroup | None,
-        rank: int,
-        world_size: int,
-        device: torch.device,
-    ) -> None:
+    def __init__(self, named_params: list[tuple[str, torch.nn.Parameter]], place: Placement, *, parts: int) -> None:
         """Lay the parameters out and compute this rank's range; ``parts`` is 1 when nothing is partitioned."""
-        self.group, self.rank, self.world_size, self.device = group, rank, world_size, device
-        self.compute_dtype, self.reduce_dtype = compute_dtype, reduce_dtype
-        self.mixed = compute_dtype != torch.float32
+        self.place = place
+        self.group, self.rank, self.world_size, self.device = place.group, place.rank, place.world_size, place.device
+        self.compute_dtype, self.reduce_dtype = place.compute_dtype, place.reduce_dtype
+        self.mixed = self.compute_dtype != torch.float32
         self.slots, self.numel = lay_out(named_params)
         self.padded_numel = math.ceil(self.numel / parts) * parts
         self.shard_numel = self.padded_numel // parts
-        self.shard_lo = rank * self.shard_numel if parts > 1 else 0
+        self.shard_lo = self.rank * self.shard_numel if parts > 1 else 0
         self.shard_hi = self.shard_lo + self.shard_numel
 
     # ------------------------------------------------------------ ownership

@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from hf_zero.zero import collectives as C
 from hf_zero.zero.flat import FlatGroup
-from hf_zero.zero.group import ParamSlot, ShardGroup
+from hf_zero.zero.group import ParamSlot, Placement, ShardGroup
 from hf_zero.zero.preshard import materialize_
 from hf_zero.zero.stage3 import ShardedParamGroup, Stage3Runtime, Unit, find_units, input_embedding_unit
 
@@ -82,6 +82,21 @@ def _trainable_by_param_group(module: torch.nn.Module, optimizer: torch.optim.Op
     return group_named
 
 
+def _assign_units(module: torch.nn.Module) -> tuple[list[tuple[str, torch.nn.Module]], dict[int, int]]:
+    """Stage 3's units (the input embedding first when it is one) and each parameter's unit (-1: the root)."""
+    unit_mods = find_units(module)
+    embedding = input_embedding_unit(module, unit_mods)
+    if embedding is not None:
+        unit_mods = [embedding, *unit_mods]
+    unit_of: dict[int, int] = {}
+    for ui, (_, m) in enumerate(unit_mods):
+        for p in m.parameters():
+            # A weight shared by two units (a tied embedding and LM head) must be whole whenever
+            # either runs: it joins the root unit, which stays gathered for the whole step.
+            unit_of[id(p)] = ui if unit_of.get(id(p), ui) == ui else -1
+    return unit_mods, unit_of
+
+
 def _point_optimizer_at(optimizer: torch.optim.Optimizer, group_masters: list[list[torch.Tensor]]) -> None:
     """Re-point each param group at its masters and start the optimizer's state afresh."""
     for pg, masters in zip(optimizer.param_groups, group_masters):
@@ -129,16 +144,16 @@ class ShardedOptimizer:
         self.device = device
         self.comm_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.gather_stream = torch.cuda.Stream(device) if device.type == "cuda" and stage == 3 else None
-        self._prefetch_numel, self._max_live_numel = prefetch_numel, max_live_numel
         self.flat_groups: list[FlatGroup] = []
         self.stage3_groups: list[ShardedParamGroup] = []
         self.runtime: Stage3Runtime | None = None
+        self.place = Placement.over(group, device, compute_dtype, reduce_dtype)
 
         group_named = _trainable_by_param_group(module, optimizer)
         self.group_names = [[n for n, _ in named] for named in group_named]  # checkpoints record them
         group_masters: list[list[torch.Tensor]] = [[] for _ in group_named]
         if stage == 3:
-            self._build_stage3(module, group_named, group_masters, compute_dtype, reduce_dtype, persistence_threshold)
+            self._build_stage3(module, group_named, group_masters, persistence_threshold, prefetch_numel, max_live_numel)
             # Small parameters (norms, biases) stay whole on every rank, as stage 2 keeps them.
             group_named = [[x for x in named if x[1].numel() < persistence_threshold] for named in group_named]
         else:
@@ -146,11 +161,7 @@ class ShardedOptimizer:
         for gi, named in enumerate(group_named):
             # Reverse registration order approximates the order backward produces gradients.
             for bucket in _buckets(list(reversed(named)), bucket_numel):
-                fg = FlatGroup(
-                    bucket, compute_dtype=compute_dtype, reduce_dtype=reduce_dtype, partitioned=stage >= 1,
-                    free_grads_after_reduce=stage >= 1, group=group, rank=self.rank, world_size=self.world_size,
-                    device=device,
-                )
+                fg = FlatGroup(bucket, self.place, partitioned=stage >= 1, free_grads_after_reduce=stage >= 1)
                 self.flat_groups.append(fg)
                 group_masters[gi].append(fg.master)
         _point_optimizer_at(optimizer, group_masters)
@@ -168,44 +179,26 @@ class ShardedOptimizer:
         self.reduced = False
 
     def _build_stage3(
-        self,
-        module: torch.nn.Module,
-        group_named: list[list[tuple[str, torch.nn.Parameter]]],
-        group_masters: list[list[torch.Tensor]],
-        compute_dtype: torch.dtype,
-        reduce_dtype: torch.dtype,
-        threshold: int,
+        self, module: torch.nn.Module, group_named: list[NamedParams], group_masters: list[list[torch.Tensor]],
+        threshold: int, prefetch_numel: int, max_live_numel: int,
     ) -> None:
         """Shard every parameter at or above ``threshold`` into per-unit, per-param-group flat shards.
 
         Units are built one at a time: a model made under ``zero.Init`` arrives as per-parameter
         slices, and only the unit being laid out is gathered whole, so no rank ever holds the model.
         """
-        unit_mods = find_units(module)
-        embedding = input_embedding_unit(module, unit_mods)
-        if embedding is not None:
-            unit_mods = [embedding, *unit_mods]
-        unit_of: dict[int, int] = {}
-        for ui, (_, m) in enumerate(unit_mods):
-            for p in m.parameters():
-                # A weight shared by two units (a tied embedding and LM head) must be whole whenever
-                # either runs: it joins the root unit, which stays gathered for the whole step.
-                unit_of[id(p)] = ui if unit_of.get(id(p), ui) == ui else -1
+        unit_mods, unit_of = _assign_units(module)
         names = dict(module.named_parameters())
         frozen = [(n, p) for n, p in names.items() if not p.requires_grad]
         units: list[Unit] = []
         for ui in [*range(len(unit_mods)), -1]:
-            mine = [p for p in names.values() if unit_of.get(id(p), -1) == ui]
-            materialize_(mine, self.device)
+            materialize_([p for p in names.values() if unit_of.get(id(p), -1) == ui], self.device)
             groups: list[ShardedParamGroup] = []
             for gi, named in [*enumerate(group_named), (-1, frozen)]:
                 picked = [x for x in named if unit_of.get(id(x[1]), -1) == ui and x[1].numel() >= threshold]
                 if not picked:
                     continue
-                g = ShardedParamGroup(
-                    picked, compute_dtype=compute_dtype, reduce_dtype=reduce_dtype, trainable=gi >= 0,
-                    group=self.group, rank=self.rank, world_size=self.world_size, device=self.device,
-                )
+                g = ShardedParamGroup(picked, self.place, trainable=gi >= 0)
                 groups.append(g)
                 self.stage3_groups.append(g)
                 if g.master is not None:
@@ -216,7 +209,7 @@ class ShardedOptimizer:
                 units.append(Unit(len(unit_mods), "<root>", module, groups, is_root=True))
         self.runtime = Stage3Runtime(
             module, units, stream=self.gather_stream, reduce_stream=self.comm_stream,
-            prefetch_numel=self._prefetch_numel, max_live_numel=self._max_live_numel,
+            prefetch_numel=prefetch_numel, max_live_numel=max_live_numel,
         )
 
     # ------------------------------------------------------------ the groups

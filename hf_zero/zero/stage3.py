@@ -16,8 +16,9 @@ Life of a unit in one training step::
             --first output gradient (multi-grad hook)--> GATHERED
             --every parameter's gradient accumulated--> reduce-scatter, SHARDED
 
-While unit i runs, unit i+1's all-gather is already in flight on a side stream (prefetch in
-forward order, then in reverse order during backward). Gradients are reduce-scattered as soon
+While unit i runs, the all-gathers of the units after it are already in flight on a side stream
+(prefetch in forward order, then in reverse order during backward), as many as the
+``stage3_prefetch_bucket_size`` budget holds (:meth:`Stage3Runtime._prefetch_after`). Gradients are reduce-scattered as soon
 as a unit's backward is done and accumulated into this rank's fp32 gradient shard, so stage 3
 communicates on every micro-step (holding full gradients across accumulation steps would undo
 the point of stage 3).
@@ -28,10 +29,9 @@ from __future__ import annotations
 import enum
 
 import torch
-import torch.distributed as dist
 
 from hf_zero.zero import collectives as C
-from hf_zero.zero.group import ShardGroup, pack_grads
+from hf_zero.zero.group import Placement, ShardGroup, pack_grads
 
 
 class ShardState(enum.Enum):
@@ -46,23 +46,10 @@ class ShardedParamGroup(ShardGroup):
     partitioned = True
     resident = False
 
-    def __init__(
-        self,
-        named_params: list[tuple[str, torch.nn.Parameter]],
-        *,
-        compute_dtype: torch.dtype,
-        reduce_dtype: torch.dtype,
-        trainable: bool,
-        group: dist.ProcessGroup | None,
-        rank: int,
-        world_size: int,
-        device: torch.device,
-    ) -> None:
-        super().__init__(
-            named_params, parts=world_size, compute_dtype=compute_dtype, reduce_dtype=reduce_dtype,
-            group=group, rank=rank, world_size=world_size, device=device,
-        )
+    def __init__(self, named_params: list[tuple[str, torch.nn.Parameter]], place: Placement, *, trainable: bool) -> None:
+        super().__init__(named_params, place, parts=place.world_size)
         self.trainable = trainable
+        device, compute_dtype = place.device, place.compute_dtype
         lo, hi = self.shard_lo, self.shard_hi
         shard32 = torch.zeros(self.shard_numel, dtype=torch.float32, device=device)
         with torch.no_grad():
@@ -351,24 +338,33 @@ class Stage3Runtime:
             self.root_unit.reshard()  # no backward will come through it; otherwise it stays for backward
 
     def _prefetch_after(self, unit: Unit, reverse: bool) -> None:
-        if not self.order:
+        """Gather the units that run after ``unit``, as far ahead as ``stage3_prefetch_bucket_size`` allows.
+
+        The budget counts, in elements as DeepSpeed counts prefetched parameters, the units gathered
+        ahead of the running one (in flight or already gathered). The next unit is gathered
+        whenever the budget is above 0; the ones after it only while everything ahead stays within
+        the budget; ``stage3_max_live_parameters`` caps all gathered units together. The default
+        (5e7) holds one block of a billion-parameter model (4e7 to 2e8 elements), so such a model
+        runs one unit ahead, as FSDP2 does; smaller blocks run several ahead; 0 turns it off.
+        """
+        if not self.order or self.prefetch_numel <= 0:
             return
         order = self.order[::-1] if reverse else self.order
         try:
             i = order.index(unit)
         except ValueError:
             return
-        budget = self.prefetch_numel
         live = sum(u.numel for u in self.units if u.gathered)
+        ahead = 0
         for nxt in order[i + 1 :]:
-            if nxt.gathered:
-                continue
-            if budget <= 0 or live + nxt.numel > self.max_live_numel:
+            if ahead > 0 and ahead + nxt.numel > self.prefetch_numel:
                 break
-            nxt.gather(self.stream)
-            budget -= nxt.numel
-            live += nxt.numel
-            break  # one unit ahead keeps memory at two units, as FSDP2's default
+            if not nxt.gathered:
+                if live + nxt.numel > self.max_live_numel:
+                    break
+                nxt.gather(self.stream)
+                live += nxt.numel
+            ahead += nxt.numel
 
     def _make_pre(self, unit: Unit):
         def pre(module: torch.nn.Module, args: tuple) -> None:
