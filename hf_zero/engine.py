@@ -19,14 +19,14 @@ import torch.distributed as dist
 
 from hf_zero import dist as hz_dist
 from hf_zero.checkpoint.ranks import CheckpointLayout
+from hf_zero.checkpointing import checkpoint_blocks
 from hf_zero.config import ZeroConfig
 from hf_zero.data import to_device
 from hf_zero.errors import UsageError
+from hf_zero.module_setup import broadcast_module, cast_frozen_params, check_presharded, move_to_device
 from hf_zero.precision import LossScaler, reduce_dtype
 from hf_zero.step import NormScope, StepPolicy
-from hf_zero.zero import collectives as C
 from hf_zero.zero.partition import ShardedOptimizer
-from hf_zero.zero.preshard import is_presharded, materialize_
 
 logger = logging.getLogger("hf_zero")
 
@@ -45,7 +45,12 @@ def _shape_of(x: Any) -> str:
 
 
 class ZeroEngine(torch.nn.Module):
-    """Training engine for ZeRO stages 0-2 with DeepSpeed's method names and semantics."""
+    """Training engine for ZeRO stages 0-3 with DeepSpeed's method names and semantics.
+
+    The stages are policies of one ``ShardedOptimizer`` (``hf_zero/zero/partition.py``) over shard
+    groups; one step policy (``hf_zero/step.py``) decides each optimizer step; checkpoints are
+    ``hf_zero/checkpoint``'s. A ``PipelineEngine`` is this engine over one pipeline stage.
+    """
 
     def __init__(
         self,
@@ -74,14 +79,14 @@ class ZeroEngine(torch.nn.Module):
         self._step_applied = False
         self._no_sync = False
         self._boundary_override: bool | None = None
-        self._built_presharded = False
         self._compiled = False
 
         stage = config.zero_optimization.stage
         hz_dist.register_process()  # so that, should a peer die, the survivors can name it
-        self._check_presharded(model, stage, optimizer)
-        self._moveto_device()
-        self._broadcast_module()
+        # A zero.Init model stays as slices only where stage 3 with an optimizer lays out its shards.
+        built_presharded = check_presharded(model, self.world_size, self.device, gather=stage != 3 or optimizer is None)
+        move_to_device(model, self.device)
+        broadcast_module(model, group)
         self.loss_scaler = LossScaler(config.fp16) if config.fp16.enabled else None
         # Clip, loss scale, the non-finite rule and the global norm (over this engine's group; a
         # pipeline widens the scope to its stages): one policy for every engine (hf_zero/step.py).
@@ -89,28 +94,14 @@ class ZeroEngine(torch.nn.Module):
             scaler=self.loss_scaler, nonfinite=config.nonfinite_loss, device=self.device,
             scope=NormScope(group, self.world_size, replicas=self.world_size),
         )
-        self.zero_optimizer: ShardedOptimizer | None = None
-        if optimizer is not None:
-            bucket = int(config.zero_optimization.reduce_bucket_size)
-            self.zero_optimizer = ShardedOptimizer(
-                model,
-                optimizer,
-                stage=stage,
-                compute_dtype=self.compute_dtype,
-                reduce_dtype=reduce_dtype(config),
-                bucket_numel=max(1, bucket),
-                group=group,
-                device=self.device,
-                persistence_threshold=int(config.zero_optimization.stage3_param_persistence_threshold),
-                prefetch_numel=int(config.zero_optimization.stage3_prefetch_bucket_size),
-                max_live_numel=int(config.zero_optimization.stage3_max_live_parameters),
-            )
-        self._cast_remaining_params()
+        self.zero_optimizer = self._sharded_optimizer(optimizer) if optimizer is not None else None
+        cast_frozen_params(model, self.compute_dtype)
         if config.compile.enabled:  # before checkpointing, so the recomputation runs the compiled blocks too
             self.compile(config.compile.backend, config.compile.kwargs)
         if config.activation_checkpointing.get("checkpoint_blocks", False):
-            self._checkpoint_blocks()
-        if self._built_presharded and self.device.type == "cuda":
+            self._no_kv_cache_in_training("activation_checkpointing.checkpoint_blocks")
+            checkpoint_blocks(self.module)
+        if built_presharded and self.device.type == "cuda":
             # The zero.Init slices were freed while the shards were laid out around them; hand those
             # blocks back so training's allocations start from unfragmented memory.
             torch.cuda.empty_cache()
@@ -119,6 +110,16 @@ class ZeroEngine(torch.nn.Module):
         self.lr_scheduler = lr_scheduler
 
     # ------------------------------------------------------------- setup
+
+    def _sharded_optimizer(self, optimizer: torch.optim.Optimizer) -> ShardedOptimizer:
+        """The ZeRO stage of the config over ``optimizer``, sharded over this engine's group; every knob from the config."""
+        zc = self.config.zero_optimization
+        return ShardedOptimizer(
+            self.module, optimizer, stage=zc.stage, compute_dtype=self.compute_dtype,
+            reduce_dtype=reduce_dtype(self.config), bucket_numel=max(1, int(zc.reduce_bucket_size)), group=self.group,
+            device=self.device, persistence_threshold=int(zc.stage3_param_persistence_threshold),
+            prefetch_numel=int(zc.stage3_prefetch_bucket_size), max_live_numel=int(zc.stage3_max_live_parameters),
+        )
 
     def compile(self, backend: str | Any = "inductor", compile_kwargs: dict | None = None) -> None:
         """DeepSpeed's ``engine.compile``: ``torch.compile`` each block of the model (see :mod:`hf_zero.compile`).
@@ -152,82 +153,6 @@ class ZeroEngine(torch.nn.Module):
         if getattr(mc, "use_cache", False):
             logger.info("%s: setting the model's config.use_cache to False", why)
             mc.use_cache = False
-
-    def _checkpoint_blocks(self) -> None:
-        """Recompute each block's forward in backward instead of keeping its activations.
-
-        The block's ``forward`` (not its ``__call__``) is wrapped, so stage 3's hooks run once per
-        call as usual and the recomputation happens while backward has the block gathered.
-        """
-        from torch.utils.checkpoint import checkpoint
-
-        from hf_zero.zero.stage3 import find_units
-
-        self._no_kv_cache_in_training("activation_checkpointing.checkpoint_blocks")
-        for _, block in find_units(self.module):
-            inner = block.forward
-
-            def forward(*args: Any, _inner: Any = inner, _block: torch.nn.Module = block, **kwargs: Any) -> Any:
-                if _block.training and torch.is_grad_enabled():
-                    return checkpoint(_inner, *args, use_reentrant=False, **kwargs)
-                return _inner(*args, **kwargs)
-
-            block.forward = forward
-
-    def _check_presharded(self, model: torch.nn.Module, stage: int, optimizer: torch.optim.Optimizer | None) -> None:
-        """A model built under ``zero.Init`` must be trained on the ranks that built it.
-
-        Stages 0-2 and engines without an optimizer need whole parameters: they are gathered here.
-        """
-        pre = [p for p in model.parameters() if is_presharded(p)]
-        self._built_presharded = bool(pre)
-        if not pre:
-            return
-        built = pre[0].hf_zero_preshard.world_size
-        if built != self.world_size:
-            raise UsageError(
-                f"the model was built under hf_zero.zero.Init on {built} ranks but the engine runs on "
-                f"{self.world_size}; build it with the same data-parallel group as initialize()"
-            )
-        if stage != 3 or optimizer is None:
-            materialize_(pre, self.device)
-
-    def _moveto_device(self) -> None:
-        """``module.to(device)``, leaving parameters that only exist as ``zero.Init`` slices alone."""
-        if not any(is_presharded(p) for p in self.module.parameters()):
-            self.module.to(self.device)
-            return
-        with torch.no_grad():
-            for m in self.module.modules():
-                for p in m._parameters.values():
-                    if p is not None and not is_presharded(p) and p.device != self.device:
-                        p.data = p.data.to(self.device)
-                for key, b in m._buffers.items():
-                    if b is not None and b.device != self.device:
-                        m._buffers[key] = b.to(self.device)
-
-    def _broadcast_module(self) -> None:
-        """Start every rank from rank 0's weights and buffers, as DeepSpeed does.
-
-        ``zero.Init`` slices are consistent by construction (cut from rank 0's values or read from
-        the same files) and are not broadcast.
-        """
-        if self.world_size == 1:
-            return
-        src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
-        with torch.no_grad():
-            for t in list(self.module.parameters()) + list(self.module.buffers()):
-                if not is_presharded(t):
-                    C.broadcast_(t.data, src, self.group, self.world_size)
-
-    def _cast_remaining_params(self) -> None:
-        """Frozen floating parameters follow the compute dtype too (trainable ones already do)."""
-        if self.compute_dtype == torch.float32:
-            return
-        with torch.no_grad():
-            for p in self.module.parameters():
-                if p.is_floating_point() and p.dtype != self.compute_dtype:
-                    p.data = p.data.to(self.compute_dtype)
 
     # ----------------------------------------------------- DeepSpeed API
 

@@ -21,11 +21,7 @@ import torch
 
 from hf_zero.checkpoint.format import CheckpointReader, read_meta, resolve_tag
 from hf_zero.errors import CheckpointError
-
-_DTYPES = {
-    torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
-}
+from hf_zero.precision import SAFETENSORS_DTYPES
 
 
 class StreamingSafetensorsWriter:
@@ -37,12 +33,12 @@ class StreamingSafetensorsWriter:
         offset = 0
         self.order: list[tuple[str, int]] = []
         for name, dtype, shape in entries:
-            if dtype not in _DTYPES:
+            if dtype not in SAFETENSORS_DTYPES:
                 raise ValueError(f"tensor '{name}' has dtype {dtype}, which safetensors cannot store")
             n = torch.empty((), dtype=dtype).element_size()
             for d in shape:
                 n *= d
-            header[name] = {"dtype": _DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + n]}
+            header[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + n]}
             self.order.append((name, n))
             offset += n
         raw = json.dumps(header, separators=(",", ":")).encode()

@@ -38,42 +38,11 @@ from hf_zero.config import ConfigError, ZeroConfig
 from hf_zero.data import to_device
 from hf_zero.engine import ZeroEngine
 from hf_zero.errors import UsageError
+from hf_zero.pipe import p2p
 from hf_zero.pipe import schedule as S
 from hf_zero.pipe.module import PipelineModule
 from hf_zero.step import NormScope
 from hf_zero.zero.group import ShardGroup
-
-_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int16,
-           torch.int8, torch.uint8, torch.bool]
-_META_LEN = 64  # int64 words: [is_tuple, n, (dtype, ndim, *shape) per tensor]
-
-
-def _flatten(x: Any, what: str) -> tuple[list[torch.Tensor], bool]:
-    if torch.is_tensor(x):
-        return [x], False
-    if isinstance(x, (tuple, list)) and all(torch.is_tensor(t) for t in x):
-        return list(x), True
-    raise UsageError(f"a pipeline stage's {what} must be a tensor or a tuple of tensors, got {type(x).__name__}")
-
-
-def _encode_meta(tensors: list[torch.Tensor], is_tuple: bool) -> list[int]:
-    words = [int(is_tuple), len(tensors)]
-    for t in tensors:
-        if t.dtype not in _DTYPES:
-            raise UsageError(f"a pipeline activation has dtype {t.dtype}, which cannot be sent between stages")
-        words += [_DTYPES.index(t.dtype), t.dim(), *t.shape]
-    if len(words) > _META_LEN:
-        raise UsageError(f"a pipeline activation of {len(tensors)} tensors is too large to describe; pass at most a few tensors between stages")
-    return words + [0] * (_META_LEN - len(words))
-
-
-def _decode_meta(words: list[int]) -> tuple[list[tuple[torch.dtype, tuple[int, ...]]], bool]:
-    is_tuple, n, i, out = bool(words[0]), words[1], 2, []
-    for _ in range(n):
-        dt, nd = _DTYPES[words[i]], words[i + 1]
-        out.append((dt, tuple(words[i + 2 : i + 2 + nd])))
-        i += 2 + nd
-    return out, is_tuple
 
 
 def split_batch(batch: Any) -> tuple[Any, Any]:
@@ -260,7 +229,7 @@ class PipelineEngine(ZeroEngine):
     def save_pretrained(self, save_directory: str, max_shard_size: int | str = "5GB",
                         dtype: torch.dtype | None = None) -> list[str]:
         """Every stage's weights in one Hugging Face folder (every rank calls this; global rank 0 writes)."""
-        from hf_zero.pipe.checkpoint import save_pretrained
+        from hf_zero.pipe.consolidated import save_pretrained
 
         return save_pretrained(self, save_directory, max_shard_size=max_shard_size, dtype=dtype)
 
@@ -372,7 +341,7 @@ class PipelineEngine(ZeroEngine):
         if self.is_last_stage():
             self.step_policy.scale_loss(out, run.micro_batches).backward()
         else:
-            outs, _ = _flatten(out, "output")
+            outs, _ = p2p.flatten(out, "output")
             grads = run.out_grads.pop(j)
             pairs = [(t, g) for t, g in zip([t for t in outs if t.is_floating_point()], grads) if t.requires_grad]
             if pairs:
@@ -386,67 +355,21 @@ class PipelineEngine(ZeroEngine):
 
     def _exchange(self, actions: list[S.Action], run: _Run) -> None:
         """Post one neighbour's sends and receives together; wait only for what is received."""
-        peer_stage = S.peer(actions[0], self.stage_id)
-        rank, group = self._peer(peer_stage)
-        ops: list[dist.P2POp] = []
-        is_recv: list[bool] = []
-        landed: list[tuple[int, list[torch.Tensor], str]] = []
+        ex = p2p.Exchange(*self._peer(S.peer(actions[0], self.stage_id)))
         for a in actions:
             if isinstance(a, S.SendActivation):
-                tensors, is_tuple = _flatten(run.outputs[a.micro], "output")
-                meta = _encode_meta(tensors, is_tuple)
-                if run.sent_meta is None:
-                    run.sent_meta = meta
-                    run.pending.extend(self._post([dist.P2POp(dist.isend, torch.tensor(meta, device=self.device), rank, group)]))
-                elif meta != run.sent_meta:
-                    raise UsageError(
-                        "the micro-batches of one train_batch() must have the same shapes (padded to one length); "
-                        f"micro-batch {a.micro} differs from the first"
-                    )
-                for t in tensors:
-                    ops.append(dist.P2POp(dist.isend, t.detach().contiguous(), rank, group))
-                    is_recv.append(False)
-                if not run.train:
-                    run.outputs.pop(a.micro)  # nothing to backpropagate: the send holds the only reference
+                self._send_activation(a.micro, run, ex)
             elif isinstance(a, S.RecvActivation):
-                if run.recv_meta is None:
-                    buf = torch.zeros(_META_LEN, dtype=torch.int64, device=self.device)
-                    for w in self._post([dist.P2POp(dist.irecv, buf, rank, group)]):
-                        w.wait()
-                    run.recv_meta = _decode_meta(buf.tolist())
-                specs, _ = run.recv_meta
-                bufs = [torch.empty(shape, dtype=dt, device=self.device) for dt, shape in specs]
-                for b in bufs:
-                    ops.append(dist.P2POp(dist.irecv, b, rank, group))
-                    is_recv.append(True)
-                landed.append((a.micro, bufs, "act"))
+                specs, _ = self._activation_meta(run, ex)
+                ex.recv([torch.empty(shape, dtype=dt, device=self.device) for dt, shape in specs], a.micro, "act")
             elif isinstance(a, S.SendGrad):
-                x = run.inputs.pop(a.micro)
-                tensors, _ = _flatten(x, "input")
-                for t in tensors:
-                    if t.is_floating_point():
-                        g = t.grad if t.grad is not None else torch.zeros_like(t)
-                        ops.append(dist.P2POp(dist.isend, g, rank, group))
-                        is_recv.append(False)
+                tensors, _ = p2p.flatten(run.inputs.pop(a.micro), "input")
+                ex.send([t.grad if t.grad is not None else torch.zeros_like(t) for t in tensors if t.is_floating_point()])
             elif isinstance(a, S.RecvGrad):
-                tensors, _ = _flatten(run.outputs[a.micro], "output")
-                bufs = [torch.empty_like(t) for t in tensors if t.is_floating_point()]
-                for b in bufs:
-                    ops.append(dist.P2POp(dist.irecv, b, rank, group))
-                    is_recv.append(True)
-                landed.append((a.micro, bufs, "grad"))
-        if ops:
-            works = self._post(ops)
-            if len(works) == len(ops):  # one handle per op (gloo): leave the sends in flight
-                for w, r in zip(works, is_recv):
-                    if r:
-                        w.wait()
-                    else:
-                        run.pending.append(w)
-            else:  # one coalesced handle (NCCL): waiting only orders the compute stream after it
-                for w in works:
-                    w.wait()
-        for micro, bufs, kind in landed:
+                tensors, _ = p2p.flatten(run.outputs[a.micro], "output")
+                ex.recv([torch.empty_like(t) for t in tensors if t.is_floating_point()], a.micro, "grad")
+        ex.run(run.pending)
+        for micro, bufs, kind in ex.landed:
             if kind == "grad":
                 run.out_grads[micro] = bufs
                 continue
@@ -458,9 +381,30 @@ class PipelineEngine(ZeroEngine):
             run.inputs[micro] = tuple(bufs) if is_tuple else bufs[0]
         run.pending = [w for w in run.pending if not w.is_completed()]
 
-    @staticmethod
-    def _post(ops: list[dist.P2POp]) -> list[Any]:
-        return [w for w in dist.batch_isend_irecv(ops) if w is not None]
+    def _send_activation(self, i: int, run: _Run, ex: p2p.Exchange) -> None:
+        """Queue micro-batch ``i``'s output for the next stage; its description goes ahead once per batch."""
+        tensors, is_tuple = p2p.flatten(run.outputs[i], "output")
+        meta = p2p.encode_meta(tensors, is_tuple)
+        if run.sent_meta is None:
+            run.sent_meta = meta
+            run.pending.extend(p2p.post([dist.P2POp(dist.isend, torch.tensor(meta, device=self.device), ex.rank, ex.group)]))
+        elif meta != run.sent_meta:
+            raise UsageError(
+                "the micro-batches of one train_batch() must have the same shapes (padded to one length); "
+                f"micro-batch {i} differs from the first"
+            )
+        ex.send([t.detach().contiguous() for t in tensors])
+        if not run.train:
+            run.outputs.pop(i)  # nothing to backpropagate: the send holds the only reference
+
+    def _activation_meta(self, run: _Run, ex: p2p.Exchange) -> tuple[list, bool]:
+        """The previous stage's activation description (received once per batch, before its first activation)."""
+        if run.recv_meta is None:
+            buf = torch.zeros(p2p.META_LEN, dtype=torch.int64, device=self.device)
+            for w in p2p.post([dist.P2POp(dist.irecv, buf, ex.rank, ex.group)]):
+                w.wait()
+            run.recv_meta = p2p.decode_meta(buf.tolist())
+        return run.recv_meta
 
     # ------------------------------------------------------------ step
 
