@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from hf_zero.config_parse import BATCH_KEYS, Parser
+from hf_zero.config_parse import BATCH_KEYS, Parser, refuse_missing_features
 from hf_zero.config_schema import AUTO, ConfigError
 from hf_zero.config_sections import (
     BF16Config,
@@ -103,7 +103,11 @@ class ZeroConfig:
             raise ConfigError(f"config: got a {type(config).__name__}, expected a JSON object (a dict) or the path of a DeepSpeed JSON file")
         if not isinstance(config, dict):
             raise ConfigError(f"{source} holds a JSON {json_kind(config)}, expected a JSON object (a dict of DeepSpeed keys)")
-        return cls(raw=copy.deepcopy(config), **Parser().parse(config))
+        parser = Parser()
+        cfg = cls(raw=copy.deepcopy(config), **parser.parse(config))
+        refuse_missing_features(cfg)
+        parser.warn()  # only for a config that will run: a refused one is fixed and parsed again
+        return cfg
 
     def resolve_batch_sizes(self, world_size: int) -> None:
         """Complete the batch triple as DeepSpeed does: train_batch_size = micro x accumulation x world size.

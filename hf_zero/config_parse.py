@@ -66,6 +66,7 @@ from hf_zero.config_sections import (
 from hf_zero.config_values import Bool, Int, Number, OneOf, Text, asks_for, check_quiet_type, show
 
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+ABSENT = object()  # "not given": the field keeps its dataclass default
 
 # (kind, JSON path) already named in a warning by this process: each key is named once.
 _WARNED: set[tuple[str, str]] = set()
@@ -165,34 +166,34 @@ class Parser:
         self.unknown: list[str] = []  # keys DeepSpeed does not know either
 
     def parse(self, data: dict) -> dict[str, Any]:
+        """The ZeroConfig fields the config sets (those it leaves out keep the dataclass defaults)."""
         top = self.object(data, "", TOP)
-        fields: dict[str, Any] = {name: top.get(name, Int(1), None) for name in BATCH_KEYS}
-        fields["gradient_clipping"] = top.get("gradient_clipping", Number(), 0.0)
-        fields["communication_data_type"] = top.get("communication_data_type", OneOf(COMMUNICATION_DTYPES), None,
+        # ABSENT (absent, or "auto") leaves the field to ZeroConfig's default, the one copy of it
+        fields: dict[str, Any] = {name: top.get(name, Int(1), ABSENT) for name in BATCH_KEYS}
+        fields["gradient_clipping"] = top.get("gradient_clipping", Number(), ABSENT)
+        fields["communication_data_type"] = top.get("communication_data_type", OneOf(COMMUNICATION_DTYPES), ABSENT,
                                                     nullable=True)
-        top.get("gradient_predivide_factor", Number(0.0, strict=True), 1.0)  # inert, but a value must make sense
-        fields["steps_per_print"] = top.get("steps_per_print", Int(1), 10, nullable=True)
-        fields["seed"] = top.get("seed", Int(0), None, nullable=True)
-        fields["sequence_parallel_size"] = top.get("sequence_parallel_size", Int(1), 1)
+        top.get("gradient_predivide_factor", Number(0.0, strict=True), ABSENT)  # inert, but a value must make sense
+        fields["steps_per_print"] = top.get("steps_per_print", Int(1), ABSENT, nullable=True)
+        fields["seed"] = top.get("seed", Int(0), ABSENT, nullable=True)
+        fields["sequence_parallel_size"] = top.get("sequence_parallel_size", Int(1), ABSENT)
         fields["activation_checkpointing"] = self.activation_checkpointing(top)
         fields["compile"] = self.compile(top)
-        fields["nonfinite_loss"] = top.get("nonfinite_loss", OneOf(NONFINITE_LOSS), "skip")
+        fields["nonfinite_loss"] = top.get("nonfinite_loss", OneOf(NONFINITE_LOSS), ABSENT)
         checkpoint = self.object(top.raw("checkpoint", '{"keep_last": 3}'), "checkpoint", CHECKPOINT)
-        fields["checkpoint_keep_last"] = checkpoint.get("keep_last", Int(1), None, nullable=True)
+        fields["checkpoint_keep_last"] = checkpoint.get("keep_last", Int(1), ABSENT, nullable=True)
         fields["optimizer"] = self.named(top, "optimizer", OptimizerConfig, SUPPORTED_OPTIMIZERS, DEEPSPEED_ONLY_OPTIMIZERS)
         fields["scheduler"] = self.named(top, "scheduler", SchedulerConfig, SUPPORTED_SCHEDULERS, DEEPSPEED_ONLY_SCHEDULERS)
         fields["fp16"] = self.fp16(top)
         bf16 = self.object(top.raw("bf16", '{"enabled": true}'), top.where("bf16"), BF16)
-        fields["bf16"] = BF16Config(enabled=bf16.get("enabled", Bool(), False))
+        fields["bf16"] = BF16Config(enabled=bf16.get("enabled", Bool(), BF16Config.enabled))
         if fields["fp16"].enabled and fields["bf16"].enabled:
             raise ConfigError(f"fp16.enabled: got True while {bf16.path}.enabled is also True; "
                               "enable at most one of fp16 and bf16")
         fields["zero_optimization"] = self.zero(top)
         fields["pipeline"] = self.pipeline(top)
-        refuse_missing_features(fields, top.values.get("sequence_parallel"))
         fields["auto_keys"] = self.auto_keys
-        self.warn()
-        return fields
+        return {name: value for name, value in fields.items() if value is not ABSENT}
 
     # ------------------------------------------------------------ keys
 
@@ -248,7 +249,7 @@ class Parser:
             new = [name for name in dict.fromkeys(names) if (kind, name) not in _WARNED]
             if new:
                 _WARNED.update((kind, name) for name in new)
-                warnings.warn(f"{text}: {', '.join(new)}", UserWarning, stacklevel=4)
+                warnings.warn(f"{text}: {', '.join(new)}", UserWarning, stacklevel=3)
 
     # ------------------------------------------------------------ sections
 
@@ -375,21 +376,22 @@ class Parser:
         return cls(**out)
 
 
-def refuse_missing_features(fields: dict[str, Any], sequence_parallel: Any) -> None:
+def refuse_missing_features(cfg: Any) -> None:
     """Features the parser reads in full but hf_zero cannot run yet: one sentence each, before any work.
 
-    When offload or sequence parallelism lands, its engineer deletes its lines here; the parsed
-    values are already in ``zero_optimization.offload_*`` and ``sequence_parallel_size``.
+    ``cfg`` is the parsed ZeroConfig. When offload or sequence parallelism lands, its engineer
+    deletes its lines here; the parsed values are already in ``cfg.zero_optimization.offload_*``
+    and ``cfg.sequence_parallel_size``.
     """
-    zero = fields["zero_optimization"]
     for key in ("offload_optimizer", "offload_param"):
-        offload = getattr(zero, key)
+        offload = getattr(cfg.zero_optimization, key)
         if offload is not None and offload.device != "none":
             raise ConfigError(f"zero_optimization.{key}.device: got {offload.device!r}, but offload is not supported yet; "
                               f'use "none" or remove {key}')
-    if fields["sequence_parallel_size"] > 1:
-        raise ConfigError(f"sequence_parallel_size: got {fields['sequence_parallel_size']}, but sequence parallelism "
+    if cfg.sequence_parallel_size > 1:
+        raise ConfigError(f"sequence_parallel_size: got {cfg.sequence_parallel_size}, but sequence parallelism "
                           "is not supported yet; remove the key or set it to 1")
-    if sequence_parallel not in (None, {}):
-        raise ConfigError(f"sequence_parallel: got {show(sequence_parallel)}, but sequence parallelism is not supported "
+    section = cfg.raw.get("sequence_parallel")  # LLaMA-Factory's; its keys are for the sequence-parallel engineer
+    if section not in (None, {}):
+        raise ConfigError(f"sequence_parallel: got {show(section)}, but sequence parallelism is not supported "
                           "yet; remove the section")

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 import warnings
 from pathlib import Path
@@ -196,6 +197,20 @@ def test_each_key_is_named_once_per_process() -> None:
     second = {**first, "memory_breakdown": True, "monitor_config": {}}
     assert load(second)[1] == ["hf_zero accepts but ignores these DeepSpeed keys: memory_breakdown",
                                "hf_zero ignores these keys, which are not DeepSpeed config keys: monitor_config"]
+
+
+def test_a_refused_config_warns_nothing_and_its_fix_warns_once() -> None:
+    """LLaMA-Factory's fp8 config (the issue's "comms_config: unknown key"): refused for its offload only."""
+    given = json.loads((CONFIGS / "llamafactory_ds_z3_fp8_config.json").read_text())
+    with warnings.catch_warnings(record=True) as caught, pytest.raises(ConfigError, match="offload is not supported yet"):
+        warnings.simplefilter("always")
+        ZeroConfig.load(given)
+    assert caught == []
+    given["zero_optimization"]["offload_optimizer"]["device"] = "none"
+    cfg, said = load(given)
+    assert said == ["hf_zero accepts but ignores these DeepSpeed keys: zero_optimization.overlap_comm",
+                    "hf_zero ignores these keys, which are not DeepSpeed config keys: comms_config, monitor_config"]
+    assert cfg.zero_optimization.stage == 3 and cfg.zero_optimization.offload_optimizer.pin_memory is False
 
 
 def test_every_config_field_is_read_outside_the_parser() -> None:
