@@ -143,6 +143,7 @@ CORPUS: list[Source] = [
     _at(DS_EXAMPLES, "dsexamples_imagenet_ds_fp16_z1.json", "training/imagenet/config/ds_fp16_z1_config.json"),
     _at(DS_EXAMPLES, "dsexamples_gan.json", "training/gan/gan_deepspeed_config.json"),
     _at(DS_EXAMPLES, "dsexamples_bf16_master_weight_baseline.json", "training/bf16_master_weight/configs/baseline.json"),
+    _at(DS_EXAMPLES, "dsexamples_autosp_torchcompile.json", "benchmarks/autosp/configs/torchcompile_config.json"),
     # DeepSpeed feature demos: each exists to show a DeepSpeed feature hf_zero has no issue for yet
     _at(DS_EXAMPLES, "dsexamples_bf16_master_weight_bf16_full.json", "training/bf16_master_weight/configs/bf16_full.json",
         refuses="torch_autocast is not supported"),
@@ -150,6 +151,8 @@ CORPUS: list[Source] = [
         refuses="ZenFlow is not supported yet"),
     _at(DS_EXAMPLES, "dsexamples_tensor_parallel_hf.json", "training/tensor_parallel/hf_integration/configs/ds_config.json",
         refuses="tensor parallelism is not supported yet"),
+    _at(DS_EXAMPLES, "dsexamples_autosp.json", "benchmarks/autosp/configs/autosp_config.json",
+        refuses="DeepCompile is not supported"),  # and sequence_parallel_size 2, refused after it
 ]
 
 # Configs DeepSpeed 0.19.8's own parser refuses, with its "auto" values filled (tests/test_ds_config_oracle.py
@@ -158,6 +161,8 @@ DEEPSPEED_REFUSES = {
     "axolotl_zero1_torch_compile.json": "its CompileConfig has no field compile.disable, an older DeepSpeed key",
     "axolotl_zero2_torch_compile.json": "its CompileConfig has no field compile.disable, an older DeepSpeed key",
     "transformers_docs_zero3_nvme.json": "the page puts the aio block inside zero_optimization, where it is forbidden",
+    # DeepSpeedConfig divides the world by sequence_parallel_size: 2 at the oracle's world size 1 leaves half a rank
+    "dsexamples_autosp.json": "sequence_parallel_size 2 at the oracle's world size of 1 process",
 }
 
 # What transformers' Trainer writes over "auto" (HfTrainerDeepSpeedConfig), by key name, for the oracle.
@@ -269,7 +274,7 @@ def compatibility_markdown() -> str:
         "as the Trainer passes it): *accepted*, naming the keys its warnings name (DeepSpeed keys that ask",
         "for something hf_zero does not do, and keys that are not DeepSpeed's), or *refused* with the",
         "sentence a user sees. The rule is in the README's \"Config\" paragraph. Offload and sequence",
-        "parallelism are refused until their issues land; the last three rows are DeepSpeed feature demos.",
+        "parallelism are refused until their issues land; the last four rows are DeepSpeed feature demos.",
         "",
         "**Trainer (2 ranks)**: does the config train through `hf_zero.Trainer` on 2 gloo ranks (a small",
         "model, a few steps, finite losses, the saved folder reloads)? To be filled by the Trainer run",
@@ -277,7 +282,8 @@ def compatibility_markdown() -> str:
         "",
         "DeepSpeed 0.19.8's own parser (with `\"auto\"` filled) accepts every config here except "
         + ", ".join(f"`{f}` ({why})" for f, why in DEEPSPEED_REFUSES.items())
-        + ". hf_zero accepts the axolotl ones, naming `compile.disable` as ignored, and refuses the NVMe one for its offload.",
+        + ". hf_zero accepts the axolotl ones, naming `compile.disable` as ignored, refuses the NVMe one for its offload"
+        " and the AutoSP one for DeepCompile.",
         "",
         "| Config | Source | Parse | Trainer (2 ranks) |",
         "|---|---|---|---|",
