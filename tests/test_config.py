@@ -255,7 +255,7 @@ def test_hf_docs_zero2_and_zero3_configs_parse_and_record_auto_keys() -> None:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         z2 = ZeroConfig.load(HF_ZERO2)
-    # hf_zero's stage-2 all-gather runs per flat group sized by reduce_bucket_size: 2e8 asks for nothing it does
+    # hf_zero all-gathers per flat group, sized by reduce_bucket_size: allgather_bucket_size 2e8 is named as ignored
     assert [str(w.message) for w in caught] == [
         "hf_zero accepts but ignores these DeepSpeed keys: zero_optimization.allgather_bucket_size"]
     with warnings.catch_warnings():
