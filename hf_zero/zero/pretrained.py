@@ -109,6 +109,11 @@ def _candidates(name: str, prefix: str) -> list[str]:
 
 def _pop_options(where: str, kwargs: dict[str, Any]) -> dict[str, Any]:
     """Take the loading options out of ``kwargs`` (refusing what Init cannot honour); what stays is for the config."""
+    adapter = kwargs.get("adapter_kwargs") or {}
+    if "_adapter_model_path" not in adapter:
+        # with peft installed, transformers' Auto classes pass adapter_kwargs (a revision, a token) on every
+        # load; only a folder that holds an adapter (they then add its path) asks for something
+        kwargs.pop("adapter_kwargs", None)
     for key in _UNSUPPORTED:
         if kwargs.get(key) not in (None, False):
             raise ValueError(f"{where}: {key}= is not supported under hf_zero.zero.Init; leave it unset")
