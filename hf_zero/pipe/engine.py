@@ -15,8 +15,9 @@ other hf_zero run uses. What the pipeline adds at the step:
 - tied weights (an embedding on the first stage, the LM head on the last) are placed in their
   own flat bucket, so their (data-parallel-averaged) gradient shards line up across the stages
   holding them and are summed with one all-reduce over the tie group;
-- the gradient norm (for clipping and the fp16 overflow check) is over the whole pipeline, each
-  tied weight counted once, with one all-reduce over the world.
+- the gradient norm (for clipping and the non-finite checks) is over the whole pipeline, each
+  tied weight counted once, with one all-reduce over the world: the one step policy of every
+  engine (``hf_zero/step.py``) with the pipeline's norm scope.
 
 ``save_checkpoint`` / ``load_checkpoint`` are the ``ZeroEngine``'s: every rank of the world calls
 them, and :mod:`hf_zero.checkpoint.save` stores each stage's parameters under the model's own
