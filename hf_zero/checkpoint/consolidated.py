@@ -193,10 +193,11 @@ def save_pretrained(engine: Any, save_directory: str, max_shard_size: int | str 
     """
     import torch.distributed as dist
 
+    lay = engine.checkpoint_layout()  # the engine says which ranks take part and which one writes
     files, entries = _write_engine(engine, save_directory, dtype, max_shard_size=max_shard_size)
-    if dist.get_rank(engine.group) == 0:
+    if lay.rank == 0:
         save_model_config(engine.module, save_directory, next((dt for _, dt, _ in entries if dt.is_floating_point), None))
-    dist.barrier(engine.group)
+    dist.barrier(lay.group)
     return files
 
 
@@ -205,7 +206,7 @@ def save_single_file(engine: Any, save_dir: str, filename: str, exclude_frozen: 
     import torch.distributed as dist
 
     _write_engine(engine, save_dir, None, filename=filename, exclude_frozen=exclude_frozen)
-    dist.barrier(engine.group)
+    dist.barrier(engine.checkpoint_layout().group)
     return os.path.join(save_dir, filename)
 
 
@@ -217,9 +218,7 @@ def _write_engine(
 
     Returns the files written and the entries (name, dtype, shape) they hold.
     """
-    import torch.distributed as dist
-
-    rank = dist.get_rank(engine.group)
+    rank = engine.checkpoint_layout().rank
     if rank == 0:
         os.makedirs(out_dir, exist_ok=True)
     units = OneUnitAtATime(engine)
