@@ -1,0 +1,155 @@
+"""DeepSpeed's side of the migration and parity tests, run with DeepSpeed's own interpreter.
+
+    python -m torch.distributed.run --nproc-per-node 2 tests/ds_oracle_train.py OUT_DIR CASES_JSON
+
+(``tests/dsenv.py:run_torchrun`` starts it; CPU processes over gloo.) For each case it trains a small
+GPT-2 with tied embeddings and a frozen position embedding through ``deepspeed.initialize``, saves a
+checkpoint after ``steps_before_save`` optimizer steps, evaluates a fixed batch, trains
+``micro_after`` more micro-steps, saves again, and writes what the hf_zero side compares against:
+``OUT_DIR/<case>/result.json`` (every rank's loss at every micro-step, the fixed batch's loss) and,
+for ZeRO stages 1-3, ``zero_to_fp32``'s consolidation of both checkpoints as safetensors (the tied
+head is cloned so safetensors can hold it). Nothing comes back as a pickle.
+
+The model and data builders (:func:`make_model`, :func:`micro_batch`, :func:`fixed_batch`) import
+only torch and transformers, so the hf_zero tests import them from here and train the same thing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any
+
+import torch
+
+VOCAB = 37
+SEQ = 6
+MICRO = 2
+
+
+def make_model(seed: int = 0) -> Any:
+    """A 2-layer GPT-2 with awkward sizes, tied input/output embeddings and a frozen ``wpe``."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    cfg = GPT2Config(vocab_size=VOCAB, n_positions=16, n_embd=12, n_layer=2, n_head=2, resid_pdrop=0.0,
+                     embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=True)
+    model = GPT2LMHeadModel(cfg)
+    model.transformer.wpe.weight.requires_grad_(False)
+    return model
+
+
+def micro_batch(t: int, world: int, rank: int, micro: int = MICRO) -> torch.Tensor:
+    """Micro-step ``t``'s input ids for ``rank``: its rows of one global batch drawn from seed ``1000 + t``."""
+    g = torch.Generator().manual_seed(1000 + t)
+    ids = torch.randint(0, VOCAB, (world * micro, SEQ), generator=g)
+    return ids[rank * micro : (rank + 1) * micro]
+
+
+def fixed_batch() -> torch.Tensor:
+    """The batch whose loss is compared after a checkpoint is loaded (the same on every rank)."""
+    return torch.randint(0, VOCAB, (3, SEQ), generator=torch.Generator().manual_seed(7))
+
+
+def ds_config(stage: int, dtype: str, gas: int = 2, clip: float = 1.0) -> dict:
+    """The DeepSpeed config of one case; hf_zero reads the same JSON."""
+    cfg: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": gas,
+        "gradient_clipping": clip,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "betas": [0.9, 0.99], "eps": 1e-8, "weight_decay": 0.01,
+                                                  "torch_adam": True}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-2, "warmup_num_steps": 3,
+                                                     "warmup_type": "linear"}},
+        "zero_optimization": {"stage": stage},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 1000,
+    }
+    if dtype == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    elif dtype == "fp16":
+        cfg["fp16"] = {"enabled": True, "initial_scale_power": 8}
+    return cfg
+
+
+def _losses(engine: Any, start: int, count: int, world: int, rank: int) -> list[list[float]]:
+    """Train ``count`` micro-steps from micro-step ``start``; every rank's loss at each."""
+    import torch.distributed as dist
+
+    out = []
+    for t in range(start, start + count):
+        ids = micro_batch(t, world, rank)
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+        both = [torch.zeros(()) for _ in range(world)]
+        dist.all_gather(both, loss.detach().float().reshape(()))
+        out.append([float(x) for x in both])
+    return out
+
+
+def _consolidate(save_dir: str, tag: str, path: str) -> None:
+    """zero_to_fp32's full fp32 state dict of one checkpoint, as safetensors."""
+    from safetensors.torch import save_file
+
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    sd = get_fp32_state_dict_from_zero_checkpoint(save_dir, tag=tag)
+    save_file({k: v.detach().contiguous().clone() for k, v in sd.items()}, path)
+
+
+def run_case(case: dict, out_dir: str, world: int, rank: int) -> None:
+    import deepspeed
+    import torch.distributed as dist
+
+    here = os.path.join(out_dir, case["name"])
+    save_dir = os.path.join(here, "ckpt")
+    os.makedirs(save_dir, exist_ok=True)
+    cfg = ds_config(case["stage"], case["dtype"], case.get("gas", 2), case.get("clip", 1.0))
+    model = make_model()
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
+                                           config=cfg)
+    gas = cfg["gradient_accumulation_steps"]
+    before = case["steps_before_save"] * gas
+    result: dict[str, Any] = {"losses": _losses(engine, 0, before, world, rank)}
+    engine.save_checkpoint(save_dir, client_state={"epoch": 3, "note": "from deepspeed"})
+    tag_a = f"global_step{engine.global_steps}"
+    engine.eval()
+    with torch.no_grad():
+        ids = fixed_batch()
+        result["fixed_loss"] = float(engine(input_ids=ids, labels=ids).loss.float())
+    engine.train()
+    result["losses"] += _losses(engine, before, case["micro_after"], world, rank)
+    engine.save_checkpoint(save_dir)
+    tag_b = f"global_step{engine.global_steps}"
+    result.update(tags=[tag_a, tag_b], save_dir=save_dir, skipped_steps=engine.skipped_steps)
+    if engine.zero_optimization_stage() == 3:
+        engine.empty_partition_cache()
+    dist.barrier()
+    if rank == 0:
+        if case["stage"] >= 1:
+            for tag in (tag_a, tag_b):
+                _consolidate(save_dir, tag, os.path.join(here, f"zero_to_fp32_{tag}.safetensors"))
+        with open(os.path.join(here, "result.json"), "w") as f:
+            json.dump(result, f)
+    dist.barrier()
+
+
+def main() -> None:
+    import deepspeed
+    import torch.distributed as dist
+
+    out_dir, cases_json = sys.argv[1], sys.argv[2]
+    torch.set_num_threads(1)
+    deepspeed.init_distributed(dist_backend="gloo")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    with open(cases_json) as f:
+        cases = json.load(f)
+    for case in cases:
+        run_case(case, out_dir, world, rank)
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    main()
