@@ -29,15 +29,26 @@ MICRO = 2
 
 
 def make_model(seed: int = 0) -> Any:
-    """A 2-layer GPT-2 with awkward sizes, tied input/output embeddings and a frozen ``wpe``."""
+    """A 2-layer GPT-2 with tied input/output embeddings and a frozen ``wpe``.
+
+    Odd sizes on purpose (width 9, vocabulary 37): parameters of odd length make ZeRO 3 pad
+    their last slice, and the trainable total (2529) makes ZeRO 1-2 pad their last partition.
+    """
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(seed)
-    cfg = GPT2Config(vocab_size=VOCAB, n_positions=16, n_embd=12, n_layer=2, n_head=2, resid_pdrop=0.0,
+    cfg = GPT2Config(vocab_size=VOCAB, n_positions=16, n_embd=9, n_layer=2, n_head=3, resid_pdrop=0.0,
                      embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=True)
     model = GPT2LMHeadModel(cfg)
     model.transformer.wpe.weight.requires_grad_(False)
     return model
+
+
+def param_groups(model: Any) -> list[dict]:
+    """Two groups, as transformers' Trainer builds them: weight decay for matrices, none for the rest."""
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    return [{"params": [p for _, p in trainable if p.dim() >= 2], "weight_decay": 0.01},
+            {"params": [p for _, p in trainable if p.dim() < 2], "weight_decay": 0.0}]
 
 
 def micro_batch(t: int, world: int, rank: int, micro: int = MICRO) -> torch.Tensor:
@@ -108,8 +119,13 @@ def run_case(case: dict, out_dir: str, world: int, rank: int) -> None:
     os.makedirs(save_dir, exist_ok=True)
     cfg = ds_config(case["stage"], case["dtype"], case.get("gas", 2), case.get("clip", 1.0))
     model = make_model()
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
-                                           config=cfg)
+    if case["dtype"] == "fp16":
+        # DeepSpeed's CPU accelerator refuses fp16 (it asks oneDNN for AVX512-FP16 kernels); torch runs
+        # fp16 on any CPU, so the check is lifted here to produce a genuine fp16 checkpoint.
+        from deepspeed.accelerator import get_accelerator
+
+        get_accelerator().is_fp16_supported = lambda: True
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups(model), config=cfg)
     gas = cfg["gradient_accumulation_steps"]
     before = case["steps_before_save"] * gas
     result: dict[str, Any] = {"losses": _losses(engine, 0, before, world, rank)}
@@ -136,6 +152,39 @@ def run_case(case: dict, out_dir: str, world: int, rank: int) -> None:
     dist.barrier()
 
 
+def trainer_dataset(n: int = 16) -> list[dict]:
+    """Rows for the Trainer runs (the same on every rank; the Trainer shards and shuffles them)."""
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, VOCAB, (n, SEQ), generator=g)
+    return [{"input_ids": row, "labels": row} for row in ids]
+
+
+def trainer_args(output_dir: str, stage: int, **extra: Any) -> dict:
+    """TrainingArguments (as a dict) and the ZeRO config for the Trainer runs, DeepSpeed's and hf_zero's alike."""
+    config = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+              "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True, "steps_per_print": 1000}
+    return dict(output_dir=output_dir, per_device_train_batch_size=MICRO, gradient_accumulation_steps=2, max_steps=4,
+                save_strategy="steps", save_steps=2, logging_steps=1, learning_rate=1e-2, weight_decay=0.01,
+                max_grad_norm=1.0, lr_scheduler_type="linear", warmup_steps=1, report_to=[], seed=0, use_cpu=True,
+                config=config, **extra)
+
+
+def run_trainer_case(case: dict, out_dir: str, world: int, rank: int) -> None:
+    """transformers' Trainer under DeepSpeed: checkpoints at steps 2 and 4, every logged loss."""
+    from transformers import Trainer, TrainingArguments
+
+    here = os.path.join(out_dir, case["name"])
+    kwargs = trainer_args(os.path.join(here, "trainer"), case["stage"])
+    config = kwargs.pop("config")
+    trainer = Trainer(model=make_model(), args=TrainingArguments(**kwargs, deepspeed=config), train_dataset=trainer_dataset())
+    trainer.train()
+    if rank == 0:
+        with open(os.path.join(here, "result.json"), "w") as f:
+            json.dump({"log": [e for e in trainer.state.log_history if "loss" in e]}, f)
+        _consolidate(os.path.join(here, "trainer", "checkpoint-4"), "global_step4",
+                     os.path.join(here, "zero_to_fp32_checkpoint-4.safetensors"))
+
+
 def main() -> None:
     import deepspeed
     import torch.distributed as dist
@@ -147,7 +196,7 @@ def main() -> None:
     with open(cases_json) as f:
         cases = json.load(f)
     for case in cases:
-        run_case(case, out_dir, world, rank)
+        (run_trainer_case if case.get("trainer") else run_case)(case, out_dir, world, rank)
     dist.barrier()
 
 
