@@ -27,6 +27,46 @@ VOCAB = 37
 SEQ = 6
 MICRO = 2
 
+# Every DeepSpeed run the tests compare against, made by one torchrun of this script (about a minute
+# on two cores): ZeRO 1-3 in fp32 and bf16, ZeRO 0, ZeRO 2 in fp16, and a Trainer at ZeRO 3.
+CASES = [
+    *({"name": f"z{s}_{d}", "stage": s, "dtype": d, "steps_before_save": 2, "micro_after": 6}
+      for d in ("fp32", "bf16") for s in (1, 2, 3)),
+    {"name": "z0_fp32", "stage": 0, "dtype": "fp32", "steps_before_save": 2, "micro_after": 6},
+    {"name": "z2_fp16", "stage": 2, "dtype": "fp16", "steps_before_save": 2, "micro_after": 6},
+    {"name": "trainer_z3", "stage": 3, "trainer": True},
+]
+_RUN: dict[str, Any] = {}
+
+
+def oracle_output(tmp_path_factory: Any) -> str:
+    """Test side: run every case under DeepSpeed once per pytest session; the folder holding the results.
+
+    Skips (through ``tests/dsenv.py``) where DeepSpeed cannot be installed.
+    """
+    if "error" in _RUN:
+        raise AssertionError(_RUN["error"])
+    if "out" not in _RUN:
+        from pathlib import Path
+
+        from tests import dsenv
+
+        out = tmp_path_factory.mktemp("deepspeed_oracle")
+        (out / "cases.json").write_text(json.dumps(CASES))
+        try:
+            dsenv.run_torchrun(Path(__file__), 2, str(out), str(out / "cases.json"), timeout=1200)
+        except AssertionError as e:
+            _RUN["error"] = str(e)
+            raise
+        _RUN["out"] = str(out)
+    return _RUN["out"]
+
+
+def result(out: str, name: str) -> dict:
+    """One case's ``result.json``."""
+    with open(os.path.join(out, name, "result.json")) as f:
+        return json.load(f)
+
 
 def make_model(seed: int = 0) -> Any:
     """A 2-layer GPT-2 with tied input/output embeddings and a frozen ``wpe``.
@@ -102,9 +142,8 @@ def _losses(engine: Any, start: int, count: int, world: int, rank: int) -> list[
 
 def _consolidate(save_dir: str, tag: str, path: str) -> None:
     """zero_to_fp32's full fp32 state dict of one checkpoint, as safetensors."""
-    from safetensors.torch import save_file
-
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from safetensors.torch import save_file
 
     sd = get_fp32_state_dict_from_zero_checkpoint(save_dir, tag=tag)
     save_file({k: v.detach().contiguous().clone() for k, v in sd.items()}, path)
