@@ -34,7 +34,7 @@ from tests.distributed import spawn
 
 FP32 = ["z1_fp32", "z2_fp32", "z3_fp32"]
 BF16 = ["z1_bf16", "z2_bf16", "z3_bf16"]
-DTYPE = {n: n.split("_")[1] for n in FP32 + BF16 + ["z0_fp32", "z2_fp16"]}
+DTYPE = {c["name"]: c["dtype"] for c in oracle.CASES if "dtype" in c}  # "fp32", "bf16", "bf16_fp32acc", "fp16"
 AFTER = 6  # micro-steps trained after the checkpoint
 
 
@@ -133,7 +133,7 @@ def world2(ds_out: str, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict,
     tmp = tmp_path_factory.mktemp("ds_bad")
     # each checkpoint into another stage than the one that saved it (and ZeRO 0, fp16 into their own)
     cases = [("z1_fp32", 3), ("z2_fp32", 1), ("z3_fp32", 2), ("z1_bf16", 2), ("z2_bf16", 3), ("z3_bf16", 1),
-             ("z0_fp32", 0), ("z0_fp32", 2), ("z2_fp16", 2)]
+             ("z0_fp32", 0), ("z0_fp32", 2), ("z0_bf16", 1), ("z1_bf16acc", 3), ("z2_fp16", 2)]
     trainer = {"output_dir": str(tmp / "trainer"),
                "resume": os.path.join(ds_out, "trainer_z3", "trainer", "checkpoint-2")}
     results = spawn(_resume, 2, ds_out, cases, _bad_folders(ds_out, tmp), trainer)
@@ -143,7 +143,7 @@ def world2(ds_out: str, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict,
 # ------------------------------------------------------------------------------------- tests
 
 
-@pytest.mark.parametrize("name", FP32 + BF16 + ["z0_fp32", "z2_fp16"])
+@pytest.mark.parametrize("name", FP32 + BF16 + ["z0_fp32", "z0_bf16", "z1_bf16acc", "z2_fp16"])
 def test_world2_continues_as_deepspeed_did(world2: tuple[dict, Path], ds_out: str, name: str) -> None:
     results, _ = world2
     ref = oracle.result(ds_out, name)
@@ -219,7 +219,7 @@ def _world3(rank: int, world: int, out: str, cases: list) -> dict:
 
 def test_world3_loads_every_stage_and_dtype(ds_out: str) -> None:
     cases = [("z1_fp32", 1), ("z2_fp32", 3), ("z3_fp32", 3), ("z1_bf16", 3), ("z2_bf16", 2), ("z3_bf16", 2),
-             ("z0_fp32", 3), ("z2_fp16", 1)]
+             ("z0_fp32", 3), ("z0_bf16", 2), ("z1_bf16acc", 1), ("z2_fp16", 1)]
     results = spawn(_world3, 3, ds_out, cases)
     for name, stage in cases:
         ref = oracle.result(ds_out, name)
@@ -254,6 +254,21 @@ def test_convert_consolidated_equals_zero_to_fp32(ds_out: str, tmp_path: Path, n
     meta = json.loads((tmp_path / "hz" / tag / "checkpoint.json").read_text())
     assert (tmp_path / "hz" / "latest").read_text() == tag and meta["global_steps"] == 2 and meta["world_size"] == 2
     assert meta["client_state"] == {"epoch": 3, "note": "from deepspeed"}
+
+
+def test_convert_reads_what_zero_to_fp32_cannot(ds_out: str, tmp_path: Path) -> None:
+    """ZeRO 1 in bf16 with fp32 gradient accumulation saves BF16_Optimizer's files, which zero_to_fp32 refuses."""
+    from hf_zero.checkpoint import deepspeed as ds_checkpoint
+    from hf_zero.checkpoint.deepspeed_read import load_pickle
+
+    ref = oracle.result(ds_out, "z1_bf16acc")
+    assert "is not a zero checkpoint" in ref["zero_to_fp32_error"]
+    tag = ref["tags"][0]
+    ds_checkpoint.consolidate(ref["save_dir"], str(tmp_path), tag=tag, progress=False)
+    mine = load_file(str(tmp_path / "model.safetensors"))
+    module = load_pickle(os.path.join(ref["save_dir"], tag, "mp_rank_00_model_states.pt"))["module"]
+    for n, t in mine.items():  # DeepSpeed's bf16 weights are its fp32 masters rounded
+        assert torch.equal(t.to(torch.bfloat16), module[n]), n
 
 
 def test_convert_a_trainer_checkpoint_gives_a_from_pretrained_folder(ds_out: str, tmp_path: Path) -> None:

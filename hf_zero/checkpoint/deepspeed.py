@@ -156,7 +156,7 @@ def _loss_scaler(p: Plan) -> dict | None:
         return None
     fp16 = (p.model0.get("ds_config") or {}).get("fp16") or {}
     hysteresis = int(fp16.get("hysteresis", 2))
-    if p.kind == "fp16_optimizer":
+    if p.kind in ("fp16_optimizer", "fp16_unfused"):
         o = p.optim0 or {}
         src: dict[str, Any] = {k: o[k] for k in ("cur_scale", "cur_iter", "last_overflow_iter") if k in o}
     else:

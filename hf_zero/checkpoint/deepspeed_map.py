@@ -71,7 +71,7 @@ class Plan:
     """What rank 0's files say about the whole checkpoint."""
 
     folder: Folder
-    kind: str  # "zero12", "bf16", "zero3", "torch" (ZeRO 0, fp32), "fp16_optimizer" (ZeRO 0, fp16/bf16)
+    kind: str  # "zero12", "bf16" (BF16_Optimizer), "zero3"; ZeRO 0: "torch", "fp16_unfused", "fp16_optimizer"
     stage: int
     world: int  # data-parallel ranks that saved it
     shares: int  # rank files to convert (1 for ZeRO 0, whose state is replicated)
@@ -192,7 +192,7 @@ def _zero_plan(folder: Folder, m0: dict, osd: dict, world: int, dtype: torch.dty
 
 def read_share(p: Plan, rank: int) -> Share:
     """Rank ``rank``'s fp32 flats, optimizer state and frozen slices, with what each holds."""
-    if p.kind in ("torch", "fp16_optimizer"):
+    if p.stage == 0 and p.kind != "bf16":
         return _stage0_share(p)
     osd = p.optim0 if rank == 0 else load_pickle(p.folder.optim_files[rank]).get("optimizer_state_dict")
     where = p.folder.optim_files[rank]
@@ -277,28 +277,38 @@ def _module_params(m0: dict) -> tuple[list[tuple[str, torch.Tensor]], dict[str, 
     return out, aliases
 
 
+_PER_PARAM = ("torch", "fp16_unfused")  # ZeRO 0 kinds whose optimizer holds one tensor per parameter
+
+
 def _stage0_plan(folder: Folder, m0: dict, world: int, dtype: torch.dtype, hint: list[list[str]] | None) -> Plan:
+    """ZeRO 0: a torch optimizer state dict, or DeepSpeed's fp16/bf16 wrapper (fp32 copies per parameter or per group)."""
     opt = m0.get("optimizer")
     if not isinstance(opt, dict):
         raise DeepSpeedCheckpointError(
             f"{folder.path} has no optimizer state (no *_optim_states.pt files and no 'optimizer' entry in "
             f"{folder.model_files[0]}); it was saved without an optimizer"
         )
-    kind = "fp16_optimizer" if "fp32_groups_flat" in opt else "torch"
-    inner = opt["optimizer_state_dict"] if kind == "fp16_optimizer" else opt
+    kind = "fp16_optimizer" if "fp32_groups_flat" in opt else "fp16_unfused" if "fp32_groups" in opt else "torch"
+    inner = opt if kind == "torch" else opt.get("optimizer_state_dict")
     if not isinstance(inner, dict) or "param_groups" not in inner:
         raise DeepSpeedCheckpointError(f"{folder.model_files[0]}: its 'optimizer' entry is not an optimizer state dict")
     params, _ = _module_params(m0)
-    names = _stage0_names(folder, kind, opt, inner, params, hint)
+    if kind == "torch":
+        sizes = [[_state_numel(inner["state"], i) for i in pg["params"]] for pg in inner["param_groups"]]
+    elif kind == "fp16_unfused":
+        sizes = [[int(t.numel()) for t in g] for g in opt["fp32_groups"]]
+    else:
+        sizes = [[int(t.numel())] for t in opt["fp32_groups_flat"]]
+    names = _stage0_names(folder, kind, inner["param_groups"], sizes, params, hint)
     shape = dict(params)
     flats = []
     for g in names:
         at, flat = 0, []
         for n in g:
-            flat.append((n, tuple(shape[n].shape), at if kind == "fp16_optimizer" else 0))
+            flat.append((n, tuple(shape[n].shape), 0 if kind in _PER_PARAM else at))
             at += shape[n].numel()
         flats.append(flat)
-    if kind == "torch":  # one flat per parameter
+    if kind in _PER_PARAM:  # one flat per parameter
         flat_group = [g for g, names_g in enumerate(names) for _ in names_g]
         flats = [[f] for flat in flats for f in flat]
     else:
@@ -307,14 +317,15 @@ def _stage0_plan(folder: Folder, m0: dict, world: int, dtype: torch.dtype, hint:
     return Plan(folder, kind, 0, world, 1, dtype, flats, flat_group, hypers, {}, {}, m0, opt)
 
 
-def _stage0_names(folder: Folder, kind: str, opt: dict, inner: dict, params: list, hint: list[list[str]] | None) -> list[list[str]]:
-    """Which parameter each position of a ZeRO-0 optimizer state is, or a refusal if that cannot be known."""
-    groups = inner["param_groups"]
+def _stage0_names(folder: Folder, kind: str, groups: list[dict], sizes: list[list[int | None]], params: list,
+                  hint: list[list[str]] | None) -> list[list[str]]:
+    """Which parameter each position of a ZeRO-0 optimizer state is, or a refusal if that cannot be known.
+
+    Tried in order: the names torch saved with the param groups; the loading run's own groups
+    (``hint``); with one group, the module's parameters in order, or the only subsequence of
+    them whose sizes fit. A candidate must match every recorded size.
+    """
     shapes = dict(params)
-    if kind == "torch":
-        sizes = [[_state_numel(inner["state"], i) for i in pg["params"]] for pg in groups]
-    else:
-        sizes = [[int(t.numel())] for t in opt["fp32_groups_flat"]]
     candidates: list[list[list[str]]] = []
     if all("param_names" in pg for pg in groups):
         candidates.append([list(pg["param_names"]) for pg in groups])
@@ -339,7 +350,9 @@ def _state_numel(state: dict, i: int) -> int | None:
 
 
 def _fits(names: list[list[str]], sizes: list[list[int | None]], shapes: dict, kind: str) -> bool:
-    if kind == "torch":
+    if len(names) != len(sizes):
+        return False
+    if kind in _PER_PARAM:
         return all(len(g) == len(s) and all(z is None or z == shapes[n].numel() for n, z in zip(g, s))
                    for g, s in zip(names, sizes))
     return all(sum(shapes[n].numel() for n in g) == s[0] for g, s in zip(names, sizes))
@@ -347,7 +360,7 @@ def _fits(names: list[list[str]], sizes: list[list[int | None]], shapes: dict, k
 
 def _unique_embedding(params: list[tuple[str, torch.Tensor]], sizes: list[int | None], kind: str) -> list[list[list[str]]]:
     """One group: the module's parameters in order, or the only subsequence of them whose sizes fit."""
-    if kind != "torch":
+    if kind not in _PER_PARAM:
         return [[[n for n, _ in params]]]
     if len(sizes) == len(params):
         return [[[n for n, _ in params]]]
@@ -375,15 +388,18 @@ def _unique_embedding(params: list[tuple[str, torch.Tensor]], sizes: list[int | 
 def _stage0_share(p: Plan) -> Share:
     module = p.model0["module"]
     opt = p.optim0 or {}
-    if p.kind == "torch":
-        masters = [module[flat[0][0]].reshape(-1).float() for flat in p.flats]
-        order = [int(i) for pg in opt["param_groups"] for i in pg["params"]]  # the flats' order
-        state = opt["state"]
+    inner = opt if p.kind == "torch" else opt["optimizer_state_dict"]
+    order = [int(i) for pg in inner["param_groups"] for i in pg["params"]]  # torch's numbering, group by group
+    state = inner["state"]
+    if p.kind in _PER_PARAM:
+        if p.kind == "torch":
+            masters = [module[flat[0][0]].reshape(-1).float() for flat in p.flats]
+        else:
+            masters = [t.reshape(-1) for g in opt["fp32_groups"] for t in g]
         states = [state.get(i, state.get(str(i), {})) for i in order]
         states = [{k: (v.reshape(-1) if torch.is_tensor(v) and v.dim() > 0 else v) for k, v in st.items()} for st in states]
     else:
         masters = [t.reshape(-1) for t in opt["fp32_groups_flat"]]
-        inner = opt["optimizer_state_dict"]
-        states = [inner["state"].get(int(pg["params"][0]), {}) for pg in inner["param_groups"]]
+        states = [state.get(i, {}) for i in order]
     pieces = [Piece(n, 0, math.prod(s), f, at) for f, flat in enumerate(p.flats) for n, s, at in flat]
     return Share(masters, states, pieces, _whole_frozen(p))
