@@ -90,10 +90,40 @@ def _seeded_rng() -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     return {"rng.torch_cpu": torch.Generator().manual_seed(0).get_state()}, meta
 
 
-def _write_share(p: Plan, rank: int, out: str) -> None:
-    """DeepSpeed rank ``rank``'s state as hf_zero's ``rankNNNNN`` files: by parameter name and element range."""
+def _write_files(tensors: dict[str, torch.Tensor], rank: int, out: str) -> tuple[dict[str, str], dict[str, str]]:
+    """``rankNNNNN-iii.safetensors`` files of at most MAX_FILE_BYTES: ``{key: file}`` and ``{file: sha256}``.
+
+    Each file is written as soon as it is full: the tensors are views of memory-mapped DeepSpeed
+    files, so only one file's worth is ever copied into memory.
+    """
     from safetensors.torch import save_file
 
+    files: dict[str, str] = {}
+    digests: dict[str, str] = {}
+    chunk: dict[str, torch.Tensor] = {}
+    size = 0
+
+    def flush() -> None:
+        nonlocal chunk, size
+        fname = f"rank{rank:05d}-{len({*files.values()}):03d}.safetensors"
+        path = os.path.join(out, fname)
+        save_file(chunk, path, metadata={"format": FORMAT})
+        digests[fname] = _sha256(path)
+        files.update({k: fname for k in chunk})
+        chunk, size = {}, 0
+
+    for key, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if chunk and size + nbytes > MAX_FILE_BYTES:
+            flush()
+        chunk[key] = t.detach().contiguous().clone()  # a copy: safetensors refuses views sharing one buffer
+        size += nbytes
+    flush()
+    return files, digests
+
+
+def _write_share(p: Plan, rank: int, out: str) -> None:
+    """DeepSpeed rank ``rank``'s state as hf_zero's ``rankNNNNN`` files: by parameter name and element range."""
     share = read_share(p, rank)
     tensors: dict[str, torch.Tensor] = {}
     ranges: dict[str, list] = {}
@@ -129,23 +159,7 @@ def _write_share(p: Plan, rank: int, out: str) -> None:
     rng_tensors, rng_meta = _seeded_rng()
     tensors.update(rng_tensors)
 
-    files: dict[str, str] = {}
-    digests: dict[str, str] = {}
-    chunks: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for key, t in tensors.items():
-        nbytes = t.numel() * t.element_size()
-        if chunks[-1] and size + nbytes > MAX_FILE_BYTES:
-            chunks.append({})
-            size = 0
-        chunks[-1][key] = t.detach().contiguous().clone()
-        size += nbytes
-    for i, chunk in enumerate(chunks):
-        fname = f"rank{rank:05d}-{i:03d}.safetensors"
-        path = os.path.join(out, fname)
-        save_file(chunk, path, metadata={"format": FORMAT})
-        digests[fname] = _sha256(path)
-        files.update({k: fname for k in chunk})
+    files, digests = _write_files(tensors, rank, out)
     _write_json(os.path.join(out, f"rank{rank:05d}.json"),
                 {"files": files, "sha256": digests, "ranges": ranges, "scalars": scalars, "rng": rng_meta, "sampler": None})
 
