@@ -72,7 +72,7 @@ def result(out: str, name: str) -> dict:
         return json.load(f)
 
 
-def make_model(seed: int = 0) -> Any:
+def make_model(seed: int = 0, n_layer: int = 2) -> Any:
     """A 2-layer GPT-2 with tied input/output embeddings and a frozen ``wpe``.
 
     Odd sizes on purpose (width 9, vocabulary 37): parameters of odd length make ZeRO 3 pad
@@ -81,7 +81,7 @@ def make_model(seed: int = 0) -> Any:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(seed)
-    cfg = GPT2Config(vocab_size=VOCAB, n_positions=16, n_embd=9, n_layer=2, n_head=3, resid_pdrop=0.0,
+    cfg = GPT2Config(vocab_size=VOCAB, n_positions=16, n_embd=9, n_layer=n_layer, n_head=3, resid_pdrop=0.0,
                      embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=True)
     model = GPT2LMHeadModel(cfg)
     model.transformer.wpe.weight.requires_grad_(False)

@@ -50,10 +50,10 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 # --------------------------------------------------------------------------- hf_zero side (spawned)
 
 
-def _engine(stage: int, dtype: str) -> object:
+def _engine(stage: int, dtype: str, n_layer: int = 2) -> object:
     import hf_zero
 
-    model = oracle.make_model()
+    model = oracle.make_model(n_layer=n_layer)
     engine, *_ = hf_zero.initialize(model=model, model_parameters=oracle.param_groups(model), config=oracle.ds_config(stage, dtype))
     return engine
 
@@ -89,7 +89,7 @@ def _resume(rank: int, world: int, out: str, cases: list, bad: list, trainer: di
             engine.save_pretrained(os.path.join(out, "hf_zero", f"{name}-as-stage{stage}"))
         results[f"{name}->{stage}"] = got
     for label, path in bad:
-        engine = _engine(1, "fp32")
+        engine = _engine(1, "fp32", n_layer=3 if label == "other model" else 2)
         try:
             engine.load_checkpoint(path)
             results[label] = "loaded"
@@ -125,7 +125,8 @@ def _bad_folders(out: str, tmp: Path) -> list[tuple[str, str]]:
     missing = tmp / "missing" / "global_step2"
     shutil.copytree(tag_dir, missing)
     os.remove(missing / "zero_pp_rank_1_mp_rank_00_optim_states.pt")
-    return [("planted", _plant(tag_dir, tmp / "planted" / "global_step2", tmp / "marker")), ("missing", str(missing))]
+    return [("planted", _plant(tag_dir, tmp / "planted" / "global_step2", tmp / "marker")), ("missing", str(missing)),
+            ("other model", tag_dir)]
 
 
 @pytest.fixture(scope="module")
@@ -213,6 +214,13 @@ def test_a_missing_rank_file_is_refused_on_every_rank(world2: tuple[dict, Path])
         assert "is incomplete: zero_pp_rank_1_mp_rank_00_optim_states.pt is missing" in results[rank]["missing"]
 
 
+def test_another_model_is_refused_naming_the_deepspeed_folder(world2: tuple[dict, Path]) -> None:
+    results, _ = world2
+    for rank in (0, 1):
+        msg = results[rank]["other model"]
+        assert "global_step2 was saved from a different model: it has no 'transformer.h.2.ln_1.weight'" in msg, msg
+
+
 def _world3(rank: int, world: int, out: str, cases: list) -> dict:
     return _resume(rank, world, out, cases, [], None)
 
@@ -296,6 +304,20 @@ def test_zero0_with_two_param_groups_converts_only_where_the_order_is_known(ds_o
     with pytest.raises(ds_checkpoint.DeepSpeedCheckpointError, match="stored by position only"):
         ds_checkpoint.convert(ref["save_dir"], str(tmp_path / "out"), tag=ref["tags"][0], progress=False)
     assert not (tmp_path / "out" / ref["tags"][0]).exists()
+
+
+def test_a_damaged_rank_file_is_named(ds_out: str, tmp_path: Path) -> None:
+    from hf_zero.checkpoint import deepspeed as ds_checkpoint
+
+    ref = oracle.result(ds_out, "z3_fp32")
+    src = tmp_path / "ckpt" / ref["tags"][0]
+    shutil.copytree(os.path.join(ref["save_dir"], ref["tags"][0]), src)
+    victim = src / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    victim.write_bytes(victim.read_bytes()[:2000])
+    with pytest.raises(ds_checkpoint.DeepSpeedCheckpointError, match="zero_pp_rank_1_mp_rank_00_optim_states.pt cannot be "
+                       "read as a torch checkpoint .*; the file is damaged"):
+        ds_checkpoint.convert(str(src), str(tmp_path / "out"), progress=False)
+    assert not (tmp_path / "out" / ref["tags"][0]).exists() and not (tmp_path / "out" / f".{ref['tags'][0]}.partial").exists()
 
 
 @pytest.mark.parametrize("plant,match", [

@@ -389,6 +389,7 @@ def _load(
     p, err = None, None
     try:
         p = plan(load_dir, tag, hint)
+        _same_model(p, engine.module)
     except Exception as e:  # noqa: BLE001 - every rank must hear of it
         err = _reason(e)
     _agree(gather_json(err))
@@ -424,6 +425,24 @@ def _load(
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
     return p.folder.path, client_state(p), p
+
+
+def _same_model(p: Plan, module: Any) -> None:
+    """Refuse a checkpoint that lacks parameters of this model, naming DeepSpeed's folder (not the converted copy)."""
+    held = set(p.trainable) | set(p.frozen) | set(p.shared)
+    missing = [(n, q) for n, q in module.named_parameters() if n not in held]
+    if not missing:
+        return
+    if all(not q.requires_grad for _, q in missing) and not p.frozen:
+        raise DeepSpeedCheckpointError(
+            f"{p.folder.path} holds no values for this model's frozen parameters ({missing[0][0]}, ...): it was saved "
+            "with save_checkpoint(exclude_frozen_parameters=True), as transformers does for PEFT models, which hf_zero "
+            "does not resume yet"
+        )
+    raise DeepSpeedCheckpointError(
+        f"{p.folder.path} was saved from a different model: it has no '{missing[0][0]}' "
+        f"({len(missing)} of this model's parameters missing); load it into the same architecture"
+    )
 
 
 def resume_trainer(trainer: Any, checkpoint: str) -> None:

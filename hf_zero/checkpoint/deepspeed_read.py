@@ -24,7 +24,6 @@ folders, universal checkpoints, and a folder missing one of its rank files.
 from __future__ import annotations
 
 import os
-import pickle
 import re
 import zipfile
 from dataclasses import dataclass, field
@@ -78,17 +77,22 @@ def load_pickle(path: str) -> Any:
                 if "mmap" not in str(e):
                     raise
                 return torch.load(path, map_location="cpu", weights_only=True)  # a legacy (non-zip) file
-    except pickle.UnpicklingError as e:
-        found = re.search(r"GLOBAL (\S+)", str(e)) or re.search(r"unrecognized function (\S+)", str(e))
-        what = f"the pickled global '{found.group(1)}'" if found else "a pickled object torch's safe loader refuses"
-        known = ", ".join(name for _, name in STAND_INS)
-        raise DeepSpeedCheckpointError(
-            f"{path} holds {what}, which hf_zero does not load because unpickling it could run code from the file; "
-            f"only tensors, plain containers and DeepSpeed's own state classes ({known}) are read"
-        ) from None
-    except (RuntimeError, EOFError, OSError, zipfile.BadZipFile, ValueError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise DeepSpeedCheckpointError(f"{path} cannot be read as a torch checkpoint ({first}); the file is damaged") from None
+    except Exception as e:
+        # torch's restricted unpickler raises pickle's UnpicklingError; hf_zero imports no pickle module
+        if type(e).__name__ == "UnpicklingError":
+            raise DeepSpeedCheckpointError(_refusal(path, str(e))) from None
+        if isinstance(e, (RuntimeError, EOFError, OSError, zipfile.BadZipFile, ValueError)):
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise DeepSpeedCheckpointError(f"{path} cannot be read as a torch checkpoint ({first}); the file is damaged") from None
+        raise
+
+
+def _refusal(path: str, message: str) -> str:
+    found = re.search(r"GLOBAL (\S+)", message) or re.search(r"unrecognized function (\S+)", message)
+    what = f"the pickled global '{found.group(1)}'" if found else "a pickled object torch's safe loader refuses"
+    known = ", ".join(name for _, name in STAND_INS)
+    return (f"{path} holds {what}, which hf_zero does not load because unpickling it could run code from the file; "
+            f"only tensors, plain containers and DeepSpeed's own state classes ({known}) are read")
 
 
 # ----------------------------------------------------------------------------------- the folder
