@@ -341,6 +341,45 @@ def _cmd_consolidate(args: argparse.Namespace) -> int:
     return 0
 
 
+# ------------------------------------------------------------------------- convert-deepspeed
+
+
+def _add_convert_deepspeed_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "convert-deepspeed",
+        help="turn a DeepSpeed ZeRO checkpoint into an hf_zero one (and, with --consolidated, Hugging Face weights)",
+        description="Rewrite a DeepSpeed checkpoint (ZeRO 0-3, fp32/bf16/fp16) as an hf_zero resume checkpoint in "
+        "DST/<tag> (and DST/latest): fp32 masters, optimizer moments and step counts, scheduler, loss scaler, "
+        "counters and client state, by parameter name, loadable at any world size and stage. Needs no DeepSpeed and "
+        "runs no code from the pickles (torch's weights-only loader). engine.load_checkpoint reads DeepSpeed folders "
+        "directly too; this makes a lasting copy. --consolidated also writes the fp32 weights as a from_pretrained "
+        "folder (DeepSpeed's zero_to_fp32.py, as safetensors).",
+        allow_abbrev=False,
+    )
+    p.add_argument("src", help="DeepSpeed's save_dir (its 'latest' is used), or a tag folder inside it")
+    p.add_argument("dst", help="where to write the hf_zero checkpoint (DST/<tag>, DST/latest)")
+    p.add_argument("--tag", default=None, help="checkpoint tag inside SRC (default: the one 'latest' names)")
+    p.add_argument("--consolidated", nargs="?", const="", default=None, metavar="DIR",
+                   help="also write the fp32 weights as model.safetensors (shards above --max_shard_size) into DIR "
+                   "(default DST/consolidated)")
+    p.add_argument("--max_shard_size", default="5GB", help="with --consolidated: split into shards above this size")
+    p.set_defaults(handler=_cmd_convert_deepspeed)
+
+
+def _cmd_convert_deepspeed(args: argparse.Namespace) -> int:
+    from hf_zero.checkpoint import deepspeed as ds_checkpoint
+
+    if not os.path.isdir(args.src):
+        raise ValueError(f"{args.src} does not exist; pass the folder DeepSpeed's save_checkpoint wrote")
+    path = ds_checkpoint.convert(args.src, args.dst, tag=args.tag)
+    print(f"wrote the hf_zero checkpoint {path}")
+    if args.consolidated is not None:
+        out = args.consolidated or os.path.join(args.dst, "consolidated")
+        files = ds_checkpoint.consolidate(args.src, out, tag=args.tag, max_shard_size=args.max_shard_size)
+        print(f"wrote {len(files)} weight file(s) to {out}")
+    return 0
+
+
 # ---------------------------------------------------------------------------- push / pull
 
 
@@ -419,11 +458,12 @@ def build_parser() -> argparse.ArgumentParser:
         "weights to and from the Hub.",
     )
     subparsers = parser.add_subparsers(
-        dest="command", metavar="{launch,estimate,consolidate,push,pull}", required=True
+        dest="command", metavar="{launch,estimate,consolidate,convert-deepspeed,push,pull}", required=True
     )
     _add_launch_parser(subparsers)
     _add_estimate_parser(subparsers)
     _add_consolidate_parser(subparsers)
+    _add_convert_deepspeed_parser(subparsers)
     _add_push_parser(subparsers)
     _add_pull_parser(subparsers)
     return parser

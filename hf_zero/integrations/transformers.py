@@ -220,6 +220,8 @@ class Trainer(transformers.Trainer):
         if not self.zero_enabled:
             return super()._load_from_checkpoint(resume_from_checkpoint, model)
         # weights come back with the engine state once the engine exists (_load_optimizer_and_scheduler)
+        if _saved_by_deepspeed(resume_from_checkpoint):
+            return
         if not os.path.isdir(os.path.join(resume_from_checkpoint, ZERO_STATE_TAG)):
             raise UsageError(
                 f"{resume_from_checkpoint} has no hf_zero resume state ('{ZERO_STATE_TAG}'); resume from a checkpoint "
@@ -229,18 +231,29 @@ class Trainer(transformers.Trainer):
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if not self.zero_enabled or checkpoint is None or self.engine is None:
             return super()._load_optimizer_and_scheduler(checkpoint)
+        if _saved_by_deepspeed(checkpoint):
+            from hf_zero.checkpoint import deepspeed as ds_checkpoint
+
+            return ds_checkpoint.resume_trainer(self, checkpoint)
         _, client = self.engine.load_checkpoint(checkpoint, tag=ZERO_STATE_TAG)
         if self.lr_scheduler is not None and client.get("lr_scheduler") is not None:
             self.lr_scheduler.load_state_dict(client["lr_scheduler"])
 
     def _load_rng_state(self, checkpoint: str | None) -> None:
-        if not self.zero_enabled:
-            return super()._load_rng_state(checkpoint)
+        if not self.zero_enabled or (checkpoint is not None and _saved_by_deepspeed(checkpoint)):
+            return super()._load_rng_state(checkpoint)  # transformers' rng_state_N.pth, read weights-only
 
     def _load_best_model(self) -> None:
         if not self.zero_enabled or self.engine is None:
             return super()._load_best_model()
         self.engine.load_checkpoint(self.state.best_model_checkpoint, tag=ZERO_STATE_TAG, load_module_only=True)
+
+
+def _saved_by_deepspeed(checkpoint: str) -> bool:
+    """A ``checkpoint-N`` that transformers wrote under DeepSpeed (``global_stepN/`` and ``latest``), not by hf_zero."""
+    from hf_zero.checkpoint.deepspeed_read import is_deepspeed_checkpoint
+
+    return not os.path.isdir(os.path.join(checkpoint, ZERO_STATE_TAG)) and is_deepspeed_checkpoint(checkpoint)
 
 
 @dataclass(repr=False)
