@@ -51,6 +51,7 @@ class LaunchPlan:
 
     argv: list[str]
     env_updates: dict[str, str] = field(default_factory=dict)
+    notice: str = ""  # said once, before the command, when the launch is not what the flags suggest
 
     def command_line(self) -> str:
         """The command as one shell line, with the variables it sets in front."""
@@ -194,6 +195,7 @@ def plan_launch(args: argparse.Namespace, environ: Mapping[str, str], gpu_count:
         raise LaunchError(f"--node_rank: got {node_rank}, expected a value in [0, {args.num_nodes}).")
 
     env_updates: dict[str, str] = {}
+    notice = ""
     available = _visible_devices(environ, gpu_count)
     if args.include or args.exclude:
         if args.num_gpus is not None:
@@ -215,6 +217,11 @@ def plan_launch(args: argparse.Namespace, environ: Mapping[str, str], gpu_count:
         # CPU ranks always share the cores, so set it whenever the user has not.
         if "OMP_NUM_THREADS" not in environ:
             env_updates["OMP_NUM_THREADS"] = "1"
+        # Without it, Accelerate (and so transformers' Trainer) makes each process a world of one
+        # when no GPU is visible: every rank would train on all the data and act as the main process.
+        if "ACCELERATE_USE_CPU" not in environ:
+            env_updates["ACCELERATE_USE_CPU"] = "true"
+        notice = f"no GPU is visible: starting {nproc} CPU process{'es' if nproc > 1 else ''} (communication over gloo)"
     if args.max_restarts < 0:
         raise LaunchError(f"--max_restarts: got {args.max_restarts}, expected an integer >= 0.")
 
@@ -234,11 +241,13 @@ def plan_launch(args: argparse.Namespace, environ: Mapping[str, str], gpu_count:
     if args.no_python:
         argv.append("--no-python")
     argv += [args.script, *args.script_args]
-    return LaunchPlan(argv=argv, env_updates=env_updates)
+    return LaunchPlan(argv=argv, env_updates=env_updates, notice=notice)
 
 
 def run_plan(plan: LaunchPlan) -> int:
     """Run the plan; on POSIX this process becomes torchrun, so its exit code and signals are torchrun's."""
+    if plan.notice:
+        print(f"hf-zero launch: {plan.notice}", file=sys.stderr, flush=True)
     print(f"hf-zero launch: {plan.command_line()}", file=sys.stderr, flush=True)
     env = {**os.environ, **plan.env_updates}  # everything else (NCCL_*, HF_*, ...) passes through
     sys.stdout.flush()
