@@ -76,6 +76,11 @@ def init_distributed(
             _destroy_at_exit_once()
         return
     backend = dist_backend or default_backend()
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise RuntimeError(
+            "init_distributed(dist_backend='nccl'): NCCL needs CUDA GPUs and none is visible here; leave "
+            "dist_backend unset (gloo without GPUs) or pass get_accelerator().communication_backend_name()"
+        )
     if backend == "nccl" and torch.cuda.is_available():
         torch.cuda.set_device(get_device())
     kwargs: dict = {}
