@@ -29,6 +29,7 @@ object built in code for the same thing, ...) are refused with its rule in one s
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -120,7 +121,7 @@ class Accelerator(accelerate.Accelerator):
                        optimizer: Any = None, scheduler: Any = None) -> dict:
         """The config the engine is built from: "auto" filled as Accelerate fills it for DeepSpeed."""
         assert self.zero_config is not None
-        cfg = {k: (dict(v) if isinstance(v, dict) else v) for k, v in self.zero_config.items()}
+        cfg = copy.deepcopy(self.zero_config)
         fill_bucket_autos(cfg, model)
         micro = cfg.get("train_micro_batch_size_per_gpu")
         if micro in (None, "auto"):

@@ -13,9 +13,6 @@ both integrations, so a config resolves identically under ``hf_zero.Trainer`` an
   the model's hidden size) and :func:`fill_auto` (the Trainer's batch, clipping and optimizer keys);
 - :func:`fill_dummy_optimizer` / :func:`fill_dummy_scheduler`: what Accelerate takes from
   ``accelerate.utils.DummyOptim`` / ``DummyScheduler`` when the config's sections build them.
-
-The parser warns about keys it accepts but ignores; :func:`parse_once` keeps each such warning to
-one showing per process, however often the config is parsed again on the way to the engine.
 """
 
 from __future__ import annotations
@@ -36,8 +33,6 @@ ENV_VAR = "HF_ZERO_CONFIG"
 AUTO = "auto"
 BF16_ALIAS = "bfloat16"  # DeepSpeed's older name of the bf16 section
 MIN_AUTO_REDUCE_BUCKET = 25_000_000  # elements; 50 MB in bf16, twice DDP's default bucket
-
-_shown_warnings: set[str] = set()
 
 
 # ------------------------------------------------------------------ reading and checking
@@ -73,20 +68,13 @@ def load_zero_config(zero_config: str | os.PathLike | dict | None) -> dict | Non
 
 
 def parse_once(config: dict) -> ZeroConfig:
-    """``ZeroConfig.load`` of a copy of ``config``, showing each of its warnings once per process.
+    """``ZeroConfig.load`` of a copy of ``config`` (its parser names each ignored key once per process).
 
     The sections ``optimizer`` and ``scheduler`` are also built once on a stand-in parameter (with
     their ``"auto"`` values left to their defaults), so that a wrong parameter name fails here
     rather than when the Trainer creates the optimizer after loading the model.
     """
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        parsed = ZeroConfig.load(copy.deepcopy(config))
-    for w in caught:
-        text = str(w.message)
-        if text not in _shown_warnings:
-            _shown_warnings.add(text)
-            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    parsed = ZeroConfig.load(copy.deepcopy(config))
     _try_sections(parsed)
     return parsed
 
