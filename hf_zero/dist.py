@@ -369,7 +369,7 @@ def _let_the_launcher_see_it_first(sentence: str) -> None:
     """
     if "TORCHELASTIC_RUN_ID" not in os.environ:
         return
-    print(f"[rank{get_rank()}]: hf_zero.dist.PeerFailureError: {sentence}", file=sys.stderr, flush=True)
+    print(f"[rank{get_rank()}]: hf_zero.errors.PeerFailureError: {sentence}", file=sys.stderr, flush=True)
     time.sleep(LAUNCHER_GRACE_S)
 
 
