@@ -38,13 +38,18 @@ from hf_zero.sequence.comm import all_gather_along, all_to_all
 from hf_zero.sequence.groups import SequenceParallelError, SequenceParallelGroups
 
 PREFIX = "hf_zero_ulysses_"
-_ACTIVE: contextvars.ContextVar[SequenceParallelGroups | None] = contextvars.ContextVar("hf_zero_sp", default=None)
+_ACTIVE: contextvars.ContextVar[tuple[SequenceParallelGroups, bool] | None] = contextvars.ContextVar("hf_zero_sp", default=None)
 
 
 @contextlib.contextmanager
-def sequence_parallel_forward(groups: SequenceParallelGroups | None) -> Iterator[None]:
-    """Within this block, models using a ``hf_zero_ulysses_*`` attention run sequence-parallel over ``groups``."""
-    token = _ACTIVE.set(groups if groups is not None and groups.enabled else None)
+def sequence_parallel_forward(groups: SequenceParallelGroups | None, find_documents: bool = True) -> Iterator[None]:
+    """Within this block, models using a ``hf_zero_ulysses_*`` attention run sequence-parallel over ``groups``.
+
+    ``find_documents``: whether restarting positions mark packed documents. transformers looks for
+    them only when the forward builds no KV cache (``use_cache=False``); with a cache it attends
+    across documents, and a split forward must do what the unsplit one would.
+    """
+    token = _ACTIVE.set((groups, find_documents) if groups is not None and groups.enabled else None)
     try:
         yield
     finally:
@@ -55,9 +60,10 @@ class ShardMask:
     """What the mask interface returns inside a sequence-parallel forward: the shard's padding mask,
     turned into the global mask by the first attention layer that needs it."""
 
-    def __init__(self, groups: SequenceParallelGroups, local_mask: torch.Tensor | None) -> None:
+    def __init__(self, groups: SequenceParallelGroups, local_mask: torch.Tensor | None, find_documents: bool = True) -> None:
         self.groups = groups
         self.local_mask = local_mask
+        self.find_documents = find_documents and local_mask is None
         self._positions: tuple[torch.Tensor, torch.Tensor] | None = None  # (local, global)
         self._mask2d: tuple[bool, torch.Tensor | None] = (False, None)
         self._built: dict[tuple, torch.Tensor | None] = {}
@@ -87,17 +93,17 @@ class ShardMask:
         key = (core, window, dtype)
         if key not in self._built:
             pad = self.global_padding()
-            self._built[key] = _global_mask(core, pad, self.local_mask is not None, positions, window, dtype)
+            self._built[key] = _global_mask(core, pad, self.find_documents, positions, window, dtype)
         return self._built[key]
 
 
 def _global_mask(
-    core: str, pad: torch.Tensor | None, mask_given: bool, positions: torch.Tensor, window: int | None,
+    core: str, pad: torch.Tensor | None, find_documents: bool, positions: torch.Tensor, window: int | None,
     dtype: torch.dtype,
 ) -> torch.Tensor | None:
     """transformers' masks, rebuilt for the gathered sequence: causal, the padding of the keys, one
-    block per packed document (positions restarting, looked for only without a padding mask, as
-    transformers does) and the sliding window when the layer has one.
+    block per packed document (positions restarting; looked for only when transformers would: no
+    padding mask given and no KV cache) and the sliding window when the layer has one.
 
     Flash attention takes the 2D padding mask itself (and finds packed documents from the global
     positions); SDPA needs no mask when causality is all there is; eager always takes an additive one.
@@ -108,7 +114,7 @@ def _global_mask(
     if window is not None and s <= window:
         window = None  # the window cannot bite: transformers then skips it too
     docs = None
-    if not mask_given:
+    if find_documents:
         first = positions[..., :1] - 1
         starts = torch.diff(positions, prepend=first, dim=-1) != 1
         if bool(starts[..., 1:].any()):
@@ -166,9 +172,9 @@ def _make_attention(core: str) -> Callable:
 
 def _make_mask(core: str) -> Callable:
     def mask(*args: Any, **kwargs: Any) -> Any:
-        groups = _ACTIVE.get()
-        if groups is not None:
-            return ShardMask(groups, kwargs.get("attention_mask"))
+        active = _ACTIVE.get()
+        if active is not None:
+            return ShardMask(active[0], kwargs.get("attention_mask"), active[1])
         from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
         return ALL_MASK_ATTENTION_FUNCTIONS[core](*args, **kwargs)

@@ -159,10 +159,11 @@ def _exchange_batches(batch: Mapping[str, Any], g: SequenceParallelGroups, devic
     for i, (key, t) in enumerate(zip(keys, local)):
         sizes = [tuple(int(v) for v in s[i, 1 : 1 + int(s[i, 0])]) for s in shapes]
         numel = max(int(torch.tensor(sz).prod()) if sz else 1 for sz in sizes)
-        flat = torch.zeros(numel, dtype=t.dtype, device=device)
-        flat[: t.numel()] = t.reshape(-1)
+        wire = torch.uint8 if t.dtype == torch.bool else t.dtype  # gloo does not move bool tensors
+        flat = torch.zeros(numel, dtype=wire, device=device)
+        flat[: t.numel()] = t.reshape(-1).to(wire)
         parts = [torch.empty_like(flat) for _ in range(g.sp_size)]
         dist.all_gather(parts, flat, group=g.sp_group)
         for r, (part, sz) in enumerate(zip(parts, sizes)):
-            per_rank[r][key] = part[: int(torch.tensor(sz).prod()) if sz else 1].reshape(sz)
+            per_rank[r][key] = part[: int(torch.tensor(sz).prod()) if sz else 1].reshape(sz).to(t.dtype)
     return per_rank

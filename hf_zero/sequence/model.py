@@ -114,6 +114,7 @@ def _forward(lm: torch.nn.Module, original: Any, params: dict[str, Any], groups:
     labels, targets = params.pop("labels", None), params.pop("shift_labels", None)
     num_items = params.pop("num_items_in_batch", None)
     return_dict = params.pop("return_dict", None)
+    cached = False
     if groups is not None:
         if targets is None and labels is not None:
             raise SequenceParallelError(
@@ -127,10 +128,13 @@ def _forward(lm: torch.nn.Module, original: Any, params: dict[str, Any], groups:
             )
         if params.get("past_key_values") is not None:
             raise SequenceParallelError("a KV cache cannot be split along the sequence; train without past_key_values")
+        use_cache = params.get("use_cache")
+        cached = bool(getattr(lm.config, "use_cache", False) if use_cache is None else use_cache)
         params["use_cache"] = False
     elif targets is None and labels is not None:
         targets = shift_labels_of(labels)
-    with attention.sequence_parallel_forward(groups):
+    # the unsplit forward would have built a KV cache, and then not looked for packed documents
+    with attention.sequence_parallel_forward(groups, find_documents=groups is not None and not cached):
         if targets is None:
             return original(**params)
         if fused and params.get("logits_to_keep", 0) in (0, None):
