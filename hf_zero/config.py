@@ -78,6 +78,8 @@ from hf_zero.config_schema import (
     json_kind,
     show,
 )
+from hf_zero.sequence.config import SequenceParallelConfig
+from hf_zero.sequence.config import parse as parse_sequence_parallel
 
 __all__ = [
     "AUTO", "BF16Config", "ConfigError", "FP16Config", "OptimizerConfig", "SchedulerConfig", "ZeroConfig",
@@ -183,6 +185,7 @@ class ZeroConfig:
     compile: CompileConfig = field(default_factory=CompileConfig)
     nonfinite_loss: str = "skip"  # hf_zero extension: "skip" | "stop" | "off" (config_schema.NONFINITE_LOSS)
     checkpoint_keep_last: int | None = None  # hf_zero extension: checkpoint.keep_last; None keeps every checkpoint
+    sequence_parallel: SequenceParallelConfig = field(default_factory=SequenceParallelConfig)
     raw: dict = field(default_factory=dict)  # the user's dict as given (a deep copy)
     auto_keys: set[str] = field(default_factory=set)  # JSON paths whose value was "auto"
 
@@ -345,6 +348,13 @@ class _Parser:
             raise ConfigError(f"fp16.enabled: got True while {bf16_name}.enabled is also True; enable at most one of fp16 and bf16")
         cfg.zero_optimization = self.zero(data)
         cfg.pipeline = self.pipeline(data)
+        cfg.sequence_parallel = parse_sequence_parallel(data)
+        for note in cfg.sequence_parallel.warnings:
+            warnings.warn(note, UserWarning, stacklevel=3)
+        if not isinstance(checkpointing.get("cpu_checkpointing", False), bool):
+            raise ConfigError(
+                f"activation_checkpointing.cpu_checkpointing: got {checkpointing['cpu_checkpointing']!r}, expected true or false"
+            )
         cfg.auto_keys = self.auto_keys
         if self.ignored:
             names = ", ".join(dict.fromkeys(self.ignored))

@@ -52,6 +52,8 @@ TOP_KEYS = (
     "nonfinite_loss",  # hf_zero's: what a bf16/fp32 step with an inf/nan loss or gradient does (NONFINITE_LOSS)
     "pipeline",  # read when the model is a PipelineModule (PIPELINE_KEYS)
     "compile",  # torch.compile of each block (COMPILE_KEYS)
+    "sequence_parallel_size",  # DeepSpeed's (ALST): Ulysses sequence-parallel degree (hf_zero/sequence/config.py)
+    "sequence_parallel",  # hf_zero's tiling switches; LLaMA-Factory's keys of the same section are read too
 )
 BF16_ALIAS = "bfloat16"  # DeepSpeed's older name for the bf16 section
 
@@ -69,7 +71,6 @@ TOP_UNSUPPORTED: dict[str, tuple[Any, str]] = {
     "amp": (SWITCH, 'Apex AMP is not supported; use "bf16": {"enabled": true} or "fp16" instead'),
     "sparse_gradients": (False, "sparse gradients are not supported; set it to false or remove it"),
     "gradient_allreduce_op": ("mean", 'hf_zero always averages gradients; use "mean" or remove the key'),
-    "sequence_parallel_size": (1, "sequence parallelism is not supported yet; remove the key"),
     "elasticity": (SWITCH, "elastic training is not supported yet; remove the section"),
     "progressive_layer_drop": (SWITCH, "progressive layer drop is not supported; remove the section"),
     "curriculum_learning": (SWITCH, "curriculum learning is not supported; remove the section"),
