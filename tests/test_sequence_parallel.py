@@ -200,3 +200,23 @@ def test_config_keys() -> None:
     for data, match in bad:
         with pytest.raises(ConfigError, match=match):
             spc.parse(data)
+
+
+def test_public_alst_config_through_the_engine_config() -> None:
+    """LLaMA-Factory's ALST config: its sequence-parallel section is read (one key named in a warning); what
+    stops the whole config is its offload, which hf_zero refuses on its own account."""
+    from hf_zero.config import ZeroConfig
+
+    alst = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+            "zero_optimization": {"stage": 3, "overlap_comm": True, "contiguous_gradients": True, "sub_group_size": 1e9,
+                                  "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
+                                  "stage3_param_persistence_threshold": "auto", "stage3_max_live_parameters": 1e9,
+                                  "stage3_max_reuse_distance": 1e9},
+            "bf16": {"enabled": True}, **LLAMA_FACTORY_ALST, "steps_per_print": 10, "wall_clock_breakdown": False}
+    with pytest.warns(UserWarning, match="memory_optimizations"):
+        cfg = ZeroConfig.load(alst)
+    assert (cfg.sequence_parallel.size, cfg.sequence_parallel.tiled_mlp) == (4, True)
+    offload = dict(alst, zero_optimization={**alst["zero_optimization"], "offload_param": {"device": "cpu"}})
+    with pytest.raises(ConfigError, match="offload"):
+        ZeroConfig.load(offload)
+    assert ZeroConfig.load({"train_micro_batch_size_per_gpu": 1, "sequence_parallel_size": 8}).sequence_parallel.size == 8

@@ -6,7 +6,9 @@ eager attention, with right padding, left padding and packed documents (with and
 transformers attend across them), and targets that are
 mostly ``-100`` on one shard. The loss on every rank and the gradients averaged over the ranks
 (what the engine's reduction does) must equal one process running transformers' own forward on
-the whole batch. The same spawn checks the loader that exchanges batches between the ranks.
+the whole batch. The same spawn checks the loader that exchanges batches between the ranks and
+what ``initialize`` refuses (heads that do not split, compile, pipelines, a degree that does not
+divide the world).
 """
 
 from __future__ import annotations
@@ -79,7 +81,36 @@ def _attention_grid(rank: int, world: int, cases: list) -> list:
             err = max(err, float((g - q.grad).norm() / q.grad.norm()))
         out.append({"case": [impl, kv, kind, tiled], "loss": got.loss.item(), "ref": expect.loss.item(), "grad_err": err,
                     "finite": bool(torch.isfinite(got.loss))})
-    return out + [_loader_exchange(rank, groups)]
+    return out + [_loader_exchange(rank, groups), _refusals()]
+
+
+def _refusals() -> dict:
+    """What initialize refuses, in a sentence, on every rank (before any collective could hang)."""
+    import hf_zero
+    from hf_zero.pipe import split_causal_lm
+
+    cfg = {"train_micro_batch_size_per_gpu": 1, "sequence_parallel_size": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+    said = {}
+    attempts = {
+        "heads": lambda: hf_zero.initialize(model=_llama_heads(3), config=cfg),
+        "compile": lambda: hf_zero.initialize(model=_llama(2, "sdpa"), config={**cfg, "compile": {"enabled": True}}),
+        "pipeline": lambda: hf_zero.initialize(model=split_causal_lm(_llama(2, "sdpa"), 2), config=cfg),
+        "degree": lambda: hf_zero.initialize(model=_llama(2, "sdpa"), config={**cfg, "sequence_parallel_size": 4}),
+    }
+    for name, attempt in attempts.items():
+        try:
+            attempt()
+            said[name] = None
+        except ValueError as e:
+            said[name] = str(e)
+    return said
+
+
+def _llama_heads(heads: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=6 * heads, intermediate_size=16, num_hidden_layers=1,
+                                        num_attention_heads=heads, num_key_value_heads=heads))
 
 
 def _loader_exchange(rank: int, groups) -> dict:
@@ -97,6 +128,12 @@ CASES += [["sdpa", 2, "right_pad", False], ["eager", 1, "packed", False], ["sdpa
 
 def test_ulysses_attention_equals_one_process() -> None:
     results = spawn(_attention_grid, 2, CASES)
+    refused = [per_rank.pop() for per_rank in results]
+    for said in refused:
+        assert "3 attention heads" in said["heads"], said
+        assert "compile cannot be combined with sequence parallelism" in said["compile"], said
+        assert "cannot be combined with a pipeline" in said["pipeline"], said
+        assert "sequence_parallel_size 4 does not divide the 2 ranks" in said["degree"], said
     for per_rank in results:
         for r in per_rank[:-1]:
             assert r["finite"], r
