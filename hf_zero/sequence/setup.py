@@ -65,3 +65,37 @@ def wrap_loader(loader: Any, groups: SequenceParallelGroups | None, model: torch
         return loader
     pad = getattr(getattr(causal_lm_of(model), "config", None), "pad_token_id", None)
     return SequenceParallelLoader(loader, groups, gather=gather, pad_token_id=int(pad or 0), device=device)
+
+
+def sp_size_of(parallelism_config: Any) -> int:
+    """The sequence-parallel degree of an Accelerate ``ParallelismConfig`` that hf_zero can run (1 without one).
+
+    hf_zero takes ``sp_size`` (with ``sp_backend="deepspeed"``, the name Accelerate and transformers
+    give ALST); the other dimensions belong to engines hf_zero replaces and are refused.
+    """
+    if parallelism_config is None:
+        return 1
+    sp = int(getattr(parallelism_config, "sp_size", None) or 1)
+    others = {k: int(getattr(parallelism_config, f"{k}_size", None) or 1) for k in ("tp", "cp", "dp_shard")}
+    given = [f"{k}_size={v}" for k, v in others.items() if v > 1]
+    if given:
+        raise SequenceParallelError(
+            f"ParallelismConfig({', '.join(given)}) asks for tensor/context/FSDP parallelism, which hf_zero does not run; "
+            "with zero_config keep sp_size (Ulysses sequence parallelism) and leave the others at 1"
+        )
+    backend = getattr(parallelism_config, "sp_backend", "deepspeed")
+    if sp > 1 and backend not in (None, "deepspeed"):
+        raise SequenceParallelError(f"ParallelismConfig(sp_backend={backend!r}): hf_zero runs sp_backend='deepspeed' (Ulysses)")
+    return sp
+
+
+def merge_sp_size(config: dict, sp: int) -> dict:
+    """``config`` with ``sequence_parallel_size`` from the ParallelismConfig (an explicit, different one is refused)."""
+    if sp <= 1:
+        return config
+    have = config.get("sequence_parallel_size")
+    if have not in (None, "auto", sp):
+        raise SequenceParallelError(
+            f"zero_config has sequence_parallel_size {have} but the ParallelismConfig has sp_size={sp}; set one of them"
+        )
+    return {**config, "sequence_parallel_size": sp}
