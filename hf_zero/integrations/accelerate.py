@@ -33,6 +33,8 @@ import torch
 from accelerate.optimizer import AcceleratedOptimizer
 
 from hf_zero.engine import UsageError, ZeroEngine
+from hf_zero.sequence.setup import merge_sp_size, sp_size_of
+from hf_zero.sequence.setup import wrap_loader as wrap_sequence_loader
 
 ENV_VAR = "HF_ZERO_CONFIG"
 
@@ -123,15 +125,21 @@ class Accelerator(accelerate.Accelerator):
     """
 
     def __init__(self, *args: Any, zero_config: str | os.PathLike | dict | None = None, **kwargs: Any) -> None:
+        zero = load_zero_config(zero_config)
+        # Accelerate accepts sp_size only for its DeepSpeed and multi-GPU types; hf_zero's engine runs it
+        # everywhere (gloo included), so the config is attached after Accelerate's own checks.
+        pc = kwargs.pop("parallelism_config", None) if zero is not None and sp_size_of(kwargs.get("parallelism_config")) > 1 else None
         super().__init__(*args, **kwargs)
-        self.zero_config = load_zero_config(zero_config)
+        if pc is not None:
+            self.state.parallelism_config = pc
+        self.zero_config = zero
         self._zero_engines: list[ZeroEngine] = []
 
     # ---------------------------------------------------------------- prepare
 
     def _engine_config(self, loaders: list[torch.utils.data.DataLoader], model: torch.nn.Module) -> dict:
         assert self.zero_config is not None
-        cfg = dict(self.zero_config)
+        cfg = merge_sp_size(dict(self.zero_config), sp_size_of(self.parallelism_config))
         fill_bucket_autos(cfg, model)
         micro = cfg.get("train_micro_batch_size_per_gpu")
         if micro in (None, "auto"):
@@ -193,7 +201,17 @@ class Accelerator(accelerate.Accelerator):
         prepared = super().prepare(*rest) if rest else ()
         it = iter((prepared,) if len(rest) == 1 else prepared)
         out = [replaced[id(a)] if id(a) in replaced else next(it) for a in args]
+        if models:  # loaders prepared with the model yield sequence shards under SP (as Accelerate's DeepSpeed path)
+            out = [self.deepspeed_ulysses_dl_adapter(o, engine) if isinstance(o, torch.utils.data.DataLoader) else o for o in out]
         return out[0] if len(out) == 1 else tuple(out)
+
+    def deepspeed_ulysses_dl_adapter(self, dl: Any, model: Any) -> Any:
+        """Accelerate's hook for ALST's loader (transformers' Trainer calls it): batches drawn by the ranks of a
+        sequence-parallel group are exchanged and cut into this rank's shards (:mod:`hf_zero.sequence.batch`)."""
+        engine = self._engine_of(model) or self._engine_of()
+        if engine is None:
+            return super().deepspeed_ulysses_dl_adapter(dl, model)
+        return wrap_sequence_loader(dl, getattr(engine, "sequence_parallel_groups", None), engine.module, engine.device, gather=True)
 
     # ---------------------------------------------------------------- training
 

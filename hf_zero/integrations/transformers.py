@@ -25,6 +25,7 @@ import transformers
 
 from hf_zero.engine import UsageError
 from hf_zero.integrations.accelerate import Accelerator, load_zero_config
+from hf_zero.sequence.setup import merge_sp_size, sp_size_of
 
 ZERO_STATE_TAG = "zero_state"
 
@@ -118,10 +119,20 @@ class Trainer(transformers.Trainer):
         return engines[-1] if engines else None
 
     def create_accelerator_and_postprocess(self) -> None:
-        super().create_accelerator_and_postprocess()
+        pc = getattr(self.args, "parallelism_config", None)
+        sp = sp_size_of(pc) if self.zero_enabled else 1
+        if sp > 1:  # attached after Accelerate's checks, which accept sp_size only for its own DeepSpeed / multi-GPU
+            self.args.parallelism_config = None
+        try:
+            super().create_accelerator_and_postprocess()
+        finally:
+            if sp > 1:
+                self.args.parallelism_config = pc
         if not self.zero_enabled:
             return
         acc = self.accelerator
+        if sp > 1:
+            acc.state.parallelism_config = pc
         if type(acc) is not accelerate.Accelerator:
             raise UsageError(f"hf_zero's Trainer expected Accelerate's Accelerator, found {type(acc).__name__}")
         if self.is_deepspeed_enabled or self.is_fsdp_enabled:
@@ -129,8 +140,17 @@ class Trainer(transformers.Trainer):
         # The accelerator was built from all of the Trainer's arguments; it becomes hf_zero's subclass
         # (which only adds prepare/backward/clip/save behaviour) rather than being rebuilt from them.
         acc.__class__ = Accelerator
-        acc.zero_config = fill_auto(self.args.zero_config_dict, self.args, acc.num_processes)
+        acc.zero_config = merge_sp_size(fill_auto(self.args.zero_config_dict, self.args, acc.num_processes // sp), sp)
         acc._zero_engines = []
+
+    def compute_loss(self, model: Any, inputs: dict, return_outputs: bool = False, num_items_in_batch: Any = None) -> Any:
+        """Under sequence parallelism the model's own loss is already the mean over the group's targets
+        (transformers' ALST branch would reach for DeepSpeed's process groups instead)."""
+        groups = getattr(self.engine, "sequence_parallel_groups", None) if self.zero_enabled else None
+        if groups is None or not model.training:
+            return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+        outputs = model(**inputs)
+        return (outputs.loss, outputs) if return_outputs else outputs.loss
 
     # ---------------------------------------------------------- optimizer from the config
 
