@@ -100,15 +100,13 @@ def _run(holder: _HostHolder, inner: Callable, *args: Any, **kwargs: Any) -> Any
 
 def checkpoint_offloaded(inner: Callable, *args: Any, **kwargs: Any) -> Any:
     """``checkpoint(inner, hidden, ...)`` whose kept input ``hidden`` (the first argument, or ``hidden_states=``)
-    waits for backward in host memory."""
-    if args:
+    waits for backward in host memory; a call without a tensor there is a plain checkpoint."""
+    if args and torch.is_tensor(args[0]):
         hidden, rest = args[0], args[1:]
-    elif "hidden_states" in kwargs:
+    elif not args and torch.is_tensor(kwargs.get("hidden_states")):
         hidden, rest = kwargs.pop("hidden_states"), ()
     else:
         return checkpoint(inner, *args, use_reentrant=False, **kwargs)
-    if not torch.is_tensor(hidden):
-        raise TypeError(f"checkpoint_offloaded: the block's first argument must be its hidden states, got a {type(hidden).__name__}")
     holder = _HostHolder(hidden)
     out = checkpoint(_run, holder, inner, *rest, use_reentrant=False, **kwargs)
     holder.offload()
