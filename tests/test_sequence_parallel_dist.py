@@ -8,7 +8,7 @@ mostly ``-100`` on one shard. The loss on every rank and the gradients averaged 
 (what the engine's reduction does) must equal one process running transformers' own forward on
 the whole batch. The same spawn checks the loader that exchanges batches between the ranks and
 what ``initialize`` refuses (heads that do not split, compile, pipelines, a degree that does not
-divide the world).
+divide the world), and a peft LoRA model.
 """
 
 from __future__ import annotations
@@ -65,8 +65,16 @@ def _attention_grid(rank: int, world: int, cases: list) -> list:
 
     groups = make_groups(world)
     out = []
-    for impl, kv, kind, tiled in cases:
+    for impl, kv, kind, tiled, *lora in cases:
         ref, model = _llama(kv, impl), _llama(kv, impl)
+        if lora:  # a peft model: SP and the tiled loss reach the causal LM inside it
+            from peft import LoraConfig, get_peft_model
+
+            spec = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "gate_proj"], lora_dropout=0.0)
+            torch.manual_seed(1)
+            ref = get_peft_model(ref, spec)
+            torch.manual_seed(1)
+            model = get_peft_model(model, spec)
         prepare_model(model, groups, LongSequenceOptions(tiled_loss=tiled, loss_tile_tokens=7))
         batch = _data(kind)
         expect = ref(**batch)
@@ -75,10 +83,12 @@ def _attention_grid(rank: int, world: int, cases: list) -> list:
         got.loss.backward()
         err = 0.0
         for p, q in zip(model.parameters(), ref.parameters()):
+            if q.grad is None:  # frozen under LoRA
+                continue
             g = p.grad.clone()
             dist.all_reduce(g)
             g /= world
-            err = max(err, float((g - q.grad).norm() / q.grad.norm()))
+            err = max(err, float((g - q.grad).norm()) / max(float(q.grad.norm()), 1e-12))  # (LoRA A: both 0)
         out.append({"case": [impl, kv, kind, tiled], "loss": got.loss.item(), "ref": expect.loss.item(), "grad_err": err,
                     "finite": bool(torch.isfinite(got.loss))})
     return out + [_loader_exchange(rank, groups), _refusals()]
@@ -123,7 +133,8 @@ def _loader_exchange(rank: int, groups) -> dict:
 
 
 CASES = [[impl, kv, kind, True] for impl in ("sdpa", "eager") for kv in (2, 1) for kind in ("right_pad", "left_pad", "packed")]
-CASES += [["sdpa", 2, "right_pad", False], ["eager", 1, "packed", False], ["sdpa", 1, "packed_cache", True]]
+CASES += [["sdpa", 2, "right_pad", False], ["eager", 1, "packed", False], ["sdpa", 1, "packed_cache", True],
+          ["sdpa", 2, "right_pad", True, "lora"]]
 
 
 def test_ulysses_attention_equals_one_process() -> None:
