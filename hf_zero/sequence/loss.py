@@ -24,10 +24,7 @@ all ``dp x sp`` ranks divides out again (see :mod:`hf_zero.sequence.groups`).
 
 from __future__ import annotations
 
-import math
-
 import torch
-import torch.distributed as dist
 
 from hf_zero.sequence.batch import IGNORE_INDEX
 from hf_zero.sequence.comm import all_reduce_sum
@@ -129,12 +126,3 @@ def sequence_parallel_mean(
         denom = num_items_in_batch.to(total.device) if torch.is_tensor(num_items_in_batch) else num_items_in_batch
         return total / denom
     return total / count.to(total.device, torch.float32).clamp(min=1)
-
-
-def is_distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-def tiles(n: int, tile: int) -> int:
-    """How many tiles of ``tile`` cover ``n``."""
-    return max(1, math.ceil(n / max(1, tile)))
