@@ -193,7 +193,7 @@ def test_model_under_sp_refuses_labels_and_missing_positions() -> None:
 def test_config_keys() -> None:
     cfg = spc.parse(LLAMA_FACTORY_ALST)
     assert (cfg.size, cfg.tiled_loss, cfg.tiled_mlp, cfg.loss_tile_tokens, cfg.mlp_tile_tokens) == (4, True, True, 8192, 8192)
-    assert cfg.warnings == ["sequence_parallel.memory_optimizations (LLaMA-Factory's) has no effect in hf_zero"]
+    assert cfg.ignored == ["sequence_parallel.memory_optimizations"]
     cfg = spc.parse({"sequence_parallel_size": 2})
     assert (cfg.size, cfg.tiled_loss, cfg.tiled_mlp) == (2, True, False)  # the tiled loss is on with SP
     assert spc.parse({}).tiled_loss is False
@@ -226,11 +226,11 @@ def test_public_alst_config_through_the_engine_config() -> None:
             "bf16": {"enabled": True}, **LLAMA_FACTORY_ALST, "steps_per_print": 10, "wall_clock_breakdown": False}
     with pytest.warns(UserWarning, match="memory_optimizations"):
         cfg = ZeroConfig.load(alst)
-    assert (cfg.sequence_parallel.size, cfg.sequence_parallel.tiled_mlp) == (4, True)
+    assert (cfg.sequence_parallel_size, cfg.sequence_parallel.tiled_mlp) == (4, True)
     offload = dict(alst, zero_optimization={**alst["zero_optimization"], "offload_param": {"device": "cpu"}})
     with pytest.raises(ConfigError, match="offload"):
         ZeroConfig.load(offload)
-    assert ZeroConfig.load({"train_micro_batch_size_per_gpu": 1, "sequence_parallel_size": 8}).sequence_parallel.size == 8
+    assert ZeroConfig.load({"train_micro_batch_size_per_gpu": 1, "sequence_parallel_size": 8}).sequence_parallel_size == 8
 
 
 def test_tiling_lowers_the_peak() -> None:

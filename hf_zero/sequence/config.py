@@ -13,7 +13,7 @@ writes into DeepSpeed configs; its keys are read too::
         # LLaMA-Factory's keys:
         "enabled": true, "size": 4, "mode": "ulysses", "ulysses": {"degree": 4, "seq_length_is_variable": true},
         "tiling": {"enabled": true, "chunk_size": 8192},  # = tiled_mlp and tiled_loss, chunk_size tokens per tile
-        "memory_optimizations": {...}                     # LLaMA-Factory's own: named in a warning
+        "memory_optimizations": {...}                     # LLaMA-Factory's own: named in the warning of unknown keys
     }
 
 The tiled loss costs no extra arithmetic (its gradients are computed in forward, see
@@ -27,7 +27,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from hf_zero.config_schema import AUTO, ConfigError, show
+from hf_zero.config_schema import AUTO, ConfigError
+from hf_zero.config_values import show
 
 SECTION = "sequence_parallel"
 OWN_KEYS = ("tiled_loss", "loss_tile_tokens", "tiled_mlp", "mlp_tile_tokens")
@@ -38,14 +39,14 @@ TILING_KEYS = ("enabled", "chunk_size")
 
 @dataclass
 class SequenceParallelConfig:
-    """The resolved settings; ``warnings`` names keys that are read but do nothing here."""
+    """The resolved settings; ``ignored`` names keys that are accepted but do nothing here (not DeepSpeed's)."""
 
     size: int = 1
     tiled_loss: bool = False
     loss_tile_tokens: int | None = None
     tiled_mlp: bool = False
     mlp_tile_tokens: int | None = None
-    warnings: list[str] = field(default_factory=list)
+    ignored: list[str] = field(default_factory=list)
 
 
 def _bool(value: Any, path: str, allow_auto: bool = False) -> bool | str:
@@ -98,8 +99,8 @@ def parse(data: dict) -> SequenceParallelConfig:
         raise ConfigError(f"the sequence-parallel degree is given more than once and differs ({said}); give one value")
     cfg.size = next(iter(sizes.values()), 1)
     _tiling(section, cfg, enabled)
-    if "memory_optimizations" in section:
-        cfg.warnings.append(f"{SECTION}.memory_optimizations (LLaMA-Factory's) has no effect in hf_zero")
+    if "memory_optimizations" in section:  # LLaMA-Factory's own switch for its own code
+        cfg.ignored.append(f"{SECTION}.memory_optimizations")
     return cfg
 
 

@@ -27,8 +27,8 @@ def setup_model(model: torch.nn.Module, config: Any, group: dist.ProcessGroup | 
     Returns the groups when the sequence-parallel degree is above 1, else None (the tiling
     switches may still have prepared the model).
     """
-    sp = config.sequence_parallel
-    wants = sp.size > 1 or sp.tiled_loss or sp.tiled_mlp
+    sp, size = config.sequence_parallel, config.sequence_parallel_size
+    wants = size > 1 or sp.tiled_loss or sp.tiled_mlp
     if not wants:
         return None
     if pipeline:
@@ -36,12 +36,12 @@ def setup_model(model: torch.nn.Module, config: Any, group: dist.ProcessGroup | 
             "sequence_parallel_size / the sequence_parallel section cannot be combined with a pipeline yet; train the "
             "model unsplit (a plain transformers model) or drop the sequence-parallel keys"
         )
-    if sp.size > 1 and config.compile.enabled:
+    if size > 1 and config.compile.enabled:
         raise SequenceParallelError(
             "compile cannot be combined with sequence parallelism yet (the all-to-alls run inside attention); set "
             '"compile": {"enabled": false} or sequence_parallel_size to 1'
         )
-    groups = make_groups(sp.size, group) if sp.size > 1 else None
+    groups = make_groups(size, group) if size > 1 else None
     options = LongSequenceOptions(
         tiled_loss=sp.tiled_loss, loss_tile_tokens=sp.loss_tile_tokens, tiled_mlp=sp.tiled_mlp, mlp_tile_tokens=sp.mlp_tile_tokens,
     )
@@ -49,7 +49,7 @@ def setup_model(model: torch.nn.Module, config: Any, group: dist.ProcessGroup | 
     if dist.get_rank() == 0:
         logger.info(
             "sequence parallelism: degree %d (data-parallel %d), attention %s, tiled loss %s, tiled MLPs %d",
-            sp.size, groups.dp_size if groups else dist.get_world_size(group), done["attention"] or "unchanged",
+            size, groups.dp_size if groups else dist.get_world_size(group), done["attention"] or "unchanged",
             "on" if done["fused_loss"] else "off", done["tiled_mlps"],
         )
     return groups
