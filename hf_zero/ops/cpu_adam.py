@@ -25,7 +25,8 @@ DeepSpeed's op does that torch's does not:
 
 Sub-groups (DeepSpeed's ``sub_group_size``) are slices of the flat tensors: calling
 :func:`adam_update` on ``t[lo:hi]`` views steps that range in place, so the offload engine can
-overlap the transfers of one range with the update of the next (:func:`sub_group_ranges`).
+overlap the transfers of one range with the update of the next (:func:`sub_group_ranges`; ranges
+that start on multiples of ``ALIGN`` elements give bit for bit the result of one whole update).
 The step count is not advanced here; callers count one step for all ranges of a step.
 """
 
@@ -37,17 +38,25 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["DeepSpeedCPUAdam", "adam_update", "host_buffer", "sub_group_ranges"]
+__all__ = ["ALIGN", "DeepSpeedCPUAdam", "adam_update", "host_buffer", "sub_group_ranges"]
 
 _KERNEL_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 _CHUNK = 1 << 20  # elements per fp32 scratch chunk on the slow path (4 MiB each)
+ALIGN = 64  # elements; range starts on this boundary keep range stepping bit-identical (sub_group_ranges)
 
 
-def sub_group_ranges(numel: int, sub_group_size: int) -> list[tuple[int, int]]:
-    """``[(lo, hi), ...]`` covering ``range(numel)`` in slices of at most ``sub_group_size`` elements."""
+def sub_group_ranges(numel: int, sub_group_size: int, align: int = ALIGN) -> list[tuple[int, int]]:
+    """``[(lo, hi), ...]`` covering ``range(numel)`` in slices of about ``sub_group_size`` elements.
+
+    The size is rounded up to a multiple of ``align`` (64 elements: a whole number of SIMD
+    vectors on every CPU torch vectorises for), because torch's kernel steps the tail of a tensor
+    that does not fill a vector with scalar code whose rounding differs in the last bit; ranges
+    that start on vector boundaries make stepping by range bit-identical to stepping the whole.
+    """
     if isinstance(sub_group_size, bool) or not isinstance(sub_group_size, int) or sub_group_size < 1:
         raise ValueError(f"sub_group_size: got {sub_group_size!r}, expected a positive number of elements")
-    return [(lo, min(lo + sub_group_size, numel)) for lo in range(0, numel, sub_group_size)]
+    size = -(-sub_group_size // align) * align
+    return [(lo, min(lo + size, numel)) for lo in range(0, numel, size)]
 
 
 def host_buffer(numel: int, dtype: torch.dtype = torch.bfloat16, pin: bool | None = None) -> Tensor:
@@ -302,7 +311,8 @@ class DeepSpeedCPUAdam(torch.optim.Optimizer):
         """Update the elements ``[start, end)`` of the flattened ``param`` at the count :meth:`begin_step` set.
 
         Every range of a parameter must be stepped exactly once between two ``begin_step`` calls;
-        the bound 16-bit copy, if any, receives the same range.
+        the bound 16-bit copy, if any, receives the same range. Ranges from :func:`sub_group_ranges`
+        (starts on multiples of ``ALIGN``) reproduce :meth:`step` bit for bit.
         """
         group = next((g for g in self.param_groups if any(q is param for q in g["params"])), None)
         state = self.state.get(param) if group is not None else None
