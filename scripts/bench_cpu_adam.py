@@ -17,9 +17,10 @@ imply (28 bytes per parameter per step, 30 with the bf16 write-back). Variants:
   (pinned when CUDA is present), which the offload engine copies to the GPU.
 - ``hf_zero_subgroups``: ``begin_step`` then ``step_range`` over ``--sub-group-size`` ranges,
   with the bf16 write-back (how the offload engine pipelines transfers with the step).
-- ``hf_zero_pool``: the flat tensor cut into one aligned range per thread, each stepped with its
-  write-back by a Python worker thread (torch ops release the GIL) while torch's own intra-op
-  threads are set to 1: a thread pool instead of ``at::parallel_for``.
+- ``hf_zero_pool``: the flat tensor cut into aligned chunks of at most 1M elements, each stepped
+  with its write-back (while the chunk is still in cache) by whichever of ``threads`` Python
+  worker threads is free (torch ops release the GIL), torch's own intra-op threads set to 1:
+  a dynamically scheduled thread pool instead of ``at::parallel_for``'s static split.
 - ``deepspeed`` / ``deepspeed_bf16``: DeepSpeed's ``DeepSpeedCPUAdam`` (its JIT-built AVX op;
   needs ``--deepspeed-python``, an interpreter with deepspeed and ninja), and the same followed by
   the bf16 cast (DeepSpeed's engine casts on the GPU instead; the row shows what the host cast costs).
@@ -99,12 +100,12 @@ def _step_fn(variant: str, numel: int, threads: int, sub_group_size: int):  # no
             for lo, hi in ranges:
                 opt.step_range(p, lo, hi)
         return subgroups
-    # hf_zero_pool: one aligned range per worker thread, torch's intra-op threads off
+    # hf_zero_pool: aligned chunks handed to free worker threads, torch's intra-op threads off
     from concurrent.futures import ThreadPoolExecutor
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(1)  # before the workers start: each takes the count on its first torch call
     pool = ThreadPoolExecutor(threads)
-    ranges = sub_group_ranges(numel, -(-numel // threads), ALIGN)
+    ranges = sub_group_ranges(numel, min(1 << 20, -(-numel // threads)), ALIGN)
 
     def pooled() -> None:
         opt.begin_step()

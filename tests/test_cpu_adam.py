@@ -217,6 +217,42 @@ def test_loading_keeps_fp32_states_and_takes_deepspeeds_integer_steps() -> None:
     assert state["step"].item() == 4
 
 
+def test_grad_scale_divides_the_gradients_within_the_update() -> None:
+    """What the engine uses to undo loss scaling and clip in the same pass: equal to dividing first."""
+    ps, ref = _params(), _params()
+    bf = _params(torch.bfloat16)  # the fp32-copy path as well
+    opts = [DeepSpeedCPUAdam(_groups(ps, 0.1)), DeepSpeedCPUAdam(_groups(ref, 0.1)), DeepSpeedCPUAdam(_groups(bf, 0.1))]
+    for t in range(3):
+        for p, q, b, g in zip(ps, ref, bf, _grads(t)):
+            p.grad, q.grad, b.grad = (None, None, None) if g is None else (g * 8, g.clone(), (g * 8).to(torch.bfloat16))
+        opts[0].step(grad_scale=8.0)
+        opts[1].step()
+        opts[2].step(grad_scale=8.0)
+    for p, q in zip(ps, ref):
+        assert torch.equal(p, q) and (p.grad is None or torch.equal(p.grad, q.grad))
+    assert all(b.grad is None or torch.equal(b.grad, (q.grad * 8).to(torch.bfloat16) / 8) for b, q in zip(bf, ref))
+    with pytest.raises(ValueError, match="grad_scale: got 0.0"):
+        opts[0].step(grad_scale=0.0)
+
+
+@pytest.mark.parametrize("opt_type,params", [("AdamW", {"lr": 1e-2, "weight_decay": 0.1}),
+                                             ("Adam", {"lr": 1e-2, "weight_decay": 0.1, "adam_w_mode": False, "amsgrad": True})])
+def test_from_torch_moves_a_config_optimizer_to_the_host_mid_run(opt_type: str, params: dict) -> None:
+    from hf_zero.optim import build_optimizer
+
+    straight, moved = _params(), _params()
+    ref = build_optimizer(opt_type, params, _groups(straight, 0.1))
+    _train(ref, straight, range(STEPS))
+    first = build_optimizer(opt_type, params, _groups(moved, 0.1))
+    _train(first, moved, range(2))
+    host = DeepSpeedCPUAdam.from_torch(first)
+    assert [g["lr"] for g in host.param_groups] == [g["lr"] for g in first.param_groups]
+    _train(host, moved, range(2, STEPS))
+    assert all(_rel(p, q) < 1e-6 for p, q in zip(moved, straight))
+    with pytest.raises(ValueError, match="got SGD, expected a torch.optim.Adam or AdamW"):
+        DeepSpeedCPUAdam.from_torch(torch.optim.SGD(_params(), lr=0.1))
+
+
 def test_errors_say_what_to_do() -> None:
     p = torch.nn.Parameter(torch.randn(4, 6))
     with pytest.raises(ValueError, match="param group 0 lr: got -1"):

@@ -95,10 +95,10 @@ def _fast(p: Tensor, others: Sequence[Tensor]) -> bool:
 
 def _run_kernel(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor],
                 max_sqs: list[Tensor], steps: list[Tensor], *, lr: float, beta1: float, beta2: float, eps: float,
-                weight_decay: float, adamw_mode: bool, amsgrad: bool, maximize: bool) -> None:
+                weight_decay: float, adamw_mode: bool, amsgrad: bool, maximize: bool, grad_scale: Tensor | None) -> None:
     kernel = torch._fused_adamw_ if adamw_mode else torch._fused_adam_
     kernel(params, grads, exp_avgs, exp_avg_sqs, max_sqs, steps, lr=lr, beta1=beta1, beta2=beta2,
-           weight_decay=weight_decay, eps=eps, amsgrad=amsgrad, maximize=maximize)
+           weight_decay=weight_decay, eps=eps, amsgrad=amsgrad, maximize=maximize, grad_scale=grad_scale)
 
 
 def _fp32(t: Tensor) -> Tensor:
@@ -113,7 +113,8 @@ def _update_via_fp32(tensors: list[Tensor], step: Tensor, **kw: object) -> None:
 
     ``tensors`` is ``[param, grad, exp_avg, exp_avg_sq(, max_exp_avg_sq)]``. When all are
     contiguous they are walked in chunks, so the scratch stays a few MiB; otherwise whole.
-    Everything but the gradient is written back to its own dtype and layout.
+    Everything is written back to its own dtype and layout; the gradient only when the kernel
+    unscaled it (``grad_scale``), as it does in place on the fast path.
     """
     if all(t.is_contiguous() for t in tensors):
         flat = [t.view(-1) for t in tensors]
@@ -124,7 +125,7 @@ def _update_via_fp32(tensors: list[Tensor], step: Tensor, **kw: object) -> None:
         up = [_fp32(t) for t in piece]
         _run_kernel([up[0]], [up[1]], [up[2]], [up[3]], up[4:], [step], **kw)  # type: ignore[arg-type]
         for i, (orig, new) in enumerate(zip(piece, up)):
-            if i != 1 and new is not orig:
+            if (i != 1 or kw.get("grad_scale") is not None) and new is not orig:
                 orig.copy_(new)
 
 
@@ -133,6 +134,7 @@ def adam_update(
     steps: Sequence[Tensor], *, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
     adamw_mode: bool = True, bias_correction: bool = True, amsgrad: bool = False,
     max_exp_avg_sqs: Sequence[Tensor] = (), maximize: bool = False, out16: Sequence[Tensor | None] | None = None,
+    grad_scale: float | None = None,
 ) -> None:
     """One Adam (``adamw_mode=False``: L2 decay in the gradient) or AdamW update of each ``params[i]``, in place.
 
@@ -140,7 +142,9 @@ def adam_update(
     advanced by the caller, once per step however many sub-group slices it is split into).
     ``exp_avgs`` / ``exp_avg_sqs`` (and ``max_exp_avg_sqs`` with ``amsgrad``) are updated too.
     Where ``out16[i]`` is a tensor (same number of elements, any dtype, typically bf16 or fp16 in
-    pinned memory), the updated ``params[i]`` is cast into it.
+    pinned memory), the updated ``params[i]`` is cast into it. ``grad_scale``: the gradients are
+    divided by it inside the same pass (and left divided), which saves the engine a separate
+    pass to undo fp16 loss scaling and to apply gradient clipping (scale = loss scale / clip coefficient).
     """
     n = len(params)
     lists = [grads, exp_avgs, exp_avg_sqs, steps] + ([max_exp_avg_sqs] if amsgrad else [])
@@ -149,6 +153,9 @@ def adam_update(
                          "out16 if given) need one entry per parameter")
     # Tensors the kernel takes as they are, grouped so that one call covers each group; the
     # bias-correction rescaling depends on the step, so without it the step joins the key.
+    if grad_scale is not None and not (math.isfinite(grad_scale) and grad_scale > 0):
+        raise ValueError(f"adam_update: grad_scale: got {grad_scale!r}, expected a finite number > 0 to divide the gradients by")
+    scale = None if grad_scale is None else torch.tensor(float(grad_scale), dtype=torch.float32)
     batches: dict[tuple, list[int]] = {}
     for i in range(n):
         others = [grads[i], exp_avgs[i], exp_avg_sqs[i]] + ([max_exp_avg_sqs[i]] if amsgrad else [])
@@ -159,7 +166,7 @@ def adam_update(
         t = float(steps[idx[0]])
         k_lr, k_eps, k_wd = _kernel_scalars(t, lr, beta1, beta2, eps, weight_decay, adamw_mode, bias_correction)
         kw = dict(lr=k_lr, beta1=beta1, beta2=beta2, eps=k_eps, weight_decay=k_wd, adamw_mode=adamw_mode,
-                  amsgrad=amsgrad, maximize=maximize)
+                  amsgrad=amsgrad, maximize=maximize, grad_scale=scale)
         if fast:
             _run_kernel([params[i] for i in idx], [grads[i] for i in idx], [exp_avgs[i] for i in idx],
                         [exp_avg_sqs[i] for i in idx], [max_exp_avg_sqs[i] for i in idx] if amsgrad else [],
@@ -211,6 +218,31 @@ class DeepSpeedCPUAdam(torch.optim.Optimizer):
         self.fp32_optimizer_states = fp32_optimizer_states
         self._out16: dict[Tensor, Tensor] = {}
         super().__init__(model_params, defaults)  # type: ignore[arg-type]
+
+    @classmethod
+    def from_torch(cls, optimizer: torch.optim.Optimizer, fp32_optimizer_states: bool = True) -> DeepSpeedCPUAdam:
+        """The same Adam or AdamW, param groups and state, stepping on the host.
+
+        For an engine that offloads the optimizer of a config (``"type": "AdamW"``) or a client's
+        ``torch.optim.Adam``/``AdamW`` (``FusedAdam`` included): each group keeps its parameters,
+        hyperparameters and extra keys, the state is carried over through ``state_dict()``, and
+        the engine then points the groups at its host masters as it does for any optimizer.
+        Schedulers built on the old optimizer must be rebuilt on this one.
+        """
+        if not isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW) or isinstance(optimizer, cls):
+            raise ValueError(f"DeepSpeedCPUAdam.from_torch: got {type(optimizer).__name__}, expected a torch.optim.Adam or "
+                             "AdamW to move to the host; keep other optimizers as they are")
+        groups = [dict(g, params=list(g["params"]), fused=None, foreach=None) for g in optimizer.param_groups]
+        adamw = [bool(g.get("decoupled_weight_decay", isinstance(optimizer, torch.optim.AdamW))) for g in groups]
+        new = cls(groups, adamw_mode=adamw[0], fp32_optimizer_states=fp32_optimizer_states)
+        for g, decoupled in zip(new.param_groups, adamw):
+            g["decoupled_weight_decay"] = decoupled
+        if optimizer.state:
+            sd = optimizer.state_dict()
+            for g in sd["param_groups"]:
+                g.update(fused=None, foreach=None)
+            new.load_state_dict(sd)
+        return new
 
     def add_param_group(self, param_group: dict) -> None:
         """torch's, then each hyperparameter checked, so a bad group fails here and not in the first step."""
@@ -293,8 +325,12 @@ class DeepSpeedCPUAdam(torch.optim.Optimizer):
                     self._checked_state(p, group, f"parameter {pi} of param group {gi}")["step"].add_(1)
 
     @torch.no_grad()
-    def step(self, closure: object = None) -> object:
-        """One update of every parameter with a gradient (``closure``, if given, recomputes the loss first)."""
+    def step(self, closure: object = None, *, grad_scale: float | None = None) -> object:
+        """One update of every parameter with a gradient (``closure``, if given, recomputes the loss first).
+
+        ``grad_scale`` (hf_zero's, not DeepSpeed's): divide the gradients by it within the update
+        (see :func:`adam_update`).
+        """
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -303,11 +339,12 @@ class DeepSpeedCPUAdam(torch.optim.Optimizer):
         for group in self.param_groups:
             ps = [p for p in group["params"] if p.grad is not None]
             if ps:
-                self._update(group, ps, [p.grad for p in ps], [self._out16.get(p) for p in ps], [self.state[p] for p in ps])
+                self._update(group, ps, [p.grad for p in ps], [self._out16.get(p) for p in ps], [self.state[p] for p in ps],
+                             grad_scale)
         return loss
 
     @torch.no_grad()
-    def step_range(self, param: Tensor, start: int, end: int) -> None:
+    def step_range(self, param: Tensor, start: int, end: int, *, grad_scale: float | None = None) -> None:
         """Update the elements ``[start, end)`` of the flattened ``param`` at the count :meth:`begin_step` set.
 
         Every range of a parameter must be stepped exactly once between two ``begin_step`` calls;
@@ -329,10 +366,10 @@ class DeepSpeedCPUAdam(torch.optim.Optimizer):
         part = {k: (v.view(-1)[sl] if isinstance(v, Tensor) and v.dim() > 0 else v) for k, v in state.items()}
         out = self._out16.get(param)
         self._update(group, [param.view(-1)[sl]], [param.grad.view(-1)[sl]], [None if out is None else out.view(-1)[sl]],
-                     [part])
+                     [part], grad_scale)
 
     def _update(self, group: dict, ps: list[Tensor], grads: list[Tensor], out16: list[Tensor | None],
-                states: list[dict]) -> None:
+                states: list[dict], grad_scale: float | None) -> None:
         lr = group["lr"]
         beta1, beta2 = group["betas"]
         amsgrad = bool(group["amsgrad"])
@@ -342,4 +379,5 @@ class DeepSpeedCPUAdam(torch.optim.Optimizer):
             weight_decay=float(group["weight_decay"]), adamw_mode=bool(group["decoupled_weight_decay"]),
             bias_correction=bool(group["bias_correction"]), amsgrad=amsgrad, maximize=bool(group["maximize"]),
             max_exp_avg_sqs=[s["max_exp_avg_sq"] for s in states] if amsgrad else (), out16=out16,
+            grad_scale=grad_scale,
         )
