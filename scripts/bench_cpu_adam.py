@@ -21,6 +21,8 @@ imply (28 bytes per parameter per step, 30 with the bf16 write-back). Variants:
   with its write-back (while the chunk is still in cache) by whichever of ``threads`` Python
   worker threads is free (torch ops release the GIL), torch's own intra-op threads set to 1:
   a dynamically scheduled thread pool instead of ``at::parallel_for``'s static split.
+- ``hf_zero_bf16_grads``: fp32 masters stepped with bf16 gradients (half the device-to-host
+  bytes), converted a chunk at a time inside the step, with the bf16 write-back.
 - ``deepspeed`` / ``deepspeed_bf16``: DeepSpeed's ``DeepSpeedCPUAdam`` (its JIT-built AVX op;
   needs ``--deepspeed-python``, an interpreter with deepspeed and ninja), and the same followed by
   the bf16 cast (DeepSpeed's engine casts on the GPU instead; the row shows what the host cast costs).
@@ -43,17 +45,19 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 VARIANTS = ("torch_loop", "torch_foreach", "torch_fused", "hf_zero", "hf_zero_bf16", "hf_zero_subgroups", "hf_zero_pool",
-            "deepspeed", "deepspeed_bf16")
+            "hf_zero_bf16_grads", "deepspeed", "deepspeed_bf16")
 BYTES = 28  # per parameter and step: read master, grad, exp_avg, exp_avg_sq (16); write master and moments (12)
 LR, BETAS, EPS, WD = 1e-3, (0.9, 0.999), 1e-8, 0.01
 
 
-def _tensors(numel: int):  # noqa: ANN202
+def _tensors(numel: int, grad_dtype=None):  # noqa: ANN001, ANN202
     import torch
 
     g = torch.Generator().manual_seed(0)
     p = torch.nn.Parameter(torch.empty(numel).uniform_(-1, 1, generator=g))
-    p.grad = torch.empty(numel).uniform_(-1e-2, 1e-2, generator=g)
+    if grad_dtype is not None:
+        p.grad_dtype = grad_dtype  # torch >= 2.10 lets a gradient differ from its parameter's dtype
+    p.grad = torch.empty(numel).uniform_(-1e-2, 1e-2, generator=g).to(grad_dtype or torch.float32)
     return p
 
 
@@ -67,7 +71,7 @@ def _step_fn(variant: str, numel: int, threads: int, sub_group_size: int):  # no
     """The variant's one-step callable (state built, nothing timed yet)."""
     import torch
 
-    p = _tensors(numel)
+    p = _tensors(numel, torch.bfloat16 if variant == "hf_zero_bf16_grads" else None)
     if variant.startswith("torch_"):
         kind = variant.split("_", 1)[1]
         opt = torch.optim.AdamW([p], lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
@@ -90,7 +94,7 @@ def _step_fn(variant: str, numel: int, threads: int, sub_group_size: int):  # no
     if variant == "hf_zero":
         return opt.step
     opt.bind_16bit_copy(p, host_buffer(numel, torch.bfloat16))
-    if variant == "hf_zero_bf16":
+    if variant in ("hf_zero_bf16", "hf_zero_bf16_grads"):
         return opt.step
     if variant == "hf_zero_subgroups":
         ranges = sub_group_ranges(numel, sub_group_size)
@@ -126,7 +130,8 @@ def child(variant: str, numel: int, threads: int, steps: int, warmup: int, sub_g
         t = time.perf_counter()
         step()
         times.append(time.perf_counter() - t)
-    bytes_per = BYTES + (2 if variant.endswith(("_bf16", "_subgroups", "_pool")) else 0)
+    write_back = variant in ("hf_zero_bf16", "hf_zero_subgroups", "hf_zero_pool", "hf_zero_bf16_grads", "deepspeed_bf16")
+    bytes_per = BYTES + 2 * write_back - 2 * (variant == "hf_zero_bf16_grads")  # a bf16 gradient is 2 bytes read
     med, best = statistics.median(times), min(times)
     return {"variant": variant, "threads": threads, "numel": numel, "median_s": med, "best_s": best,
             "params_per_s": numel / med, "best_params_per_s": numel / best, "GB_per_s": numel * bytes_per / med / 1e9,

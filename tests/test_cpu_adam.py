@@ -235,6 +235,20 @@ def test_grad_scale_divides_the_gradients_within_the_update() -> None:
         opts[0].step(grad_scale=0.0)
 
 
+def test_fp32_masters_step_with_16bit_gradients() -> None:
+    """Gradients streamed from the GPU in bf16 (half the bytes) step fp32 masters as their fp32 values would."""
+    n = (1 << 20) + 77  # more than one conversion chunk
+    g16 = torch.randn(n, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    runs = []
+    for g in (g16, g16.float()):
+        p, m, v = torch.linspace(-1, 1, n), torch.zeros(n), torch.zeros(n)
+        for t in range(1, 3):
+            adam_update([p], [g.clone()], [m], [v], [torch.tensor(float(t))], lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8,
+                        weight_decay=0.1)
+        runs.append((p, m, v))
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
 @pytest.mark.parametrize("opt_type,params", [("AdamW", {"lr": 1e-2, "weight_decay": 0.1}),
                                              ("Adam", {"lr": 1e-2, "weight_decay": 0.1, "adam_w_mode": False, "amsgrad": True})])
 def test_from_torch_moves_a_config_optimizer_to_the_host_mid_run(opt_type: str, params: dict) -> None:

@@ -151,11 +151,11 @@ def adam_update(
     if any(len(x) != n for x in lists) or (out16 is not None and len(out16) != n):
         raise ValueError("adam_update: params, grads, exp_avgs, exp_avg_sqs, steps (and max_exp_avg_sqs with amsgrad, "
                          "out16 if given) need one entry per parameter")
-    # Tensors the kernel takes as they are, grouped so that one call covers each group; the
-    # bias-correction rescaling depends on the step, so without it the step joins the key.
     if grad_scale is not None and not (math.isfinite(grad_scale) and grad_scale > 0):
         raise ValueError(f"adam_update: grad_scale: got {grad_scale!r}, expected a finite number > 0 to divide the gradients by")
     scale = None if grad_scale is None else torch.tensor(float(grad_scale), dtype=torch.float32)
+    # Tensors the kernel takes as they are, grouped so that one call covers each group; the
+    # bias-correction rescaling depends on the step, so without it the step joins the key.
     batches: dict[tuple, list[int]] = {}
     for i in range(n):
         others = [grads[i], exp_avgs[i], exp_avg_sqs[i]] + ([max_exp_avg_sqs[i]] if amsgrad else [])
@@ -267,8 +267,8 @@ class DeepSpeedCPUAdam(torch.optim.Optimizer):
                                ("differentiable", False), ("fused", None), ("bias_correction", True),
                                ("decoupled_weight_decay", getattr(self, "adam_w_mode", True))):
                 g.setdefault(key, value)
-        for s in self.state.values():
-            if "step" in s and not isinstance(s["step"], Tensor):
+        for s in self.state.values():  # the kernel reads float32 counts; torch's may be float64, DeepSpeed's ints
+            if "step" in s and not (isinstance(s["step"], Tensor) and s["step"].dtype == torch.float32):
                 s["step"] = torch.tensor(float(s["step"]), dtype=torch.float32)
 
     def load_state_dict(self, state_dict: dict) -> None:
