@@ -410,8 +410,8 @@ def test_equals_deepspeeds_own_cpu_adam(tmp_path: Path) -> None:
         _train(opt, ps, range(STEPS))
         for i, p in enumerate(ps):
             want = theirs[f"{name}.{i}"]
-            if dtype == torch.float32:
-                assert _rel(p, want) < 1e-6, (name, i)
+            if dtype == torch.float32:  # DeepSpeed forms its scalars (beta powers, corrections) in float32,
+                assert _rel(p, want) < 2e-6, (name, i)  # torch's kernel in float64: up to 6e-7 apart seen
             else:  # fp32 arithmetic in both, rounded to bf16 each step: at most a last-bit difference
                 ulp = want.abs().clamp_min(1e-30) * 2.0 ** -7
                 assert ((p.float() - want).abs() <= ulp).all(), (name, i)
