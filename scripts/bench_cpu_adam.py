@@ -23,6 +23,10 @@ imply (28 bytes per parameter per step, 30 with the bf16 write-back). Variants:
   a dynamically scheduled thread pool instead of ``at::parallel_for``'s static split.
 - ``hf_zero_bf16_grads``: fp32 masters stepped with bf16 gradients (half the device-to-host
   bytes), converted a chunk at a time inside the step, with the bf16 write-back.
+- ``inductor_bf16``: not what hf_zero runs, a measured alternative: AdamW written as tensor
+  expressions and compiled by ``torch.compile`` (Inductor's C++ backend: one vectorised
+  OpenMP loop with one sqrt, one division and the bf16 store, like DeepSpeed's kernel; needs a
+  C++ compiler at run time, as DeepSpeed's op does). Compilation happens in the warm-up.
 - ``deepspeed`` / ``deepspeed_bf16``: DeepSpeed's ``DeepSpeedCPUAdam`` (its JIT-built AVX op;
   needs ``--deepspeed-python``, an interpreter with deepspeed and ninja), and the same followed by
   the bf16 cast (DeepSpeed's engine casts on the GPU instead; the row shows what the host cast costs).
@@ -45,7 +49,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 VARIANTS = ("torch_loop", "torch_foreach", "torch_fused", "hf_zero", "hf_zero_bf16", "hf_zero_subgroups", "hf_zero_pool",
-            "hf_zero_bf16_grads", "deepspeed", "deepspeed_bf16")
+            "hf_zero_bf16_grads", "inductor_bf16", "deepspeed", "deepspeed_bf16")
 BYTES = 28  # per parameter and step: read master, grad, exp_avg, exp_avg_sq (16); write master and moments (12)
 LR, BETAS, EPS, WD = 1e-3, (0.9, 0.999), 1e-8, 0.01
 
@@ -67,6 +71,34 @@ def _bf16_buffer(numel: int):  # noqa: ANN202
     return torch.empty(numel, dtype=torch.bfloat16, pin_memory=torch.cuda.is_available())
 
 
+def _inductor_step(p, out):  # noqa: ANN001, ANN202
+    """One compiled pass: AdamW on (master, grad, exp_avg, exp_avg_sq) and the bf16 cast of the result."""
+    import torch
+
+    def update(p, g, m, v, out, sc):  # noqa: ANN001, ANN202
+        # sc: beta1, 1-beta1, beta2, 1-beta2, 1/sqrt(bc2), eps, 1-lr*wd, -lr/bc1 (tensors: no recompiles)
+        m_new = m * sc[0] + g * sc[1]
+        v_new = v * sc[2] + g * g * sc[3]
+        p_new = p * sc[6] + m_new / (v_new.sqrt() * sc[4] + sc[5]) * sc[7]
+        m.copy_(m_new)
+        v.copy_(v_new)
+        p.copy_(p_new)
+        out.copy_(p_new)
+
+    compiled = torch.compile(update, dynamic=True)
+    data, grad = p.detach(), p.grad
+    m, v = torch.zeros_like(data), torch.zeros_like(data)
+    count = [0]
+
+    def step() -> None:
+        count[0] += 1
+        t = count[0]
+        b1, b2 = BETAS
+        sc = torch.tensor([b1, 1 - b1, b2, 1 - b2, (1 - b2 ** t) ** -0.5, EPS, 1 - LR * WD, -LR / (1 - b1 ** t)])
+        compiled(data, grad, m, v, out, sc)
+    return step
+
+
 def _step_fn(variant: str, numel: int, threads: int, sub_group_size: int):  # noqa: ANN202, C901
     """The variant's one-step callable (state built, nothing timed yet)."""
     import torch
@@ -86,6 +118,8 @@ def _step_fn(variant: str, numel: int, threads: int, sub_group_size: int):  # no
         buf = _bf16_buffer(numel)
         return lambda: (opt.step(), buf.copy_(p.detach()))
 
+    if variant == "inductor_bf16":
+        return _inductor_step(p, _bf16_buffer(numel))
     sys.path.insert(0, str(REPO))
     from hf_zero.ops.adam import DeepSpeedCPUAdam
     from hf_zero.ops.cpu_adam import ALIGN, host_buffer, sub_group_ranges
@@ -130,7 +164,8 @@ def child(variant: str, numel: int, threads: int, steps: int, warmup: int, sub_g
         t = time.perf_counter()
         step()
         times.append(time.perf_counter() - t)
-    write_back = variant in ("hf_zero_bf16", "hf_zero_subgroups", "hf_zero_pool", "hf_zero_bf16_grads", "deepspeed_bf16")
+    write_back = variant in ("hf_zero_bf16", "hf_zero_subgroups", "hf_zero_pool", "hf_zero_bf16_grads", "inductor_bf16",
+                             "deepspeed_bf16")
     bytes_per = BYTES + 2 * write_back - 2 * (variant == "hf_zero_bf16_grads")  # a bf16 gradient is 2 bytes read
     med, best = statistics.median(times), min(times)
     return {"variant": variant, "threads": threads, "numel": numel, "median_s": med, "best_s": best,
