@@ -5,7 +5,9 @@ several steps and param groups, DeepSpeed's documented update for ``bias_correct
 (written out in float64 below), and DeepSpeed 0.19.8's own ``DeepSpeedCPUAdam`` run in its
 environment where its C++ op builds. Then what the offload engine relies on: sub-group ranges
 stepped one by one equal the whole step bit for bit, the 16-bit write-back is exactly a cast of
-the masters, and state dicts move between this optimizer and torch's both ways.
+the masters, bf16 gradients and an in-pass gradient scale give what fp32 and pre-divided
+gradients give, state dicts move between this optimizer and torch's both ways (``from_torch``
+mid-run too), and ``initialize(optimizer=DeepSpeedCPUAdam(...))`` trains as AdamW does.
 """
 
 from __future__ import annotations
