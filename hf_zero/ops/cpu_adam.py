@@ -1,14 +1,16 @@
 """Adam and AdamW on host memory, fast: the update ZeRO-Offload runs on the CPU, and ``DeepSpeedCPUAdam``.
 
 With the fp32 master weights and both Adam moments in host memory, each optimizer step reads
-16 bytes per parameter (master, gradient, two moments) and writes 12 back, so the step is bound
-by memory bandwidth, not arithmetic. PyTorch (>= 2.4) ships a fused, vectorised CPU kernel for
-it (``torch._fused_adamw_`` / ``torch._fused_adam_``: one pass over the four tensors, the
-work split over ``torch.get_num_threads()`` threads by ``at::parallel_for``). It is what
-``torch.optim.AdamW(fused=True)`` runs on CPU tensors, and on the same cores it reaches the
-parameters per second of DeepSpeed's JIT-compiled AVX kernel (``scripts/bench_cpu_adam.py``
-measures both), so hf_zero needs no C++ extension: :func:`adam_update` is that kernel plus what
-DeepSpeed's op does that torch's does not:
+16 bytes per parameter (master, gradient, two moments) and writes 12 back: on many cores the
+step is bound by memory bandwidth, on few by arithmetic (a square root and divisions per
+element). PyTorch (>= 2.4) ships a fused, vectorised CPU kernel for it (``torch._fused_adamw_``
+/ ``torch._fused_adam_``: one pass over the four tensors, split over ``torch.get_num_threads()``
+threads by ``at::parallel_for``), what ``torch.optim.AdamW(fused=True)`` runs on CPU tensors.
+It needs no compiler at run time, unlike DeepSpeed's JIT-built op, and of the kernels that do
+not (torch's per-tensor loop, ``foreach``, fused; a Python thread pool over chunks) it is the
+fastest measured; per core it is slower than DeepSpeed's AVX kernel (about 0.75x on one AMD
+EPYC core; ``scripts/bench_cpu_adam.py`` measures both, and a compiled single-pass alternative). :func:`adam_update` is that kernel plus what DeepSpeed's op
+does that torch's does not:
 
 - ``bias_correction=False``: torch's kernel always corrects. The uncorrected update equals the
   corrected one with rescaled scalars (``lr * bc1 / s``, ``eps / s``, and for decoupled decay
