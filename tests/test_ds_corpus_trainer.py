@@ -123,10 +123,8 @@ def user_arguments(config: dict, world: int) -> dict[str, Any]:
 
 
 def arguments_text(kw: dict[str, Any]) -> str:
-    """The user's arguments as the table shows them: ``bf16, per_device_train_batch_size=2, ...``."""
-    parts = [k for k in ("bf16", "fp16") if kw.get(k)]
-    parts += [f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in kw.items() if k not in ("bf16", "fp16")]
-    return ", ".join(parts)
+    """The user's arguments as the table shows them: ``bf16=True, learning_rate=0.001, ...``."""
+    return ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in kw.items())
 
 
 # ------------------------------------------------------------------ one config, on every rank
