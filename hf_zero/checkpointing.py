@@ -5,7 +5,7 @@ their forward to recompute a block in backward instead of storing its activation
 ``deepspeed.checkpointing.configure(None, deepspeed_config=...)``. Here that is PyTorch's
 non-reentrant ``torch.utils.checkpoint`` (the RNG state is restored for the recomputation, so
 dropout draws the same masks). Of the config's ``activation_checkpointing`` options,
-``cpu_checkpointing`` keeps the saved inputs in host memory (``torch.autograd.graph.save_on_cpu``)
+``cpu_checkpointing`` keeps the checkpointed input (the first argument) in host memory until backward
 and ``synchronize_checkpoint_boundary`` synchronizes the device around each checkpoint;
 ``partition_activations`` splits checkpoints across model-parallel ranks, of which hf_zero has
 none, so there is nothing to split. For whole transformers blocks without touching model code,
@@ -92,8 +92,11 @@ def checkpoint(function: Callable, *args: Any) -> Any:
     if sync:
         torch.cuda.synchronize()
     if _state["cpu_checkpointing"]:
-        with torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()):
-            out = torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False)
+        # save_on_cpu around a non-reentrant checkpoint moves nothing (the checkpoint keeps its inputs
+        # itself); the first argument, the hidden states, goes to host memory through a holder instead
+        from hf_zero.sequence.tiling import checkpoint_offloaded
+
+        out = checkpoint_offloaded(function, *args)
     else:
         out = torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False)
     if sync:

@@ -176,14 +176,19 @@ class ZeroEngine(torch.nn.Module):
         """
         from torch.utils.checkpoint import checkpoint
 
+        from hf_zero.sequence.tiling import checkpoint_offloaded
         from hf_zero.zero.params import find_units
 
+        # DeepSpeed's cpu_checkpointing: the block input kept for the recomputation waits in host memory
+        offload = bool(self.config.activation_checkpointing.get("cpu_checkpointing", False))
         self._no_kv_cache_in_training("activation_checkpointing.checkpoint_blocks")
         for _, block in find_units(self.module):
             inner = block.forward
 
             def forward(*args: Any, _inner: Any = inner, _block: torch.nn.Module = block, **kwargs: Any) -> Any:
                 if _block.training and torch.is_grad_enabled():
+                    if offload:
+                        return checkpoint_offloaded(_inner, *args, **kwargs)
                     return checkpoint(_inner, *args, use_reentrant=False, **kwargs)
                 return _inner(*args, **kwargs)
 
