@@ -22,6 +22,9 @@ from hf_zero.errors import UsageError
 from hf_zero.optim import build_optimizer, build_scheduler
 from hf_zero.pipe.engine import PipelineEngine
 from hf_zero.pipe.module import PipelineModule
+from hf_zero.sequence.groups import SequenceParallelGroups
+from hf_zero.sequence.setup import setup_model as setup_sequence_parallel
+from hf_zero.sequence.setup import wrap_loader as wrap_sequence_loader
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -71,15 +74,16 @@ def _param_groups(model: torch.nn.Module, model_parameters: Any) -> list[dict] |
     return params
 
 
-def _resolve_batch_sizes_on_every_rank(cfg: ZeroConfig, group: Any) -> None:
+def _resolve_batch_sizes_on_every_rank(cfg: ZeroConfig, group: Any, data_parallel_size: int | None = None) -> None:
     """Resolve the batch triple and check that every rank got the same one (one sentence on every rank).
 
     Ranks started with different configs would otherwise train on different global batches, or
-    hang in a collective; a rank whose config is refused makes the others refuse too.
+    hang in a collective; a rank whose config is refused makes the others refuse too. Under
+    sequence parallelism the batch multiplies by the data-parallel degree, not the world size.
     """
     error: ConfigError | None = None
     try:
-        cfg.resolve_batch_sizes(dist.get_world_size(group))
+        cfg.resolve_batch_sizes(data_parallel_size or dist.get_world_size(group))
         mine = [1, cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps]
     except ConfigError as e:
         error, mine = e, [0, 0, 0, 0]
@@ -95,16 +99,21 @@ def _resolve_batch_sizes_on_every_rank(cfg: ZeroConfig, group: Any) -> None:
         raise ConfigError(f"batch sizes differ across ranks: rank 0 has {show(every[0])} but rank {r} has {show(every[r])}; every rank must run the same config")
 
 
-def _make_dataloader(training_data: Any, collate_fn: Callable | None, cfg: ZeroConfig, group: Any) -> torch.utils.data.DataLoader:
-    """A loader that gives each data-parallel rank its own micro-batches, shuffled with the config seed."""
+def _make_dataloader(training_data: Any, collate_fn: Callable | None, cfg: ZeroConfig, group: Any,
+                     sp: SequenceParallelGroups | None = None) -> torch.utils.data.DataLoader:
+    """A loader that gives each data-parallel rank its own micro-batches, shuffled with the config seed.
+
+    Under sequence parallelism the ranks of an sp group draw the same micro-batches (the caller
+    wraps the loader so that each keeps its shard of the sequence).
+    """
     if not isinstance(training_data, torch.utils.data.Dataset) and not hasattr(training_data, "__getitem__"):
         raise UsageError(
             f"initialize(training_data=...) expects a torch Dataset (or anything with __len__ and __getitem__), got {type(training_data).__name__}"
         )
     sampler = ResumableDistributedSampler(
         training_data,
-        num_replicas=dist.get_world_size(group),
-        rank=dist.get_rank(group),
+        num_replicas=sp.dp_size if sp else dist.get_world_size(group),
+        rank=sp.dp_rank if sp else dist.get_rank(group),
         shuffle=True,
         seed=cfg.seed if cfg.seed is not None else 0,
     )
@@ -189,17 +198,22 @@ def initialize(
     pipeline = isinstance(model, PipelineModule)
     # A pipeline's batch sizes, optimizer shards and data loader are per data-parallel replica of its stage.
     group = model.dp_group if pipeline else None
-    _resolve_batch_sizes_on_every_rank(cfg, group)
+    sp = setup_sequence_parallel(model, cfg, group, pipeline)  # None unless sequence_parallel_size > 1
+    _resolve_batch_sizes_on_every_rank(cfg, group, sp.dp_size if sp else None)
 
     torch_opt = _optimizer(optimizer, cfg, _param_groups(model, model_parameters))
     if pipeline:
         engine = PipelineEngine(model, cfg, torch_opt)  # a ZeroEngine over the stage, group = its data-parallel group
     else:
-        engine = ZeroEngine(model, cfg, torch_opt, group=group)
+        engine = ZeroEngine(model, cfg, torch_opt, group=group)  # ZeRO over all ranks, sp ones included
+    engine.sequence_parallel_groups = sp  # None without sequence parallelism
+    if sp is not None:
+        engine.dp_world_size = sp.dp_size
 
     sched = _scheduler(lr_scheduler, cfg, torch_opt)
     engine.lr_scheduler = sched
 
-    loader = _make_dataloader(training_data, collate_fn, cfg, group) if training_data is not None else None
+    loader = _make_dataloader(training_data, collate_fn, cfg, group, sp) if training_data is not None else None
+    loader = wrap_sequence_loader(loader, sp, model, engine.device) if loader is not None else None
     engine.training_dataloader = loader
     return engine, engine.optimizer, loader, sched

@@ -10,7 +10,7 @@ their forward to recompute a block in backward instead of storing its activation
 ``deepspeed.checkpointing.configure(None, deepspeed_config=...)``. Here that is PyTorch's
 non-reentrant ``torch.utils.checkpoint`` (the RNG state is restored for the recomputation, so
 dropout draws the same masks). Of the config's ``activation_checkpointing`` options,
-``cpu_checkpointing`` keeps the saved inputs in host memory (``torch.autograd.graph.save_on_cpu``)
+``cpu_checkpointing`` keeps the checkpointed input (the first argument) in host memory until backward
 and ``synchronize_checkpoint_boundary`` synchronizes the device around each checkpoint;
 ``partition_activations`` splits checkpoints across model-parallel ranks, of which hf_zero has
 none, so there is nothing to split. For whole transformers blocks without touching model code,
@@ -99,8 +99,11 @@ def checkpoint(function: Callable, *args: Any) -> Any:
     if sync:
         torch.cuda.synchronize()
     if _state["cpu_checkpointing"]:
-        with torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()):
-            out = torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False)
+        # save_on_cpu around a non-reentrant checkpoint moves nothing (the checkpoint keeps its inputs
+        # itself); the first argument, the hidden states, goes to host memory through a holder instead
+        from hf_zero.sequence.tiling import checkpoint_offloaded
+
+        out = checkpoint_offloaded(function, *args)
     else:
         out = torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False)
     if sync:
@@ -111,20 +114,25 @@ def checkpoint(function: Callable, *args: Any) -> Any:
 non_reentrant_checkpoint = checkpoint
 
 
-def checkpoint_blocks(module: torch.nn.Module) -> int:
+def checkpoint_blocks(module: torch.nn.Module, offload: bool = False) -> int:
     """Recompute each block's forward in backward instead of keeping its activations; returns how many blocks.
 
     The blocks are stage 3's units (a transformers model's decoder layers). Each block's
     ``forward`` (not its ``__call__``) is wrapped, so stage 3's hooks run once per call as usual
     and the recomputation happens while backward has the block gathered; non-reentrant
-    ``torch.utils.checkpoint``, so the numbers are unchanged.
+    ``torch.utils.checkpoint``, so the numbers are unchanged. ``offload`` (DeepSpeed's
+    ``cpu_checkpointing``) keeps the block input saved for the recomputation in host memory.
     """
+    from hf_zero.sequence.tiling import checkpoint_offloaded
+
     blocks = [block for _, block in find_units(module)]
     for block in blocks:
         inner = block.forward
 
         def forward(*args: Any, _inner: Any = inner, _block: torch.nn.Module = block, **kwargs: Any) -> Any:
             if _block.training and torch.is_grad_enabled():
+                if offload:
+                    return checkpoint_offloaded(_inner, *args, **kwargs)
                 return torch.utils.checkpoint.checkpoint(_inner, *args, use_reentrant=False, **kwargs)
             return _inner(*args, **kwargs)
 

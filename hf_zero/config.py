@@ -42,6 +42,8 @@ from hf_zero.config_sections import (
     ZeroOptimizationConfig,
 )
 from hf_zero.config_values import Int, json_kind
+from hf_zero.sequence.config import SequenceParallelConfig
+from hf_zero.sequence.config import parse as parse_sequence_parallel
 
 __all__ = [
     "AUTO", "BF16Config", "CompileConfig", "ConfigError", "FP16Config", "OffloadOptimizerConfig", "OffloadParamConfig",
@@ -65,7 +67,8 @@ class ZeroConfig:
     communication_data_type: str | None = None  # "fp32" | "fp16" | "bf16"; None: the engine's default
     steps_per_print: int | None = 10  # null: never print, DeepSpeed's own default
     seed: int | None = None  # hf_zero extension: the seed of the distributed sampler's shuffle
-    sequence_parallel_size: int = 1  # more than 1 is refused until sequence parallelism lands
+    sequence_parallel_size: int = 1  # the Ulysses degree, from this key or the sequence_parallel section
+    sequence_parallel: SequenceParallelConfig = field(default_factory=SequenceParallelConfig)  # the tiling switches
     activation_checkpointing: dict = field(default_factory=dict)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     compile: CompileConfig = field(default_factory=CompileConfig)
@@ -105,6 +108,9 @@ class ZeroConfig:
             raise ConfigError(f"{source} holds a JSON {json_kind(config)}, expected a JSON object (a dict of DeepSpeed keys)")
         parser = Parser()
         cfg = cls(raw=copy.deepcopy(config), **parser.parse(config))
+        cfg.sequence_parallel = parse_sequence_parallel(config)
+        cfg.sequence_parallel_size = cfg.sequence_parallel.size
+        parser.unknown.extend(cfg.sequence_parallel.ignored)
         refuse_missing_features(cfg)
         parser.warn()  # only for a config that will run: a refused one is fixed and parsed again
         return cfg

@@ -256,9 +256,9 @@ class Parser:
     def activation_checkpointing(self, top: _Object) -> dict:
         section = top.raw("activation_checkpointing", '{"partition_activations": false}')
         self.object(section, "activation_checkpointing", ACTIVATION_CHECKPOINTING)
-        if not isinstance(section.get("checkpoint_blocks", False), bool):
-            raise ConfigError(f"activation_checkpointing.checkpoint_blocks: got {show(section['checkpoint_blocks'])}, "
-                              "expected true or false")
+        for key in ("checkpoint_blocks", "cpu_checkpointing"):
+            if not isinstance(section.get(key, False), bool):
+                raise ConfigError(f"activation_checkpointing.{key}: got {show(section[key])}, expected true or false")
         return copy.deepcopy(section)
 
     def compile(self, top: _Object) -> CompileConfig:
@@ -379,19 +379,12 @@ class Parser:
 def refuse_missing_features(cfg: Any) -> None:
     """Features the parser reads in full but hf_zero cannot run yet: one sentence each, before any work.
 
-    ``cfg`` is the parsed ZeroConfig. When offload or sequence parallelism lands, its engineer
-    deletes its lines here; the parsed values are already in ``cfg.zero_optimization.offload_*``
-    and ``cfg.sequence_parallel_size``.
+    ``cfg`` is the parsed ZeroConfig. When offload lands, its engineer deletes its lines here; the
+    parsed values are already in ``cfg.zero_optimization.offload_*``. (Sequence parallelism has
+    landed: ``cfg.sequence_parallel``, read by hf_zero/sequence/config.py.)
     """
     for key in ("offload_optimizer", "offload_param"):
         offload = getattr(cfg.zero_optimization, key)
         if offload is not None and offload.device != "none":
             raise ConfigError(f"zero_optimization.{key}.device: got {offload.device!r}, but offload is not supported yet; "
                               f'use "none" or remove {key}')
-    if cfg.sequence_parallel_size > 1:
-        raise ConfigError(f"sequence_parallel_size: got {cfg.sequence_parallel_size}, but sequence parallelism "
-                          "is not supported yet; remove the key or set it to 1")
-    section = cfg.raw.get("sequence_parallel")  # LLaMA-Factory's; its keys are for the sequence-parallel engineer
-    if section not in (None, {}):
-        raise ConfigError(f"sequence_parallel: got {show(section)}, but sequence parallelism is not supported "
-                          "yet; remove the section")

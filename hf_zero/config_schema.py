@@ -80,8 +80,8 @@ TOP = Section(
         "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping",
         "optimizer", "scheduler", "fp16", "bf16", "zero_optimization", "communication_data_type",
         "steps_per_print", "activation_checkpointing", "checkpoint", "pipeline", "compile",
-        "sequence_parallel_size",  # parsed; more than 1 is refused until sequence parallelism lands
-        "sequence_parallel",  # LLaMA-Factory's section; refused until sequence parallelism lands
+        "sequence_parallel_size",  # DeepSpeed's (ALST): the Ulysses degree (hf_zero/sequence/config.py)
+        "sequence_parallel",  # hf_zero's tiling switches; LLaMA-Factory's keys of the section are read too
         "seed",  # hf_zero's: the seed of the distributed sampler's shuffle
         "nonfinite_loss",  # hf_zero's: what a bf16/fp32 step with an inf/nan loss or gradient does
     ),

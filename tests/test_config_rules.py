@@ -218,8 +218,8 @@ def test_every_config_field_is_read_outside_the_parser() -> None:
     source = "\n".join(p.read_text() for p in PACKAGE.rglob("*.py")
                        if p.name not in ("config_parse.py", "config_sections.py", "config_schema.py"))
     waiting = {f.name for cls in (OffloadParamConfig, OffloadOptimizerConfig) for f in dataclasses.fields(cls)}
-    # parsed for the offload and sequence-parallel engines; refused until they exist (config_parse.refuse_missing_features)
-    waiting |= {"offload_optimizer", "offload_param", "sequence_parallel_size"}
+    # parsed for the offload engine; refused until it exists (config_parse.refuse_missing_features)
+    waiting |= {"offload_optimizer", "offload_param"}
     classes = [c for c in vars(config_sections).values() if dataclasses.is_dataclass(c)] + [ZeroConfig]
     unread = [f"{cls.__name__}.{f.name}" for cls in classes for f in dataclasses.fields(cls)
               if f.name not in waiting and not re.search(rf"\.{f.name}\b", source)]
@@ -252,10 +252,9 @@ def test_offload_sections_parse_in_full_with_deepspeeds_defaults() -> None:
     ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/x"}}},
      "zero_optimization.offload_param.device: got 'nvme', but offload is not supported yet"),
     ({"zero_optimization": {"cpu_offload": True}}, "zero_optimization.cpu_offload: got True, but offload is not supported yet"),
-    ({"sequence_parallel_size": 2}, "sequence_parallel_size: got 2, but sequence parallelism is not supported yet"),
-    ({"sequence_parallel": {"size": 2}}, "sequence_parallel: got {'size': 2}, but sequence parallelism is not supported yet"),
 ])
-def test_offload_and_sequence_parallelism_are_refused_in_one_sentence(given: dict, sentence: str) -> None:
+def test_offload_is_refused_in_one_sentence(given: dict, sentence: str) -> None:
+    """(Sequence parallelism, refused here until it landed, is tests/test_sequence_parallel.py's.)"""
     assert sentence in refusal({**MB, **given})
 
 

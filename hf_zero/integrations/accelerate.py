@@ -51,6 +51,8 @@ from hf_zero.integrations.autofill import (  # noqa: F401 - MIN_AUTO_REDUCE_BUCK
     load_zero_config,
     parse_once,
 )
+from hf_zero.sequence.setup import merge_sp_size, sp_size_of
+from hf_zero.sequence.setup import wrap_loader as wrap_sequence_loader
 
 
 def launched_without_gpus() -> bool:
@@ -111,7 +113,13 @@ class Accelerator(accelerate.Accelerator):
         config = load_zero_config(zero_config)
         if config is not None and launched_without_gpus():
             kwargs["cpu"] = True
+        # Accelerate accepts sp_size only for its DeepSpeed and multi-GPU types; hf_zero's engine runs it
+        # everywhere (gloo included), so the config is attached after Accelerate's own checks.
+        sp = sp_size_of(kwargs.get("parallelism_config")) if config is not None else 1
+        pc = kwargs.pop("parallelism_config") if sp > 1 else None
         super().__init__(*args, **kwargs)
+        if pc is not None:
+            self.state.parallelism_config = pc
         self.zero_config = config
         self._zero_engines: list[ZeroEngine] = []
 
@@ -121,7 +129,7 @@ class Accelerator(accelerate.Accelerator):
                        optimizer: Any = None, scheduler: Any = None) -> dict:
         """The config the engine is built from: "auto" filled as Accelerate fills it for DeepSpeed."""
         assert self.zero_config is not None
-        cfg = copy.deepcopy(self.zero_config)
+        cfg = merge_sp_size(copy.deepcopy(self.zero_config), sp_size_of(self.parallelism_config))
         fill_bucket_autos(cfg, model)
         micro = cfg.get("train_micro_batch_size_per_gpu")
         if micro in (None, "auto"):
@@ -224,7 +232,18 @@ class Accelerator(accelerate.Accelerator):
         prepared = super().prepare(*rest) if rest else ()
         it = iter((prepared,) if len(rest) == 1 else prepared)
         out = [replaced[id(a)] if id(a) in replaced else next(it) for a in args]
+        if models:  # loaders prepared with the model yield sequence shards under SP (as Accelerate's DeepSpeed path)
+            engine = self._zero_engines[-1]
+            out = [self.deepspeed_ulysses_dl_adapter(o, engine) if isinstance(o, torch.utils.data.DataLoader) else o for o in out]
         return out[0] if len(out) == 1 else tuple(out)
+
+    def deepspeed_ulysses_dl_adapter(self, dl: Any, model: Any) -> Any:
+        """Accelerate's hook for ALST's loader (transformers' Trainer calls it): batches drawn by the ranks of a
+        sequence-parallel group are exchanged and cut into this rank's shards (:mod:`hf_zero.sequence.batch`)."""
+        engine = self._engine_of(model) or self._engine_of()
+        if engine is None:
+            return super().deepspeed_ulysses_dl_adapter(dl, model)
+        return wrap_sequence_loader(dl, getattr(engine, "sequence_parallel_groups", None), engine.module, engine.device, gather=True)
 
     def _build_engine(self, model: torch.nn.Module, optimizer: Any, dummy_sched: Any, loaders: list) -> dict[int, Any]:
         """One ZeRO engine from the model and its optimizer (or the config's sections); what replaces what."""

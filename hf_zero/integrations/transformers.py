@@ -32,6 +32,7 @@ from hf_zero.integrations.autofill import (
     optimizer_args,
     trainer_scheduler_params,
 )
+from hf_zero.sequence.setup import merge_sp_size, sp_size_of
 
 __all__ = ["Seq2SeqTrainer", "Seq2SeqTrainingArguments", "Trainer", "TrainingArguments", "fill_auto"]
 
@@ -72,8 +73,9 @@ class TrainingArguments(transformers.TrainingArguments):
                 self.use_cpu = True
         super().__post_init__()
         self.zero_config_dict = config
-        if config is not None:
-            fill_auto(config, self, world_size=int(os.environ.get("WORLD_SIZE", "1") or 1))
+        if config is not None:  # under sequence parallelism the batch multiplies by the data-parallel degree
+            sp = sp_size_of(getattr(self, "parallelism_config", None))
+            fill_auto(config, self, world_size=int(os.environ.get("WORLD_SIZE", "1") or 1) // sp)
 
     def to_dict(self) -> dict[str, Any]:
         d = super().to_dict()
@@ -107,10 +109,20 @@ class Trainer(transformers.Trainer):
         return engines[-1] if engines else None
 
     def create_accelerator_and_postprocess(self) -> None:
-        super().create_accelerator_and_postprocess()
+        pc = getattr(self.args, "parallelism_config", None)
+        sp = sp_size_of(pc) if self.zero_enabled else 1
+        if sp > 1:  # attached after Accelerate's checks, which accept sp_size only for its own DeepSpeed / multi-GPU
+            self.args.parallelism_config = None
+        try:
+            super().create_accelerator_and_postprocess()
+        finally:
+            if sp > 1:
+                self.args.parallelism_config = pc
         if not self.zero_enabled:
             return
         acc = self.accelerator
+        if sp > 1:
+            acc.state.parallelism_config = pc
         if type(acc) is not accelerate.Accelerator:
             raise UsageError(f"hf_zero's Trainer expected Accelerate's Accelerator, found {type(acc).__name__}")
         if self.is_deepspeed_enabled or self.is_fsdp_enabled:
@@ -118,9 +130,18 @@ class Trainer(transformers.Trainer):
         # The accelerator was built from all of the Trainer's arguments; it becomes hf_zero's subclass
         # (which only adds prepare/backward/clip/save behaviour) rather than being rebuilt from them.
         acc.__class__ = Accelerator
-        acc.zero_config = fill_auto(self.args.zero_config_dict, self.args, acc.num_processes)
+        acc.zero_config = merge_sp_size(fill_auto(self.args.zero_config_dict, self.args, acc.num_processes // sp), sp)
         acc._zero_engines = []
         hz_dist.register_process()  # so that, should a peer die before the engine exists, it can be named
+
+    def compute_loss(self, model: Any, inputs: dict, return_outputs: bool = False, num_items_in_batch: Any = None) -> Any:
+        """Under sequence parallelism the model's own loss is already the mean over the group's targets
+        (transformers' ALST branch would reach for DeepSpeed's process groups instead)."""
+        groups = getattr(self.engine, "sequence_parallel_groups", None) if self.zero_enabled else None
+        if groups is None or not model.training:
+            return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+        outputs = model(**inputs)
+        return (outputs.loss, outputs) if return_outputs else outputs.loss
 
     # ---------------------------------------------------------- optimizer and scheduler
 

@@ -1,0 +1,101 @@
+"""What ``initialize`` does for sequence parallelism, in one place so the engine's own files barely change.
+
+:func:`setup_model` reads the config's ``sequence_parallel`` settings, refuses what cannot be
+combined, makes the ``dp x sp`` groups and prepares the model (:func:`.model.prepare_model`).
+The engine then runs ZeRO over the whole group as usual (see :mod:`.groups` for why that is
+right); only the batch arithmetic, the sampler and the loader see the data-parallel degree.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hf_zero.sequence.batch import SequenceParallelLoader
+from hf_zero.sequence.groups import SequenceParallelError, SequenceParallelGroups, make_groups
+from hf_zero.sequence.model import LongSequenceOptions, causal_lm_of, prepare_model
+
+logger = logging.getLogger("hf_zero")
+
+
+def setup_model(model: torch.nn.Module, config: Any, group: dist.ProcessGroup | None, pipeline: bool) -> SequenceParallelGroups | None:
+    """Groups and model preparation for ``config.sequence_parallel`` (a :class:`.config.SequenceParallelConfig`).
+
+    Returns the groups when the sequence-parallel degree is above 1, else None (the tiling
+    switches may still have prepared the model).
+    """
+    sp, size = config.sequence_parallel, config.sequence_parallel_size
+    wants = size > 1 or sp.tiled_loss or sp.tiled_mlp
+    if not wants:
+        return None
+    if pipeline:
+        raise SequenceParallelError(
+            "sequence_parallel_size / the sequence_parallel section cannot be combined with a pipeline yet; train the "
+            "model unsplit (a plain transformers model) or drop the sequence-parallel keys"
+        )
+    if size > 1 and config.compile.enabled:
+        raise SequenceParallelError(
+            "compile cannot be combined with sequence parallelism yet (the all-to-alls run inside attention); set "
+            '"compile": {"enabled": false} or sequence_parallel_size to 1'
+        )
+    groups = make_groups(size, group) if size > 1 else None
+    options = LongSequenceOptions(
+        tiled_loss=sp.tiled_loss, loss_tile_tokens=sp.loss_tile_tokens, tiled_mlp=sp.tiled_mlp, mlp_tile_tokens=sp.mlp_tile_tokens,
+    )
+    done = prepare_model(model, groups, options)
+    if dist.get_rank() == 0:
+        logger.info(
+            "sequence parallelism: degree %d (data-parallel %d), attention %s, tiled loss %s, tiled MLPs %d",
+            size, groups.dp_size if groups else dist.get_world_size(group), done["attention"] or "unchanged",
+            "on" if done["fused_loss"] else "off", done["tiled_mlps"],
+        )
+    return groups
+
+
+def wrap_loader(loader: Any, groups: SequenceParallelGroups | None, model: torch.nn.Module, device: torch.device, *,
+                gather: bool = False) -> Any:
+    """The engine's (or the Trainer's) loader, yielding this rank's sequence shards; unchanged without SP.
+
+    ``device`` is where ``gather=True`` exchanges batches (the engine's device: NCCL moves GPU tensors only).
+    """
+    if groups is None or not groups.enabled:
+        return loader
+    pad = getattr(getattr(causal_lm_of(model), "config", None), "pad_token_id", None)
+    return SequenceParallelLoader(loader, groups, gather=gather, pad_token_id=int(pad or 0), device=device)
+
+
+def sp_size_of(parallelism_config: Any) -> int:
+    """The sequence-parallel degree of an Accelerate ``ParallelismConfig`` that hf_zero can run (1 without one).
+
+    hf_zero takes ``sp_size`` (with ``sp_backend="deepspeed"``, the name Accelerate and transformers
+    give ALST); the other dimensions belong to engines hf_zero replaces and are refused.
+    """
+    if parallelism_config is None:
+        return 1
+    sp = int(getattr(parallelism_config, "sp_size", None) or 1)
+    others = {k: int(getattr(parallelism_config, f"{k}_size", None) or 1) for k in ("tp", "cp", "dp_shard")}
+    given = [f"{k}_size={v}" for k, v in others.items() if v > 1]
+    if given:
+        raise SequenceParallelError(
+            f"ParallelismConfig({', '.join(given)}) asks for tensor/context/FSDP parallelism, which hf_zero does not run; "
+            "with zero_config keep sp_size (Ulysses sequence parallelism) and leave the others at 1"
+        )
+    backend = getattr(parallelism_config, "sp_backend", "deepspeed")
+    if sp > 1 and backend not in (None, "deepspeed"):
+        raise SequenceParallelError(f"ParallelismConfig(sp_backend={backend!r}): hf_zero runs sp_backend='deepspeed' (Ulysses)")
+    return sp
+
+
+def merge_sp_size(config: dict, sp: int) -> dict:
+    """``config`` with ``sequence_parallel_size`` from the ParallelismConfig (an explicit, different one is refused)."""
+    if sp <= 1:
+        return config
+    have = config.get("sequence_parallel_size")
+    if have not in (None, "auto", sp):
+        raise SequenceParallelError(
+            f"zero_config has sequence_parallel_size {have} but the ParallelismConfig has sp_size={sp}; set one of them"
+        )
+    return {**config, "sequence_parallel_size": sp}
