@@ -37,7 +37,9 @@ from hf_zero.checkpoint.atomic import write_json as _write_json
 from hf_zero.checkpoint.deepspeed_map import DS_KEYS, Plan, plan, read_share
 from hf_zero.checkpoint.deepspeed_read import DeepSpeedCheckpointError, is_deepspeed_checkpoint, load_pickle
 from hf_zero.checkpoint.format import sha256 as _sha256
+from hf_zero.checkpoint.format import to_json
 from hf_zero.checkpoint.sharded import FORMAT, LATEST, MAX_FILE_BYTES
+from hf_zero.errors import CheckpointError
 
 __all__ = ["DeepSpeedCheckpointError", "convert", "is_deepspeed_checkpoint", "load", "resume_trainer", "consolidate"]
 
@@ -51,18 +53,11 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def _jsonable(obj: Any, where: str) -> Any:
-    """Scheduler and client state as the JSON hf_zero's checkpoints hold (tensors as ``__tensor__``)."""
-    if isinstance(obj, (str, bool, int, float)) or obj is None:
-        return obj
-    if isinstance(obj, torch.Tensor):
-        return {"__tensor__": obj.tolist(), "dtype": _dtype_name(obj.dtype)}
-    if isinstance(obj, (list, tuple)):
-        return [_jsonable(v, f"{where}[{i}]") for i, v in enumerate(obj)]
-    if isinstance(obj, dict):
-        return {str(k): _jsonable(v, f"{where}.{k}") for k, v in obj.items()}
-    raise DeepSpeedCheckpointError(
-        f"{where} is of type {type(obj).__name__}, which an hf_zero checkpoint cannot store without pickle"
-    )
+    """Scheduler and client state as the JSON hf_zero's checkpoints hold (the format's own rule, format.to_json)."""
+    try:
+        return to_json(obj, where)
+    except CheckpointError as e:
+        raise DeepSpeedCheckpointError(str(e)) from None
 
 
 def _seeded_rng() -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
