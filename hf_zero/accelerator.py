@@ -16,8 +16,13 @@ import torch
 __all__ = ["get_accelerator"]
 
 
-class Accelerator:
-    """CUDA when it is available, else the CPU, behind DeepSpeed's accelerator method names."""
+class DeviceAccelerator:
+    """CUDA when it is available, else the CPU, behind DeepSpeed's accelerator method names.
+
+    DeepSpeed's own class is abstract (``DeepSpeedAccelerator``) with one subclass per backend;
+    hf_zero has two devices and one class. It is not Accelerate's ``Accelerator`` (that is
+    :class:`hf_zero.integrations.accelerate.Accelerator`): this one only answers device calls.
+    """
 
     def __init__(self, name: str) -> None:
         self._name = name
@@ -188,12 +193,12 @@ class Accelerator:
         return f"hf_zero accelerator({self._name})"
 
 
-_ACCELERATOR: Accelerator | None = None
+_ACCELERATOR: DeviceAccelerator | None = None
 
 
-def get_accelerator() -> Accelerator:
+def get_accelerator() -> DeviceAccelerator:
     """The process's accelerator: CUDA when a GPU is visible, else the CPU (decided once, as DeepSpeed does)."""
     global _ACCELERATOR
     if _ACCELERATOR is None:
-        _ACCELERATOR = Accelerator("cuda" if torch.cuda.is_available() else "cpu")
+        _ACCELERATOR = DeviceAccelerator("cuda" if torch.cuda.is_available() else "cpu")
     return _ACCELERATOR

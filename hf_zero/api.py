@@ -17,8 +17,11 @@ import torch.distributed as dist
 from hf_zero import dist as hz_dist
 from hf_zero.config import ConfigError, ZeroConfig
 from hf_zero.data import ResumableDistributedSampler
-from hf_zero.engine import UsageError, ZeroEngine
+from hf_zero.engine import ZeroEngine
+from hf_zero.errors import UsageError
 from hf_zero.optim import build_optimizer, build_scheduler
+from hf_zero.pipe.engine import PipelineEngine
+from hf_zero.pipe.module import PipelineModule
 from hf_zero.sequence.groups import SequenceParallelGroups
 from hf_zero.sequence.setup import setup_model as setup_sequence_parallel
 from hf_zero.sequence.setup import wrap_loader as wrap_sequence_loader
@@ -123,6 +126,51 @@ def _make_dataloader(training_data: Any, collate_fn: Callable | None, cfg: ZeroC
     )
 
 
+def _optimizer(optimizer: Any, cfg: ZeroConfig, groups: Any) -> torch.optim.Optimizer | None:
+    """The torch optimizer: the one given, one a given callable builds, or the config's (never two of them)."""
+    if optimizer is not None and cfg.optimizer is not None:
+        raise UsageError(
+            "initialize() got an optimizer and the config names one too (optimizer.type); keep only one of them"
+        )
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return optimizer
+    if optimizer is not None:
+        if not callable(optimizer):
+            raise UsageError(
+                f"initialize(optimizer=...) expects a torch.optim.Optimizer or a callable taking parameters, got {type(optimizer).__name__}"
+            )
+        built = optimizer(groups)
+        if not isinstance(built, torch.optim.Optimizer):
+            raise UsageError(
+                f"initialize(optimizer=callable) must return a torch.optim.Optimizer, it returned {type(built).__name__}"
+            )
+        return built
+    if cfg.optimizer is not None:
+        return build_optimizer(cfg.optimizer.type, cfg.optimizer.params, groups)
+    return None
+
+
+def _scheduler(lr_scheduler: Any, cfg: ZeroConfig, torch_opt: torch.optim.Optimizer | None) -> Any:
+    """The LR scheduler: the one given, one a given callable builds on the optimizer, or the config's (never two)."""
+    if lr_scheduler is not None and cfg.scheduler is not None:
+        raise UsageError("initialize() got an lr_scheduler and the config names one too (scheduler.type); keep only one")
+    if lr_scheduler is not None:
+        if hasattr(lr_scheduler, "step") and not isinstance(lr_scheduler, type):
+            return lr_scheduler
+        if callable(lr_scheduler):
+            if torch_opt is None:
+                raise UsageError("initialize(lr_scheduler=callable) needs an optimizer to build the scheduler on")
+            return lr_scheduler(torch_opt)
+        raise UsageError(
+            f"initialize(lr_scheduler=...) expects a scheduler or a callable taking the optimizer, got {type(lr_scheduler).__name__}"
+        )
+    if cfg.scheduler is not None:
+        if torch_opt is None:
+            raise ConfigError("scheduler: a scheduler needs an optimizer; add an optimizer section to the config")
+        return build_scheduler(cfg.scheduler.type, cfg.scheduler.params, torch_opt)
+    return None
+
+
 def initialize(
     args: argparse.Namespace | None = None,
     model: torch.nn.Module | None = None,
@@ -147,39 +195,14 @@ def initialize(
         raise UsageError(f"initialize(model=...) got a {type(model).__name__} with no parameters; there is nothing to train")
     cfg = ZeroConfig.load(_config_from(args, config, config_params))
     hz_dist.init_distributed(distributed_port=distributed_port)
-    from hf_zero.pipe.module import PipelineModule
-
     pipeline = isinstance(model, PipelineModule)
     # A pipeline's batch sizes, optimizer shards and data loader are per data-parallel replica of its stage.
     group = model.dp_group if pipeline else None
     sp = setup_sequence_parallel(model, cfg, group, pipeline)  # None unless sequence_parallel_size > 1
     _resolve_batch_sizes_on_every_rank(cfg, group, sp.dp_size if sp else None)
 
-    groups = _param_groups(model, model_parameters)
-    if optimizer is not None and cfg.optimizer is not None:
-        raise UsageError(
-            "initialize() got an optimizer and the config names one too (optimizer.type); keep only one of them"
-        )
-    if isinstance(optimizer, torch.optim.Optimizer):
-        torch_opt = optimizer
-    elif optimizer is not None:
-        if not callable(optimizer):
-            raise UsageError(
-                f"initialize(optimizer=...) expects a torch.optim.Optimizer or a callable taking parameters, got {type(optimizer).__name__}"
-            )
-        torch_opt = optimizer(groups)
-        if not isinstance(torch_opt, torch.optim.Optimizer):
-            raise UsageError(
-                f"initialize(optimizer=callable) must return a torch.optim.Optimizer, it returned {type(torch_opt).__name__}"
-            )
-    elif cfg.optimizer is not None:
-        torch_opt = build_optimizer(cfg.optimizer.type, cfg.optimizer.params, groups)
-    else:
-        torch_opt = None
-
+    torch_opt = _optimizer(optimizer, cfg, _param_groups(model, model_parameters))
     if pipeline:
-        from hf_zero.pipe.engine import PipelineEngine
-
         engine = PipelineEngine(model, cfg, torch_opt)  # a ZeroEngine over the stage, group = its data-parallel group
     else:
         engine = ZeroEngine(model, cfg, torch_opt, group=group)  # ZeRO over all ranks, sp ones included
@@ -187,24 +210,7 @@ def initialize(
     if sp is not None:
         engine.dp_world_size = sp.dp_size
 
-    sched = None
-    if lr_scheduler is not None and cfg.scheduler is not None:
-        raise UsageError("initialize() got an lr_scheduler and the config names one too (scheduler.type); keep only one")
-    if lr_scheduler is not None:
-        if hasattr(lr_scheduler, "step") and not isinstance(lr_scheduler, type):
-            sched = lr_scheduler
-        elif callable(lr_scheduler):
-            if torch_opt is None:
-                raise UsageError("initialize(lr_scheduler=callable) needs an optimizer to build the scheduler on")
-            sched = lr_scheduler(torch_opt)
-        else:
-            raise UsageError(
-                f"initialize(lr_scheduler=...) expects a scheduler or a callable taking the optimizer, got {type(lr_scheduler).__name__}"
-            )
-    elif cfg.scheduler is not None:
-        if torch_opt is None:
-            raise ConfigError("scheduler: a scheduler needs an optimizer; add an optimizer section to the config")
-        sched = build_scheduler(cfg.scheduler.type, cfg.scheduler.params, torch_opt)
+    sched = _scheduler(lr_scheduler, cfg, torch_opt)
     engine.lr_scheduler = sched
 
     loader = _make_dataloader(training_data, collate_fn, cfg, group, sp) if training_data is not None else None

@@ -1,4 +1,9 @@
-"""``deepspeed.checkpointing`` under hf_zero: activation checkpointing called from the user's model code.
+"""Activation checkpointing (recomputing activations in backward), at DeepSpeed's path ``deepspeed.checkpointing``.
+
+Not to be confused with resume checkpoints (:mod:`hf_zero.checkpoint`): this module trades
+compute for activation memory. Two ways in: the engine's ``"activation_checkpointing":
+{"checkpoint_blocks": true}`` (:func:`checkpoint_blocks`, no model code touched), and DeepSpeed's
+API called from the user's model code (:func:`checkpoint`, :func:`configure`).
 
 Megatron-style models call ``deepspeed.checkpointing.checkpoint(block, hidden, mask)`` inside
 their forward to recompute a block in backward instead of storing its activations, after
@@ -10,6 +15,7 @@ and ``synchronize_checkpoint_boundary`` synchronizes the device around each chec
 ``partition_activations`` splits checkpoints across model-parallel ranks, of which hf_zero has
 none, so there is nothing to split. For whole transformers blocks without touching model code,
 ``"activation_checkpointing": {"checkpoint_blocks": true}`` in the engine config does the same.
+A pipeline's ``activation_checkpoint_interval`` is :class:`hf_zero.pipe.PipelineModule`'s.
 """
 
 from __future__ import annotations
@@ -22,9 +28,10 @@ from typing import Any
 
 import torch
 
-from hf_zero.engine import UsageError
+from hf_zero.errors import UsageError
+from hf_zero.zero.stage3 import find_units
 
-__all__ = ["checkpoint", "non_reentrant_checkpoint", "configure", "is_configured", "reset"]
+__all__ = ["checkpoint", "checkpoint_blocks", "non_reentrant_checkpoint", "configure", "is_configured", "reset"]
 
 logger = logging.getLogger("hf_zero")
 
@@ -105,6 +112,32 @@ def checkpoint(function: Callable, *args: Any) -> Any:
 
 
 non_reentrant_checkpoint = checkpoint
+
+
+def checkpoint_blocks(module: torch.nn.Module, offload: bool = False) -> int:
+    """Recompute each block's forward in backward instead of keeping its activations; returns how many blocks.
+
+    The blocks are stage 3's units (a transformers model's decoder layers). Each block's
+    ``forward`` (not its ``__call__``) is wrapped, so stage 3's hooks run once per call as usual
+    and the recomputation happens while backward has the block gathered; non-reentrant
+    ``torch.utils.checkpoint``, so the numbers are unchanged. ``offload`` (DeepSpeed's
+    ``cpu_checkpointing``) keeps the block input saved for the recomputation in host memory.
+    """
+    from hf_zero.sequence.tiling import checkpoint_offloaded
+
+    blocks = [block for _, block in find_units(module)]
+    for block in blocks:
+        inner = block.forward
+
+        def forward(*args: Any, _inner: Any = inner, _block: torch.nn.Module = block, **kwargs: Any) -> Any:
+            if _block.training and torch.is_grad_enabled():
+                if offload:
+                    return checkpoint_offloaded(_inner, *args, **kwargs)
+                return torch.utils.checkpoint.checkpoint(_inner, *args, use_reentrant=False, **kwargs)
+            return _inner(*args, **kwargs)
+
+        block.forward = forward
+    return len(blocks)
 
 
 def __getattr__(name: str) -> Any:

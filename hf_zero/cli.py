@@ -1,7 +1,7 @@
 """The ``hf-zero`` command: ``launch`` (DeepSpeed's launcher flags, run by torchrun), ``estimate``,
 ``consolidate``, and ``push`` / ``pull`` (the Hugging Face Hub, through :mod:`hf_zero.hub`).
 
-``hf-zero launch`` is a translation, not a launcher (DESIGN.md rule 8): it maps DeepSpeed's
+``hf-zero launch`` is a translation, not a launcher of its own: it maps DeepSpeed's
 flags one to one onto ``torch.distributed.run`` and then *becomes* that process (``exec``), so
 torchrun's exit code, signal handling and restarts are exactly torchrun's. The command it runs
 is printed on one line to stderr, so the mapping is never hidden.
@@ -22,6 +22,8 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from hf_zero.errors import LaunchError
+
 DEFAULT_MASTER_PORT = 29500  # DeepSpeed's (and torch's) default rendezvous port
 
 # DeepSpeed flags that only make sense when one node starts all others over ssh.
@@ -39,10 +41,6 @@ _UNSUPPORTED_FLAGS = (
     "comment",
     "account",
 )
-
-
-class LaunchError(ValueError):
-    """A launch that cannot be translated into a torchrun command; the message is one sentence."""
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from hf_zero.zero.params import find_units
+from hf_zero.zero.stage3 import find_units
 
 
 def compile_blocks(module: torch.nn.Module, backend: str | Any = "inductor", kwargs: Mapping[str, Any] | None = None) -> int:

@@ -33,10 +33,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-
-class ConfigError(ValueError):
-    """A DeepSpeed config that cannot be run: one sentence with the JSON path, the value and what is allowed."""
-
+from hf_zero.errors import ConfigError  # noqa: F401 - its old path: config.py and config_values.py import it from here
 
 AUTO = "auto"
 SWITCH = "<a section with an 'enabled' flag>"

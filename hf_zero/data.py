@@ -1,8 +1,8 @@
-"""The data-parallel sampler the engine's loader uses, with a position a checkpoint can restore."""
+"""Batches: the data-parallel sampler the engine's loader uses (with a position a checkpoint can restore), and moving a batch to the device."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -53,3 +53,22 @@ class ResumableDistributedSampler(torch.utils.data.DistributedSampler):
             )
         self._start = consumed // self.num_replicas
         self.consumed = self._start
+
+
+def to_device(obj: Any, device: torch.device, float_dtype: torch.dtype | None) -> Any:
+    """A batch on ``device``: tensors nested in tuples, named tuples, lists and mappings moved (floats cast to ``float_dtype`` if given)."""
+    if torch.is_tensor(obj):
+        if float_dtype is not None and obj.is_floating_point() and obj.dtype != float_dtype:
+            return obj.to(device=device, dtype=float_dtype, non_blocking=True)
+        return obj.to(device, non_blocking=True) if obj.device != device else obj
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*(to_device(v, device, float_dtype) for v in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_device(v, device, float_dtype) for v in obj)
+    if isinstance(obj, Mapping):
+        moved = {k: to_device(v, device, float_dtype) for k, v in obj.items()}
+        try:
+            return type(obj)(moved)
+        except Exception:
+            return moved
+    return obj

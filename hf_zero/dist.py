@@ -20,6 +20,8 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
+from hf_zero.errors import PeerFailureError
+
 
 def _env_int(name: str, default: int) -> int:
     value = os.environ.get(name)
@@ -191,10 +193,6 @@ def get_world_size(group: dist.ProcessGroup | None = None) -> int:
     return dist.get_world_size(group) if dist.is_initialized() else 1
 
 
-def is_main_process() -> bool:
-    return get_rank() == 0
-
-
 def gather_ints(values: list[int], group: dist.ProcessGroup | None = None) -> list[list[int]]:
     """Every rank's ``values`` (same length on each), as a list indexed by rank; no pickle involved."""
     world = get_world_size(group)
@@ -240,10 +238,6 @@ _COMM_FAILURE = re.compile(
     re.I,
 )
 _registered: set[int] = set()
-
-
-class PeerFailureError(RuntimeError):
-    """A collective failed because another rank died, hung, or dropped its connection."""
 
 
 def _store() -> dist.Store | None:
@@ -375,7 +369,7 @@ def _let_the_launcher_see_it_first(sentence: str) -> None:
     """
     if "TORCHELASTIC_RUN_ID" not in os.environ:
         return
-    print(f"[rank{get_rank()}]: hf_zero.dist.PeerFailureError: {sentence}", file=sys.stderr, flush=True)
+    print(f"[rank{get_rank()}]: hf_zero.errors.PeerFailureError: {sentence}", file=sys.stderr, flush=True)
     time.sleep(LAUNCHER_GRACE_S)
 
 

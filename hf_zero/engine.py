@@ -11,18 +11,22 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from hf_zero import dist as hz_dist
+from hf_zero.checkpoint.ranks import CheckpointLayout
+from hf_zero.checkpointing import checkpoint_blocks
 from hf_zero.config import ZeroConfig
-from hf_zero.precision import LossScaler, NonFiniteLossError, reduce_dtype
-from hf_zero.zero import collectives as C
+from hf_zero.data import to_device
+from hf_zero.errors import UsageError
+from hf_zero.module_setup import broadcast_module, cast_frozen_params, check_presharded, move_to_device
+from hf_zero.precision import LossScaler, reduce_dtype
+from hf_zero.step import NormScope, StepPolicy
 from hf_zero.zero.partition import ShardedOptimizer
-from hf_zero.zero.preshard import is_presharded, materialize_
 
 logger = logging.getLogger("hf_zero")
 
@@ -36,35 +40,17 @@ def _ensure_log_handler() -> None:
         logger.setLevel(logging.INFO)
 
 
-class UsageError(ValueError):
-    """The engine's API was called in a way that cannot mean anything."""
-
-
-def _to_device(obj: Any, device: torch.device, float_dtype: torch.dtype | None) -> Any:
-    """Move tensors (nested in tuples, lists and mappings) to ``device``; cast floats if asked."""
-    if torch.is_tensor(obj):
-        if float_dtype is not None and obj.is_floating_point() and obj.dtype != float_dtype:
-            return obj.to(device=device, dtype=float_dtype, non_blocking=True)
-        return obj.to(device, non_blocking=True) if obj.device != device else obj
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*(_to_device(v, device, float_dtype) for v in obj))
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_device(v, device, float_dtype) for v in obj)
-    if isinstance(obj, Mapping):
-        moved = {k: _to_device(v, device, float_dtype) for k, v in obj.items()}
-        try:
-            return type(obj)(moved)
-        except Exception:
-            return moved
-    return obj
-
-
 def _shape_of(x: Any) -> str:
     return f"a tensor of shape {tuple(x.shape)}" if torch.is_tensor(x) else f"a {type(x).__name__}"
 
 
 class ZeroEngine(torch.nn.Module):
-    """Training engine for ZeRO stages 0-2 with DeepSpeed's method names and semantics."""
+    """Training engine for ZeRO stages 0-3 with DeepSpeed's method names and semantics.
+
+    The stages are policies of one ``ShardedOptimizer`` (``hf_zero/zero/partition.py``) over shard
+    groups; one step policy (``hf_zero/step.py``) decides each optimizer step; checkpoints are
+    ``hf_zero/checkpoint``'s. A ``PipelineEngine`` is this engine over one pipeline stage.
+    """
 
     def __init__(
         self,
@@ -93,39 +79,30 @@ class ZeroEngine(torch.nn.Module):
         self._step_applied = False
         self._no_sync = False
         self._boundary_override: bool | None = None
-        self._built_presharded = False
-        self._clip_override: float | None = None
-        self._norm_stats: tuple[torch.Tensor, torch.Tensor] | None = None  # computed early by current_grad_norm
         self._compiled = False
 
         stage = config.zero_optimization.stage
         hz_dist.register_process()  # so that, should a peer die, the survivors can name it
-        self._check_presharded(model, stage, optimizer)
-        self._move_to_device()
-        self._broadcast_module()
+        # A zero.Init model stays as slices only where stage 3 with an optimizer lays out its shards.
+        built_presharded = check_presharded(model, self.world_size, self.device, gather=stage != 3 or optimizer is None)
+        move_to_device(model, self.device)
+        broadcast_module(model, group)
         self.loss_scaler = LossScaler(config.fp16) if config.fp16.enabled else None
-        self.zero_optimizer: ShardedOptimizer | None = None
-        if optimizer is not None:
-            bucket = int(config.zero_optimization.reduce_bucket_size)
-            self.zero_optimizer = ShardedOptimizer(
-                model,
-                optimizer,
-                stage=stage,
-                compute_dtype=self.compute_dtype,
-                reduce_dtype=reduce_dtype(config),
-                bucket_numel=max(1, bucket),
-                group=group,
-                device=self.device,
-                persistence_threshold=int(config.zero_optimization.stage3_param_persistence_threshold),
-                prefetch_numel=int(config.zero_optimization.stage3_prefetch_bucket_size),
-                max_live_numel=int(config.zero_optimization.stage3_max_live_parameters),
-            )
-        self._cast_remaining_params()
+        # Clip, loss scale, the non-finite rule and the global norm (over this engine's group; a
+        # pipeline widens the scope to its stages): one policy for every engine (hf_zero/step.py).
+        self.step_policy = StepPolicy(
+            scaler=self.loss_scaler, nonfinite=config.nonfinite_loss, device=self.device,
+            scope=NormScope(group, self.world_size, replicas=self.world_size),
+        )
+        self.zero_optimizer = self._sharded_optimizer(optimizer) if optimizer is not None else None
+        cast_frozen_params(model, self.compute_dtype)
         if config.compile.enabled:  # before checkpointing, so the recomputation runs the compiled blocks too
             self.compile(config.compile.backend, config.compile.kwargs)
         if config.activation_checkpointing.get("checkpoint_blocks", False):
-            self._checkpoint_blocks()
-        if self._built_presharded and self.device.type == "cuda":
+            self._no_kv_cache_in_training("activation_checkpointing.checkpoint_blocks")
+            # DeepSpeed's cpu_checkpointing: the block input kept for the recomputation waits in host memory
+            checkpoint_blocks(self.module, offload=bool(config.activation_checkpointing.get("cpu_checkpointing", False)))
+        if built_presharded and self.device.type == "cuda":
             # The zero.Init slices were freed while the shards were laid out around them; hand those
             # blocks back so training's allocations start from unfragmented memory.
             torch.cuda.empty_cache()
@@ -134,6 +111,16 @@ class ZeroEngine(torch.nn.Module):
         self.lr_scheduler = lr_scheduler
 
     # ------------------------------------------------------------- setup
+
+    def _sharded_optimizer(self, optimizer: torch.optim.Optimizer) -> ShardedOptimizer:
+        """The ZeRO stage of the config over ``optimizer``, sharded over this engine's group; every knob from the config."""
+        zc = self.config.zero_optimization
+        return ShardedOptimizer(
+            self.module, optimizer, stage=zc.stage, compute_dtype=self.compute_dtype,
+            reduce_dtype=reduce_dtype(self.config), bucket_numel=max(1, int(zc.reduce_bucket_size)), group=self.group,
+            device=self.device, persistence_threshold=int(zc.stage3_param_persistence_threshold),
+            prefetch_numel=int(zc.stage3_prefetch_bucket_size), max_live_numel=int(zc.stage3_max_live_parameters),
+        )
 
     def compile(self, backend: str | Any = "inductor", compile_kwargs: dict | None = None) -> None:
         """DeepSpeed's ``engine.compile``: ``torch.compile`` each block of the model (see :mod:`hf_zero.compile`).
@@ -167,87 +154,6 @@ class ZeroEngine(torch.nn.Module):
         if getattr(mc, "use_cache", False):
             logger.info("%s: setting the model's config.use_cache to False", why)
             mc.use_cache = False
-
-    def _checkpoint_blocks(self) -> None:
-        """Recompute each block's forward in backward instead of keeping its activations.
-
-        The block's ``forward`` (not its ``__call__``) is wrapped, so stage 3's hooks run once per
-        call as usual and the recomputation happens while backward has the block gathered.
-        """
-        from torch.utils.checkpoint import checkpoint
-
-        from hf_zero.sequence.tiling import checkpoint_offloaded
-        from hf_zero.zero.params import find_units
-
-        # DeepSpeed's cpu_checkpointing: the block input kept for the recomputation waits in host memory
-        offload = bool(self.config.activation_checkpointing.get("cpu_checkpointing", False))
-        self._no_kv_cache_in_training("activation_checkpointing.checkpoint_blocks")
-        for _, block in find_units(self.module):
-            inner = block.forward
-
-            def forward(*args: Any, _inner: Any = inner, _block: torch.nn.Module = block, **kwargs: Any) -> Any:
-                if _block.training and torch.is_grad_enabled():
-                    if offload:
-                        return checkpoint_offloaded(_inner, *args, **kwargs)
-                    return checkpoint(_inner, *args, use_reentrant=False, **kwargs)
-                return _inner(*args, **kwargs)
-
-            block.forward = forward
-
-    def _check_presharded(self, model: torch.nn.Module, stage: int, optimizer: torch.optim.Optimizer | None) -> None:
-        """A model built under ``zero.Init`` must be trained on the ranks that built it.
-
-        Stages 0-2 and engines without an optimizer need whole parameters: they are gathered here.
-        """
-        pre = [p for p in model.parameters() if is_presharded(p)]
-        self._built_presharded = bool(pre)
-        if not pre:
-            return
-        built = pre[0].hf_zero_preshard.world_size
-        if built != self.world_size:
-            raise UsageError(
-                f"the model was built under hf_zero.zero.Init on {built} ranks but the engine runs on "
-                f"{self.world_size}; build it with the same data-parallel group as initialize()"
-            )
-        if stage != 3 or optimizer is None:
-            materialize_(pre, self.device)
-
-    def _move_to_device(self) -> None:
-        """``module.to(device)``, leaving parameters that only exist as ``zero.Init`` slices alone."""
-        if not any(is_presharded(p) for p in self.module.parameters()):
-            self.module.to(self.device)
-            return
-        with torch.no_grad():
-            for m in self.module.modules():
-                for p in m._parameters.values():
-                    if p is not None and not is_presharded(p) and p.device != self.device:
-                        p.data = p.data.to(self.device)
-                for key, b in m._buffers.items():
-                    if b is not None and b.device != self.device:
-                        m._buffers[key] = b.to(self.device)
-
-    def _broadcast_module(self) -> None:
-        """Start every rank from rank 0's weights and buffers, as DeepSpeed does.
-
-        ``zero.Init`` slices are consistent by construction (cut from rank 0's values or read from
-        the same files) and are not broadcast.
-        """
-        if self.world_size == 1:
-            return
-        src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
-        with torch.no_grad():
-            for t in list(self.module.parameters()) + list(self.module.buffers()):
-                if not is_presharded(t):
-                    C.broadcast_(t.data, src, self.group, self.world_size)
-
-    def _cast_remaining_params(self) -> None:
-        """Frozen floating parameters follow the compute dtype too (trainable ones already do)."""
-        if self.compute_dtype == torch.float32:
-            return
-        with torch.no_grad():
-            for p in self.module.parameters():
-                if p.is_floating_point() and p.dtype != self.compute_dtype:
-                    p.data = p.data.to(self.compute_dtype)
 
     # ----------------------------------------------------- DeepSpeed API
 
@@ -326,9 +232,8 @@ class ZeroEngine(torch.nn.Module):
 
     def empty_partition_cache(self) -> None:
         """Stage 3: release the blocks that no-grad forwards (evaluation, ``generate``) left gathered."""
-        zo = self.zero_optimizer
-        if zo is not None and zo.runtime is not None:
-            zo.runtime.release_inference()
+        if self.zero_optimizer is not None:
+            self.zero_optimizer.release_inference()
 
     def get_global_grad_norm(self) -> float | None:
         """Norm of the averaged gradients before clipping, at the last applied step."""
@@ -336,16 +241,14 @@ class ZeroEngine(torch.nn.Module):
 
     def set_clip_for_next_step(self, max_norm: float) -> None:
         """Clip the next applied step at ``max_norm`` (how Accelerate's ``clip_grad_norm_`` reaches the engine)."""
-        self._clip_override = max_norm
+        self.step_policy.clip_next_step(max_norm)
 
     def current_grad_norm(self) -> torch.Tensor | None:
         """Global L2 norm of the reduced, unscaled gradients now (between the boundary backward and step)."""
         zo = self.zero_optimizer
         if zo is None or not zo.reduced or not self.is_gradient_accumulation_boundary():
             return None  # (stage 2 has reduced the micro-steps so far, but the step's gradient is not whole)
-        if self._norm_stats is None:  # the step reuses it: one norm, one all-reduce per step
-            self._norm_stats = zo.grad_norm_and_overflow(need_overflow=self.loss_scaler is not None)
-        return self._norm_stats[0] / (self.loss_scaler.scale if self.loss_scaler is not None else 1.0)
+        return self.step_policy.grad_norm(zo)  # the step reuses it: one norm, one all-reduce per step
 
     def was_step_applied(self) -> bool:
         return self._step_applied
@@ -354,8 +257,8 @@ class ZeroEngine(torch.nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         cast = self.compute_dtype if self.compute_dtype != torch.float32 else None
-        args = _to_device(args, self.device, cast)
-        kwargs = _to_device(kwargs, self.device, cast)
+        args = to_device(args, self.device, cast)
+        kwargs = to_device(kwargs, self.device, cast)
         if self.world_size == 1:
             return self.module(*args, **kwargs)
         with hz_dist.peer_failure_guard("forward"):  # stage 3 gathers parameters here
@@ -381,11 +284,7 @@ class ZeroEngine(torch.nn.Module):
             )
         if self.zero_optimizer is None:
             raise UsageError("engine.backward() needs an optimizer; give one in the config or to initialize()")
-        scaled = loss.float()
-        if scale_wrt_gas and self.gradient_accumulation_steps() > 1:
-            scaled = scaled / self.gradient_accumulation_steps()
-        if self.loss_scaler is not None:
-            scaled = scaled * self.loss_scaler.scale
+        scaled = self.step_policy.scale_loss(loss, self.gradient_accumulation_steps() if scale_wrt_gas else 1)
         zo = self.zero_optimizer
         sync = not self._no_sync and (self.is_gradient_accumulation_boundary() or zo.reduces_every_micro_step)
         zo.prepare_backward(sync)
@@ -411,6 +310,14 @@ class ZeroEngine(torch.nn.Module):
         self._boundary_override = None
 
     def _take_model_step(self) -> None:
+        """The optimizer step of an accumulation boundary: the step policy decides, the engine counts.
+
+        The policy (:class:`hf_zero.step.StepPolicy`) takes the global norm, applies the fp16
+        overflow / non-finite rule, unscales and clips the gradient shards, steps the masters and
+        publishes the new weights. Here the outcome is counted: an applied step moves the LR
+        scheduler and ``global_steps``; a skipped one drops the gradients and counts in
+        ``skipped_steps`` too. Every rank reaches the same verdict (the norm is global).
+        """
         zo = self.zero_optimizer
         assert zo is not None
         if not zo.reduced:
@@ -418,72 +325,26 @@ class ZeroEngine(torch.nn.Module):
                 "engine.step() reached an accumulation boundary but the gradients were never reduced across "
                 "ranks (every backward ran inside engine.no_sync()); run the boundary's backward outside no_sync()"
             )
-        scaler = self.loss_scaler
-        stats, self._norm_stats = self._norm_stats, None
-        clip = self._clip_override if self._clip_override is not None else self.gradient_clipping()
-        if stats is None and scaler is None and clip <= 0 and self.config.nonfinite_loss == "off":
-            # Nothing reads the norm: skip its pass over every gradient shard (as plain torch
-            # does without clipping); get_global_grad_norm() is then None for this step.
-            self._clip_override = None
-            self._global_grad_norm = None
-            self._apply_step(zo, 1.0, None, 1.0)
+        result = self.step_policy.step(zo, clip=self.gradient_clipping(), step=self.global_steps,
+                                       skipped=self.skipped_steps)
+        zo.zero_grad()
+        self.global_steps += 1
+        if not result.applied:
+            self.skipped_steps += 1
+            logger.warning("step %d: %s", self.global_steps - 1, result.reason)
             return
-        norm, bad = stats if stats is not None else zo.grad_norm_and_overflow(need_overflow=scaler is not None)
-        scale = scaler.scale if scaler is not None else 1.0
-        if scaler is not None and bool(bad > 0):  # fp16 needs this one host sync per step
-            scaler.update(True)  # raises once the scale is already at min_loss_scale
-            self._skip_step(f"fp16 gradient overflow, step skipped; loss scale now {scaler.scale:g}")
-            return
-        if scaler is None and self.config.nonfinite_loss != "off" and not bool(torch.isfinite(norm)):
-            # bf16/fp32: one host sync per optimizer step (fp16 already has one, above). The global
-            # norm is the same number on every rank, so every rank reaches the same verdict.
-            if self.config.nonfinite_loss == "stop":
-                raise NonFiniteLossError(
-                    f"step {self.global_steps}: the loss or gradients are not finite (global gradient norm "
-                    f"{float(norm)}); stopping before the optimizer touched anything, as \"nonfinite_loss\" is "
-                    '"stop" (set it to "skip" to skip such steps instead)'
-                )
-            self._skip_step(
-                f"the loss or gradients are not finite (global gradient norm {float(norm)}); step skipped, weights "
-                f"and optimizer state unchanged ({self.skipped_steps + 1} skipped so far; \"nonfinite_loss\": \"stop\" "
-                "stops instead)"
-            )
-            return
-        norm = norm / scale
-        self._global_grad_norm = norm
-        coef: torch.Tensor | float = 1.0 / scale
-        self._clip_override = None
-        if clip > 0:
-            coef = (clip / (norm + 1e-6)).clamp(max=1.0) / scale
-        self._apply_step(zo, coef, scaler, scale)
-
-    def _apply_step(self, zo: Any, coef: torch.Tensor | float, scaler: Any, scale: float) -> None:
-        """Unscale/clip, step the optimizer on the shards, publish the weights, and count the step."""
-        zo.scale_grads(coef)
-        zo.step_and_publish()
-        if scaler is not None:
-            scaler.update(False)
+        self._global_grad_norm = result.norm
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
-        zo.zero_grad()
         self._step_applied = True
-        self.global_steps += 1
         if self.global_rank == 0 and self.config.steps_per_print and self.global_steps % self.config.steps_per_print == 0:
             lrs = ", ".join(f"{lr:.3e}" for lr in self.get_lr())
-            extra = f", loss_scale={scale:g}" if scaler is not None else ""
+            extra = f", loss_scale={result.loss_scale:g}" if self.loss_scaler is not None else ""
             logger.info("step=%d, skipped=%d, lr=[%s]%s", self.global_steps, self.skipped_steps, lrs, extra)
 
-    def _skip_step(self, why: str) -> None:
-        """A step whose gradients cannot be applied (fp16 overflow, or inf/nan): count it, drop the gradients."""
-        assert self.zero_optimizer is not None
-        self._clip_override = None
-        self.zero_optimizer.zero_grad()
-        self.skipped_steps += 1
-        logger.warning("step %d: %s", self.global_steps, why)
-        self.global_steps += 1
-
     def zero_grad(self) -> None:
-        self._norm_stats = None
+        """Drop the gradients (and a norm computed from them); the step does this itself."""
+        self.step_policy.forget()
         if self.zero_optimizer is not None:
             self.zero_optimizer.zero_grad()
 
@@ -495,12 +356,12 @@ class ZeroEngine(torch.nn.Module):
     ) -> str:
         """Write a resume checkpoint (every rank calls this); ``tag`` defaults to ``global_step<N>``.
 
-        The checkpoint loads at any world size and ZeRO stage; see :mod:`hf_zero.checkpoint.sharded`.
+        The checkpoint loads at any world size and ZeRO stage; its format is :mod:`hf_zero.checkpoint.format`.
         ``keep_last=N`` (default: the config's ``checkpoint.keep_last``; None keeps all) deletes
         all but the N newest checkpoints in ``save_dir`` once this one is complete and ``latest``
         points at it; the one ``latest`` names is never deleted.
         """
-        from hf_zero.checkpoint import sharded
+        from hf_zero.checkpoint.save import save
 
         if exclude_frozen_parameters:
             raise UsageError("save_checkpoint(exclude_frozen_parameters=True) is not supported yet; leave it False")
@@ -509,7 +370,7 @@ class ZeroEngine(torch.nn.Module):
         if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
             raise UsageError(f"save_checkpoint(keep_last=...): got {keep_last!r}, expected an integer >= 1 (or None to keep all)")
         with hz_dist.peer_failure_guard("save_checkpoint"):
-            return sharded.save(self, save_dir, tag, client_state, save_latest=save_latest, keep_last=keep_last)
+            return save(self, save_dir, tag, client_state, save_latest=save_latest, keep_last=keep_last)
 
     def load_checkpoint(
         self,
@@ -527,7 +388,7 @@ class ZeroEngine(torch.nn.Module):
         (``checkpoint/deepspeed.py``). Returns ``(path, client_state)`` as DeepSpeed does.
         """
         from hf_zero.checkpoint import deepspeed as ds_checkpoint
-        from hf_zero.checkpoint import sharded
+        from hf_zero.checkpoint.load import load
 
         if not load_module_strict:
             raise UsageError("load_checkpoint(load_module_strict=False) is not supported yet; the model must match the checkpoint")
@@ -539,10 +400,14 @@ class ZeroEngine(torch.nn.Module):
                     self, load_dir, tag, load_optimizer_states=load_optimizer_states,
                     load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
                 )
-            return sharded.load(
+            return load(
                 self, load_dir, tag, load_optimizer_states=load_optimizer_states,
                 load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
             )
+
+    def checkpoint_layout(self) -> CheckpointLayout:
+        """Which ranks write a checkpoint of this engine together: its data-parallel group, each rank the whole model."""
+        return CheckpointLayout.data_parallel(self.group)
 
     def save_pretrained(
         self, save_directory: str, max_shard_size: int | str = "5GB", dtype: torch.dtype | None = None

@@ -30,6 +30,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from importlib import resources
 from typing import Any
 
+from hf_zero.errors import HubError
+
 # Glob patterns (relative to the pushed folder; ``huggingface_hub`` matches them with fnmatch, whose
 # ``*`` also crosses ``/``) for resume state, left out of uploads unless include_resume_state=True.
 RESUME_STATE_PATTERNS: tuple[str, ...] = (
@@ -56,10 +58,6 @@ _HEADS: tuple[tuple[str, str, str], ...] = (
     ("ForQuestionAnswering", "AutoModelForQuestionAnswering", "question-answering"),
     ("ForMaskedLM", "AutoModelForMaskedLM", "fill-mask"),
 )
-
-
-class HubError(RuntimeError):
-    """A push or pull that cannot be done as asked; the message is one sentence, fit for a terminal."""
 
 
 # ------------------------------------------------------------------------ model card

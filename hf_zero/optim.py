@@ -28,14 +28,11 @@ from typing import Any
 import torch
 from torch.optim.lr_scheduler import LRScheduler
 
-from hf_zero.config_schema import SUPPORTED_OPTIMIZERS, SUPPORTED_SCHEDULERS, ConfigError
+from hf_zero.config_schema import SUPPORTED_OPTIMIZERS, SUPPORTED_SCHEDULERS
+from hf_zero.errors import OptimizerConfigError
 
 __all__ = ["SUPPORTED_OPTIMIZERS", "SUPPORTED_SCHEDULERS", "OptimizerConfigError", "WarmupCosineLR", "WarmupDecayLR",
            "WarmupLR", "build_optimizer", "build_scheduler"]
-
-
-class OptimizerConfigError(ConfigError):
-    """A bad ``optimizer`` or ``scheduler`` section; the message starts with its JSON path."""
 
 
 # ------------------------------------------------------------------ checks (one sentence each)

@@ -17,14 +17,22 @@ from typing import Any
 import torch
 
 from hf_zero.config import FP16Config, ZeroConfig
+from hf_zero.errors import LossScaleFloorError, NonFiniteLossError  # noqa: F401 - NonFiniteLossError: its old import path
+
+#: Every dtype hf_zero stores or sends, with its safetensors name. The order is how a pipeline's
+#: activation metadata numbers them on the wire, so entries are only ever appended.
+SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
+    torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
+}
 
 
-class LossScaleFloorError(FloatingPointError):
-    """fp16 gradients overflowed with the loss scale already at ``min_loss_scale``."""
-
-
-class NonFiniteLossError(FloatingPointError):
-    """A bf16/fp32 step had an inf/nan loss or gradient and the config says ``"nonfinite_loss": "stop"``."""
+def dtype_by_name(name: str) -> torch.dtype:
+    """A dtype from ``str(dtype)`` (``"torch.bfloat16"``), its bare name or its safetensors name (``"BF16"``)."""
+    for dt, st_name in SAFETENSORS_DTYPES.items():
+        if name in (str(dt), str(dt).removeprefix("torch."), st_name):
+            return dt
+    raise ValueError(f"{name!r} names no dtype hf_zero stores; expected one of {', '.join(SAFETENSORS_DTYPES.values())}")
 
 
 class LossScaler:

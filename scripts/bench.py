@@ -81,7 +81,8 @@ def run_engine(name: str, args: argparse.Namespace) -> dict:
             "gradient_accumulation_steps": 1,
             "bf16": {"enabled": True},
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-5, "weight_decay": 0.0}},
-            "zero_optimization": {"stage": stage, "reduce_bucket_size": args.bucket, "allgather_bucket_size": args.bucket},
+            "zero_optimization": {"stage": stage, "reduce_bucket_size": args.bucket, "allgather_bucket_size": args.bucket,
+                                  **({"stage3_prefetch_bucket_size": int(args.prefetch)} if args.prefetch is not None else {})},
             "steps_per_print": 10**9,
             "activation_checkpointing": {"checkpoint_blocks": bool(args.checkpoint_blocks)},
             **json.loads(args.hf_config),
@@ -388,6 +389,8 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true", help="torch.compile each block: hf_zero engines with engine.compile(), FSDP2 with module.compile()")
     ap.add_argument("--checkpoint_blocks", action="store_true",
                     help="hf_zero engines recompute each block in backward (activation_checkpointing.checkpoint_blocks)")
+    ap.add_argument("--prefetch", type=float, default=None, metavar="ELEMENTS",
+                    help="hf_zero stage 3: stage3_prefetch_bucket_size, the elements gathered ahead of use (default: the config's 5e7)")
     ap.add_argument("--hf_config", default="{}", metavar="JSON",
                     help='top-level keys added to the hf_zero engines\' config, e.g. \'{"nonfinite_loss": "off"}\'')
     ap.add_argument("--pipe_micro", type=int, default=8, help="pipeN engines: micro-batches per step (1F1B's m)")

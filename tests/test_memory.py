@@ -28,7 +28,7 @@ def _measure(rank: int, world: int, cases: list) -> list:
         }
         engine, _, _, _ = hf_zero.initialize(model=model, config=cfg)
         psi = sum(p.numel() for p in model.parameters() if p.requires_grad) if stage < 3 else sum(
-            g.numel for g in engine.zero_optimizer.shard_groups if g.trainable
+            g.numel for g in engine.zero_optimizer.stage3_groups if g.trainable
         )
         ids, labels = make_data(2, 2 * world)
         for t in range(2):
@@ -38,7 +38,7 @@ def _measure(rank: int, world: int, cases: list) -> list:
                 engine.step()
         held = engine.memory_bytes()
         zo = engine.zero_optimizer
-        out.append({"stage": stage, "dtype": dtype, "psi": psi, "held": held, "buffers": len(zo.flat_groups) + len(zo.shard_groups)})
+        out.append({"stage": stage, "dtype": dtype, "psi": psi, "held": held, "buffers": len(zo.flat_groups) + len(zo.stage3_groups)})
     return out
 
 

@@ -110,7 +110,7 @@ def test_a_killed_rank_is_named_by_the_survivor_within_seconds(tmp_path: Path) -
     assert rank1.returncode == -signal.SIGKILL
     assert rank0.returncode == 1, out0
     last = _last_line(out0)
-    assert "hf_zero.dist.PeerFailureError: rank 1 (pid " in last and "has died" in last, out0
+    assert "hf_zero.errors.PeerFailureError: rank 1 (pid " in last and "has died" in last, out0
     assert "rank 0 stops in backward of step 3" in last and "--max_restarts" in last, last
     seconds = float((tmp_path / "stopped_rank0").read_text()) - float((tmp_path / "killed_at").read_text())
     print(f"\nsurvivor stopped {seconds:.2f} s after the kill: {last}")

@@ -79,10 +79,10 @@ def _oracle(steps: int, micro: int, per_step: int, clip: float, ragged: bool = T
 
 def _full_weights(engine) -> dict:
     zo = engine.zero_optimizer
-    for g in zo.shard_groups if zo.runtime is not None else []:
+    for g in zo.stage3_groups if zo.runtime is not None else []:
         g.wait()
     out = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
-    for g in zo.shard_groups if zo.runtime is not None else []:
+    for g in zo.stage3_groups if zo.runtime is not None else []:
         g.reshard()
     return out
 

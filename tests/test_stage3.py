@@ -85,7 +85,7 @@ def _grid(rank: int, world: int, cases: list) -> list:
     import torch.distributed as dist
 
     import hf_zero
-    from hf_zero.zero.params import ShardState
+    from hf_zero.zero.stage3 import ShardState
 
     out = []
     for kind, gas, clip, *flags in cases:
@@ -115,20 +115,20 @@ def _grid(rank: int, world: int, cases: list) -> list:
             dist.all_reduce(total)
             losses.append(total.item() / world)
         zo = engine.zero_optimizer
-        assert all(g.state is ShardState.SHARDED for g in zo.shard_groups), "units left gathered between steps"
+        assert all(g.state is ShardState.SHARDED for g in zo.stage3_groups), "units left gathered between steps"
         ref_losses, ref_w = _oracle(kind, MICRO * gas * world, clip)
         loss_err = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
         # gather the full weights to compare
         w_err = 0.0
-        for g in zo.shard_groups:
+        for g in zo.stage3_groups:
             g.wait()
         for n, p in engine.module.named_parameters():
             w_err = max(w_err, float((p.detach().cpu() - ref_w[n]).norm() / ref_w[n].norm()))
-        for g in zo.shard_groups:
+        for g in zo.stage3_groups:
             g.reshard()
-        sharded = sum(g.numel for g in zo.shard_groups)
-        held = sum((g.master if g.master is not None else g.param_shard).numel() for g in zo.shard_groups)
-        out.append({"case": [kind, gas, clip, *flags], "loss_err": loss_err, "w_err": w_err, "sharded": sharded, "held": held, "n_groups": len(zo.shard_groups)})
+        sharded = sum(g.numel for g in zo.stage3_groups)
+        held = sum((g.master if g.master is not None else g.param_shard).numel() for g in zo.stage3_groups)
+        out.append({"case": [kind, gas, clip, *flags], "loss_err": loss_err, "w_err": w_err, "sharded": sharded, "held": held, "n_groups": len(zo.stage3_groups)})
     return out
 
 

@@ -1,8 +1,11 @@
-"""Stage-3 helpers: GatheredParameters edits reach every shard and master; generate under stage 3
-with ranks decoding different lengths returns the unsharded model's tokens, with one gather per
-parameter group rather than one per decoded token."""
+"""Stage-3 helpers: GatheredParameters edits reach every shard and master; the prefetch budget
+decides how many units are gathered ahead; generate under stage 3 with ranks decoding different
+lengths returns the unsharded model's tokens, with one gather per parameter group rather than one
+per decoded token."""
 
 from __future__ import annotations
+
+import pytest
 
 from tests.distributed import spawn
 from tests.test_stage3 import _model
@@ -44,8 +47,59 @@ def _gathered(rank: int, world: int) -> dict:
     return out
 
 
-def test_gathered_parameters_modifier_rank_reaches_every_shard() -> None:
-    for r in spawn(_gathered, 2):
+LAYER = 2 * 30 * 30 + 2 * 30 * 10 + 3 * 30 * 47  # q, o: 30x30; k, v: 30x10 (one KV head); MLP: 3 x 30x47
+
+
+def _prefetched(budget: int) -> dict:
+    """Which units are gathered when each unit's forward starts, under ``stage3_prefetch_bucket_size=budget``."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import hf_zero
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=61, hidden_size=30, intermediate_size=47, num_hidden_layers=4,
+                                         num_attention_heads=3, num_key_value_heads=1))
+    cfg = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+           "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 100,
+                                 "stage3_prefetch_bucket_size": budget}}
+    engine, _, _, _ = hf_zero.initialize(model=model, config=cfg)
+    units = engine.zero_optimizer.runtime.units
+    seen: list[list[str]] = []
+    for u in units:  # registered after the runtime's own pre-hooks, so they run after its gathers
+        u.module.register_forward_pre_hook(lambda m, a, u=u: seen.append([x.name for x in units if x.gathered]))
+    ids = torch.randint(0, 61, (1, 8))
+    for _ in range(2):  # the first forward records the order; prefetching starts with the second
+        seen.clear()
+        engine.backward(engine(input_ids=ids, labels=ids).loss)
+        engine.step()
+    return {"units": [u.name for u in units], "numel": [u.numel for u in units], "gathered_at_each_forward": seen}
+
+
+def _gathered_and_prefetched(rank: int, world: int) -> dict:
+    return {"gathered": _gathered(rank, world),
+            "prefetch": {str(b): _prefetched(b) for b in (0, 1, 2 * LAYER, 10**9)}}
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> list[dict]:
+    return spawn(_gathered_and_prefetched, 2)
+
+
+def test_prefetch_budget_decides_how_many_units_are_gathered_ahead(two_ranks: list[dict]) -> None:
+    """0: none ahead; a budget below one unit: the next one only; two units' elements: two ahead; a large budget: all."""
+    for r in two_ranks:
+        runs = r["prefetch"]
+        names = runs["0"]["units"]
+        assert names == ["model.embed_tokens", "model.layers.0", "model.layers.1", "model.layers.2", "model.layers.3"]
+        assert runs["0"]["numel"][1:] == [LAYER] * 4  # four blocks of LAYER elements (the norms stay whole)
+        for budget, ahead in ((0, 0), (1, 1), (2 * LAYER, 2), (10**9, 4)):
+            want = [names[i : i + 1 + ahead] for i in range(len(names))]
+            assert runs[str(budget)]["gathered_at_each_forward"] == want, (budget, runs[str(budget)])
+
+
+def test_gathered_parameters_modifier_rank_reaches_every_shard(two_ranks: list[dict]) -> None:
+    for r in (rank["gathered"] for rank in two_ranks):
         assert r["sharded_bytes_before"] == 0 and r["sharded_bytes_after"] == 0
         assert r["full_shape"] == [30, 47]
         assert r["w_values"] == [1.5] and r["w_after_step"] == [1.5]
@@ -74,13 +128,13 @@ def _generate(rank: int, world: int) -> dict:
         got = engine.module.generate(prompt, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
         want = ref.generate(prompt, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
     collectives.all_gather_ = orig
-    n_groups = len(engine.zero_optimizer.shard_groups)
+    n_groups = len(engine.zero_optimizer.stage3_groups)
     # training resumes: the inference gathering is released by the next training forward
     engine.train()
     ids = torch.randint(0, 61, (1, 8))
     engine.backward(engine(input_ids=ids, labels=ids).loss)
     engine.step()
-    sharded = all(grp.full.untyped_storage().nbytes() == 0 for grp in engine.zero_optimizer.shard_groups)
+    sharded = all(grp.full.untyped_storage().nbytes() == 0 for grp in engine.zero_optimizer.stage3_groups)
     return {"got": got.tolist(), "want": want.tolist(), "gathers": len(gathers), "groups": n_groups, "sharded_after": sharded}
 
 

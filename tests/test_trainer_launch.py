@@ -121,7 +121,7 @@ def test_a_rank_killed_inside_train_is_named_by_the_survivor(tmp_path: Path) -> 
     assert rank1.returncode == -signal.SIGKILL
     assert rank0.returncode == 1, out0[-3000:]
     last = [line for line in out0.strip().splitlines() if line.strip()][-1]
-    assert "hf_zero.dist.PeerFailureError: rank 1 (pid " in last, out0[-3000:]  # torch prefixes "[rank0]: "
+    assert "hf_zero.errors.PeerFailureError: rank 1 (pid " in last, out0[-3000:]  # torch prefixes "[rank0]: "
     assert "has died, so rank 0 stops in Trainer.train() instead of waiting for it" in last, last
 
 

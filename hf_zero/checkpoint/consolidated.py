@@ -19,10 +19,9 @@ from typing import Any
 
 import torch
 
-_DTYPES = {
-    torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
-}
+from hf_zero.checkpoint.format import CheckpointReader, read_meta, resolve_tag
+from hf_zero.errors import CheckpointError
+from hf_zero.precision import SAFETENSORS_DTYPES
 
 
 class StreamingSafetensorsWriter:
@@ -34,12 +33,12 @@ class StreamingSafetensorsWriter:
         offset = 0
         self.order: list[tuple[str, int]] = []
         for name, dtype, shape in entries:
-            if dtype not in _DTYPES:
+            if dtype not in SAFETENSORS_DTYPES:
                 raise ValueError(f"tensor '{name}' has dtype {dtype}, which safetensors cannot store")
             n = torch.empty((), dtype=dtype).element_size()
             for d in shape:
                 n *= d
-            header[name] = {"dtype": _DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + n]}
+            header[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + n]}
             self.order.append((name, n))
             offset += n
         raw = json.dumps(header, separators=(",", ":")).encode()
@@ -164,14 +163,15 @@ class OneUnitAtATime:
     """
 
     def __init__(self, engine: Any) -> None:
-        zo = engine.zero_optimizer
-        if zo is not None and zo.runtime is not None:
-            zo.runtime.release_inference()
+        self.optimizer = engine.zero_optimizer
+        if self.optimizer is not None:
+            self.optimizer.release_inference()
         self.current: Any = None
 
     def full(self, t: torch.Tensor) -> torch.Tensor:
-        g = getattr(t, "hf_zero_group", None)
-        if g is not None and g is not self.current:
+        """``t`` itself, made whole first if its shard group keeps only shards between uses."""
+        g = self.optimizer.group_of(t) if self.optimizer is not None else None
+        if g is not None and not g.resident and g is not self.current:
             self.release()
             g.gather(None)
             g.wait()
@@ -193,10 +193,11 @@ def save_pretrained(engine: Any, save_directory: str, max_shard_size: int | str 
     """
     import torch.distributed as dist
 
+    lay = engine.checkpoint_layout()  # the engine says which ranks take part and which one writes
     files, entries = _write_engine(engine, save_directory, dtype, max_shard_size=max_shard_size)
-    if dist.get_rank(engine.group) == 0:
+    if lay.rank == 0:
         save_model_config(engine.module, save_directory, next((dt for _, dt, _ in entries if dt.is_floating_point), None))
-    dist.barrier(engine.group)
+    dist.barrier(lay.group)
     return files
 
 
@@ -205,7 +206,7 @@ def save_single_file(engine: Any, save_dir: str, filename: str, exclude_frozen: 
     import torch.distributed as dist
 
     _write_engine(engine, save_dir, None, filename=filename, exclude_frozen=exclude_frozen)
-    dist.barrier(engine.group)
+    dist.barrier(engine.checkpoint_layout().group)
     return os.path.join(save_dir, filename)
 
 
@@ -217,9 +218,7 @@ def _write_engine(
 
     Returns the files written and the entries (name, dtype, shape) they hold.
     """
-    import torch.distributed as dist
-
-    rank = dist.get_rank(engine.group)
+    rank = engine.checkpoint_layout().rank
     if rank == 0:
         os.makedirs(out_dir, exist_ok=True)
     units = OneUnitAtATime(engine)
@@ -251,9 +250,7 @@ def consolidate(
     """
     from tqdm.auto import tqdm
 
-    from hf_zero.checkpoint.sharded import CheckpointError
-
-    path, entries, produce = _plan(checkpoint_dir, tag, dtype)
+    path, entries, produce = checkpoint_weights(checkpoint_dir, tag, dtype)
     os.makedirs(out_dir, exist_ok=True)
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise CheckpointError(f"{path} has no config.json (the model was not a transformers model); nothing to build a from_pretrained folder from")
@@ -275,19 +272,16 @@ def consolidate(
     return files
 
 
-def _plan(
+def checkpoint_weights(
     checkpoint_dir: str, tag: str | None, dtype: torch.dtype | None, exclude_frozen: bool = False
 ) -> tuple[str, list[tuple[str, torch.dtype, tuple[int, ...]]], Any]:
     """A resume checkpoint's tensors: its folder, (name, dtype, shape) of each, and a function that reads one whole.
 
     ``exclude_frozen`` leaves out the parameters that were saved as not trainable.
     """
-    from hf_zero.checkpoint.sharded import CheckpointError, _Reader, resolve_tag
-
     path = resolve_tag(checkpoint_dir, tag)
-    with open(os.path.join(path, "checkpoint.json")) as f:
-        meta = json.load(f)
-    reader = _Reader(path, int(meta["world_size"]))
+    meta = read_meta(path)
+    reader = CheckpointReader(path, int(meta["world_size"]))
     damaged = reader.damaged()
     if damaged:
         raise CheckpointError(damaged[0])
@@ -326,5 +320,5 @@ def read_state_dict(
     checkpoint_dir: str, tag: str | None = None, dtype: torch.dtype | None = torch.float32, exclude_frozen: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Offline, on a CPU: a resume checkpoint's whole model as a state dict (fp32 masters by default), buffers included."""
-    _, entries, produce = _plan(checkpoint_dir, tag, dtype, exclude_frozen)
+    _, entries, produce = checkpoint_weights(checkpoint_dir, tag, dtype, exclude_frozen)
     return {name: produce(name) for name, _, _ in entries}

@@ -24,7 +24,6 @@ random streams as they were (transformers' Trainer keeps its own ``rng_state_*.p
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import random
@@ -34,9 +33,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from hf_zero.checkpoint.atomic import write_json as _write_json
 from hf_zero.checkpoint.deepspeed_map import DS_KEYS, Plan, plan, read_share
 from hf_zero.checkpoint.deepspeed_read import DeepSpeedCheckpointError, is_deepspeed_checkpoint, load_pickle
+from hf_zero.checkpoint.format import sha256 as _sha256
+from hf_zero.checkpoint.format import to_json
 from hf_zero.checkpoint.sharded import FORMAT, LATEST, MAX_FILE_BYTES
+from hf_zero.errors import CheckpointError
 
 __all__ = ["DeepSpeedCheckpointError", "convert", "is_deepspeed_checkpoint", "load", "resume_trainer", "consolidate"]
 
@@ -50,35 +53,11 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def _jsonable(obj: Any, where: str) -> Any:
-    """Scheduler and client state as the JSON hf_zero's checkpoints hold (tensors as ``__tensor__``)."""
-    if isinstance(obj, (str, bool, int, float)) or obj is None:
-        return obj
-    if isinstance(obj, torch.Tensor):
-        return {"__tensor__": obj.tolist(), "dtype": _dtype_name(obj.dtype)}
-    if isinstance(obj, (list, tuple)):
-        return [_jsonable(v, f"{where}[{i}]") for i, v in enumerate(obj)]
-    if isinstance(obj, dict):
-        return {str(k): _jsonable(v, f"{where}.{k}") for k, v in obj.items()}
-    raise DeepSpeedCheckpointError(
-        f"{where} is of type {type(obj).__name__}, which an hf_zero checkpoint cannot store without pickle"
-    )
-
-
-def _write_json(path: str, obj: Any) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def _sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 24), b""):
-            h.update(block)
-    return h.hexdigest()
+    """Scheduler and client state as the JSON hf_zero's checkpoints hold (the format's own rule, format.to_json)."""
+    try:
+        return to_json(obj, where)
+    except CheckpointError as e:
+        raise DeepSpeedCheckpointError(str(e)) from None
 
 
 def _seeded_rng() -> tuple[dict[str, torch.Tensor], dict[str, Any]]:

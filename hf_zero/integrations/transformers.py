@@ -24,7 +24,7 @@ import torch
 import transformers
 
 from hf_zero import dist as hz_dist
-from hf_zero.engine import UsageError
+from hf_zero.errors import UsageError
 from hf_zero.integrations.accelerate import Accelerator, launched_without_gpus
 from hf_zero.integrations.autofill import (
     fill_auto,

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from hf_zero.engine import UsageError
+from hf_zero.errors import UsageError
 from hf_zero.ops.cpu_adam import DeepSpeedCPUAdam
 from hf_zero.optim import _adam_kernel, _materialise
 

@@ -7,7 +7,8 @@
   ``hf_zero.initialize(model=PipelineModule)`` returns;
 - :mod:`hf_zero.pipe.hf`: ``split_causal_lm``, a transformers causal LM cut into stages under its own
   parameter names;
-- :mod:`hf_zero.pipe.checkpoint`: the stages' weights consolidated into one ``from_pretrained`` folder.
+- :mod:`hf_zero.pipe.consolidated`: the stages' weights consolidated into one ``from_pretrained`` folder
+  (resume checkpoints of a pipeline are :mod:`hf_zero.checkpoint`'s, like every engine's).
 """
 
 from __future__ import annotations

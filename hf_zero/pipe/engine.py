@@ -15,11 +15,12 @@ other hf_zero run uses. What the pipeline adds at the step:
 - tied weights (an embedding on the first stage, the LM head on the last) are placed in their
   own flat bucket, so their (data-parallel-averaged) gradient shards line up across the stages
   holding them and are summed with one all-reduce over the tie group;
-- the gradient norm (for clipping and the fp16 overflow check) is over the whole pipeline, each
-  tied weight counted once, with one all-reduce over the world.
+- the gradient norm (for clipping and the non-finite checks) is over the whole pipeline, each
+  tied weight counted once, with one all-reduce over the world: the one step policy of every
+  engine (``hf_zero/step.py``) with the pipeline's norm scope.
 
 ``save_checkpoint`` / ``load_checkpoint`` are the ``ZeroEngine``'s: every rank of the world calls
-them, and :mod:`hf_zero.checkpoint.sharded` stores each stage's parameters under the model's own
+them, and :mod:`hf_zero.checkpoint.save` stores each stage's parameters under the model's own
 names (a tied weight once), so the checkpoint loads at another data-parallel degree or number of
 stages, or into a plain ``ZeroEngine`` of the same model.
 """
@@ -33,42 +34,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hf_zero.checkpoint.ranks import CheckpointLayout
 from hf_zero.config import ConfigError, ZeroConfig
-from hf_zero.engine import UsageError, ZeroEngine, _to_device
+from hf_zero.data import to_device
+from hf_zero.engine import ZeroEngine
+from hf_zero.errors import UsageError
+from hf_zero.pipe import p2p
 from hf_zero.pipe import schedule as S
 from hf_zero.pipe.module import PipelineModule
-
-_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int16,
-           torch.int8, torch.uint8, torch.bool]
-_META_LEN = 64  # int64 words: [is_tuple, n, (dtype, ndim, *shape) per tensor]
-
-
-def _flatten(x: Any, what: str) -> tuple[list[torch.Tensor], bool]:
-    if torch.is_tensor(x):
-        return [x], False
-    if isinstance(x, (tuple, list)) and all(torch.is_tensor(t) for t in x):
-        return list(x), True
-    raise UsageError(f"a pipeline stage's {what} must be a tensor or a tuple of tensors, got {type(x).__name__}")
-
-
-def _encode_meta(tensors: list[torch.Tensor], is_tuple: bool) -> list[int]:
-    words = [int(is_tuple), len(tensors)]
-    for t in tensors:
-        if t.dtype not in _DTYPES:
-            raise UsageError(f"a pipeline activation has dtype {t.dtype}, which cannot be sent between stages")
-        words += [_DTYPES.index(t.dtype), t.dim(), *t.shape]
-    if len(words) > _META_LEN:
-        raise UsageError(f"a pipeline activation of {len(tensors)} tensors is too large to describe; pass at most a few tensors between stages")
-    return words + [0] * (_META_LEN - len(words))
-
-
-def _decode_meta(words: list[int]) -> tuple[list[tuple[torch.dtype, tuple[int, ...]]], bool]:
-    is_tuple, n, i, out = bool(words[0]), words[1], 2, []
-    for _ in range(n):
-        dt, nd = _DTYPES[words[i]], words[i + 1]
-        out.append((dt, tuple(words[i + 2 : i + 2 + nd])))
-        i += 2 + nd
-    return out, is_tuple
+from hf_zero.step import NormScope
+from hf_zero.zero.group import ShardGroup
 
 
 def split_batch(batch: Any) -> tuple[Any, Any]:
@@ -132,14 +107,20 @@ class PipelineEngine(ZeroEngine):
         super().__init__(model, config, optimizer, lr_scheduler=lr_scheduler, group=model.dp_group)
         self.num_stages, self.stage_id = model.num_stages, model.stage_id
         self.dp_rank = model.dp_rank
-        self._tied: list[tuple[Any, Any, bool]] = []  # (flat group, tie group, first holder)
+        self._tied: list[tuple[ShardGroup, Any, bool]] = []  # (the weight's shard group, tie group, first holder)
         if self.zero_optimizer is not None:
             for weight, group, first in tied:
                 if not weight.requires_grad:
                     continue
-                fg, _ = self.zero_optimizer._slot_of[id(weight)]
-                assert len(fg.slots) == 1, "a tied weight must sit alone in its flat bucket"
+                fg = self.zero_optimizer.group_of(weight)
+                assert fg is not None and len(fg.slots) == 1, "a tied weight must sit alone in its flat bucket"
                 self._tied.append((fg, group, first))
+        # The global norm spans every stage (one all-reduce over the world); a data-parallel
+        # replica's unpartitioned groups count once, a tied weight at its first stage only.
+        self.step_policy.scope = NormScope(
+            None, dist.get_world_size(), replicas=self.dp_world_size,
+            exclude=frozenset(id(g) for g, _, first in self._tied if not first),
+        )
         self.training_dataloader = None
         self._data_iter: Iterator | None = None
         # Set to True to time this stage's forwards and backwards (CUDA events on GPU): the bubble
@@ -239,10 +220,17 @@ class PipelineEngine(ZeroEngine):
     def step(self, lr_kwargs: dict | None = None) -> None:
         raise UsageError("engine.step() is not used with pipeline parallelism; call engine.train_batch(data_iter), which runs forward, backward and step")
 
+    def checkpoint_layout(self) -> CheckpointLayout:
+        """The whole world writes a pipeline's checkpoint: each rank its stage's share, a tied weight at its first stage."""
+        module = self.module
+        others = {id(w) for w, _, first in module.tied_weights() if not first}
+        return CheckpointLayout(None, dist.get_rank(), dist.get_world_size(), self.dp_rank, module.stage_id,
+                                module.num_stages, module.topology.dp, others)
+
     def save_pretrained(self, save_directory: str, max_shard_size: int | str = "5GB",
                         dtype: torch.dtype | None = None) -> list[str]:
         """Every stage's weights in one Hugging Face folder (every rank calls this; global rank 0 writes)."""
-        from hf_zero.pipe.checkpoint import save_pretrained
+        from hf_zero.pipe.consolidated import save_pretrained
 
         return save_pretrained(self, save_directory, max_shard_size=max_shard_size, dtype=dtype)
 
@@ -288,20 +276,20 @@ class PipelineEngine(ZeroEngine):
             a = step[0]
             if self.measure_compute and isinstance(a, (S.Forward, S.Backward)):
                 start = self._mark()
-                self._forward(a.micro, run) if isinstance(a, S.Forward) else self._backward(a.micro, run)
+                self._forward_micro(a.micro, run) if isinstance(a, S.Forward) else self._backward_micro(a.micro, run)
                 self._compute_marks.append((start, self._mark()))
             elif isinstance(a, S.COMM):
                 self._exchange(step, run)
             elif isinstance(a, S.LoadMicroBatch):
                 self._load(a.micro, run)
             elif isinstance(a, S.Forward):
-                self._forward(a.micro, run)
+                self._forward_micro(a.micro, run)
             elif isinstance(a, S.Backward):
-                self._backward(a.micro, run)
+                self._backward_micro(a.micro, run)
             elif isinstance(a, S.ReduceGrads):
                 self._reduce_tied_grads()
             elif isinstance(a, S.OptimizerStep):
-                self._optimizer_step()
+                self._take_model_step()  # the step policy's norm spans the pipeline (see __init__)
         for work in run.pending:
             work.wait()
         run.pending.clear()
@@ -318,11 +306,12 @@ class PipelineEngine(ZeroEngine):
             ) from None
         cast = self.compute_dtype if self.compute_dtype != torch.float32 else None
         if self.is_first_stage():
-            run.inputs[i] = _to_device(inputs, self.device, cast)
+            run.inputs[i] = to_device(inputs, self.device, cast)
         if self.is_last_stage() and labels is not None:
-            run.labels[i] = _to_device(labels, self.device, None)
+            run.labels[i] = to_device(labels, self.device, None)
 
-    def _forward(self, i: int, run: _Run) -> None:
+    def _forward_micro(self, i: int, run: _Run) -> None:
+        """Forward of micro-batch ``i`` through this stage (and the loss on the last stage)."""
         x = run.inputs[i] if (run.train and not self.is_first_stage()) else run.inputs.pop(i)
         with torch.enable_grad() if run.train else torch.no_grad():
             out = self.module(x)
@@ -344,18 +333,16 @@ class PipelineEngine(ZeroEngine):
                 return
         run.outputs[i] = out
 
-    def _backward(self, j: int, run: _Run) -> None:
+    def _backward_micro(self, j: int, run: _Run) -> None:
+        """Backward of micro-batch ``j`` through this stage; the last one reduces over data parallel."""
         zo = self.zero_optimizer
         assert zo is not None
         zo.prepare_backward(j == run.micro_batches - 1)  # the last backward reduces over data parallel
         out = run.outputs.pop(j)
         if self.is_last_stage():
-            scaled = out.float() / run.micro_batches
-            if self.loss_scaler is not None:
-                scaled = scaled * self.loss_scaler.scale
-            scaled.backward()
+            self.step_policy.scale_loss(out, run.micro_batches).backward()
         else:
-            outs, _ = _flatten(out, "output")
+            outs, _ = p2p.flatten(out, "output")
             grads = run.out_grads.pop(j)
             pairs = [(t, g) for t, g in zip([t for t in outs if t.is_floating_point()], grads) if t.requires_grad]
             if pairs:
@@ -369,67 +356,21 @@ class PipelineEngine(ZeroEngine):
 
     def _exchange(self, actions: list[S.Action], run: _Run) -> None:
         """Post one neighbour's sends and receives together; wait only for what is received."""
-        peer_stage = S.peer(actions[0], self.stage_id)
-        rank, group = self._peer(peer_stage)
-        ops: list[dist.P2POp] = []
-        is_recv: list[bool] = []
-        landed: list[tuple[int, list[torch.Tensor], str]] = []
+        ex = p2p.Exchange(*self._peer(S.peer(actions[0], self.stage_id)))
         for a in actions:
             if isinstance(a, S.SendActivation):
-                tensors, is_tuple = _flatten(run.outputs[a.micro], "output")
-                meta = _encode_meta(tensors, is_tuple)
-                if run.sent_meta is None:
-                    run.sent_meta = meta
-                    run.pending.extend(self._post([dist.P2POp(dist.isend, torch.tensor(meta, device=self.device), rank, group)]))
-                elif meta != run.sent_meta:
-                    raise UsageError(
-                        "the micro-batches of one train_batch() must have the same shapes (padded to one length); "
-                        f"micro-batch {a.micro} differs from the first"
-                    )
-                for t in tensors:
-                    ops.append(dist.P2POp(dist.isend, t.detach().contiguous(), rank, group))
-                    is_recv.append(False)
-                if not run.train:
-                    run.outputs.pop(a.micro)  # nothing to backpropagate: the send holds the only reference
+                self._send_activation(a.micro, run, ex)
             elif isinstance(a, S.RecvActivation):
-                if run.recv_meta is None:
-                    buf = torch.zeros(_META_LEN, dtype=torch.int64, device=self.device)
-                    for w in self._post([dist.P2POp(dist.irecv, buf, rank, group)]):
-                        w.wait()
-                    run.recv_meta = _decode_meta(buf.tolist())
-                specs, _ = run.recv_meta
-                bufs = [torch.empty(shape, dtype=dt, device=self.device) for dt, shape in specs]
-                for b in bufs:
-                    ops.append(dist.P2POp(dist.irecv, b, rank, group))
-                    is_recv.append(True)
-                landed.append((a.micro, bufs, "act"))
+                specs, _ = self._activation_meta(run, ex)
+                ex.recv([torch.empty(shape, dtype=dt, device=self.device) for dt, shape in specs], a.micro, "act")
             elif isinstance(a, S.SendGrad):
-                x = run.inputs.pop(a.micro)
-                tensors, _ = _flatten(x, "input")
-                for t in tensors:
-                    if t.is_floating_point():
-                        g = t.grad if t.grad is not None else torch.zeros_like(t)
-                        ops.append(dist.P2POp(dist.isend, g, rank, group))
-                        is_recv.append(False)
+                tensors, _ = p2p.flatten(run.inputs.pop(a.micro), "input")
+                ex.send([t.grad if t.grad is not None else torch.zeros_like(t) for t in tensors if t.is_floating_point()])
             elif isinstance(a, S.RecvGrad):
-                tensors, _ = _flatten(run.outputs[a.micro], "output")
-                bufs = [torch.empty_like(t) for t in tensors if t.is_floating_point()]
-                for b in bufs:
-                    ops.append(dist.P2POp(dist.irecv, b, rank, group))
-                    is_recv.append(True)
-                landed.append((a.micro, bufs, "grad"))
-        if ops:
-            works = self._post(ops)
-            if len(works) == len(ops):  # one handle per op (gloo): leave the sends in flight
-                for w, r in zip(works, is_recv):
-                    if r:
-                        w.wait()
-                    else:
-                        run.pending.append(w)
-            else:  # one coalesced handle (NCCL): waiting only orders the compute stream after it
-                for w in works:
-                    w.wait()
-        for micro, bufs, kind in landed:
+                tensors, _ = p2p.flatten(run.outputs[a.micro], "output")
+                ex.recv([torch.empty_like(t) for t in tensors if t.is_floating_point()], a.micro, "grad")
+        ex.run(run.pending)
+        for micro, bufs, kind in ex.landed:
             if kind == "grad":
                 run.out_grads[micro] = bufs
                 continue
@@ -441,36 +382,37 @@ class PipelineEngine(ZeroEngine):
             run.inputs[micro] = tuple(bufs) if is_tuple else bufs[0]
         run.pending = [w for w in run.pending if not w.is_completed()]
 
-    @staticmethod
-    def _post(ops: list[dist.P2POp]) -> list[Any]:
-        return [w for w in dist.batch_isend_irecv(ops) if w is not None]
+    def _send_activation(self, i: int, run: _Run, ex: p2p.Exchange) -> None:
+        """Queue micro-batch ``i``'s output for the next stage; its description goes ahead once per batch."""
+        tensors, is_tuple = p2p.flatten(run.outputs[i], "output")
+        meta = p2p.encode_meta(tensors, is_tuple)
+        if run.sent_meta is None:
+            run.sent_meta = meta
+            run.pending.extend(p2p.post([dist.P2POp(dist.isend, torch.tensor(meta, device=self.device), ex.rank, ex.group)]))
+        elif meta != run.sent_meta:
+            raise UsageError(
+                "the micro-batches of one train_batch() must have the same shapes (padded to one length); "
+                f"micro-batch {i} differs from the first"
+            )
+        ex.send([t.detach().contiguous() for t in tensors])
+        if not run.train:
+            run.outputs.pop(i)  # nothing to backpropagate: the send holds the only reference
+
+    def _activation_meta(self, run: _Run, ex: p2p.Exchange) -> tuple[list, bool]:
+        """The previous stage's activation description (received once per batch, before its first activation)."""
+        if run.recv_meta is None:
+            buf = torch.zeros(p2p.META_LEN, dtype=torch.int64, device=self.device)
+            for w in p2p.post([dist.P2POp(dist.irecv, buf, ex.rank, ex.group)]):
+                w.wait()
+            run.recv_meta = p2p.decode_meta(buf.tolist())
+        return run.recv_meta
 
     # ------------------------------------------------------------ step
 
     def _reduce_tied_grads(self) -> None:
         """Sum each tied weight's gradient shard over the stages that hold it (after the data-parallel average)."""
         for fg, group, _ in self._tied:
-            if fg.master.grad is not None:
-                dist.all_reduce(fg.master.grad, group=group)
-
-    def _optimizer_step(self) -> None:
-        """Norm over the whole pipeline (each tied weight once), then the ZeRO step of this stage."""
-        zo = self.zero_optimizer
-        assert zo is not None
-        skip = {id(fg) for fg, _, first in self._tied if not first}
-        groups = [g for g in zo._all_groups() if id(g) not in skip]
-        sq = [g.grad_sq_sum() for g in groups]
-        stats = torch.stack([torch.stack(sq).sum() if sq else torch.zeros((), device=self.device),
-                             torch.zeros((), device=self.device)])
-        if self.loss_scaler is not None:
-            bad = [g.nonfinite() for g in zo._all_groups()]
-            if bad:
-                stats[1] = torch.stack(bad).sum()
-        dist.all_reduce(stats)
-        if self.zero_optimization_stage() == 0:
-            stats[0] = stats[0] / self.dp_world_size  # every replica holds the same whole gradients
-        self._norm_stats = (stats[0].sqrt(), stats[1])
-        self._take_model_step()
+            fg.sum_grad_over(group)
 
     def _mean_loss(self, run: _Run) -> torch.Tensor:
         """Mean micro-batch loss of the last stage, averaged over data parallel, broadcast down the pipeline."""

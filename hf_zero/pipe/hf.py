@@ -253,6 +253,60 @@ def _tied(key: str, path: str, given: nn.Module | None, fn: Callable, kwargs: di
     return TiedLayerSpec(key, nn.Embedding, forward_fn=fn, module_path=path, **kwargs)
 
 
+def _gpt2_layers(config: Any, mod: Any, tied: bool, sub: Callable[[str], nn.Module | None]) -> tuple[list[Any], type]:
+    """GPT-2 as layers: token and position embeddings, the blocks, the final norm, the (tied) head."""
+    block_cls = mod.GPT2Block
+    vocab, d = config.vocab_size, config.n_embd
+    wte_kwargs = {"num_embeddings": vocab, "embedding_dim": d}
+    layers: list[Any] = []
+    if tied:
+        layers.append(_tied("wte", "transformer.wte", sub("transformer.wte"), _embed, wte_kwargs))
+    else:
+        layers.append(_spec("transformer.wte", nn.Embedding, (vocab, d), {}, _embed, sub("transformer.wte")))
+    layers.append(_spec("transformer.wpe", nn.Embedding, (config.n_positions, d), {}, _GPT2Positions(config.embd_pdrop),
+                        sub("transformer.wpe")))
+    shared = _SharedInputs()
+    for i in range(config.n_layer):
+        layers.append(_spec(f"transformer.h.{i}", block_cls, (config,), {"layer_idx": i}, _GPT2BlockForward(config, shared),
+                            sub(f"transformer.h.{i}")))
+    layers.append(_spec("transformer.ln_f", nn.LayerNorm, (d,), {"eps": config.layer_norm_epsilon}, _norm,
+                        sub("transformer.ln_f")))
+    if tied:
+        layers.append(_tied("wte", "transformer.wte", sub("transformer.wte"), _tied_head, wte_kwargs))
+    else:
+        layers.append(_spec("lm_head", nn.Linear, (d, vocab), {"bias": False}, _head, sub("lm_head")))
+    return layers, block_cls
+
+
+def _llama_layers(config: Any, mod: Any, arch: type, tied: bool, sub: Callable[[str], nn.Module | None]) -> tuple[list[Any], type]:
+    """A Llama-family model as layers: the embedding, the decoder blocks, the final norm, the (tied) head."""
+    prefix = arch.__name__.replace("ForCausalLM", "")
+    block_cls = getattr(mod, f"{prefix}DecoderLayer", None)
+    norm_cls = getattr(mod, f"{prefix}RMSNorm", None)
+    if block_cls is None or norm_cls is None or not hasattr(config, "num_hidden_layers"):
+        raise PipelineError(
+            f"split_causal_lm supports the Llama family (model.embed_tokens / model.layers / model.norm / lm_head) and GPT-2; "
+            f"{arch.__name__} does not have that layout"
+        )
+    vocab, d = config.vocab_size, config.hidden_size
+    emb_kwargs = {"num_embeddings": vocab, "embedding_dim": d, "padding_idx": getattr(config, "pad_token_id", None)}
+    layers: list[Any] = []
+    if tied:
+        layers.append(_tied("embed_tokens", "model.embed_tokens", sub("model.embed_tokens"), _embed, emb_kwargs))
+    else:
+        layers.append(_spec("model.embed_tokens", nn.Embedding, (), emb_kwargs, _embed, sub("model.embed_tokens")))
+    rotary = _Rotary(config, sub("model.rotary_emb"))
+    for i in range(config.num_hidden_layers):
+        layers.append(_spec(f"model.layers.{i}", block_cls, (config, i), {}, _BlockForward(config, i, rotary),
+                            sub(f"model.layers.{i}")))
+    layers.append(_spec("model.norm", norm_cls, (d,), {"eps": config.rms_norm_eps}, _norm, sub("model.norm")))
+    if tied:
+        layers.append(_tied("embed_tokens", "model.embed_tokens", sub("model.embed_tokens"), _tied_head, emb_kwargs))
+    else:
+        layers.append(_spec("lm_head", nn.Linear, (d, vocab), {"bias": False}, _head, sub("lm_head")))
+    return layers, block_cls
+
+
 def causal_lm_layers(model_or_config: Any) -> tuple[list[Any], Any, str]:
     """The layer list of a causal LM, its config and the block class name (for ``type:`` partitioning)."""
     from transformers import PretrainedConfig
@@ -269,56 +323,14 @@ def causal_lm_layers(model_or_config: Any) -> tuple[list[Any], Any, str]:
         config._attn_implementation = "sdpa"
     mod = inspect.getmodule(arch)
     tied = bool(getattr(config, "tie_word_embeddings", False))
-    layers: list[Any] = []
 
     def sub(path: str) -> nn.Module | None:
         return model.get_submodule(path) if model is not None else None
 
     if hasattr(config, "n_layer") and getattr(config, "model_type", "") == "gpt2":
-        block_cls = mod.GPT2Block
-        vocab, d = config.vocab_size, config.n_embd
-        wte_kwargs = {"num_embeddings": vocab, "embedding_dim": d}
-        if tied:
-            layers.append(_tied("wte", "transformer.wte", sub("transformer.wte"), _embed, wte_kwargs))
-        else:
-            layers.append(_spec("transformer.wte", nn.Embedding, (vocab, d), {}, _embed, sub("transformer.wte")))
-        layers.append(_spec("transformer.wpe", nn.Embedding, (config.n_positions, d), {}, _GPT2Positions(config.embd_pdrop),
-                            sub("transformer.wpe")))
-        shared = _SharedInputs()
-        for i in range(config.n_layer):
-            layers.append(_spec(f"transformer.h.{i}", block_cls, (config,), {"layer_idx": i}, _GPT2BlockForward(config, shared),
-                                sub(f"transformer.h.{i}")))
-        layers.append(_spec("transformer.ln_f", nn.LayerNorm, (d,), {"eps": config.layer_norm_epsilon}, _norm,
-                            sub("transformer.ln_f")))
-        if tied:
-            layers.append(_tied("wte", "transformer.wte", sub("transformer.wte"), _tied_head, wte_kwargs))
-        else:
-            layers.append(_spec("lm_head", nn.Linear, (d, vocab), {"bias": False}, _head, sub("lm_head")))
-        return layers, config, block_cls.__name__
-
-    prefix = arch.__name__.replace("ForCausalLM", "")
-    block_cls = getattr(mod, f"{prefix}DecoderLayer", None)
-    norm_cls = getattr(mod, f"{prefix}RMSNorm", None)
-    if block_cls is None or norm_cls is None or not hasattr(config, "num_hidden_layers"):
-        raise PipelineError(
-            f"split_causal_lm supports the Llama family (model.embed_tokens / model.layers / model.norm / lm_head) and GPT-2; "
-            f"{arch.__name__} does not have that layout"
-        )
-    vocab, d = config.vocab_size, config.hidden_size
-    emb_kwargs = {"num_embeddings": vocab, "embedding_dim": d, "padding_idx": getattr(config, "pad_token_id", None)}
-    if tied:
-        layers.append(_tied("embed_tokens", "model.embed_tokens", sub("model.embed_tokens"), _embed, emb_kwargs))
+        layers, block_cls = _gpt2_layers(config, mod, tied, sub)
     else:
-        layers.append(_spec("model.embed_tokens", nn.Embedding, (), emb_kwargs, _embed, sub("model.embed_tokens")))
-    rotary = _Rotary(config, sub("model.rotary_emb"))
-    for i in range(config.num_hidden_layers):
-        layers.append(_spec(f"model.layers.{i}", block_cls, (config, i), {}, _BlockForward(config, i, rotary),
-                            sub(f"model.layers.{i}")))
-    layers.append(_spec("model.norm", norm_cls, (d,), {"eps": config.rms_norm_eps}, _norm, sub("model.norm")))
-    if tied:
-        layers.append(_tied("embed_tokens", "model.embed_tokens", sub("model.embed_tokens"), _tied_head, emb_kwargs))
-    else:
-        layers.append(_spec("lm_head", nn.Linear, (d, vocab), {"bias": False}, _head, sub("lm_head")))
+        layers, block_cls = _llama_layers(config, mod, arch, tied, sub)
     return layers, config, block_cls.__name__
 
 

@@ -30,12 +30,9 @@ import torch.distributed as dist
 from torch import nn
 
 from hf_zero import dist as hz_dist
+from hf_zero.errors import PipelineError
 
 logger = logging.getLogger("hf_zero")
-
-
-class PipelineError(ValueError):
-    """A pipeline that cannot be built: one sentence naming the offending argument."""
 
 
 class LayerSpec:

@@ -21,7 +21,11 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Action:
-    """One step of a stage's schedule; ``micro`` is the micro-batch it concerns (-1: none)."""
+    """One step of a stage's schedule; ``micro`` is the micro-batch it concerns (-1: none).
+
+    The subclasses below only name the kind of step; they inherit the frozen dataclass (its
+    constructor, equality by class and ``micro``, hashing and repr).
+    """
 
     micro: int = -1
 
@@ -29,47 +33,38 @@ class Action:
         return f"{type(self).__name__}({self.micro})" if self.micro >= 0 else type(self).__name__
 
 
-@dataclass(frozen=True)
 class LoadMicroBatch(Action):
     """Take the next micro-batch from the data iterator (first stage: inputs, last stage: labels)."""
 
 
-@dataclass(frozen=True)
 class Forward(Action):
     """Run this stage's layers on the micro-batch (and the loss on the last stage)."""
 
 
-@dataclass(frozen=True)
 class Backward(Action):
     """Backpropagate the micro-batch through this stage; frees what its forward kept."""
 
 
-@dataclass(frozen=True)
 class SendActivation(Action):
     """Send the forward output to the next stage."""
 
 
-@dataclass(frozen=True)
 class RecvActivation(Action):
     """Receive the forward input from the previous stage."""
 
 
-@dataclass(frozen=True)
 class SendGrad(Action):
     """Send the gradient of the forward input back to the previous stage."""
 
 
-@dataclass(frozen=True)
 class RecvGrad(Action):
     """Receive the gradient of the forward output from the next stage."""
 
 
-@dataclass(frozen=True)
 class ReduceGrads(Action):
     """End of the batch: tied weights' gradients summed over the stages that share them."""
 
 
-@dataclass(frozen=True)
 class OptimizerStep(Action):
     """Apply the optimizer (norm and clipping over the whole pipeline)."""
 
@@ -93,6 +88,15 @@ def _fwd(stages: int, s: int, i: int, send: bool = True) -> list[Action]:
     out.append(Forward(i))
     if send and s < stages - 1:
         out.append(SendActivation(i))
+    return out
+
+
+def _bwd(stages: int, s: int, j: int) -> list[Action]:
+    """A backward as it stands alone: receive the output's gradient, backpropagate, send the input's."""
+    out: list[Action] = [] if s == stages - 1 else [RecvGrad(j)]
+    out.append(Backward(j))
+    if s > 0:
+        out.append(SendGrad(j))
     return out
 
 
@@ -126,11 +130,7 @@ def one_f_one_b(stages: int, stage_id: int, micro_batches: int, train: bool = Tr
             if k < steady - 1:
                 acts.append(RecvActivation(i + 1))
     for j in range(steady, m):
-        if not last:
-            acts.append(RecvGrad(j))
-        acts.append(Backward(j))
-        if s > 0:
-            acts.append(SendGrad(j))
+        acts += _bwd(stages, s, j)
     return acts + [ReduceGrads(), OptimizerStep()]
 
 
@@ -139,16 +139,11 @@ def gpipe(stages: int, stage_id: int, micro_batches: int, train: bool = True) ->
     _check(stages, stage_id, micro_batches)
     if not train:
         return inference(stages, stage_id, micro_batches)
-    s, last = stage_id, stage_id == stages - 1
     acts: list[Action] = []
     for i in range(micro_batches):
-        acts += _fwd(stages, s, i)
+        acts += _fwd(stages, stage_id, i)
     for j in range(micro_batches):
-        if not last:
-            acts.append(RecvGrad(j))
-        acts.append(Backward(j))
-        if s > 0:
-            acts.append(SendGrad(j))
+        acts += _bwd(stages, stage_id, j)
     return acts + [ReduceGrads(), OptimizerStep()]
 
 

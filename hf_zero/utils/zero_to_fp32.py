@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from hf_zero.engine import UsageError
+from hf_zero.errors import UsageError
 
 __all__ = [
     "get_fp32_state_dict_from_zero_checkpoint", "load_state_dict_from_zero_checkpoint",
@@ -64,13 +64,13 @@ def convert_zero_checkpoint_to_fp32_state_dict(
     Returns the files written. For a transformers model the folder also gets ``config.json``, so
     it loads with ``from_pretrained``.
     """
-    from hf_zero.checkpoint.consolidated import _plan, write_weights
+    from hf_zero.checkpoint.consolidated import checkpoint_weights, write_weights
 
     if not safe_serialization:
         raise UsageError("convert_zero_checkpoint_to_fp32_state_dict(safe_serialization=False): hf_zero writes safetensors only "
                          "(pickle files can run code when loaded); leave it True")
     checkpoint_dir, tag = _split(checkpoint_dir, tag)
-    _, entries, produce = _plan(checkpoint_dir, tag, torch.float32, exclude_frozen_parameters)  # one tensor at a time
+    _, entries, produce = checkpoint_weights(checkpoint_dir, tag, torch.float32, exclude_frozen_parameters)  # one tensor at a time
     os.makedirs(output_dir, exist_ok=True)
     files = write_weights(output_dir, entries, produce, max_shard_size, writer=True)
     _copy_config(checkpoint_dir, tag, output_dir)
@@ -88,7 +88,7 @@ def _split(checkpoint_dir: str, tag: str | None) -> tuple[str, str | None]:
 def _copy_config(checkpoint_dir: str, tag: str | None, output_dir: str) -> None:
     import shutil
 
-    from hf_zero.checkpoint.sharded import resolve_tag
+    from hf_zero.checkpoint.format import resolve_tag
 
     src = resolve_tag(checkpoint_dir, tag)
     for name in ("config.json", "generation_config.json"):

@@ -1,5 +1,6 @@
 """ZeRO: flat buffers, the stage policies, and the stage-3 user helpers (DeepSpeed's names)."""
 
-from hf_zero.zero.init import GatheredParameters, Init
+from hf_zero.zero.gathered import GatheredParameters
+from hf_zero.zero.init import Init
 
 __all__ = ["GatheredParameters", "Init"]

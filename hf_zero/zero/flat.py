@@ -1,6 +1,6 @@
-"""FlatGroup: one flat, padded buffer per unit of sharding, and the views into it.
+"""FlatGroup: stages 0-2's shard group; the parameters stay whole on every rank.
 
-Every ZeRO stage is a policy over the same object:
+Every stage from 0 to 2 is a policy over the same object (a :class:`hf_zero.zero.group.ShardGroup`):
 
 - the parameters of the group live as views of one flat buffer in the compute dtype
   (``param_flat``), so one collective moves all of them;
@@ -17,71 +17,13 @@ the gradient norm.
 
 from __future__ import annotations
 
-import enum
-import math
-from dataclasses import dataclass
-
 import torch
-import torch.distributed as dist
 
 from hf_zero.zero import collectives as C
+from hf_zero.zero.group import ParamSlot, Placement, ShardGroup, pack_grads
 
 
-class GradState(enum.Enum):
-    """Where a group's gradients are in the step."""
-
-    EMPTY = "empty"  # no gradient buffer allocated (stage 2 between steps)
-    ACCUMULATING = "accumulating"  # backward is adding into grad_flat
-    REDUCING = "reducing"  # the reduction was issued on the communication stream
-    REDUCED = "reduced"  # master.grad holds the averaged gradient of this rank's shard
-
-
-@dataclass
-class ParamSlot:
-    """Where one parameter lives inside its group's flat buffers."""
-
-    name: str
-    param: torch.nn.Parameter
-    offset: int
-    numel: int
-    shape: torch.Size
-
-
-def lay_out(named_params: list[tuple[str, torch.nn.Parameter]]) -> tuple[list[ParamSlot], int]:
-    """Place parameters back to back in one flat buffer; returns their slots and the total size."""
-    slots: list[ParamSlot] = []
-    offset = 0
-    for name, p in named_params:
-        slots.append(ParamSlot(name, p, offset, p.numel(), p.shape))
-        offset += p.numel()
-    return slots, offset
-
-
-def pack_grads(
-    slots: list[ParamSlot], padded_numel: int, dtype: torch.dtype, device: torch.device
-) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """The slots' gradients, each cast into its place in one flat buffer of ``dtype``, and the gradients read.
-
-    One pass from autograd's gradients into a reduction's input: no zeroed buffer for autograd to
-    add into. An unused parameter (no gradient) and the padding after the last slot are zeros.
-    Runs on the current stream; the caller keeps the returned gradients alive for it.
-    """
-    src = torch.empty(padded_numel, dtype=dtype, device=device)
-    held: list[torch.Tensor] = []
-    for s in slots:
-        view, g = src[s.offset : s.offset + s.numel], s.param.grad
-        if g is None:
-            view.zero_()
-        else:
-            view.copy_(g.reshape(-1))
-            held.append(g)
-    end = slots[-1].offset + slots[-1].numel if slots else 0  # lay_out places slots back to back
-    if padded_numel > end:
-        src[end:].zero_()
-    return src, held
-
-
-class FlatGroup:
+class FlatGroup(ShardGroup):
     """A bucket of parameters sharing one flat parameter buffer and one flat gradient buffer.
 
     ``partitioned`` is True for ZeRO stages 1 and above: the optimizer state and the reduced
@@ -93,63 +35,37 @@ class FlatGroup:
     micro-step into the shard (least memory), as DeepSpeed's stages do.
     """
 
-    def __init__(
-        self,
-        index: int,
-        named_params: list[tuple[str, torch.nn.Parameter]],
-        *,
-        compute_dtype: torch.dtype,
-        reduce_dtype: torch.dtype,
-        partitioned: bool,
-        free_grads_after_reduce: bool,
-        group: dist.ProcessGroup | None,
-        rank: int,
-        world_size: int,
-        device: torch.device,
-    ) -> None:
-        self.index = index
-        self.group = group
-        self.rank = rank
-        self.world_size = world_size
-        self.device = device
-        self.compute_dtype = compute_dtype
-        self.reduce_dtype = reduce_dtype
-        self.partitioned = partitioned and world_size > 1
-        self.free_grads_after_reduce = free_grads_after_reduce and self.partitioned
-        self.slots, self.numel = lay_out(named_params)
-        parts = world_size if self.partitioned else 1
-        self.padded_numel = math.ceil(self.numel / parts) * parts
-        self.shard_numel = self.padded_numel // parts
-        self.shard_lo = self.rank * self.shard_numel if self.partitioned else 0
-        self.shard_hi = self.shard_lo + self.shard_numel
+    trainable = True
+    resident = True
 
+    def __init__(
+        self, named_params: list[tuple[str, torch.nn.Parameter]], place: Placement, *, partitioned: bool,
+        free_grads_after_reduce: bool,
+    ) -> None:
+        self.partitioned = partitioned and place.world_size > 1
+        self.free_grads_after_reduce = free_grads_after_reduce and self.partitioned
+        super().__init__(named_params, place, parts=place.world_size if self.partitioned else 1)
+        device = place.device
         # Flatten in fp32 first so the fp32 master starts from the user's exact weights,
         # not from their bf16/fp16 rounding.
         fp32_flat = torch.zeros(self.padded_numel, dtype=torch.float32, device=device)
         with torch.no_grad():
             for s in self.slots:
                 fp32_flat[s.offset : s.offset + s.numel].copy_(s.param.detach().reshape(-1))
-        self.mixed = compute_dtype != torch.float32
         if self.mixed:
             self.master = fp32_flat[self.shard_lo : self.shard_hi].clone()
-            self.param_flat = fp32_flat.to(compute_dtype)
+            self.param_flat = fp32_flat.to(self.compute_dtype)
         else:
             self.param_flat = fp32_flat
             self.master = fp32_flat[self.shard_lo : self.shard_hi]
         del fp32_flat
-        self._point_params_at(self.param_flat)
+        for s in self.slots:
+            s.param.data = self.param_flat[s.offset : s.offset + s.numel].view(s.shape)
+            s.param.hf_zero_flat = self  # lets GatheredParameters refresh the master after an edit
         self.grad_flat: torch.Tensor | None = None
         self.direct = False  # this backward leaves gradients where autograd puts them (begin_backward)
-        self.grad_state = GradState.EMPTY
-        self.ready = 0  # parameters whose gradient for this backward has been accumulated
-        self.launched = False  # reduction issued in this step
 
     # ----------------------------------------------------------------- views
-
-    def _point_params_at(self, flat: torch.Tensor) -> None:
-        for s in self.slots:
-            s.param.data = flat[s.offset : s.offset + s.numel].view(s.shape)
-            s.param.hf_zero_flat = self  # lets GatheredParameters refresh the master after an edit
 
     def write_back_param(self, slot: ParamSlot) -> None:
         """A parameter was edited in place (identically on every rank): refresh its fp32 master slice."""
@@ -164,14 +80,12 @@ class FlatGroup:
         """Allocate the flat gradient buffer if needed and make every ``param.grad`` a view of it."""
         if self.grad_flat is None:
             self.grad_flat = torch.zeros(self.padded_numel, dtype=self.compute_dtype, device=self.device)
-            self.grad_state = GradState.ACCUMULATING
         for s in self.slots:
             view = self.grad_flat[s.offset : s.offset + s.numel].view(s.shape)
             if s.param.grad is None or s.param.grad.data_ptr() != view.data_ptr():
                 if s.param.grad is not None:  # the user replaced .grad (e.g. zero_grad(set_to_none))
                     view.copy_(s.param.grad)
                 s.param.grad = view
-        self.grad_state = GradState.ACCUMULATING
 
     def begin_backward(self, reduces: bool) -> None:
         """Before a backward. If it reduces and nothing is accumulated yet, gradients stay as autograd makes them.
@@ -209,7 +123,6 @@ class FlatGroup:
         """
         if not self.direct and self.grad_flat is None:  # no parameter of this bucket was used: still take part
             self.ensure_grad_buffer()
-        self.grad_state = GradState.REDUCING
         with C.on_stream(stream):
             if self.direct:  # autograd's gradients, cast into the reduce-scatter input on the side stream
                 src, held = pack_grads(self.slots, self.padded_numel, self.reduce_dtype, self.device)
@@ -232,7 +145,6 @@ class FlatGroup:
                 self.master.grad.add_(out)
                 out = self.master.grad
         self.master.grad = out
-        self.launched = True
         if self.free_grads_after_reduce:
             # Measured: bounding in-flight buckets (as stage 3 does) cost stage 2 about 4% on the
             # 7.2B shape and saved no peak memory, so stage 2 lets the allocator track the stream.
@@ -242,11 +154,8 @@ class FlatGroup:
             self.release_grad_buffer()
         self.direct = False
 
-    def finish_reduce(self) -> None:
-        """After the compute stream has waited on the reduction."""
-        self.grad_state = GradState.REDUCED
-
     def release_grad_buffer(self) -> None:
+        """Drop the full gradients (the flat buffer and every ``param.grad`` view of it)."""
         for s in self.slots:
             s.param.grad = None
         self.grad_flat = None
@@ -254,14 +163,10 @@ class FlatGroup:
     def zero_grads(self) -> None:
         """End of step: clear accumulated gradients (free them under stage 2)."""
         self.master.grad = None
-        self.ready = 0
-        self.launched = False
         if self.free_grads_after_reduce:
             self.release_grad_buffer()
-            self.grad_state = GradState.EMPTY
         elif self.grad_flat is not None:
             self.grad_flat.zero_()
-            self.grad_state = GradState.ACCUMULATING
 
     # ------------------------------------------------------------ parameters
 
@@ -274,13 +179,9 @@ class FlatGroup:
             if self.partitioned:
                 C.all_gather_(self.param_flat, shard, self.group, self.world_size)
 
-    def grad_sq_sum(self) -> torch.Tensor:
-        """Sum of squares of this rank's reduced gradient (fp32 scalar, no host sync)."""
-        g = self.master.grad
-        return torch.linalg.vector_norm(g, dtype=torch.float32).square() if g is not None else torch.zeros((), device=self.device)
-
-    def nonfinite(self) -> torch.Tensor:
-        g = self.master.grad
-        if g is None:
-            return torch.zeros((), device=self.device)
-        return (~torch.isfinite(g)).any().float()
+    def held_tensors(self) -> dict[str, list[torch.Tensor | None]]:
+        """The flat parameters; the gradient buffer, the reduced shard and autograd's own gradients of a direct backward."""
+        grads: list[torch.Tensor | None] = [self.grad_flat, self.master.grad]
+        if self.direct:
+            grads += [s.param.grad for s in self.slots]
+        return {"params": [self.param_flat], "grads": grads}

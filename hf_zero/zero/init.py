@@ -1,10 +1,13 @@
-"""User-facing stage-3 helpers with DeepSpeed's names: ``zero.Init`` and ``GatheredParameters``."""
+"""``zero.Init`` (DeepSpeed's name): build a model whose parameters exist only as per-rank slices.
+
+Its ``from_pretrained`` is :mod:`hf_zero.zero.pretrained`'s; full parameters inside a block come
+from :class:`hf_zero.zero.gathered.GatheredParameters` (re-exported here, DeepSpeed's path).
+"""
 
 from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Iterable
 from types import TracebackType
 from typing import Any
 
@@ -13,95 +16,11 @@ import torch.distributed as dist
 
 from hf_zero import dist as hz_dist
 from hf_zero.zero import collectives as C
-from hf_zero.zero.params import ShardState
-from hf_zero.zero.preshard import is_presharded, materialize_, preshard_, reshard_, slice_of
+from hf_zero.zero.gathered import GatheredParameters, src_rank
+from hf_zero.zero.preshard import is_presharded, preshard_, slice_of
+from hf_zero.zero.pretrained import from_pretrained_sharded
 
 logger = logging.getLogger("hf_zero")
-
-
-def _as_list(params: torch.nn.Parameter | Iterable[torch.nn.Parameter] | None) -> list[torch.nn.Parameter]:
-    if params is None:
-        return []
-    if isinstance(params, torch.Tensor):
-        return [params]
-    return list(params)
-
-
-def _src_rank(group: dist.ProcessGroup | None, rank_in_group: int) -> int:
-    return dist.get_global_rank(group, rank_in_group) if group is not None else rank_in_group
-
-
-class GatheredParameters:
-    """Full parameters inside the block, even under ZeRO stage 3 or ``zero.Init``.
-
-    With ``modifier_rank=r`` the values rank ``r`` holds when the block ends are broadcast to
-    every rank and written into each rank's shard and fp32 master, so an edit (re-initialising a
-    head, copying in pretrained weights) survives resharding and is what the optimizer continues
-    from. With ``modifier_rank=None`` edits are discarded, as in DeepSpeed. Outside stage 3 the
-    parameters are already whole; ``modifier_rank`` still broadcasts the edit and refreshes the
-    fp32 master copy. Every rank must enter the block with the same parameters (it is a collective).
-    """
-
-    def __init__(
-        self,
-        params: torch.nn.Parameter | Iterable[torch.nn.Parameter] | None,
-        modifier_rank: int | None = None,
-        fwd_module: torch.nn.Module | None = None,
-        enabled: bool = True,
-    ) -> None:
-        del fwd_module
-        self.params = _as_list(params)
-        self.modifier_rank = modifier_rank
-        self.enabled = enabled
-        self._groups: list = []
-        self._was_sharded: list[bool] = []
-        self._presharded: list[torch.nn.Parameter] = []
-        self._preshard_group: dist.ProcessGroup | None = None
-
-    def __enter__(self) -> GatheredParameters:
-        if not self.enabled:
-            return self
-        seen: set[int] = set()
-        for p in self.params:
-            g = getattr(p, "hf_zero_group", None)
-            if g is not None and id(g) not in seen:
-                seen.add(id(g))
-                self._groups.append(g)
-                self._was_sharded.append(g.state is ShardState.SHARDED)
-                g.gather(None)
-                g.wait()
-            elif is_presharded(p) and id(p) not in seen:
-                seen.add(id(p))
-                self._presharded.append(p)
-        if self._presharded:
-            self._preshard_group = self._presharded[0].hf_zero_preshard.group
-            materialize_(self._presharded, self._presharded[0].hf_zero_preshard.shard.device)
-        return self
-
-    def __exit__(self, exc_type: type | None, exc: BaseException | None, tb: TracebackType | None) -> None:
-        if not self.enabled:
-            return
-        modify = self.modifier_rank is not None and exc_type is None and dist.is_initialized()
-        if modify:
-            assert self.modifier_rank is not None
-            world = dist.get_world_size()
-            for g in self._groups:
-                C.broadcast_(g.full, self.modifier_rank, None, world)
-                g.write_back_from_full()
-            for p in self.params:
-                if getattr(p, "hf_zero_group", None) is not None:
-                    continue
-                with torch.no_grad():
-                    C.broadcast_(p.data, self.modifier_rank, None, world)
-                fg = getattr(p, "hf_zero_flat", None)
-                if fg is not None:
-                    fg.write_back_param(next(s for s in fg.slots if s.param is p))
-        for g, was in zip(self._groups, self._was_sharded):
-            if was:
-                g.reshard()
-        if self._presharded:
-            # Without a modifier the shards are unchanged: every rank keeps the slice it had.
-            reshard_(self._presharded, self._preshard_group)
 
 
 # ----------------------------------------------------------------------------- zero.Init
@@ -200,8 +119,6 @@ class Init:
         # Imported before any class is wrapped: importing transformers builds modules at import time.
         from transformers import modeling_utils
 
-        from hf_zero.zero.pretrained import from_pretrained_sharded
-
         self._pretrained_cls = modeling_utils.PreTrainedModel
         Init._active = self
         self._owner = True
@@ -280,7 +197,7 @@ class Init:
     # --------------------------------------------------------------- sharding
 
     def _shard_own_params(self, module: torch.nn.Module) -> None:
-        src = _src_rank(self.group, 0)
+        src = src_rank(self.group, 0)
         for p in module.parameters(recurse=False):
             if is_presharded(p) or p.device.type == "meta":
                 continue

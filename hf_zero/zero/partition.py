@@ -1,4 +1,4 @@
-"""ZeRO stages 0, 1 and 2 as one optimizer wrapper over FlatGroups.
+"""``ShardedOptimizer``: every ZeRO stage as one optimizer wrapper over shard groups.
 
 - Stage 0: gradients all-reduced per bucket; every rank steps the whole (fp32 master) buffer.
 - Stage 1: gradients reduce-scattered; each rank steps only its shard of the masters and the
@@ -6,9 +6,14 @@
   over the micro-steps of a step and are reduced once, at the boundary.
 - Stage 2: as stage 1, but reduced every micro-step into the fp32 shard, so no full gradient
   outlives the backward that made it (more communication under gradient accumulation, less memory).
+- Stage 3: the parameters themselves are sharded per unit (:mod:`hf_zero.zero.stage3`), and
+  parameters below ``stage3_param_persistence_threshold`` stay whole in stage-2 style buckets.
 
-In both, a bucket's full gradient buffer exists only from its first gradient until its
-reduce-scatter is issued (with one micro-step per step the two stages are the same schedule).
+Stages 0-2 keep their parameters in :class:`hf_zero.zero.flat.FlatGroup` buckets; in stages 1-2 a
+bucket's full gradient buffer exists only from its first gradient until its reduce-scatter is
+issued (with one micro-step per step the two stages are the same schedule). Everything outside
+``zero/`` sees the buckets through :attr:`ShardedOptimizer.groups` and the
+:class:`hf_zero.zero.group.ShardGroup` interface.
 
 Buckets are launched strictly in bucket order (like DDP) even when autograd finishes them
 out of order, so that every rank issues the same collectives in the same order: a bucket
@@ -24,15 +29,18 @@ import torch
 import torch.distributed as dist
 
 from hf_zero.zero import collectives as C
-from hf_zero.zero.flat import FlatGroup, ParamSlot
-from hf_zero.zero.params import ShardedParamGroup, Stage3Runtime, Unit, find_units, input_embedding_unit
+from hf_zero.zero.flat import FlatGroup
+from hf_zero.zero.group import ParamSlot, Placement, ShardGroup
 from hf_zero.zero.preshard import materialize_
+from hf_zero.zero.stage3 import ShardedParamGroup, Stage3Runtime, Unit, find_units, input_embedding_unit
+
+NamedParams = list[tuple[str, torch.nn.Parameter]]
 
 
-def _buckets(named: list[tuple[str, torch.nn.Parameter]], bucket_numel: int) -> list[list]:
+def _buckets(named: NamedParams, bucket_numel: int) -> list[NamedParams]:
     """Split parameters (already in backward order) into buckets of about ``bucket_numel`` elements."""
-    out: list[list] = []
-    cur: list = []
+    out: list[NamedParams] = []
+    cur: NamedParams = []
     size = 0
     for item in named:
         n = item[1].numel()
@@ -46,11 +54,71 @@ def _buckets(named: list[tuple[str, torch.nn.Parameter]], bucket_numel: int) -> 
     return out
 
 
+def _trainable_by_param_group(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[NamedParams]:
+    """The trainable ``(name, parameter)`` pairs of each optimizer param group, checked before any work is done."""
+    names = {id(p): n for n, p in module.named_parameters(remove_duplicate=True)}
+    seen: set[int] = set()
+    group_named: list[NamedParams] = []
+    for gi, pg in enumerate(optimizer.param_groups):
+        named = []
+        for p in pg["params"]:
+            if id(p) in seen:
+                raise ValueError(f"a parameter appears twice in the optimizer's param groups (group {gi})")
+            if id(p) not in names:
+                raise ValueError(
+                    f"optimizer param group {gi} holds a tensor of shape {tuple(p.shape)} that is not a "
+                    "parameter of the model; build the optimizer from model.parameters()"
+                )
+            seen.add(id(p))
+            if p.requires_grad:
+                named.append((names[id(p)], p))
+        group_named.append(named)
+    missing = [n for n, p in module.named_parameters() if p.requires_grad and id(p) not in seen]
+    if missing:
+        raise ValueError(
+            f"parameter '{missing[0]}' requires grad but is in no optimizer param group; "
+            "freeze it (requires_grad=False) or pass it in model_parameters"
+        )
+    return group_named
+
+
+def _assign_units(module: torch.nn.Module) -> tuple[list[tuple[str, torch.nn.Module]], dict[int, int]]:
+    """Stage 3's units (the input embedding first when it is one) and each parameter's unit (-1: the root)."""
+    unit_mods = find_units(module)
+    embedding = input_embedding_unit(module, unit_mods)
+    if embedding is not None:
+        unit_mods = [embedding, *unit_mods]
+    unit_of: dict[int, int] = {}
+    for ui, (_, m) in enumerate(unit_mods):
+        for p in m.parameters():
+            # A weight shared by two units (a tied embedding and LM head) must be whole whenever
+            # either runs: it joins the root unit, which stays gathered for the whole step.
+            unit_of[id(p)] = ui if unit_of.get(id(p), ui) == ui else -1
+    return unit_mods, unit_of
+
+
+def _point_optimizer_at(optimizer: torch.optim.Optimizer, group_masters: list[list[torch.Tensor]]) -> None:
+    """Re-point each param group at its masters and start the optimizer's state afresh."""
+    for pg, masters in zip(optimizer.param_groups, group_masters):
+        pg["params"] = masters
+        if (
+            getattr(optimizer, "hf_zero_fuse_on_device", False)
+            and pg.get("fused") is None
+            and not pg.get("foreach")
+            and masters
+            and all(m.is_cuda for m in masters)
+        ):
+            pg["fused"] = True  # the config's Adam, built on zero.Init's meta parameters
+    optimizer.state = defaultdict(dict)
+
+
 class ShardedOptimizer:
-    """Owns the flat buffers, the gradient hooks and the sharded optimizer step.
+    """Owns the shard groups, the gradient hooks and the sharded optimizer step.
 
     The user's torch optimizer is kept (so an LR scheduler built on it keeps working) but its
-    param groups are re-pointed at the flat fp32 master tensors, as DeepSpeed does.
+    param groups are re-pointed at the fp32 master tensors, as DeepSpeed does. The stage-3
+    knobs (``persistence_threshold``, ``prefetch_numel``, ``max_live_numel``: the config's
+    ``stage3_*`` values, which hold their defaults) only matter at stage 3.
     """
 
     def __init__(
@@ -64,9 +132,9 @@ class ShardedOptimizer:
         bucket_numel: int,
         group: dist.ProcessGroup | None,
         device: torch.device,
-        persistence_threshold: int = 100_000,
-        prefetch_numel: int = 50_000_000,
-        max_live_numel: int = 1_000_000_000,
+        persistence_threshold: int,
+        prefetch_numel: int,
+        max_live_numel: int,
     ) -> None:
         self.optimizer = optimizer
         self.stage = stage
@@ -76,41 +144,16 @@ class ShardedOptimizer:
         self.device = device
         self.comm_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.gather_stream = torch.cuda.Stream(device) if device.type == "cuda" and stage == 3 else None
-        self._prefetch_numel, self._max_live_numel = prefetch_numel, max_live_numel
-
-        names = {id(p): n for n, p in module.named_parameters(remove_duplicate=True)}
         self.flat_groups: list[FlatGroup] = []
-        self.shard_groups: list[ShardedParamGroup] = []
+        self.stage3_groups: list[ShardedParamGroup] = []
         self.runtime: Stage3Runtime | None = None
+        self.place = Placement.over(group, device, compute_dtype, reduce_dtype)
 
-        # Which trainable parameters each optimizer param group holds (validated first, before any work).
-        seen: set[int] = set()
-        group_named: list[list[tuple[str, torch.nn.Parameter]]] = []
-        for gi, pg in enumerate(optimizer.param_groups):
-            named = []
-            for p in pg["params"]:
-                if id(p) in seen:
-                    raise ValueError(f"a parameter appears twice in the optimizer's param groups (group {gi})")
-                if id(p) not in names:
-                    raise ValueError(
-                        f"optimizer param group {gi} holds a tensor of shape {tuple(p.shape)} that is not a "
-                        "parameter of the model; build the optimizer from model.parameters()"
-                    )
-                seen.add(id(p))
-                if p.requires_grad:
-                    named.append((names[id(p)], p))
-            group_named.append(named)
-        missing = [n for n, p in module.named_parameters() if p.requires_grad and id(p) not in seen]
-        if missing:
-            raise ValueError(
-                f"parameter '{missing[0]}' requires grad but is in no optimizer param group; "
-                "freeze it (requires_grad=False) or pass it in model_parameters"
-            )
-
+        group_named = _trainable_by_param_group(module, optimizer)
         self.group_names = [[n for n, _ in named] for named in group_named]  # checkpoints record them
         group_masters: list[list[torch.Tensor]] = [[] for _ in group_named]
         if stage == 3:
-            self._build_stage3(module, group_named, group_masters, compute_dtype, reduce_dtype, persistence_threshold)
+            self._build_stage3(module, group_named, group_masters, persistence_threshold, prefetch_numel, max_live_numel)
             # Small parameters (norms, biases) stay whole on every rank, as stage 2 keeps them.
             group_named = [[x for x in named if x[1].numel() < persistence_threshold] for named in group_named]
         else:
@@ -118,83 +161,46 @@ class ShardedOptimizer:
         for gi, named in enumerate(group_named):
             # Reverse registration order approximates the order backward produces gradients.
             for bucket in _buckets(list(reversed(named)), bucket_numel):
-                fg = FlatGroup(
-                    len(self.flat_groups),
-                    bucket,
-                    compute_dtype=compute_dtype,
-                    reduce_dtype=reduce_dtype,
-                    partitioned=stage >= 1,
-                    free_grads_after_reduce=stage >= 1,
-                    group=group,
-                    rank=self.rank,
-                    world_size=self.world_size,
-                    device=device,
-                )
+                fg = FlatGroup(bucket, self.place, partitioned=stage >= 1, free_grads_after_reduce=stage >= 1)
                 self.flat_groups.append(fg)
                 group_masters[gi].append(fg.master)
-        for pg, masters in zip(optimizer.param_groups, group_masters):
-            pg["params"] = masters
-            if (
-                getattr(optimizer, "hf_zero_fuse_on_device", False)
-                and pg.get("fused") is None
-                and not pg.get("foreach")
-                and masters
-                and all(m.is_cuda for m in masters)
-            ):
-                pg["fused"] = True  # the config's Adam, built on zero.Init's meta parameters
-        optimizer.state = defaultdict(dict)
+        _point_optimizer_at(optimizer, group_masters)
 
-        self._slot_of: dict[int, tuple[FlatGroup, ParamSlot]] = {}
+        self._group_of: dict[int, ShardGroup] = {id(s.param): g for g in self.groups for s in g.slots}
+        self._bucket_of: dict[int, tuple[int, ParamSlot]] = {}  # parameter -> (bucket index, its slot)
         self._hooks = []
-        for fg in self.flat_groups:
+        for i, fg in enumerate(self.flat_groups):
             for s in fg.slots:
-                self._slot_of[id(s.param)] = (fg, s)
+                self._bucket_of[id(s.param)] = (i, s)
                 self._hooks.append(s.param.register_post_accumulate_grad_hook(self._on_grad_ready))
+        self._arrived = [0] * len(self.flat_groups)  # gradients of this backward, per bucket
         self._sync = False
         self._next_launch = 0
         self.reduced = False
 
     def _build_stage3(
-        self,
-        module: torch.nn.Module,
-        group_named: list[list[tuple[str, torch.nn.Parameter]]],
-        group_masters: list[list[torch.Tensor]],
-        compute_dtype: torch.dtype,
-        reduce_dtype: torch.dtype,
-        threshold: int,
+        self, module: torch.nn.Module, group_named: list[NamedParams], group_masters: list[list[torch.Tensor]],
+        threshold: int, prefetch_numel: int, max_live_numel: int,
     ) -> None:
         """Shard every parameter at or above ``threshold`` into per-unit, per-param-group flat shards.
 
         Units are built one at a time: a model made under ``zero.Init`` arrives as per-parameter
         slices, and only the unit being laid out is gathered whole, so no rank ever holds the model.
         """
-        unit_mods = find_units(module)
-        embedding = input_embedding_unit(module, unit_mods)
-        if embedding is not None:
-            unit_mods = [embedding, *unit_mods]
-        unit_of: dict[int, int] = {}
-        for ui, (_, m) in enumerate(unit_mods):
-            for p in m.parameters():
-                # A weight shared by two units (a tied embedding and LM head) must be whole whenever
-                # either runs: it joins the root unit, which stays gathered for the whole step.
-                unit_of[id(p)] = ui if unit_of.get(id(p), ui) == ui else -1
+        unit_mods, unit_of = _assign_units(module)
         names = dict(module.named_parameters())
         frozen = [(n, p) for n, p in names.items() if not p.requires_grad]
         units: list[Unit] = []
         for ui in [*range(len(unit_mods)), -1]:
-            mine = [p for p in names.values() if unit_of.get(id(p), -1) == ui]
-            materialize_(mine, self.device)
+            materialize_([p for p in names.values() if unit_of.get(id(p), -1) == ui], self.device)
             groups: list[ShardedParamGroup] = []
             for gi, named in [*enumerate(group_named), (-1, frozen)]:
                 picked = [x for x in named if unit_of.get(id(x[1]), -1) == ui and x[1].numel() >= threshold]
                 if not picked:
                     continue
-                g = ShardedParamGroup(
-                    picked, compute_dtype=compute_dtype, reduce_dtype=reduce_dtype, trainable=gi >= 0,
-                    group=self.group, rank=self.rank, world_size=self.world_size, device=self.device,
-                )
+                g = ShardedParamGroup(picked, self.place, trainable=gi >= 0)
                 groups.append(g)
-                self.shard_groups.append(g)
+                self.stage3_groups.append(g)
                 if g.master is not None:
                     group_masters[gi].append(g.master)
             if ui >= 0:
@@ -203,10 +209,28 @@ class ShardedOptimizer:
                 units.append(Unit(len(unit_mods), "<root>", module, groups, is_root=True))
         self.runtime = Stage3Runtime(
             module, units, stream=self.gather_stream, reduce_stream=self.comm_stream,
-            prefetch_numel=self._prefetch_numel, max_live_numel=self._max_live_numel,
+            prefetch_numel=prefetch_numel, max_live_numel=max_live_numel,
         )
 
-    # ----------------------------------------------------------- backward
+    # ------------------------------------------------------------ the groups
+
+    @property
+    def groups(self) -> list[ShardGroup]:
+        """Every shard group: the FlatGroup buckets, then stage 3's ShardedParamGroups (the public listing)."""
+        return [*self.flat_groups, *self.stage3_groups]
+
+    def group_of(self, param: torch.Tensor) -> ShardGroup | None:
+        """The shard group holding ``param`` (None for a buffer or a frozen parameter kept whole)."""
+        return self._group_of.get(id(param))
+
+    def master_params(self) -> Iterable[torch.Tensor]:
+        """The fp32 tensors the optimizer steps, one per trainable group."""
+        return (g.master for g in self.groups if g.master is not None)
+
+    def release_inference(self) -> None:
+        """Stage 3: release what no-grad forwards (evaluation, ``generate``) left gathered."""
+        if self.runtime is not None:
+            self.runtime.release_inference()
 
     @property
     def param_groups(self) -> list[dict]:
@@ -215,6 +239,8 @@ class ShardedOptimizer:
     @property
     def state(self) -> dict:
         return self.optimizer.state
+
+    # ----------------------------------------------------------- backward
 
     @property
     def reduces_every_micro_step(self) -> bool:
@@ -231,23 +257,22 @@ class ShardedOptimizer:
         if not sync:
             self.reduced = False
         self._next_launch = 0
+        self._arrived = [0] * len(self.flat_groups)
         for fg in self.flat_groups:
             # Stages 1-2 allocate a bucket's buffer, if at all, when its first gradient arrives
             # (adopt_grad), so the activation peak at the start of backward does not also carry
             # every gradient; a backward that reduces leaves gradients where autograd puts them.
             fg.begin_backward(sync)
-            fg.ready = 0
-            fg.launched = False
 
     def _on_grad_ready(self, param: torch.Tensor) -> None:
-        fg, slot = self._slot_of[id(param)]
-        fg.adopt_grad(slot)
+        i, slot = self._bucket_of[id(param)]
+        self.flat_groups[i].adopt_grad(slot)
         if not self._sync:
             return
-        fg.ready += 1
+        self._arrived[i] += 1
         while self._next_launch < len(self.flat_groups):
             nxt = self.flat_groups[self._next_launch]
-            if nxt.ready < len(nxt.slots):
+            if self._arrived[self._next_launch] < len(nxt.slots):
                 break
             nxt.reduce_grads(self.comm_stream)
             self._next_launch += 1
@@ -262,31 +287,13 @@ class ShardedOptimizer:
             self.flat_groups[self._next_launch].reduce_grads(self.comm_stream)
             self._next_launch += 1
         C.wait_for(self.comm_stream)
-        for fg in self.flat_groups:
-            fg.finish_reduce()
         self.reduced = True
         self._sync = False
 
     # --------------------------------------------------------------- step
 
-    def grad_norm_and_overflow(self, need_overflow: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """Global L2 norm of the (possibly loss-scaled) averaged gradients, and an inf/nan flag.
-
-        Stage 0 ranks hold identical full gradients, so no communication is needed; sharded
-        stages sum their shards' squares with one all-reduce of two numbers.
-        """
-        sq = [fg.grad_sq_sum() for fg in self._all_groups()]
-        stats = torch.stack([torch.stack(sq).sum() if sq else torch.zeros((), device=self.device)])
-        if need_overflow:
-            bad = [fg.nonfinite() for fg in self._all_groups()]
-            stats = torch.cat([stats, torch.stack(bad).sum().reshape(1)])
-        if self.stage >= 1:
-            C.all_reduce_(stats, self.group, self.world_size)
-        norm = stats[0].sqrt()
-        flag = stats[1] if need_overflow else torch.zeros((), device=self.device)
-        return norm, flag
-
     def scale_grads(self, coef: torch.Tensor | float) -> None:
+        """Multiply every reduced gradient shard by ``coef`` (unscale and clip in one pass)."""
         grads = [m.grad for m in self.master_params() if m.grad is not None]
         if grads and not (isinstance(coef, float) and coef == 1.0):
             torch._foreach_mul_(grads, coef)
@@ -294,15 +301,15 @@ class ShardedOptimizer:
     def step_and_publish(self) -> None:
         """Optimizer step on this rank's masters, then publish the new weights to every rank."""
         self.optimizer.step()
-        for fg in self._all_groups():
-            fg.publish_master(self.comm_stream)
+        for g in self.groups:
+            g.publish_master(self.comm_stream)
         C.wait_for(self.comm_stream)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear gradients. Gradient buffers are always reused (or freed under stage 2)."""
         del set_to_none
-        for fg in self._all_groups():
-            fg.zero_grads()
+        for g in self.groups:
+            g.zero_grads()
         self.reduced = False
 
     def step(self, closure: object = None) -> None:
@@ -313,14 +320,12 @@ class ShardedOptimizer:
 
     # ------------------------------------------------------------ helpers
 
-    def _all_groups(self) -> list:
-        return [*self.flat_groups, *self.shard_groups]
-
-    def master_params(self) -> Iterable[torch.Tensor]:
-        return (g.master for g in self._all_groups() if g.master is not None)
-
     def memory_bytes(self) -> dict[str, int]:
-        """Bytes this rank holds for parameters, gradients and optimizer state (unique storages)."""
+        """Bytes this rank holds for parameters, gradients and optimizer state (unique storages).
+
+        A storage counts once, in the first of params, grads, optim that holds it (in fp32 a
+        stage 0-2 master is a view of the parameters: it counts as parameters).
+        """
         seen: set[int] = set()
 
         def size(t: torch.Tensor | None) -> int:
@@ -332,14 +337,9 @@ class ShardedOptimizer:
             seen.add(st.data_ptr())
             return st.nbytes()
 
-        params = sum(size(fg.param_flat) for fg in self.flat_groups)
-        # In fp32 a stage-3 master shard is the parameter itself (as a stage 0-2 master is a view of it).
-        params += sum(size(g.master if g.param_shard is None and not g.mixed else g.param_shard) for g in self.shard_groups)
-        params += sum(size(g.full) for g in self.shard_groups)
-        grads = sum(size(fg.grad_flat) + size(fg.master.grad) for fg in self.flat_groups)
-        grads += sum(size(s.param.grad) for fg in self.flat_groups if fg.direct for s in fg.slots)
-        grads += sum(sum(size(x.param.grad) for x in g.slots) + size(None if g.master is None else g.master.grad)
-                     for g in self.shard_groups)
+        held = [g.held_tensors() for g in self.groups]
+        params = sum(size(t) for h in held for t in h["params"])
+        grads = sum(size(t) for h in held for t in h["grads"])
         optim = sum(size(m) for m in self.master_params())
         for st in self.optimizer.state.values():
             for v in st.values():

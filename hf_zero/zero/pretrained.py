@@ -18,6 +18,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hf_zero.precision import dtype_by_name
+from hf_zero.zero.gathered import GatheredParameters
 from hf_zero.zero.preshard import is_presharded, preshard_, shard_bounds
 
 logger = logging.getLogger("hf_zero")
@@ -105,15 +107,8 @@ def _candidates(name: str, prefix: str) -> list[str]:
     return out
 
 
-def from_pretrained_sharded(cls: type, init: Any, pretrained_model_name_or_path: Any, *model_args: Any, **kwargs: Any):
-    """``cls.from_pretrained`` as it runs inside ``hf_zero.zero.Init``."""
-    from accelerate import init_empty_weights
-    from safetensors import safe_open
-    from transformers import AutoConfig, GenerationConfig
-
-    where = f"from_pretrained({str(pretrained_model_name_or_path)!r})"
-    if model_args:
-        raise ValueError(f"{where} under hf_zero.zero.Init takes no positional model arguments; pass a config instead")
+def _pop_options(where: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Take the loading options out of ``kwargs`` (refusing what Init cannot honour); what stays is for the config."""
     adapter = kwargs.get("adapter_kwargs") or {}
     if "_adapter_model_path" not in adapter:
         # with peft installed, transformers' Auto classes pass adapter_kwargs (a revision, a token) on every
@@ -125,54 +120,55 @@ def from_pretrained_sharded(cls: type, init: Any, pretrained_model_name_or_path:
         kwargs.pop(key, None)
     for key in ("low_cpu_mem_usage", "use_safetensors", "_fast_init", "weights_only", "mirror"):
         kwargs.pop(key, None)
-    hub = {k: kwargs.pop(k) for k in _HUB_KEYS if k in kwargs}
-    trust_remote_code = kwargs.pop("trust_remote_code", None)
-    dtype = kwargs.pop("dtype", None)
-    torch_dtype = kwargs.pop("torch_dtype", None)
-    dtype = dtype if dtype is not None else torch_dtype
-    attn = kwargs.pop("attn_implementation", None)
-    config = kwargs.pop("config", None)
-    folder = _resolve_folder(pretrained_model_name_or_path, hub)
+    dtype, torch_dtype = kwargs.pop("dtype", None), kwargs.pop("torch_dtype", None)
+    return {
+        "hub": {k: kwargs.pop(k) for k in _HUB_KEYS if k in kwargs},
+        "trust_remote_code": kwargs.pop("trust_remote_code", None),
+        "dtype": dtype if dtype is not None else torch_dtype,
+        "attn": kwargs.pop("attn_implementation", None),
+        "config": kwargs.pop("config", None),
+    }
+
+
+def _load_config(folder: str, config: Any, trust_remote_code: Any, kwargs: dict[str, Any], where: str) -> Any:
+    """The model config: the one given (keyword arguments override its attributes, as in transformers) or the folder's."""
+    from transformers import AutoConfig
+
     if config is None:
         config, unused = AutoConfig.from_pretrained(
             folder, return_unused_kwargs=True, trust_remote_code=trust_remote_code, **kwargs
         )
     else:
         unused = {}
-        for k, v in kwargs.items():  # like transformers: keyword arguments override config attributes
+        for k, v in kwargs.items():
             if hasattr(config, k):
                 setattr(config, k, v)
             else:
                 unused[k] = v
     if unused:
         raise ValueError(f"{where}: unexpected keyword arguments {sorted(unused)}; they are neither config attributes nor loading options")
-    weight_map = _weight_map(folder)
+    return config
 
-    handles: dict[str, Any] = {}
 
-    def handle(file: str) -> Any:
-        if file not in handles:
-            handles[file] = safe_open(file, framework="pt", device="cpu")
-        return handles[file]
-
+def _model_dtype(dtype: Any, config: Any, weight_map: dict[str, str], handle: Any, init: Any) -> torch.dtype:
+    """Init's dtype, else the one asked for, else (``"auto"``/None) the config's or the checkpoint's first tensor's."""
     if dtype in (None, "auto"):
         dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
         if dtype is None:
-            first = next(iter(weight_map.items()))
-            dtype = handle(first[1]).get_slice(first[0]).get_dtype()
-            dtype = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}.get(dtype, torch.float32)
+            key, file = next(iter(weight_map.items()))
+            name = handle(file).get_slice(key).get_dtype()
+            dtype = dtype_by_name(name) if name in ("F32", "BF16", "F16") else torch.float32
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
-    if init.dtype is not None:
-        dtype = init.dtype
-    extra = {} if attn is None else {"attn_implementation": attn}
-    init.skeleton = True
-    try:
-        with init_empty_weights(include_buffers=False):
-            model = cls._from_config(config, dtype=dtype, **extra)
-    finally:
-        init.skeleton = False
+    return init.dtype if init.dtype is not None else dtype
 
+
+def _read_slices(model: torch.nn.Module, weight_map: dict[str, str], handle: Any, init: Any, where: str) -> dict[str, Any]:
+    """Give every parameter this rank's slice from the files (zeros where missing) and the buffers their values.
+
+    Returns the missing parameters' ids and first names, the checkpoint keys used, and how many
+    elements were read for how many the checkpoint's parameters hold.
+    """
     group, device = init.group, init.device
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     prefix = getattr(model, "base_model_prefix", "") or ""
@@ -181,47 +177,76 @@ def from_pretrained_sharded(cls: type, init: Any, pretrained_model_name_or_path:
     for name, p in model.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(p), []).append(name)
         params[id(p)] = p
-    used: set[str] = set()
-    missing: list[str] = []
-    read = total = 0
+    out: dict[str, Any] = {"missing": {}, "used": set(), "read": 0, "total": 0}
+    for pid, p in params.items():
+        key = next((c for n in aliases[pid] for c in _candidates(n, prefix) if c in weight_map), None)
+        lo, hi, k = shard_bounds(p.numel(), world, rank)
+        shard = torch.zeros(k, dtype=p.dtype, device=device)
+        if key is None:
+            out["missing"][pid] = aliases[pid][0]
+        else:
+            out["used"].add(key)
+            h = handle(weight_map[key])
+            got_shape = tuple(h.get_slice(key).get_shape())
+            if got_shape != tuple(p.shape):
+                raise ValueError(
+                    f"{where}: checkpoint tensor '{key}' has shape {got_shape} but the model's "
+                    f"'{aliases[pid][0]}' has shape {tuple(p.shape)}; the config does not match the weights"
+                )
+            values, n = read_flat_range(h, key, lo, hi)
+            shard[: hi - lo].copy_(values)
+            out["read"] += n
+            out["total"] += p.numel()
+            p._is_hf_initialized = True  # transformers' init functions leave loaded weights alone
+        preshard_(p, shard, group)
+    for name, b in model.named_buffers():
+        c = next((c for c in _candidates(name, prefix) if c in weight_map), None)
+        if c is not None:
+            b.copy_(handle(weight_map[c]).get_tensor(c))
+            out["used"].add(c)
+    return out
+
+
+def from_pretrained_sharded(cls: type, init: Any, pretrained_model_name_or_path: Any, *model_args: Any, **kwargs: Any):
+    """``cls.from_pretrained`` as it runs inside ``hf_zero.zero.Init``."""
+    from accelerate import init_empty_weights
+    from safetensors import safe_open
+    from transformers import GenerationConfig
+
+    where = f"from_pretrained({str(pretrained_model_name_or_path)!r})"
+    if model_args:
+        raise ValueError(f"{where} under hf_zero.zero.Init takes no positional model arguments; pass a config instead")
+    opts = _pop_options(where, kwargs)
+    folder = _resolve_folder(pretrained_model_name_or_path, opts["hub"])
+    config = _load_config(folder, opts["config"], opts["trust_remote_code"], kwargs, where)
+    weight_map = _weight_map(folder)
+    handles: dict[str, Any] = {}
+
+    def handle(file: str) -> Any:
+        if file not in handles:
+            handles[file] = safe_open(file, framework="pt", device="cpu")
+        return handles[file]
+
+    dtype = _model_dtype(opts["dtype"], config, weight_map, handle, init)
+    extra = {} if opts["attn"] is None else {"attn_implementation": opts["attn"]}
+    init.skeleton = True
+    try:
+        with init_empty_weights(include_buffers=False):
+            model = cls._from_config(config, dtype=dtype, **extra)
+    finally:
+        init.skeleton = False
     with torch.no_grad():
-        for pid, p in params.items():
-            key = next((c for n in aliases[pid] for c in _candidates(n, prefix) if c in weight_map), None)
-            lo, hi, k = shard_bounds(p.numel(), world, rank)
-            shard = torch.zeros(k, dtype=p.dtype, device=device)
-            if key is None:
-                missing.append(aliases[pid][0])
-            else:
-                used.add(key)
-                h = handle(weight_map[key])
-                got_shape = tuple(h.get_slice(key).get_shape())
-                if got_shape != tuple(p.shape):
-                    raise ValueError(
-                        f"{where}: checkpoint tensor '{key}' has shape {got_shape} but the model's "
-                        f"'{aliases[pid][0]}' has shape {tuple(p.shape)}; the config does not match the weights"
-                    )
-                values, n = read_flat_range(h, key, lo, hi)
-                shard[: hi - lo].copy_(values)
-                read += n
-                total += p.numel()
-                p._is_hf_initialized = True  # transformers' init functions leave loaded weights alone
-            preshard_(p, shard, group)
-        for name, b in model.named_buffers():
-            for c in _candidates(name, prefix):
-                if c in weight_map:
-                    b.copy_(handle(weight_map[c]).get_tensor(c))
-                    used.add(c)
-                    break
+        got = _read_slices(model, weight_map, handle, init, where)
     LAST_LOAD_STATS.clear()
-    LAST_LOAD_STATS.update({"elements_read": read, "elements_in_checkpoint_params": total, "world_size": world})
-    if missing:
-        logger.warning("%s: weights not in the checkpoint, newly initialised: %s", where, ", ".join(missing))
-        _init_missing(model, init, {id(params[i]) for i in params if aliases[i][0] in set(missing)})
-    unexpected = sorted(set(weight_map) - used)
+    LAST_LOAD_STATS.update({"elements_read": got["read"], "elements_in_checkpoint_params": got["total"],
+                            "world_size": dist.get_world_size(init.group)})
+    if got["missing"]:
+        logger.warning("%s: weights not in the checkpoint, newly initialised: %s", where, ", ".join(got["missing"].values()))
+        _init_missing(model, init, set(got["missing"]))
+    unexpected = sorted(set(weight_map) - got["used"])
     if unexpected:
         logger.warning("%s: checkpoint weights the model does not use: %s", where, ", ".join(unexpected[:20]))
-    gen = os.path.join(folder, "generation_config.json")
-    if os.path.isfile(gen) and getattr(model, "generation_config", None) is not None:
+    if os.path.isfile(os.path.join(folder, "generation_config.json")) and getattr(model, "generation_config", None) is not None:
         model.generation_config = GenerationConfig.from_pretrained(folder)
     model.eval()
     return model
@@ -230,8 +255,6 @@ def from_pretrained_sharded(cls: type, init: Any, pretrained_model_name_or_path:
 def _init_missing(model: torch.nn.Module, init: Any, missing_ids: set[int]) -> None:
     """Initialise only the parameters the checkpoint lacked, module by module, from rank 0."""
     from transformers import PreTrainedModel
-
-    from hf_zero.zero.init import GatheredParameters
 
     rank = dist.get_rank(init.group)
 

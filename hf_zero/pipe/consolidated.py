@@ -1,17 +1,15 @@
-"""A pipelined model's full weights as one Hugging Face folder.
+"""A pipelined model's full weights as one Hugging Face folder (``PipelineEngine.save_pretrained``).
 
 Each stage holds only its layers, under the model's own names, so consolidating is a matter of
 rank 0 asking each stage for its tensors in stage order and streaming them into the writer of
 :mod:`hf_zero.checkpoint.consolidated`. The first data-parallel replica of each stage answers
 (stages 0-2 keep whole parameters on every replica). A tied weight is held by several stages
-under one name; the first stage's copy is written.
-
-The lists of names travel as JSON bytes in tensors, not as pickled objects (no pickle, rule 6).
+under one name; the first stage's copy is written. The lists of names travel as JSON
+(``hf_zero.dist.gather_json``), never pickled.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any
 
@@ -19,22 +17,8 @@ import torch
 import torch.distributed as dist
 
 from hf_zero.checkpoint.consolidated import save_model_config, write_weights
-
-_DT = {str(dt): dt for dt in (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
-                              torch.int16, torch.int8, torch.uint8, torch.bool)}
-
-
-def _all_gather_json(obj: Any, device: torch.device) -> list[Any]:
-    raw = torch.tensor(list(json.dumps(obj).encode()), dtype=torch.uint8, device=device)
-    size = torch.tensor([raw.numel()], dtype=torch.int64, device=device)
-    sizes = [torch.zeros_like(size) for _ in range(dist.get_world_size())]
-    dist.all_gather(sizes, size)
-    longest = int(max(s.item() for s in sizes))
-    padded = torch.zeros(longest, dtype=torch.uint8, device=device)
-    padded[: raw.numel()] = raw
-    bufs = [torch.zeros_like(padded) for _ in sizes]
-    dist.all_gather(bufs, padded)
-    return [json.loads(bytes(b[: int(s.item())].tolist()).decode()) for b, s in zip(bufs, sizes)]
+from hf_zero.dist import gather_json
+from hf_zero.precision import dtype_by_name
 
 
 def save_pretrained(engine: Any, save_directory: str, max_shard_size: int | str = "5GB",
@@ -54,14 +38,14 @@ def save_pretrained(engine: Any, save_directory: str, max_shard_size: int | str 
             seen.add(id(t))
             mine[name] = t
             listing.append([name, str(t.dtype), list(t.shape)])
-    everyone = _all_gather_json(listing, engine.device)
+    everyone = gather_json(listing)
     owner: dict[str, tuple[int, torch.dtype, tuple[int, ...]]] = {}
     entries = []
     for r, names in enumerate(everyone):  # rank order is stage order
         for name, held, shape in names:
             if name not in owner:
-                owner[name] = (r, _DT[held], tuple(shape))
-                saved = dtype if (dtype is not None and _DT[held].is_floating_point) else _DT[held]
+                owner[name] = (r, dtype_by_name(held), tuple(shape))
+                saved = dtype if (dtype is not None and dtype_by_name(held).is_floating_point) else dtype_by_name(held)
                 entries.append((name, saved, tuple(shape)))
 
     def produce(name: str) -> torch.Tensor | None:

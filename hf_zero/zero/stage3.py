@@ -1,4 +1,8 @@
-"""ZeRO stage 3: parameters live sharded and are gathered per unit just before use.
+"""ZeRO stage 3's runtime: parameters live sharded and are gathered per unit just before use.
+
+Here are stage 3's shard group (:class:`ShardedParamGroup`, a :class:`hf_zero.zero.group.ShardGroup`
+whose parameters exist only as this rank's shard between uses), the :class:`Unit` that gathers
+several of them together, and :class:`Stage3Runtime`, the module hooks that drive them.
 
 A *unit* is a transformer block (for ``transformers`` models, an instance of a class named in
 ``_no_split_modules``), otherwise a top-level child; an input embedding no other module shares
@@ -12,8 +16,9 @@ Life of a unit in one training step::
             --first output gradient (multi-grad hook)--> GATHERED
             --every parameter's gradient accumulated--> reduce-scatter, SHARDED
 
-While unit i runs, unit i+1's all-gather is already in flight on a side stream (prefetch in
-forward order, then in reverse order during backward). Gradients are reduce-scattered as soon
+While unit i runs, the all-gathers of the units after it are already in flight on a side stream
+(prefetch in forward order, then in reverse order during backward), as many as the
+``stage3_prefetch_bucket_size`` budget holds (:meth:`Stage3Runtime._prefetch_after`). Gradients are reduce-scattered as soon
 as a unit's backward is done and accumulated into this rank's fp32 gradient shard, so stage 3
 communicates on every micro-step (holding full gradients across accumulation steps would undo
 the point of stage 3).
@@ -22,13 +27,11 @@ the point of stage 3).
 from __future__ import annotations
 
 import enum
-import math
 
 import torch
-import torch.distributed as dist
 
 from hf_zero.zero import collectives as C
-from hf_zero.zero.flat import ParamSlot, lay_out, pack_grads
+from hf_zero.zero.group import Placement, ShardGroup, pack_grads
 
 
 class ShardState(enum.Enum):
@@ -37,34 +40,23 @@ class ShardState(enum.Enum):
     GATHERED = "gathered"
 
 
-class ShardedParamGroup:
+class ShardedParamGroup(ShardGroup):
     """The parameters of one unit (and one optimizer param group), sharded across ranks."""
 
-    def __init__(
-        self,
-        named_params: list[tuple[str, torch.nn.Parameter]],
-        *,
-        compute_dtype: torch.dtype,
-        reduce_dtype: torch.dtype,
-        trainable: bool,
-        group: dist.ProcessGroup | None,
-        rank: int,
-        world_size: int,
-        device: torch.device,
-    ) -> None:
-        self.group, self.rank, self.world_size, self.device = group, rank, world_size, device
-        self.compute_dtype, self.reduce_dtype, self.trainable = compute_dtype, reduce_dtype, trainable
-        self.slots, self.numel = lay_out(named_params)
-        self.padded_numel = math.ceil(self.numel / world_size) * world_size
-        self.shard_numel = self.padded_numel // world_size
-        lo = rank * self.shard_numel
+    partitioned = True
+    resident = False
+
+    def __init__(self, named_params: list[tuple[str, torch.nn.Parameter]], place: Placement, *, trainable: bool) -> None:
+        super().__init__(named_params, place, parts=place.world_size)
+        self.trainable = trainable
+        device, compute_dtype = place.device, place.compute_dtype
+        lo, hi = self.shard_lo, self.shard_hi
         shard32 = torch.zeros(self.shard_numel, dtype=torch.float32, device=device)
         with torch.no_grad():
             for s in self.slots:  # copy only the part of each parameter that falls in this shard
-                a, b = max(s.offset, lo), min(s.offset + s.numel, lo + self.shard_numel)
+                a, b = max(s.offset, lo), min(s.offset + s.numel, hi)
                 if a < b:
                     shard32[a - lo : b - lo].copy_(s.param.detach().reshape(-1)[a - s.offset : b - s.offset])
-        self.mixed = compute_dtype != torch.float32
         # A trainable group keeps only its fp32 master shard: the 16-bit values are cast from it at
         # gather time (as FSDP2 does), instead of a second, 16-bit copy of every shard living
         # beside it. Frozen groups have no master and keep their shard in the compute dtype.
@@ -83,7 +75,12 @@ class ShardedParamGroup:
         self.full.untyped_storage().resize_(0)
         self.state = ShardState.SHARDED
         self._event: torch.cuda.Event | None = None
-        self.ready = 0
+
+    def owned_values(self) -> torch.Tensor:
+        """The fp32 master shard, or a frozen group's shard in the compute dtype."""
+        values = self.master if self.master is not None else self.param_shard
+        assert values is not None
+        return values
 
     # ------------------------------------------------------------ gather
 
@@ -119,11 +116,10 @@ class ShardedParamGroup:
 
     def write_back_from_full(self) -> None:
         """The gathered buffer was edited (and is identical on every rank): refresh shard and master."""
-        lo = self.rank * self.shard_numel
         with torch.no_grad():
             for t in (self.param_shard, self.master):
                 if t is not None:
-                    t.copy_(self.full[lo : lo + self.shard_numel])
+                    t.copy_(self.full[self.shard_lo : self.shard_hi])
 
     def reshard(self) -> None:
         """Release the full parameters' memory; only this rank's shard remains."""
@@ -136,27 +132,19 @@ class ShardedParamGroup:
 
     # ------------------------------------------------------------- grads
 
-    def prepare_grads(self) -> None:
-        """Before this unit's backward: start counting its gradients.
-
-        No buffer is made here. Autograd stores each parameter's gradient as it produces it (no
-        copy), and :meth:`reduce_grads` casts them straight into the reduce-scatter's input on
-        the communication stream. Accumulating into a zeroed 16-bit flat buffer instead cost a
-        memset and an add over every unit's gradients on the compute stream (about 1% of a
-        7.2B step) and a second pass to cast it.
-        """
-        if self.trainable:
-            self.ready = 0
-
-    def adopt_grad(self, slot: ParamSlot) -> None:
-        """Autograd accumulated into ``slot.param.grad``: it stays where autograd put it until reduced."""
-
     def has_grads(self) -> bool:
         """Whether any parameter holds a gradient not yet reduce-scattered."""
         return self.trainable and any(s.param.grad is not None for s in self.slots)
 
     def reduce_grads(self, stream: torch.cuda.Stream | None, limit: C.InflightLimit | None = None) -> None:
-        """Reduce-scatter this micro-step's gradients and add them to the fp32 gradient shard."""
+        """Reduce-scatter this micro-step's gradients and add them to the fp32 gradient shard.
+
+        No flat gradient buffer exists between backward and this call: autograd stores each
+        parameter's gradient as it produces it (no copy), and they are cast straight into the
+        reduce-scatter's input on the communication stream. Accumulating into a zeroed 16-bit
+        flat buffer instead cost a memset and an add over every unit's gradients on the compute
+        stream (about 1% of a 7.2B step) and a second pass to cast it.
+        """
         grads = [s.param.grad for s in self.slots]
         if not self.trainable or all(g is None for g in grads):
             return
@@ -180,22 +168,21 @@ class ShardedParamGroup:
                 g.record_stream(stream)
         for slot in self.slots:
             slot.param.grad = None
-        self.ready = 0
 
     def publish_master(self, stream: torch.cuda.Stream | None) -> None:
         """Nothing to publish: the next gather reads (and casts) the updated master shard itself."""
 
     def zero_grads(self) -> None:
+        """Drop the reduced gradient shard (unit gradients were released when reduced)."""
         if self.master is not None:
             self.master.grad = None
 
-    def grad_sq_sum(self) -> torch.Tensor:
-        g = None if self.master is None else self.master.grad
-        return torch.linalg.vector_norm(g).square() if g is not None else torch.zeros((), device=self.device)
-
-    def nonfinite(self) -> torch.Tensor:
-        g = None if self.master is None else self.master.grad
-        return (~torch.isfinite(g)).any().float() if g is not None else torch.zeros((), device=self.device)
+    def held_tensors(self) -> dict[str, list[torch.Tensor | None]]:
+        """The shard (in fp32 the master is the parameter itself) and the gathered buffer; unreduced and reduced grads."""
+        shard = self.master if self.param_shard is None and not self.mixed else self.param_shard
+        grads: list[torch.Tensor | None] = [s.param.grad for s in self.slots]
+        grads.append(None if self.master is None else self.master.grad)
+        return {"params": [shard, self.full], "grads": grads}
 
 
 def find_units(module: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
@@ -306,7 +293,7 @@ class Stage3Runtime:
         self.in_backward: set[int] = set()
         self.inference_gathered = False
         self.limit = C.InflightLimit()
-        self._slot_of: dict[int, tuple[Unit, ShardedParamGroup, ParamSlot]] = {}
+        self._unit_of: dict[int, Unit] = {}  # trainable parameter -> its unit
         self.handles = []
         for u in self.units:
             self.handles.append(u.module.register_forward_pre_hook(self._make_pre(u)))
@@ -317,7 +304,7 @@ class Stage3Runtime:
             for g in u.groups:
                 if g.trainable:
                     for s in g.slots:
-                        self._slot_of[id(s.param)] = (u, g, s)
+                        self._unit_of[id(s.param)] = u
                         self.handles.append(s.param.register_post_accumulate_grad_hook(self._on_grad_ready))
 
     # -------------------------------------------------------------- forward
@@ -347,37 +334,37 @@ class Stage3Runtime:
         if not torch.is_grad_enabled():
             self.inference_gathered = True
             return
-        tensors = _tensors_requiring_grad(output)
-        if not tensors:
-            self.root_unit.reshard()
-            return
-        root = self.root_unit
-
-        def prepare(_grad: object) -> None:
-            for g in root.groups:
-                g.prepare_grads()
-
-        torch.autograd.graph.register_multi_grad_hook(tensors, prepare, mode="any")
+        if not _tensors_requiring_grad(output):
+            self.root_unit.reshard()  # no backward will come through it; otherwise it stays for backward
 
     def _prefetch_after(self, unit: Unit, reverse: bool) -> None:
-        if not self.order:
+        """Gather the units that run after ``unit``, as far ahead as ``stage3_prefetch_bucket_size`` allows.
+
+        The budget counts, in elements as DeepSpeed counts prefetched parameters, the units gathered
+        ahead of the running one (in flight or already gathered). The next unit is gathered
+        whenever the budget is above 0; the ones after it only while everything ahead stays within
+        the budget; ``stage3_max_live_parameters`` caps all gathered units together. The default
+        (5e7) holds one block of a billion-parameter model (4e7 to 2e8 elements), so such a model
+        runs one unit ahead, as FSDP2 does; smaller blocks run several ahead; 0 turns it off.
+        """
+        if not self.order or self.prefetch_numel <= 0:
             return
         order = self.order[::-1] if reverse else self.order
         try:
             i = order.index(unit)
         except ValueError:
             return
-        budget = self.prefetch_numel
         live = sum(u.numel for u in self.units if u.gathered)
+        ahead = 0
         for nxt in order[i + 1 :]:
-            if nxt.gathered:
-                continue
-            if budget <= 0 or live + nxt.numel > self.max_live_numel:
+            if ahead > 0 and ahead + nxt.numel > self.prefetch_numel:
                 break
-            nxt.gather(self.stream)
-            budget -= nxt.numel
-            live += nxt.numel
-            break  # one unit ahead keeps memory at two units, as FSDP2's default
+            if not nxt.gathered:
+                if live + nxt.numel > self.max_live_numel:
+                    break
+                nxt.gather(self.stream)
+                live += nxt.numel
+            ahead += nxt.numel
 
     def _make_pre(self, unit: Unit):
         def pre(module: torch.nn.Module, args: tuple) -> None:
@@ -408,14 +395,11 @@ class Stage3Runtime:
     def _pre_backward(self, unit: Unit) -> None:
         unit.gather(None)
         unit.wait()
-        for g in unit.groups:
-            g.prepare_grads()
         self.in_backward.add(unit.index)
         self._prefetch_after(unit, reverse=True)
 
     def _on_grad_ready(self, param: torch.Tensor) -> None:
-        unit, group, slot = self._slot_of[id(param)]
-        group.adopt_grad(slot)
+        unit = self._unit_of[id(param)]
         unit.ready += 1
         if unit.ready == unit.trainable_count and not unit.is_root:
             self._reduce(unit)

@@ -1,0 +1,155 @@
+"""Loading a resume checkpoint at any world size, ZeRO stage or pipeline layout.
+
+Every rank computes what it owns (its shard groups' ranges, by parameter name) and reads exactly
+that from whichever files hold it (:class:`hf_zero.checkpoint.format.CheckpointReader`). Before
+anything is touched, every check (names, shapes, optimizer groups, file checksums) runs on every
+rank and the findings are pooled, so a refused checkpoint raises the same sentence on every rank
+and leaves the engine as it was; in a pipeline each stage checks what it holds.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from hf_zero.checkpoint.format import (
+    CheckpointReader,
+    from_json,
+    read_meta,
+    resolve_tag,
+    saved_optimizers,
+    set_rng_state,
+)
+from hf_zero.checkpoint.optim_state import load_optimizer, optimizer_plan
+from hf_zero.checkpoint.ranks import CheckpointLayout, gather_findings
+from hf_zero.errors import CheckpointError
+
+
+def _different_model(path: str, missing: list[str], extra: list[str]) -> str:
+    return (f"{path} was saved from a different model: missing {missing[:5]}, unexpected {extra[:5]}; "
+            "load it into the same architecture")
+
+
+def _model_problems(engine: Any, meta: dict, path: str, lay: CheckpointLayout) -> list[str]:
+    """This rank's reasons to refuse the checkpoint's parameter table (names, shapes)."""
+    saved_params, here = meta["params"], dict(engine.module.named_parameters())
+    problems: list[str] = []
+    missing = sorted(set(here) - set(saved_params))
+    extra = sorted(set(saved_params) - set(here))
+    if lay.stage is not None:
+        extra = []  # a stage holds part of the model: what no stage holds is known once the names are pooled
+    if missing or extra:
+        problems.append(_different_model(path, missing, extra))
+    for n, p in here.items():
+        if n in saved_params and list(p.shape) != saved_params[n]["shape"]:
+            problems.append(f"{path}: parameter '{n}' has shape {saved_params[n]['shape']} there and {list(p.shape)} here")
+            break
+    return problems
+
+
+def _optimizer_problems(
+    engine: Any, meta: dict, path: str, lay: CheckpointLayout, want_optimizer: bool
+) -> tuple[list[dict | None] | None, Any, list[str]]:
+    """The saved hyper-parameters per param group, the scheduler state, and a reason to refuse (if any)."""
+    try:
+        hypers, sched_state = optimizer_plan(engine, meta, path, lay)
+        return hypers, sched_state, []
+    except CheckpointError as e:
+        if want_optimizer:
+            return None, None, [str(e)]
+        saved = saved_optimizers(meta)  # only the scheduler is wanted: this stage's (or the one) as saved
+        return None, saved[lay.stage if lay.stage is not None and lay.stage < len(saved) else 0]["lr_scheduler"], []
+
+
+def _restore_weights(engine: Any, reader: CheckpointReader) -> None:
+    """Masters (and frozen shards) of every shard group, whole frozen parameters, buffers; then publish."""
+    zo = engine.zero_optimizer
+    zo.release_inference()
+    grouped: set[int] = set()
+    for g in zo.groups:
+        values = g.owned_values()
+        for r in g.owned():
+            n = r.hi - r.lo
+            buf = torch.empty(n, dtype=values.dtype)
+            kind = "master" if g.trainable or ("frozen", r.slot.name) not in reader.index else "frozen"
+            reader.read(kind, r.slot.name, r.lo, r.hi, buf)
+            values[r.at : r.at + n].copy_(buf)
+        grouped.update(id(s.param) for s in g.slots)
+    for name, p in engine.module.named_parameters():
+        if id(p) in grouped:
+            continue
+        buf = torch.empty(p.numel(), dtype=p.dtype)
+        kind = "frozen" if ("frozen", name) in reader.index else "master"
+        reader.read(kind, name, 0, p.numel(), buf)
+        p.data.copy_(buf.view(p.shape))
+    for name, b in engine.module.state_dict(keep_vars=True).items():
+        if not isinstance(b, torch.nn.Parameter) and torch.is_tensor(b) and name in reader.buffers:
+            b.copy_(reader.tensor(*reader.buffers[name]))
+    for g in zo.groups:
+        g.publish_master(None)
+
+
+def _restore_progress(engine: Any, meta: dict, reader: CheckpointReader, lay: CheckpointLayout) -> None:
+    """The loss scaler, counters, RNG streams and the data position."""
+    if engine.loss_scaler is not None and meta["loss_scaler"] is not None:
+        engine.loss_scaler.load_state_dict(meta["loss_scaler"])
+    engine.global_steps = int(meta["global_steps"])
+    # Saved on an accumulation boundary; with a different accumulation count (another world size
+    # keeping the global batch) the micro-step counter restarts from that boundary.
+    same_gas = int(meta.get("gradient_accumulation_steps", 1)) == engine.gradient_accumulation_steps()
+    engine.micro_steps = int(meta["micro_steps"]) if same_gas else engine.global_steps * engine.gradient_accumulation_steps()
+    engine.global_samples = int(meta["global_samples"])
+    engine.skipped_steps = int(meta["skipped_steps"])
+    # Each rank's random streams come back to the rank that had them only in the same layout.
+    same_layout = (meta.get("pipeline") or {}).get("num_stages") == lay.num_stages
+    src = lay.rank if int(meta["world_size"]) == lay.world and same_layout else 0
+    rng_keys = [k for k in reader.rank_meta[src]["files"] if k.startswith("rng.")]
+    set_rng_state({k: reader.tensor(src, k) for k in rng_keys}, reader.rank_meta[src]["rng"], engine.device)
+    sampler = getattr(getattr(engine, "training_dataloader", None), "sampler", None)
+    saved_sampler = reader.rank_meta[0]["sampler"]
+    if saved_sampler is not None and hasattr(sampler, "load_state_dict"):
+        sampler.load_state_dict(saved_sampler)
+
+
+def load(
+    engine: Any,
+    load_dir: str,
+    tag: str | None,
+    load_optimizer_states: bool = True,
+    load_lr_scheduler_states: bool = True,
+    load_module_only: bool = False,
+) -> tuple[str, dict]:
+    """Restore ``engine`` from a checkpoint of any world size and stage; collective. Returns ``(path, client_state)``."""
+    path = resolve_tag(load_dir, tag)
+    meta = read_meta(path)
+    lay: CheckpointLayout = engine.checkpoint_layout()
+    problems = _model_problems(engine, meta, path, lay)
+    if lay.stage is None and problems:  # every rank holds the whole model: every rank finds the same
+        raise CheckpointError(problems[0])
+    if engine.zero_optimizer is None:
+        raise CheckpointError("load_checkpoint needs an engine with an optimizer")
+    hypers: list[dict | None] | None = None
+    sched_state: Any = None
+    if not load_module_only and not problems and (load_optimizer_states or load_lr_scheduler_states):
+        hypers, sched_state, refused = _optimizer_problems(engine, meta, path, lay, load_optimizer_states)
+        problems += refused
+    reader = CheckpointReader(path, int(meta["world_size"]))
+    names = sorted(dict(engine.module.named_parameters())) if lay.stage is not None and lay.dp_rank == 0 else None
+    # JSON in tensors: loading a checkpoint never unpickles
+    errors, held = gather_findings(problems + reader.damaged(lay.rank, lay.world), names, lay.group)
+    if lay.stage is not None and not errors:
+        extra = sorted(set(meta["params"]) - {n for part in held for n in (part or [])})
+        if extra:
+            errors.append(_different_model(path, [], extra))
+    if errors:  # every rank raises the same sentence, before anything was loaded
+        raise CheckpointError(errors[0])
+    with torch.no_grad():
+        _restore_weights(engine, reader)
+    if hypers is not None and load_optimizer_states:
+        load_optimizer(engine, reader, hypers)
+    if not load_module_only:
+        if load_lr_scheduler_states and engine.lr_scheduler is not None and sched_state is not None:
+            engine.lr_scheduler.load_state_dict(from_json(sched_state))
+        _restore_progress(engine, meta, reader, lay)
+    return path, from_json(meta["client_state"])

@@ -1,0 +1,273 @@
+"""Saving a resume checkpoint: each rank writes what it owns, rank 0 publishes the whole.
+
+The order of one save (every rank calls :func:`save`):
+
+1. every rank checks what it will store (client state, the optimizer and parameter table) and
+   the ranks agree (:mod:`hf_zero.checkpoint.ranks`) before anything is written;
+2. rank 0 makes ``.<tag>.partial`` (removing what crashed saves left);
+3. every rank writes its share (:func:`write_share`): the master elements it owns by name and
+   range, the matching optimizer state, frozen parameters and buffers (once per replica set),
+   its RNG state and its JSON index;
+4. rank 0 writes ``checkpoint.json`` and publishes (:func:`hf_zero.checkpoint.atomic.publish`),
+   then rotates old checkpoints away.
+
+The format is :mod:`hf_zero.checkpoint.format`'s; a failure anywhere raises the same sentence on
+every rank, removes the half-written folder and leaves the previous checkpoints as they were.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hf_zero.checkpoint import atomic, consolidated
+from hf_zero.checkpoint.format import (
+    FORMAT,
+    LATEST,
+    MAX_FILE_BYTES,
+    META,
+    rank_file_name,
+    rank_meta_name,
+    rng_state,
+    sha256,
+    to_json,
+)
+from hf_zero.checkpoint.ranks import CheckpointLayout, agree, attempt, pool
+from hf_zero.dist import gather_json
+from hf_zero.errors import CheckpointError
+
+
+def optimizer_table(engine: Any) -> dict[str, Any]:
+    """This engine's parameter table, optimizer param groups (hyper-parameters and names) and scheduler, as JSON.
+
+    A pipeline stage has an optimizer of its own, so a pipeline checkpoint keeps one per stage.
+    """
+    zo = engine.zero_optimizer
+    groups_meta = [
+        {k: to_json(v, f"optimizer param group '{k}'") for k, v in pg.items() if k != "params"}
+        for pg in zo.optimizer.param_groups
+    ]
+    group_of = {n: gi for gi, names in enumerate(zo.group_names) for n in names}
+    sched = engine.lr_scheduler
+    return {
+        "param_groups": groups_meta,
+        "group_names": [list(names) for names in zo.group_names],
+        "lr_scheduler": to_json(sched.state_dict(), "lr_scheduler state")
+        if sched is not None and hasattr(sched, "state_dict") else None,
+        "params": {
+            n: {"shape": list(p.shape), "dtype": str(p.dtype).removeprefix("torch."), "trainable": p.requires_grad,
+                "group": group_of.get(n)}
+            for n, p in engine.module.named_parameters()
+        },
+    }
+
+
+def _checked_tag(engine: Any, tag: str | None) -> str:
+    """The tag to write (``global_step<N>`` by default), after the checks every rank makes alike."""
+    if engine.zero_optimizer is None:
+        raise CheckpointError("save_checkpoint needs an engine with an optimizer")
+    if engine.micro_steps % engine.gradient_accumulation_steps() != 0:
+        raise CheckpointError(
+            f"save_checkpoint was called in the middle of gradient accumulation (micro step {engine.micro_steps}, "
+            f"accumulation {engine.gradient_accumulation_steps()}); call it after the boundary's engine.step()"
+        )
+    tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
+    if not tag or "/" in tag or tag.startswith(".") or tag == LATEST:
+        raise CheckpointError(f"save_checkpoint(tag={tag!r}): a tag must be a plain, non-hidden directory name other than '{LATEST}'")
+    return tag
+
+
+def save(
+    engine: Any, save_dir: str, tag: str | None, client_state: dict | None, save_latest: bool = True,
+    keep_last: int | None = None,
+) -> str:
+    """Write a resume checkpoint of ``engine``; collective (every rank calls it). Returns its path.
+
+    A failure on any rank (a full disk, a state JSON cannot hold) raises on every rank after the
+    ranks agree on it, so none is left waiting; the half-written folder is removed and the
+    previous checkpoints and ``latest`` stay as they were.
+    """
+    tag = _checked_tag(engine, tag)
+    lay: CheckpointLayout = engine.checkpoint_layout()
+    group, rank = lay.group, lay.rank
+    partial = atomic.partial_dir(save_dir, tag)
+    client = to_json(client_state or {}, "client_state")  # every rank checks before anything is written
+    # The optimizer and parameter table (one per stage in a pipeline) is made and checked on
+    # every rank before anything is written, so a state that cannot be stored (a param group
+    # value JSON cannot hold, a scheduler whose state_dict fails) stops every rank with the same
+    # sentence instead of rank 0 alone, after the others are already waiting for it.
+    mine, err = attempt(lambda: optimizer_table(engine) if lay.stage is None or lay.dp_rank == 0 else None)
+    pooled = gather_json({"table": mine if lay.stage is not None else None, "error": err}, group)
+    agree([p["error"] for p in pooled], save_dir)
+    stage_tables = [p["table"] for p in pooled if p["table"] is not None]  # rank order is stage order
+    table = stage_tables[0] if stage_tables else mine
+
+    err = attempt(lambda: _start(save_dir, partial))[1] if rank == 0 else None
+    agree(pool(err, group), save_dir)
+    errors = pool(attempt(lambda: write_share(engine, lay, partial))[1], group)
+    if any(errors):  # a full disk on one rank must not leave the others waiting
+        if rank == 0:  # free the space the half-written checkpoint took, before anyone returns
+            shutil.rmtree(partial, ignore_errors=True)
+        dist.barrier(group)
+        agree(errors, save_dir)
+    err = None
+    if rank == 0:
+        meta = lambda: checkpoint_meta(engine, lay, table, stage_tables, client)  # noqa: E731
+        err = attempt(lambda: _finish(engine, meta(), save_dir, tag, save_latest, keep_last))[1]
+        if err is not None:
+            shutil.rmtree(partial, ignore_errors=True)  # not published; a tag moved aside comes back on the next save
+    agree(pool(err, group), save_dir)
+    return os.path.join(save_dir, tag)
+
+
+def _start(save_dir: str, partial: str) -> None:
+    """Rank 0: the folder, cleared of crashed earlier saves (at this tag or any other), and an empty partial."""
+    os.makedirs(save_dir, exist_ok=True)
+    atomic.clean_leftovers(save_dir)
+    os.makedirs(partial)
+
+
+# ------------------------------------------------------------------- one rank's share
+
+
+def _group_tensors(g: Any, opt_state: dict, lay: CheckpointLayout, out: dict[str, Any]) -> None:
+    """The elements of one shard group this rank owns: master and optimizer state (or a frozen shard), by name and range."""
+    values = g.owned_values()
+    state = opt_state.get(g.master, {}) if g.master is not None else {}
+    tensors, ranges, scalars = out["tensors"], out["ranges"], out["scalars"]
+    for r in g.owned():
+        name, a, b, m = r.slot.name, r.lo, r.hi, r.at
+        if id(r.slot.param) in lay.others:
+            continue  # a tied weight: the first stage holding it stores it
+        n = b - a
+        if g.master is None:  # a frozen stage-3 group: its shard holds the values
+            tensors[f"frozen|{name}"] = values.detach()[m : m + n].to("cpu", copy=True)
+            ranges[f"frozen|{name}"] = [name, a, b]
+            continue
+        tensors[f"master|{name}"] = values.detach()[m : m + n].to("cpu", torch.float32, copy=True)
+        ranges[f"master|{name}"] = [name, a, b]
+        for k, v in state.items():
+            if torch.is_tensor(v) and v.numel() == values.numel() and v.numel() > 1:
+                tensors[f"optim.{k}|{name}"] = v.detach()[m : m + n].to("cpu", copy=True)
+                ranges[f"optim.{k}|{name}"] = [name, a, b]
+            elif torch.is_tensor(v) and v.numel() <= 1:
+                scalars.setdefault(name, {})[k] = {"value": v.item(), "dtype": str(v.dtype).removeprefix("torch.")}
+            else:
+                scalars.setdefault(name, {})[k] = {"value": to_json(v, f"optimizer state '{k}'")}
+
+
+def _share(engine: Any, lay: CheckpointLayout) -> dict[str, Any]:
+    """Host copies (one per tensor: a device-to-host copy on GPU, a clone on CPU) of what this rank stores."""
+    zo = engine.zero_optimizer
+    out: dict[str, Any] = {"tensors": {}, "ranges": {}, "scalars": {}}
+    for g in zo.groups:
+        if g.partitioned or lay.dp_rank == 0:  # stage 0: every rank holds the same values; the first stores them
+            _group_tensors(g, zo.optimizer.state, lay, out)
+    grouped = {id(s.param) for g in zo.groups for s in g.slots} | lay.others
+    if lay.dp_rank == 0:
+        for name, p in engine.module.named_parameters():
+            if id(p) not in grouped:  # frozen and whole on every rank (of the stage)
+                out["tensors"][f"frozen|{name}"] = p.detach().reshape(-1).to("cpu", copy=True)
+                out["ranges"][f"frozen|{name}"] = [name, 0, p.numel()]
+        for name, b in engine.module.state_dict(keep_vars=True).items():
+            if not isinstance(b, torch.nn.Parameter) and torch.is_tensor(b):
+                out["tensors"][f"buffer|{name}"] = b.detach().to("cpu", copy=True)
+    return out
+
+
+def _write_files(tensors: dict[str, torch.Tensor], partial: str, rank: int) -> tuple[dict[str, str], dict[str, str]]:
+    """Write the tensors in files of at most MAX_FILE_BYTES (so no rank stages everything in one buffer).
+
+    Returns which file holds each key and each file's sha256.
+    """
+    from safetensors.torch import save_file
+
+    files: dict[str, str] = {}
+    digests: dict[str, str] = {}
+    chunks: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for key, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if chunks[-1] and size + nbytes > MAX_FILE_BYTES:
+            chunks.append({})
+            size = 0
+        chunks[-1][key] = t.contiguous()
+        size += nbytes
+    for index, chunk in enumerate(c for c in chunks if c):
+        fname = rank_file_name(rank, index)
+        path = os.path.join(partial, fname)
+        save_file(chunk, path, metadata={"format": FORMAT})
+        with open(path, "rb+") as f:
+            os.fsync(f.fileno())
+        digests[fname] = sha256(path)
+        files.update(dict.fromkeys(chunk, fname))
+    return files, digests
+
+
+def write_share(engine: Any, lay: CheckpointLayout, partial: str) -> None:
+    """This rank's part of a checkpoint: its shards, optimizer state and RNG in safetensors, and its index."""
+    share = _share(engine, lay)
+    rng_tensors, rng_meta = rng_state(engine.device)
+    share["tensors"].update(rng_tensors)
+    files, digests = _write_files(share.pop("tensors"), partial, lay.rank)
+    sampler = getattr(getattr(engine, "training_dataloader", None), "sampler", None)
+    rank_meta = {
+        "files": files,
+        "sha256": digests,
+        "ranges": share["ranges"],
+        "scalars": share["scalars"],
+        "rng": rng_meta,
+        "sampler": sampler.state_dict() if hasattr(sampler, "state_dict") else None,
+    }
+    if lay.stage is not None:
+        rank_meta["stage"] = lay.stage
+    atomic.write_json(os.path.join(partial, rank_meta_name(lay.rank)), rank_meta)
+
+
+# ----------------------------------------------------------------------- publishing
+
+
+def checkpoint_meta(engine: Any, lay: CheckpointLayout, table: dict, stage_tables: list[dict], client: Any) -> dict:
+    """``checkpoint.json``: the counters, scaler and tables (a pipeline's per stage) and the client state."""
+    meta = {
+        "format": FORMAT,
+        "world_size": lay.world,
+        "zero_stage": engine.zero_optimization_stage(),
+        "compute_dtype": str(engine.compute_dtype).removeprefix("torch."),
+        "global_steps": engine.global_steps,
+        "micro_steps": engine.micro_steps,
+        "gradient_accumulation_steps": engine.gradient_accumulation_steps(),
+        "global_samples": engine.global_samples,
+        "skipped_steps": engine.skipped_steps,
+        "loss_scaler": engine.loss_scaler.state_dict() if engine.loss_scaler is not None else None,
+        "lr_scheduler": table["lr_scheduler"],
+        "optimizer": {"type": type(engine.zero_optimizer.optimizer).__name__, "param_groups": table["param_groups"]},
+        "params": table["params"],
+        "client_state": client,
+    }
+    if stage_tables:
+        params: dict[str, Any] = {}
+        for s, t in enumerate(stage_tables):
+            for n, info in t["params"].items():
+                params.setdefault(n, {**info, "stage": s})  # a tied weight: recorded at its first stage
+        meta["params"] = params
+        meta["pipeline"] = {
+            "num_stages": lay.num_stages,
+            "data_parallel": lay.dp,
+            "stages": [{k: t[k] for k in ("param_groups", "group_names", "lr_scheduler")} for t in stage_tables],
+        }
+    return meta
+
+
+def _finish(engine: Any, meta: dict, save_dir: str, tag: str, save_latest: bool, keep_last: int | None) -> None:
+    """Rank 0, once every rank's share is on disk: the checkpoint's index, then the renames that publish it."""
+    partial = atomic.partial_dir(save_dir, tag)
+    consolidated.save_model_config(engine.module, partial, None)  # so `hf-zero consolidate` can write config.json
+    atomic.write_json(os.path.join(partial, META), meta)
+    atomic.publish(save_dir, tag, save_latest)
+    if keep_last is not None:
+        atomic.rotate(save_dir, keep_last, tag)

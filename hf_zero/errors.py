@@ -1,0 +1,59 @@
+"""Every exception hf_zero raises on purpose, in one module that imports nothing of hf_zero.
+
+They live on the ground floor so that any layer can raise them without importing the layer that
+used to define them (``ops/`` and ``utils/`` imported the whole engine for ``UsageError``). Each
+message is one sentence naming the offending thing and what to do instead. The classes derive
+from the builtin a caller would already catch (``ValueError`` for bad input, ``RuntimeError`` for
+a failure of the environment, ``FloatingPointError`` for a training run that went non-finite), so
+``except ValueError`` around a DeepSpeed script keeps working.
+
+The old import paths (``hf_zero.engine.UsageError``, ``hf_zero.config.ConfigError``,
+``hf_zero.checkpoint.CheckpointError``, ...) still name these same classes.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CheckpointError", "ConfigError", "HubError", "LaunchError", "LossScaleFloorError", "NonFiniteLossError",
+    "OptimizerConfigError", "PeerFailureError", "PipelineError", "UsageError",
+]
+
+
+class ConfigError(ValueError):
+    """A DeepSpeed config that cannot be run: one sentence with the JSON path, the value and what is allowed."""
+
+
+class OptimizerConfigError(ConfigError):
+    """A bad ``optimizer`` or ``scheduler`` section; the message starts with its JSON path."""
+
+
+class UsageError(ValueError):
+    """The engine's API was called in a way that cannot mean anything."""
+
+
+class PipelineError(ValueError):
+    """A pipeline that cannot be built: one sentence naming the offending argument."""
+
+
+class CheckpointError(ValueError):
+    """A checkpoint cannot be written or read as asked."""
+
+
+class LaunchError(ValueError):
+    """A launch that cannot be translated into a torchrun command; the message is one sentence."""
+
+
+class HubError(RuntimeError):
+    """A push or pull that cannot be done as asked; the message is one sentence, fit for a terminal."""
+
+
+class PeerFailureError(RuntimeError):
+    """A collective failed because another rank died, hung, or dropped its connection."""
+
+
+class LossScaleFloorError(FloatingPointError):
+    """fp16 gradients overflowed with the loss scale already at ``min_loss_scale``."""
+
+
+class NonFiniteLossError(FloatingPointError):
+    """A bf16/fp32 step had an inf/nan loss or gradient and the config says ``"nonfinite_loss": "stop"``."""

@@ -1,0 +1,210 @@
+"""The shard-group interface: what the engine, the step policy and checkpoints may ask of a group.
+
+A *shard group* is one bucket of parameters laid out back to back in one flat buffer
+(:func:`lay_out`), padded to a multiple of its process group's size so that every rank owns an
+equal, contiguous range of it: elements ``[shard_lo, shard_hi)``. For that range the group keeps
+an fp32 *master* (what the optimizer steps) and receives the averaged gradient (``master.grad``).
+Everything outside ``hf_zero/zero`` talks to groups through :class:`ShardGroup` only:
+
+- **ownership** (checkpoints): :meth:`ShardGroup.owned` lists which elements of which parameter
+  this rank holds and where they sit in :meth:`ShardGroup.owned_values`; ``partitioned`` says
+  whether ranks hold distinct ranges (False: every rank holds the same whole buffer, stage 0);
+- **backward**: :meth:`ShardGroup.reduce_grads` averages this rank's gradients into
+  ``master.grad`` over the group's process group; :meth:`ShardGroup.sum_grad_over` adds the same
+  shard of other ranks (a weight tied across pipeline stages);
+- **step**: :meth:`ShardGroup.grad_sq_sum` and :meth:`ShardGroup.nonfinite` are the group's part
+  of the global norm and of the inf/nan check; after the optimizer steps the masters,
+  :meth:`ShardGroup.publish_master` makes the parameters everywhere follow them;
+- **use**: a group that is not ``resident`` keeps only shards between uses and is made whole by
+  :meth:`ShardGroup.gather` + :meth:`ShardGroup.wait`, released by :meth:`ShardGroup.reshard`.
+
+Two implementations: :class:`hf_zero.zero.flat.FlatGroup` (stages 0-2: the parameters stay whole
+on every rank; from stage 1 the master and optimizer state cover only this rank's range) and
+:class:`hf_zero.zero.stage3.ShardedParamGroup` (stage 3: the parameters themselves are sharded and
+gathered per unit). Each takes its process group explicitly and never assumes the global world,
+so ZeRO can run over a data-parallel sub-group (``world = dp x sp`` for sequence parallelism).
+An offloaded group — master and optimizer state in host memory, gradient shards copied to the host
+as each bucket is reduced, parameters copied back after a CPU optimizer step — is one more
+subclass: it overrides :meth:`reduce_grads` (reduce, then copy the shard to the host master's
+``.grad``), :meth:`publish_master` (host to device, then the all-gather) and keeps the norm
+contributions on the compute device, as the contract below asks.
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class ParamSlot:
+    """Where one parameter lives inside its group's flat buffers."""
+
+    name: str
+    param: torch.nn.Parameter
+    offset: int
+    numel: int
+    shape: torch.Size
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a shard group lives and how it communicates: its process group, the device, its dtypes.
+
+    ``group`` is explicit (None: the default world) and ``rank`` / ``world_size`` are this rank's
+    index in it and its size, so a group can shard over a data-parallel sub-group of the world.
+    ``compute_dtype`` is what the parameters are held in, ``reduce_dtype`` what gradients are
+    averaged in.
+    """
+
+    group: dist.ProcessGroup | None
+    rank: int
+    world_size: int
+    device: torch.device
+    compute_dtype: torch.dtype
+    reduce_dtype: torch.dtype
+
+    @classmethod
+    def over(cls, group: dist.ProcessGroup | None, device: torch.device, compute_dtype: torch.dtype,
+             reduce_dtype: torch.dtype) -> Placement:
+        """This rank's placement in ``group``."""
+        return cls(group, dist.get_rank(group), dist.get_world_size(group), device, compute_dtype, reduce_dtype)
+
+
+@dataclass(frozen=True)
+class OwnedRange:
+    """Elements ``[lo, hi)`` of ``slot.param`` (flattened) are ``owned_values()[at : at + hi - lo]``."""
+
+    slot: ParamSlot
+    lo: int
+    hi: int
+    at: int
+
+
+def lay_out(named_params: list[tuple[str, torch.nn.Parameter]]) -> tuple[list[ParamSlot], int]:
+    """Place parameters back to back in one flat buffer; returns their slots and the total size."""
+    slots: list[ParamSlot] = []
+    offset = 0
+    for name, p in named_params:
+        slots.append(ParamSlot(name, p, offset, p.numel(), p.shape))
+        offset += p.numel()
+    return slots, offset
+
+
+def pack_grads(
+    slots: list[ParamSlot], padded_numel: int, dtype: torch.dtype, device: torch.device
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The slots' gradients, each cast into its place in one flat buffer of ``dtype``, and the gradients read.
+
+    One pass from autograd's gradients into a reduction's input: no zeroed buffer for autograd to
+    add into. An unused parameter (no gradient) and the padding after the last slot are zeros.
+    Runs on the current stream; the caller keeps the returned gradients alive for it.
+    """
+    src = torch.empty(padded_numel, dtype=dtype, device=device)
+    held: list[torch.Tensor] = []
+    for s in slots:
+        view, g = src[s.offset : s.offset + s.numel], s.param.grad
+        if g is None:
+            view.zero_()
+        else:
+            view.copy_(g.reshape(-1))
+            held.append(g)
+    end = slots[-1].offset + slots[-1].numel if slots else 0  # lay_out places slots back to back
+    if padded_numel > end:
+        src[end:].zero_()
+    return src, held
+
+
+class ShardGroup(abc.ABC):
+    """One bucket of parameters sharded over an explicit process group; see the module docstring.
+
+    Subclasses set ``trainable`` (the group has a master the optimizer steps), ``partitioned``
+    (ranks own distinct ranges) and ``resident`` (the whole parameters always exist on the device),
+    and ``master`` (None for a frozen group).
+    """
+
+    trainable: bool
+    partitioned: bool
+    resident: bool
+    master: torch.Tensor | None
+
+    def __init__(self, named_params: list[tuple[str, torch.nn.Parameter]], place: Placement, *, parts: int) -> None:
+        """Lay the parameters out and compute this rank's range; ``parts`` is 1 when nothing is partitioned."""
+        self.place = place
+        self.group, self.rank, self.world_size, self.device = place.group, place.rank, place.world_size, place.device
+        self.compute_dtype, self.reduce_dtype = place.compute_dtype, place.reduce_dtype
+        self.mixed = self.compute_dtype != torch.float32
+        self.slots, self.numel = lay_out(named_params)
+        self.padded_numel = math.ceil(self.numel / parts) * parts
+        self.shard_numel = self.padded_numel // parts
+        self.shard_lo = self.rank * self.shard_numel if parts > 1 else 0
+        self.shard_hi = self.shard_lo + self.shard_numel
+
+    # ------------------------------------------------------------ ownership
+
+    def owned(self) -> Iterator[OwnedRange]:
+        """The parts of this group's parameters that fall in this rank's range, in layout order."""
+        lo, hi = self.shard_lo, self.shard_hi
+        for s in self.slots:
+            a, b = max(s.offset, lo), min(s.offset + s.numel, hi)
+            if a < b:
+                yield OwnedRange(s, a - s.offset, b - s.offset, a - lo)
+
+    def owned_values(self) -> torch.Tensor:
+        """The tensor :meth:`owned`'s ``at`` offsets index: the fp32 master (a frozen group: its shard)."""
+        assert self.master is not None
+        return self.master
+
+    # ------------------------------------------------------------- gradients
+
+    @abc.abstractmethod
+    def reduce_grads(self, stream: torch.cuda.Stream | None) -> None:
+        """Average this rank's gradients over the process group into ``master.grad`` (issued on ``stream``)."""
+
+    @abc.abstractmethod
+    def zero_grads(self) -> None:
+        """End of a step (applied or skipped): drop the reduced and any accumulated gradients."""
+
+    def sum_grad_over(self, process_group: dist.ProcessGroup | None) -> None:
+        """Add the same reduced shard of the other ranks of ``process_group`` (a weight tied across stages)."""
+        g = self.master.grad if self.master is not None else None
+        if g is not None:
+            dist.all_reduce(g, group=process_group)
+
+    def grad_sq_sum(self) -> torch.Tensor:
+        """Sum of squares of this rank's reduced gradient: an fp32 scalar on the compute device, no host sync."""
+        g = self.master.grad if self.master is not None else None
+        if g is None:
+            return torch.zeros((), device=self.device)
+        return torch.linalg.vector_norm(g, dtype=torch.float32).square()
+
+    def nonfinite(self) -> torch.Tensor:
+        """1.0 when this rank's reduced gradient holds an inf or nan, else 0.0 (on the compute device)."""
+        g = self.master.grad if self.master is not None else None
+        if g is None:
+            return torch.zeros((), device=self.device)
+        return (~torch.isfinite(g)).any().float()
+
+    # ------------------------------------------------------------ parameters
+
+    @abc.abstractmethod
+    def publish_master(self, stream: torch.cuda.Stream | None) -> None:
+        """After the optimizer step (or a checkpoint load): make the parameters follow the masters on every rank."""
+
+    def gather(self, stream: torch.cuda.Stream | None) -> None:  # noqa: B027 - a no-op for resident groups, not abstract
+        """Start making the whole parameters available (a resident group has them already)."""
+
+    def wait(self) -> None:  # noqa: B027 - a no-op for resident groups, not abstract
+        """Make the gathered parameters usable on the compute stream."""
+
+    def reshard(self) -> None:  # noqa: B027 - a no-op for resident groups, not abstract
+        """Release the whole parameters' memory, keeping only this rank's shard (resident groups keep all)."""
+
+    @abc.abstractmethod
+    def held_tensors(self) -> dict[str, list[torch.Tensor | None]]:
+        """What this rank holds for the group, as ``{"params": [...], "grads": [...]}`` (memory accounting)."""
