@@ -1,0 +1,393 @@
+"""PEFT adapters (LoRA and the other ``peft`` tuners) on the ZeRO engine, saved the way ``peft`` saves them.
+
+A ``peft.PeftModel`` trains in the engine like any module: its frozen base is sharded at stage 3
+with the rest, only the adapter parameters are trainable. Saving is where it differs:
+
+- **Adapters** (the default): ``adapter_model.safetensors`` and ``adapter_config.json``, names
+  without the adapter name, exactly what ``PeftModel.save_pretrained`` writes and
+  ``PeftModel.from_pretrained`` reads (adapters other than ``default`` go to a sub-folder named
+  after them, as peft does). peft's own ``get_peft_model_state_dict`` decides which tensors
+  belong to an adapter (``modules_to_save`` heads and resized embeddings included), on rank 0,
+  and only those are gathered, so stage 3 never assembles a base weight.
+- **Merged** (``merge_adapters=True``, ``hf-zero consolidate --merge-adapters``): full weights
+  that ``AutoModelFor*.from_pretrained`` loads, computed by peft's ``merge_and_unload`` on a
+  copy of the model rebuilt on the meta device and filled with the gathered weights, so the
+  result is peft's by construction and the live model is untouched. The copy holds the whole
+  model once, in rank 0's CPU memory.
+
+Resume checkpoints of a PEFT model also hold its adapter configs (written next to the base
+model's ``config.json``), so a checkpoint can be turned into either layout offline.
+
+``peft`` is an optional dependency (``pip install 'hf_zero[peft]'``), imported only here and only
+when needed: a ``PeftModel`` cannot exist without it, so checking for one never imports it.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import sys
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hf_zero.engine import UsageError
+
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+DEFAULT_ADAPTER = "default"
+
+
+def is_peft_model(module: Any) -> bool:
+    """Whether ``module`` is a ``peft.PeftModel`` (without importing peft: if it is not imported, it is not one)."""
+    peft = sys.modules.get("peft")
+    return peft is not None and isinstance(module, peft.PeftModel)
+
+
+def require_peft(what: str) -> Any:
+    """The ``peft`` module, or one sentence saying that ``what`` needs it and how to install it."""
+    try:
+        import peft
+    except ImportError:
+        raise UsageError(f"{what} needs the peft package, which is not installed; install it with "
+                         "pip install 'hf_zero[peft]'") from None
+    return peft
+
+
+def adapter_dir(save_directory: str, adapter: str) -> str:
+    """Where peft keeps one adapter of a folder: the folder itself for ``default``, else a sub-folder of its name."""
+    return save_directory if adapter == DEFAULT_ADAPTER else os.path.join(save_directory, adapter)
+
+
+def base_model_of(module: torch.nn.Module) -> torch.nn.Module:
+    """The transformers model inside a ``PeftModel`` (the module itself otherwise)."""
+    return module.get_base_model() if is_peft_model(module) else module
+
+
+# ----------------------------------------------------------------------------- adapter configs
+
+
+def write_adapter_configs(model: Any, save_directory: str) -> None:
+    """Each adapter's ``adapter_config.json``, as ``PeftModel.save_pretrained`` writes it.
+
+    As peft does: the base model's ``name_or_path`` fills a missing ``base_model_name_or_path``,
+    ``inference_mode`` is saved as true, and a config without a ``task_type`` records the base
+    class (``auto_mapping``) so that ``AutoPeftModel`` can rebuild it. The live configs are not changed.
+    """
+    base = model.get_base_model()
+    for adapter, live in model.peft_config.items():
+        cfg = copy.deepcopy(live)
+        if cfg.base_model_name_or_path is None:
+            holder = model.base_model if cfg.is_prompt_learning else base
+            cfg.base_model_name_or_path = holder.__dict__.get("name_or_path", None) or None
+        cfg.inference_mode = True
+        auto_mapping = None
+        if cfg.task_type is None:
+            cls = type(model.base_model if cfg.is_prompt_learning else base)
+            auto_mapping = {"base_model_class": cls.__name__, "parent_library": cls.__module__}
+        out = adapter_dir(save_directory, adapter)
+        os.makedirs(out, exist_ok=True)
+        cfg.save_pretrained(out, auto_mapping_dict=auto_mapping)
+
+
+def read_adapter_configs(folder: str) -> dict[str, Any]:
+    """``{adapter name: PeftConfig}`` of a folder written by :func:`write_adapter_configs` (empty if none)."""
+    if not os.path.isfile(os.path.join(folder, ADAPTER_CONFIG)):
+        return {}
+    peft = require_peft(f"reading the adapter config in {folder}")
+    out = {DEFAULT_ADAPTER: peft.PeftConfig.from_pretrained(folder)}
+    for name in sorted(os.listdir(folder)):
+        sub = os.path.join(folder, name)
+        if name != DEFAULT_ADAPTER and os.path.isfile(os.path.join(sub, ADAPTER_CONFIG)):
+            out[name] = peft.PeftConfig.from_pretrained(sub)
+    return out
+
+
+# ----------------------------------------------------------------------------- which tensors
+
+
+def adapter_plan(model: Any, state_dict: dict[str, torch.Tensor]) -> dict[str, list[tuple[str, str]]]:
+    """For each adapter, ``[(saved name, model name)]``: peft's choice of tensors, traced back to the model's names.
+
+    ``get_peft_model_state_dict`` selects and renames entries of the state dict it is given
+    without reading their values, so handing it the model's own tensors and matching the returned
+    objects by identity tells which model tensor each saved name holds. A saved tensor that peft
+    computes rather than selects (prompt-learning embeddings) maps to ``""``.
+    """
+    peft = require_peft("saving PEFT adapters")
+    by_id: dict[int, str] = {}
+    for name, t in state_dict.items():
+        by_id.setdefault(id(t), name)
+    plan = {}
+    for adapter in model.peft_config:
+        picked = peft.get_peft_model_state_dict(model, state_dict=state_dict, adapter_name=adapter)
+        plan[adapter] = [(key, by_id.get(id(t), "")) for key, t in picked.items()]
+    return plan
+
+
+# ----------------------------------------------------------------------------- online saves
+
+
+def save_adapters(engine: Any, save_directory: str) -> list[str]:
+    """Write every adapter of the engine's ``PeftModel`` in peft's layout (collective; rank 0 writes).
+
+    Only the adapters' tensors are gathered (one stage-3 parameter group at a time, the base
+    never); rank 0 decides what they are and tells the others, since peft may consult the Hub to
+    decide whether embeddings are saved. Returns the weight files written.
+    """
+    from hf_zero import dist as hz_dist
+    from hf_zero.checkpoint.consolidated import OneUnitAtATime
+
+    model = engine.module
+    rank = dist.get_rank(engine.group)
+    live = model.state_dict(keep_vars=True)
+    plan = adapter_plan(model, live) if rank == 0 else None
+    if engine.world_size > 1:
+        plan = hz_dist.gather_json(plan, engine.group)[0]
+    assert plan is not None
+    order = {name: i for i, name in enumerate(live)}
+    computed = [key for pairs in plan.values() for key, src in pairs if not src]
+    if computed and engine.zero_optimization_stage() == 3:
+        raise UsageError(
+            f"cannot save adapter tensor {computed[0]!r} under ZeRO stage 3: peft computes it from the model "
+            "rather than storing it (a prompt-learning method); train it at stage 0-2"
+        )
+    if rank == 0:
+        os.makedirs(save_directory, exist_ok=True)
+    units = OneUnitAtATime(engine)
+    files = []
+    with torch.no_grad():
+        for adapter, pairs in plan.items():
+            values: dict[str, torch.Tensor] = {}
+            fallback = _peft_values(model, adapter) if computed and rank == 0 else {}
+            for key, src in sorted(pairs, key=lambda p: order.get(p[1], -1)):  # module order: each unit once
+                if not src:
+                    if rank == 0:
+                        values[key] = fallback[key].detach().to("cpu", copy=True)
+                    continue
+                t = units.full(live[src])
+                if rank == 0:
+                    values[key] = t.detach().to("cpu", copy=True)
+            if rank == 0:
+                out = adapter_dir(save_directory, adapter)
+                os.makedirs(out, exist_ok=True)
+                files.append(_write_safetensors(values, os.path.join(out, ADAPTER_WEIGHTS)))
+    units.release()
+    if rank == 0:
+        write_adapter_configs(model, save_directory)
+    dist.barrier(engine.group)
+    return files
+
+
+def _peft_values(model: Any, adapter: str) -> dict[str, torch.Tensor]:
+    peft = require_peft("saving PEFT adapters")
+    return peft.get_peft_model_state_dict(model, adapter_name=adapter)
+
+
+def _write_safetensors(tensors: dict[str, torch.Tensor], path: str) -> str:
+    """One safetensors file, written under a temporary name and renamed when whole (tied copies cloned apart)."""
+    from safetensors.torch import save_file
+
+    seen: set[tuple[int, int]] = set()
+    clean = {}
+    for k, v in tensors.items():
+        v = v.contiguous()
+        key = (v.untyped_storage().data_ptr(), v.storage_offset())
+        clean[k] = v.clone() if key in seen and v.numel() else v
+        seen.add(key)
+    tmp = path + ".tmp"
+    save_file(clean, tmp, metadata={"format": "pt"})
+    os.replace(tmp, path)
+    return os.path.basename(path)
+
+
+def gather_full_state_dict(engine: Any) -> dict[str, torch.Tensor] | None:
+    """The whole module's state dict on rank 0's CPU (None elsewhere), gathered one stage-3 group at a time.
+
+    Tied names share one tensor, as in the model.
+    """
+    from hf_zero.checkpoint.consolidated import OneUnitAtATime
+
+    rank = dist.get_rank(engine.group)
+    units = OneUnitAtATime(engine)
+    out: dict[str, torch.Tensor] = {}
+    copies: dict[int, torch.Tensor] = {}
+    with torch.no_grad():
+        for name, t in engine.module.state_dict(keep_vars=True).items():
+            full = units.full(t)
+            if rank == 0:
+                if id(t) not in copies:
+                    copies[id(t)] = full.detach().to("cpu", copy=True)
+                out[name] = copies[id(t)]
+    units.release()
+    return out if rank == 0 else None
+
+
+def save_merged(engine: Any, save_directory: str, max_shard_size: int | str = "5GB",
+                dtype: torch.dtype | None = None) -> list[str]:
+    """Full weights with the adapters merged in, as peft's ``merge_and_unload`` computes them (collective; rank 0 writes).
+
+    The live model is not touched: rank 0 merges a copy rebuilt from the gathered weights.
+    """
+    model = engine.module
+    if not is_peft_model(model):
+        raise UsageError(
+            f"merge_adapters=True: the model is a {type(model).__name__}, not a peft PeftModel, so it has no "
+            "adapters to merge; save without merge_adapters"
+        )
+    require_peft("merge_adapters=True")
+    state = gather_full_state_dict(engine)
+    files: list[str] = []
+    error = None
+    if state is not None:
+        try:
+            base = model.get_base_model()
+            twin = build_twin(type(base), base.config, dict(model.peft_config))
+            files = _merge_and_write(twin, state, save_directory, max_shard_size, dtype)
+        except Exception as e:  # the other ranks wait in the barrier below: tell them rather than hang
+            error = e
+    if engine.world_size > 1:
+        from hf_zero import dist as hz_dist
+
+        failed = hz_dist.gather_json(None if error is None else f"{type(error).__name__}: {error}", engine.group)[0]
+        if failed is not None and error is None:
+            raise UsageError(f"rank 0 could not write the merged model: {failed}")
+    if error is not None:
+        raise error
+    return files
+
+
+# ----------------------------------------------------------------------------- merging
+
+
+def build_twin(base_cls: type, base_config: Any, adapters: dict[str, Any]) -> Any:
+    """The same ``PeftModel`` built on the meta device: every module and name, no storage.
+
+    Adapter weights are created with plain initialisation (a PiSSA/OLoRA/LoftQ init would read
+    base weights that are not there); they are replaced by the real tensors anyway.
+    """
+    peft = require_peft("merging PEFT adapters")
+    structural = {}
+    for name, cfg in adapters.items():
+        cfg = copy.deepcopy(cfg)
+        for attr in ("init_lora_weights", "init_weights"):
+            if hasattr(cfg, attr):
+                setattr(cfg, attr, True)
+        cfg.inference_mode = False
+        structural[name] = cfg
+    with torch.device("meta"):
+        base = base_cls(copy.deepcopy(base_config))
+        (first, cfg0), *rest = structural.items()
+        twin = peft.get_peft_model(base, cfg0, adapter_name=first)
+        for name, cfg in rest:
+            twin.add_adapter(name, cfg)
+    return twin
+
+
+def _merge_and_write(twin: Any, state: dict[str, torch.Tensor], save_directory: str,
+                     max_shard_size: int | str, dtype: torch.dtype | None) -> list[str]:
+    """Fill the meta twin with ``state``, let peft merge every adapter, and write the base model it returns."""
+    from hf_zero.checkpoint.consolidated import save_model_config, write_weights
+
+    expected = set(twin.state_dict())
+    unknown = sorted(set(state) - expected)
+    if unknown:
+        raise UsageError(f"the saved weights do not fit the model rebuilt from its config: {unknown[0]!r} has no place in it")
+    twin.load_state_dict(state, strict=False, assign=True)
+    twin.get_base_model().tie_weights()
+    merged = twin.merge_and_unload(adapter_names=list(twin.peft_config))
+    missing = [n for n, t in merged.state_dict().items() if t.is_meta]
+    if missing:
+        raise UsageError(f"the saved weights do not fill the model rebuilt from its config: {missing[0]!r} is missing")
+    seen: set[int] = set()
+    entries, tensors = [], {}
+    for name, t in merged.state_dict(keep_vars=True).items():
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
+        dt = dtype if (dtype is not None and t.is_floating_point()) else t.dtype
+        entries.append((name, dt, tuple(t.shape)))
+        tensors[name] = t.detach()
+    os.makedirs(save_directory, exist_ok=True)
+    files = write_weights(save_directory, entries, tensors.__getitem__, max_shard_size, writer=True)
+    floats = [dt for _, dt, _ in entries if dt.is_floating_point]
+    save_model_config(merged, save_directory, floats[0] if floats else None)
+    return files
+
+
+# ----------------------------------------------------------------------------- offline
+
+
+def consolidate(checkpoint_dir: str, out_dir: str, tag: str | None = None, merge: bool = False,
+                max_shard_size: int | str = "5GB", dtype: torch.dtype | None = torch.float32) -> list[str]:
+    """A PEFT model's resume checkpoint as an adapter folder, or (``merge``) as merged full weights.
+
+    Offline, on a CPU. The adapter folder reads only the adapters' tensors from the checkpoint;
+    the merged one reads all of them into memory once, for peft to merge.
+    """
+    from hf_zero.checkpoint.consolidated import _plan
+    from hf_zero.checkpoint.sharded import resolve_tag
+
+    what = "hf-zero consolidate --merge-adapters" if merge else "consolidating a PEFT checkpoint"
+    require_peft(what)
+    path = resolve_tag(checkpoint_dir, tag)
+    adapters = read_adapter_configs(path)
+    if not adapters:
+        raise UsageError(f"{path} holds no adapter_config.json: it is not a PEFT model's checkpoint; drop --merge-adapters")
+    twin = _twin_from_folder(path, adapters)
+    _, entries, produce = _plan(checkpoint_dir, tag, dtype)
+    if merge:
+        state = {name: produce(name) for name, _, _ in entries}
+        return _merge_and_write(twin, state, out_dir, max_shard_size, dtype)
+    have = {name for name, _, _ in entries}
+    plan = adapter_plan(twin, twin.state_dict(keep_vars=True))
+    files = []
+    for adapter, pairs in plan.items():
+        lost = [src or key for key, src in pairs if src not in have]
+        if lost:
+            raise UsageError(f"{path} has no tensor {lost[0]!r} of adapter {adapter!r}; was it saved from this model?")
+        out = adapter_dir(out_dir, adapter)
+        os.makedirs(out, exist_ok=True)
+        files.append(_write_safetensors({key: produce(src) for key, src in pairs}, os.path.join(out, ADAPTER_WEIGHTS)))
+        _copy_adapter_config(adapter_dir(path, adapter), out)
+    return files
+
+
+def is_peft_checkpoint(checkpoint_dir: str, tag: str | None = None) -> bool:
+    """Whether a resume checkpoint (its ``latest`` tag, or ``tag``) was saved from a ``PeftModel``."""
+    from hf_zero.checkpoint.sharded import resolve_tag
+
+    try:
+        path = resolve_tag(checkpoint_dir, tag)
+    except Exception:
+        return False
+    return os.path.isfile(os.path.join(path, ADAPTER_CONFIG))
+
+
+def _twin_from_folder(path: str, adapters: dict[str, Any]) -> Any:
+    import transformers
+
+    cfg_path = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_path):
+        raise UsageError(f"{path} has no config.json, so the base model cannot be rebuilt to merge the adapters into")
+    config = transformers.AutoConfig.from_pretrained(path)
+    arch = (getattr(config, "architectures", None) or [None])[0]
+    cls = getattr(transformers, arch, None) if arch else None
+    if cls is None:
+        raise UsageError(
+            f"{cfg_path} does not name a transformers model class in 'architectures' (got {arch!r}), so the base "
+            "model cannot be rebuilt; set it to the class that was trained, e.g. [\"LlamaForCausalLM\"]"
+        )
+    return build_twin(cls, config, adapters)
+
+
+def _copy_adapter_config(src: str, dst: str) -> None:
+    with open(os.path.join(src, ADAPTER_CONFIG), encoding="utf-8") as f:
+        cfg = json.load(f)
+    cfg["inference_mode"] = True
+    tmp = os.path.join(dst, ADAPTER_CONFIG + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(cfg, f, indent=2, sort_keys=True)
+    os.replace(tmp, os.path.join(dst, ADAPTER_CONFIG))
