@@ -207,7 +207,7 @@ class Trainer(transformers.Trainer):
                 self.processing_class.save_pretrained(output_dir)
             with open(os.path.join(output_dir, "training_args.json"), "w") as f:
                 f.write(self.args.to_json_string())
-            record.update_record(output_dir, record.trainer_record(self))
+            record.update_record(output_dir, record.trainer_record(self, merged=merge_adapters), keep=record.TRAINER_FILLS_ONLY)
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
@@ -236,7 +236,8 @@ class Trainer(transformers.Trainer):
         from hf_zero.model_cards.card import render_model_card
 
         folder = self.args.output_dir
-        record.update_record(folder, record.trainer_record(self))
+        merged = bool(record.read_record(folder).get("merged_adapters"))  # as save_model left the folder
+        record.update_record(folder, record.trainer_record(self, merged=merged), keep=record.TRAINER_FILLS_ONLY)
         extra: dict[str, Any] = {"tags": [tags] if isinstance(tags, str) else list(tags or [])}
         if language is not None:
             extra["language"] = language

@@ -141,7 +141,12 @@ def render_model_card(
     record = read_record(folder)
     config = _read_json(folder, "config.json")
     adapter_config = _read_json(folder, "adapter_config.json")
-    adapter = bool(adapter_config) and not os.path.isfile(os.path.join(folder, "config.json"))
+    if config or adapter_config:
+        adapter = bool(adapter_config) and not config
+    else:  # a folder with no model saved in it yet (a Trainer's card before save_model): what the record says
+        adapter = bool(record.get("adapter"))
+        adapter_config = {"task_type": record.get("peft_task_type"), "peft_type": record.get("peft_type")} if adapter else {}
+        config = {"architectures": [record["model_class"]]} if record.get("model_class") and not adapter else {}
     if adapter:
         auto_class, pipeline_tag = _peft_head(adapter_config)
     else:
@@ -178,6 +183,7 @@ def render_model_card(
         model_name=name if eval_results else None,
         **metadata,
     )
+    throughput = throughput if throughput is not None else record.get("throughput")
     throughput_text = f"{throughput:,.0f} tokens/s" if isinstance(throughput, (int, float)) else throughput
     files = sorted(
         (f, _human_size(os.path.getsize(os.path.join(folder, f))))

@@ -158,26 +158,39 @@ def base_model_name(module: Any) -> str | None:
     return str(name) if name else None
 
 
+def model_fields(module: Any, merged: bool = False) -> dict[str, Any]:
+    """What the record says about the model: its class, the library that loads it, its base, its adapter."""
+    from hf_zero.integrations import peft as hz_peft
+
+    peft_model = hz_peft.is_peft_model(module)
+    base = hz_peft.base_model_of(module)
+    is_transformers = hasattr(getattr(base, "config", None), "to_dict")
+    out = {
+        "library_name": "peft" if peft_model and not merged else ("transformers" if is_transformers else None),
+        "adapter": peft_model and not merged,
+        "base_model": base_model_name(module),
+        "model_class": type(base).__name__,
+    }
+    if peft_model:
+        cfg = next(iter(module.peft_config.values()))
+        out["peft_type"] = str(getattr(cfg.peft_type, "value", cfg.peft_type))
+        out["peft_task_type"] = str(getattr(cfg.task_type, "value", cfg.task_type)) if cfg.task_type else None
+    return out
+
+
 def engine_record(engine: Any, merged: bool = False) -> dict[str, Any]:
     """The engine's part of the record (collective: every rank's device name is gathered)."""
     import torch.distributed as dist
 
     from hf_zero import dist as hz_dist
-    from hf_zero.integrations import peft as hz_peft
 
     names = [local_device_name(engine.device)]
     if engine.world_size > 1:
         names = hz_dist.gather_json(names[0], engine.group)
-    adapter = hz_peft.is_peft_model(engine.module) and not merged
-    base = hz_peft.base_model_of(engine.module)
-    is_transformers = hasattr(getattr(base, "config", None), "to_dict")
     return {
         "format": FORMAT,
-        "library_name": "peft" if adapter else ("transformers" if is_transformers else None),
-        "adapter": adapter,
+        **model_fields(engine.module, merged),
         "merged_adapters": bool(merged),
-        "base_model": base_model_name(engine.module),
-        "model_class": type(base).__name__,
         "zero_config": resolve_autos(engine.config.raw or {}, engine_values(engine)),
         "zero_stage": engine.zero_optimization_stage(),
         "world_size": engine.world_size,
@@ -211,10 +224,11 @@ def read_record(folder: str | os.PathLike) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
-def update_record(folder: str | os.PathLike, fields: Mapping[str, Any]) -> None:
-    """Merge ``fields`` into the folder's record, atomically (call on one rank)."""
+def update_record(folder: str | os.PathLike, fields: Mapping[str, Any], keep: tuple[str, ...] = ()) -> None:
+    """Merge ``fields`` into the folder's record, atomically (call on one rank); the ``keep`` keys only fill gaps."""
     folder = os.fspath(folder)
-    data = {**read_record(folder), **{k: v for k, v in fields.items() if v is not None}}
+    old = read_record(folder)
+    data = {**old, **{k: v for k, v in fields.items() if v is not None and not (k in keep and k in old)}}
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, RECORD_FILE)
     tmp = path + ".tmp"
@@ -269,6 +283,16 @@ def eval_metrics(log_history: list[dict[str, Any]]) -> dict[str, float]:
     return {}
 
 
+def throughput(log_history: list[dict[str, Any]]) -> str | None:
+    """The Trainer's measured training speed (tokens/s when it counted tokens, else samples/s), as card text."""
+    for entry in reversed(log_history or []):
+        if "train_runtime" in entry:
+            for key, unit in (("train_tokens_per_second", "tokens/s"), ("train_samples_per_second", "samples/s")):
+                if isinstance(entry.get(key), (int, float)):
+                    return f"{entry[key]:,.1f} {unit} (transformers' {key}, all ranks together)"
+    return None
+
+
 def dataset_names(trainer: Any) -> list[str]:
     """Hub dataset ids the Trainer's datasets came from (their builder name), when they came from the Hub."""
     out = []
@@ -300,8 +324,11 @@ def hyperparameters(trainer: Any, zero_config: Mapping[str, Any]) -> dict[str, A
     return {k: _jsonable(v) for k, v in hp.items()}
 
 
-def trainer_record(trainer: Any) -> dict[str, Any]:
-    """The Trainer's part of the record; no collectives (``create_model_card`` runs on rank 0 alone)."""
+def trainer_record(trainer: Any, merged: bool = False) -> dict[str, Any]:
+    """The Trainer's part of the record; no collectives (``create_model_card`` runs on rank 0 alone).
+
+    ``merged``: the folder holds the model with its PEFT adapters merged in, not the adapters.
+    """
     engine = getattr(trainer, "engine", None)
     user = getattr(trainer.args, "zero_config_dict", None) or (engine.config.raw if engine is not None else None) or {}
     values = engine_values(engine) if engine is not None else {}
@@ -309,7 +336,7 @@ def trainer_record(trainer: Any) -> dict[str, Any]:
     zero_config = resolve_autos(user, values)
     model = getattr(trainer, "model", None)
     out: dict[str, Any] = {
-        "base_model": base_model_name(model) if model is not None else None,
+        **(model_fields(model, merged) if model is not None else {}),
         "zero_config": zero_config,
         "world_size": int(trainer.args.world_size),
         "hyperparameters": hyperparameters(trainer, zero_config),
@@ -318,9 +345,22 @@ def trainer_record(trainer: Any) -> dict[str, Any]:
     metrics = eval_metrics(trainer.state.log_history)
     if metrics:
         out["metrics"] = metrics
+    speed = throughput(trainer.state.log_history)
+    if speed:
+        out["throughput"] = speed
     datasets = dataset_names(trainer)
     if datasets:
         out["datasets"] = datasets
-    if engine is None:
-        out["framework_versions"] = framework_versions()
+    # Only where the engine's save recorded nothing (a card written before any save): its record
+    # has every rank's device; this rank's device times the world size is the best guess here.
+    out["framework_versions"] = framework_versions()
+    if engine is not None:
+        import torch.distributed as dist
+
+        out["devices"] = {local_device_name(engine.device): int(trainer.args.world_size)}
+        out["backend"] = dist.get_backend(engine.group) if dist.is_initialized() else None
     return out
+
+
+# what a Trainer's record may only add to a folder, never overwrite (the engine's save knows better)
+TRAINER_FILLS_ONLY = ("framework_versions", "devices", "backend")
