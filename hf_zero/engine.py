@@ -551,7 +551,7 @@ class ZeroEngine(torch.nn.Module):
         if merge_adapters:
             files = hz_peft.save_merged(self, save_directory, max_shard_size=max_shard_size, dtype=dtype)
         elif hz_peft.is_peft_model(self.module):
-            files = hz_peft.save_adapters(self, save_directory)
+            files = hz_peft.save_adapters(self, save_directory, dtype=dtype)
         else:
             from hf_zero.checkpoint import consolidated
 

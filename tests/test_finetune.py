@@ -43,3 +43,7 @@ def test_finetune_defaults(launcher: list[str], tmp_path: Path) -> None:
     assert model.config.num_labels == 2
     card = ModelCard.load(final / "README.md")
     assert "hf_zero" in card.data.tags and '"stage": 2' in card.text
+    # the pretrained MiniLM's config says BertModel: the saved one names the class that was trained
+    assert model.config.architectures == ["BertForSequenceClassification"]
+    assert card.data.library_name == "transformers" and card.data.pipeline_tag == "text-classification"
+    assert '"auto"' not in card.text and "2 x CPU (gloo, world size 2)" in card.text and "| accuracy |" in card.text

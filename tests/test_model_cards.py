@@ -95,6 +95,10 @@ def _save(rank: int, world: int, root: str) -> dict:
     out["architectures_before"] = llama.config.architectures
     engine, _, _, _ = hf_zero.initialize(model=llama, config=ENGINE_CONFIG)
     engine.save_pretrained(os.path.join(root, "llama"))
+    try:
+        engine.save_pretrained(os.path.join(root, "nothing"), merge_adapters=True)
+    except hf_zero.UsageError as e:
+        out["merge_refused"] = str(e)
 
     # 3. a LoRA adapter at stage 3, on a base named like a Hub checkpoint
     from peft import LoraConfig, get_peft_model
@@ -192,12 +196,16 @@ def test_trainer_card_has_metadata_results_and_the_resolved_config(saved: tuple)
 def test_engine_record_resolves_the_config_it_ran(saved: tuple) -> None:
     from hf_zero.model_cards.record import read_record
 
-    root, _ = saved
+    root, out = saved
     rec = read_record(root / "llama")
     assert rec["library_name"] == "transformers" and rec["model_class"] == "LlamaForCausalLM"
     assert rec["world_size"] == 2 and rec["devices"] == {"CPU": 2} and rec["backend"] == "gloo"
     assert rec["zero_config"] == ENGINE_CONFIG and rec["zero_stage"] == 3 and rec["global_steps"] == 0
     assert rec["framework_versions"]["torch"].split("+")[0] == torch.__version__.split("+")[0]
+    assert out["merge_refused"] == (
+        "merge_adapters=True: the model is a LlamaForCausalLM, not a peft PeftModel, so it has no adapters to merge; "
+        "save without merge_adapters"
+    )
 
 
 def test_resolve_autos_fills_every_section_and_drops_what_nothing_used() -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -184,7 +185,7 @@ def test_lora_trains_saves_merges_and_resumes_at_every_stage(tmp_path: Path) -> 
     d = {name: str(tmp_path / name) for name in ("plain", "z0", "z1", "z2", "z3", "resume", "bert", "bert3")}
     cases = [
         {"kind": "llama", "dir": d["plain"]},
-        {"kind": "llama", "dir": d["z0"], "stage": 0},
+        {"kind": "llama", "dir": d["z0"], "stage": 0, "gc": True},
         {"kind": "llama", "dir": d["z1"], "stage": 1, "gc": True, "gc_kwargs": {"use_reentrant": True}},
         {"kind": "llama", "dir": d["z2"], "stage": 2, "gc": True},
         {"kind": "llama", "dir": d["z3"], "stage": 3, "gc": True, "save_steps": 2, "merged": True},
@@ -235,3 +236,18 @@ def _forward(folder: Path) -> list:
 
     with torch.no_grad():
         return PeftModel.from_pretrained(_base("llama"), str(folder)).eval()(input_ids=_probe()).logits.reshape(-1).tolist()
+
+
+def test_without_peft_merging_says_so_in_one_sentence(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                     capsys: pytest.CaptureFixture) -> None:
+    from hf_zero import cli
+    from hf_zero.integrations import peft as hz_peft
+
+    monkeypatch.setitem(sys.modules, "peft", None)  # `import peft` now fails as if it were not installed
+    assert not hz_peft.is_peft_model(torch.nn.Linear(2, 2))
+    (tmp_path / "ckpt").mkdir()
+    assert cli.main(["consolidate", str(tmp_path / "ckpt"), str(tmp_path / "out"), "--merge-adapters"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "hf-zero consolidate: error: --merge-adapters needs the peft package, which is not installed; "
+        "install it with pip install 'hf_zero[peft]'"
+    ]

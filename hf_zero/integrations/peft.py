@@ -130,12 +130,13 @@ def adapter_plan(model: Any, state_dict: dict[str, torch.Tensor]) -> dict[str, l
 # ----------------------------------------------------------------------------- online saves
 
 
-def save_adapters(engine: Any, save_directory: str) -> list[str]:
+def save_adapters(engine: Any, save_directory: str, dtype: torch.dtype | None = None) -> list[str]:
     """Write every adapter of the engine's ``PeftModel`` in peft's layout (collective; rank 0 writes).
 
     Only the adapters' tensors are gathered (one stage-3 parameter group at a time, the base
     never); rank 0 decides what they are and tells the others, since peft may consult the Hub to
-    decide whether embeddings are saved. Returns the weight files written.
+    decide whether embeddings are saved. The values are the module's (the compute dtype, as
+    DeepSpeed's 16-bit save gives them) unless ``dtype`` says otherwise. Returns the weight files written.
     """
     from hf_zero import dist as hz_dist
     from hf_zero.checkpoint.consolidated import OneUnitAtATime
@@ -171,6 +172,8 @@ def save_adapters(engine: Any, save_directory: str) -> list[str]:
                 if rank == 0:
                     values[key] = t.detach().to("cpu", copy=True)
             if rank == 0:
+                if dtype is not None:
+                    values = {k: v.to(dtype) if v.is_floating_point() else v for k, v in values.items()}
                 out = adapter_dir(save_directory, adapter)
                 os.makedirs(out, exist_ok=True)
                 files.append(_write_safetensors(values, os.path.join(out, ADAPTER_WEIGHTS)))
@@ -330,7 +333,7 @@ def consolidate(checkpoint_dir: str, out_dir: str, tag: str | None = None, merge
     from hf_zero.checkpoint.consolidated import _plan
     from hf_zero.checkpoint.sharded import resolve_tag
 
-    what = "hf-zero consolidate --merge-adapters" if merge else "consolidating a PEFT checkpoint"
+    what = "--merge-adapters" if merge else "consolidating a PEFT checkpoint"
     require_peft(what)
     path = resolve_tag(checkpoint_dir, tag)
     adapters = read_adapter_configs(path)
