@@ -607,6 +607,10 @@ class ZeroEngine(torch.nn.Module):
         url, failure, error = None, None, None
         if self.global_rank == 0:
             kwargs = dict(card_kwargs or {})
+            from hf_zero.model_cards import record
+
+            if not record.read_record(save_directory):  # a save that records nothing (a pipeline's): show the config
+                kwargs.setdefault("zero_config", self.config.raw)
             try:
                 url = hub.push_to_hub(
                     save_directory, repo_id, revision=revision, private=private, commit_message=commit_message,

@@ -248,7 +248,7 @@ def save_merged(engine: Any, save_directory: str, max_shard_size: int | str = "5
         try:
             base = model.get_base_model()
             twin = build_twin(type(base), base.config, dict(model.peft_config))
-            files = _merge_and_write(twin, state, save_directory, max_shard_size, dtype)
+            files = _merge_and_write(twin, state, save_directory, max_shard_size, dtype, list(model.active_adapters))
         except Exception as e:  # the other ranks wait in the barrier below: tell them rather than hang
             error = e
     if engine.world_size > 1:
@@ -289,9 +289,12 @@ def build_twin(base_cls: type, base_config: Any, adapters: dict[str, Any]) -> An
     return twin
 
 
-def _merge_and_write(twin: Any, state: dict[str, torch.Tensor], save_directory: str,
-                     max_shard_size: int | str, dtype: torch.dtype | None) -> list[str]:
-    """Fill the meta twin with ``state``, let peft merge every adapter, and write the base model it returns."""
+def _merge_and_write(twin: Any, state: dict[str, torch.Tensor], save_directory: str, max_shard_size: int | str,
+                     dtype: torch.dtype | None, adapter_names: list[str] | None = None) -> list[str]:
+    """Fill the meta twin with ``state``, let peft merge the adapters, and write the base model it returns.
+
+    ``adapter_names`` as ``merge_and_unload`` takes them: None merges the active one (the first, in a twin).
+    """
     from hf_zero.checkpoint.consolidated import save_model_config, write_weights
 
     expected = set(twin.state_dict())
@@ -300,7 +303,7 @@ def _merge_and_write(twin: Any, state: dict[str, torch.Tensor], save_directory: 
         raise UsageError(f"the saved weights do not fit the model rebuilt from its config: {unknown[0]!r} has no place in it")
     twin.load_state_dict(state, strict=False, assign=True)
     twin.get_base_model().tie_weights()
-    merged = twin.merge_and_unload(adapter_names=list(twin.peft_config))
+    merged = twin.merge_and_unload(adapter_names=adapter_names)
     missing = [n for n, t in merged.state_dict().items() if t.is_meta]
     if missing:
         raise UsageError(f"the saved weights do not fill the model rebuilt from its config: {missing[0]!r} is missing")
