@@ -12,6 +12,7 @@ import fnmatch
 import json
 import os
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
@@ -106,6 +107,63 @@ def hardware_text(record: Mapping[str, Any]) -> str | None:
     return parts + (f" ({', '.join(extra)})" if extra else "")
 
 
+@dataclass
+class _Model:
+    """What a folder holds, as the card must describe it."""
+
+    adapter: bool  # a PEFT adapter folder (peft loads it), not full weights
+    what: str  # "LlamaForCausalLM", "A LORA adapter"
+    auto_class: str  # the class the loading snippet uses
+    pipeline_tag: str | None
+    peft_type: str | None
+
+
+def _model_in(folder: str, record: Mapping[str, Any]) -> tuple[_Model, dict[str, Any]]:
+    """The folder's model (from its config files, else from the record) and its adapter config."""
+    config = _read_json(folder, "config.json")
+    adapter_config = _read_json(folder, "adapter_config.json")
+    if config or adapter_config:
+        adapter = bool(adapter_config) and not config
+    else:  # no model saved in the folder yet (a Trainer's card before save_model): what the record says
+        adapter = bool(record.get("adapter"))
+        adapter_config = {"task_type": record.get("peft_task_type"), "peft_type": record.get("peft_type")} if adapter else {}
+        config = {"architectures": [record["model_class"]]} if record.get("model_class") and not adapter else {}
+    peft_type = adapter_config.get("peft_type") if adapter else None
+    if adapter:
+        auto_class, tag = _peft_head(adapter_config)
+        what = f"A {peft_type or 'PEFT'} adapter"
+    else:
+        auto_class, tag = head_of(config.get("architectures") or [])
+        what = ", ".join(config.get("architectures") or []) or "A model"
+    return _Model(adapter, what, auto_class, tag, peft_type), adapter_config
+
+
+def _card_data(model: _Model, library: str, base: str | None, datasets: list[str], metrics: Mapping[str, float],
+               zero_config: Mapping[str, Any] | None, name: str, metadata: dict[str, Any]) -> Any:
+    """The YAML metadata: library, base model, datasets, tags, pipeline tag, and a model-index when it can have one."""
+    from huggingface_hub import EvalResult, ModelCardData
+
+    tags = ["hf_zero"] + (["transformers"] if library == "transformers" else [library, "transformers"])
+    stage = _zero_stage(zero_config)
+    if stage is not None:
+        tags.append(f"zero-stage-{stage}")
+    if model.peft_type:
+        tags.append(str(model.peft_type).lower())
+    tags += [t for t in metadata.pop("tags", None) or [] if t not in tags]
+    pipeline_tag = metadata.pop("pipeline_tag", model.pipeline_tag)
+    eval_results = None
+    if metrics and datasets:  # a model-index entry must name its dataset
+        eval_results = [
+            EvalResult(task_type=pipeline_tag or "other", dataset_type=datasets[0], dataset_name=datasets[0],
+                       metric_type=key, metric_name=key.replace("_", " "), metric_value=value)
+            for key, value in metrics.items()
+        ]
+    return ModelCardData(
+        library_name=library, base_model=hub_id_or_none(base), datasets=datasets or None, tags=tags,
+        pipeline_tag=pipeline_tag, eval_results=eval_results, model_name=name if eval_results else None, **metadata,
+    )
+
+
 def render_model_card(
     folder: str | os.PathLike,
     *,
@@ -131,7 +189,7 @@ def render_model_card(
     Arguments override the folder's record. ``extra`` holds further metadata fields (``license``,
     ``language``, more ``tags`` ...).
     """
-    from huggingface_hub import EvalResult, ModelCard, ModelCardData
+    from huggingface_hub import ModelCard
 
     from hf_zero.hub import HubError
 
@@ -139,77 +197,36 @@ def render_model_card(
     if not os.path.isdir(folder):
         raise HubError(f"cannot write a model card for {folder}: it is not a directory.")
     record = read_record(folder)
-    config = _read_json(folder, "config.json")
-    adapter_config = _read_json(folder, "adapter_config.json")
-    if config or adapter_config:
-        adapter = bool(adapter_config) and not config
-    else:  # a folder with no model saved in it yet (a Trainer's card before save_model): what the record says
-        adapter = bool(record.get("adapter"))
-        adapter_config = {"task_type": record.get("peft_task_type"), "peft_type": record.get("peft_type")} if adapter else {}
-        config = {"architectures": [record["model_class"]]} if record.get("model_class") and not adapter else {}
-    if adapter:
-        auto_class, pipeline_tag = _peft_head(adapter_config)
-    else:
-        auto_class, pipeline_tag = head_of(config.get("architectures") or [])
+    model, adapter_config = _model_in(folder, record)
     base = base_model or record.get("base_model") or adapter_config.get("base_model_name_or_path")
     dataset_list = [datasets] if isinstance(datasets, str) else list(datasets or record.get("datasets") or [])
     metrics = dict(metrics if metrics is not None else record.get("metrics") or {})
     zero_config = zero_config if zero_config is not None else record.get("zero_config")
     metadata = dict(extra or {})
-    library = metadata.pop("library_name", None) or ("peft" if adapter else record.get("library_name") or "transformers")
-    tags = ["hf_zero"] + (["transformers"] if library == "transformers" else [library, "transformers"])
-    stage = _zero_stage(zero_config)
-    if stage is not None:
-        tags.append(f"zero-stage-{stage}")
-    if adapter and adapter_config.get("peft_type"):
-        tags.append(str(adapter_config["peft_type"]).lower())
-    tags += [t for t in metadata.pop("tags", None) or [] if t not in tags]
+    library = metadata.pop("library_name", None) or ("peft" if model.adapter else record.get("library_name") or "transformers")
     name = model_name or (repo_id or os.path.basename(os.path.abspath(folder))).split("/")[-1]
-    pipeline_tag = metadata.pop("pipeline_tag", pipeline_tag)
-    eval_results = None
-    if metrics and dataset_list:
-        eval_results = [
-            EvalResult(task_type=pipeline_tag or "other", dataset_type=dataset_list[0], dataset_name=dataset_list[0],
-                       metric_type=key, metric_name=key.replace("_", " "), metric_value=value)
-            for key, value in metrics.items()
-        ]
-    card_data = ModelCardData(
-        library_name=library,
-        base_model=hub_id_or_none(base),
-        datasets=dataset_list or None,
-        tags=tags,
-        pipeline_tag=pipeline_tag,
-        eval_results=eval_results,
-        model_name=name if eval_results else None,
-        **metadata,
-    )
+    card_data = _card_data(model, library, base, dataset_list, metrics, zero_config, name, metadata)
     throughput = throughput if throughput is not None else record.get("throughput")
-    throughput_text = f"{throughput:,.0f} tokens/s" if isinstance(throughput, (int, float)) else throughput
     files = sorted(
         (f, _human_size(os.path.getsize(os.path.join(folder, f))))
         for f in os.listdir(folder)
         if os.path.isfile(os.path.join(folder, f)) and any(fnmatch.fnmatch(f, p) for p in WEIGHT_PATTERNS)
     )
-    if adapter:
-        what = f"A {adapter_config.get('peft_type', 'PEFT')} adapter"
-    else:
-        what = ", ".join(config.get("architectures") or []) or "A model"
     template = resources.files("hf_zero").joinpath("model_cards", CARD_TEMPLATE).read_text(encoding="utf-8")
     card = ModelCard.from_template(
         card_data,
         template_str=template,
         model_name=name,
-        summary=f"{what} trained with hf_zero" + (f", fine-tuned from `{base}`." if base else "."),
-        adapter=adapter,
+        summary=f"{model.what} trained with hf_zero" + (f", fine-tuned from `{base}`." if base else "."),
+        adapter=model.adapter,
         merged=bool(record.get("merged_adapters")),
-        auto_class=auto_class,
-        import_from="peft" if adapter else "transformers",
+        auto_class=model.auto_class,
         repo_hint=repo_id or "path/to/this/folder",
         base_model=base,
         datasets=dataset_list,
         metrics=metrics,
         hardware=hardware or hardware_text(record),
-        throughput_text=throughput_text,
+        throughput_text=f"{throughput:,.0f} tokens/s" if isinstance(throughput, (int, float)) else throughput,
         hyperparameters=dict(hyperparameters if hyperparameters is not None else record.get("hyperparameters") or {}),
         zero_config_json=json.dumps(dict(zero_config), indent=2) if zero_config else None,
         versions=dict(record.get("framework_versions") or {}),

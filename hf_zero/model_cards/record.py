@@ -233,7 +233,7 @@ def update_record(folder: str | os.PathLike, fields: Mapping[str, Any], keep: tu
     path = os.path.join(folder, RECORD_FILE)
     tmp = path + ".tmp"
     with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=2, sort_keys=True, default=str)
+        json.dump(data, f, indent=2, default=str)  # in the order given: a config reads as its author wrote it
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
