@@ -1,24 +1,36 @@
-"""What a DeepSpeed config may hold, as tables and small value checks, for ``hf_zero.config``.
+"""What a DeepSpeed config may hold, section by section, as tables for ``hf_zero.config``.
 
-Every key a DeepSpeed user can write falls in one of three groups, and each group is a
-table here so that a reader can answer "what happens to my key?" without reading the parser:
+Every key of every JSON object in a DeepSpeed config falls in one of three groups, and each
+:class:`Section` below lists them, so that a reader can answer "what happens to my key?"
+without reading the parser:
 
-- keys hf_zero acts on (``*_KEYS``): parsed into the typed dataclasses of ``config.py``;
-- keys it accepts and ignores (``*_INERT``): each maps to the value that asks for nothing
-  (DeepSpeed's default). Given that value the key is silent; any other value is named in the
-  one "accepts but ignores" warning, because the user asked for something that will not happen;
-- keys naming features it does not have (``*_UNSUPPORTED``): given a value that asks for the
-  feature, loading stops with an error. Silently training without, say, offload or Apex AMP
+- ``keys``: hf_zero acts on them; they are parsed into the typed dataclasses of
+  ``config_sections.py`` / ``config.py``;
+- ``inert``: accepted and ignored. Each maps to the value that asks for nothing (in most cases
+  DeepSpeed's default, or what hf_zero always does). Given that value the key is silent; any
+  other value is named in the one "accepts but ignores" warning, because the user asked for
+  something that will not happen;
+- ``unsupported``: the key names a feature hf_zero does not have; given a value that asks for it,
+  loading stops with one sentence naming the feature. Silently training without, say, Apex AMP
   would produce a run that differs from the one the user configured.
 
-A section marked ``SWITCH`` is a dict with an ``enabled`` flag and asks for its feature only
-when ``enabled`` is true; one marked ``SECTION`` asks as soon as it holds anything.
+``aliases`` maps DeepSpeed's other spellings of a key (its pydantic field names and aliases,
+and deprecated names) to the name used here; giving two spellings of one key is refused, as
+DeepSpeed refuses it. ``auto`` names the keys that may say ``"auto"`` (the Trainer fills them).
+
+A key in none of the groups is not a DeepSpeed key: a near-certain misspelling of one is an
+error with "did you mean"; anything else is named in a warning as ignored, as DeepSpeed itself
+ignores keys it does not read (real configs carry ``comms_config``, ``monitor_config``, ...).
+
+A value marked ``SWITCH`` is a section with an ``enabled`` flag and asks for its feature only
+when ``enabled`` is true; ``SECTION`` asks as soon as it holds anything; ``ANY`` asks unless it
+is null, false or empty.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 
@@ -29,281 +41,236 @@ class ConfigError(ValueError):
 AUTO = "auto"
 SWITCH = "<a section with an 'enabled' flag>"
 SECTION = "<a section>"
+ANY = "<any value but null, false or {}>"
 
-SUPPORTED_OPTIMIZERS = ("Adam", "AdamW", "SGD")
+
+@dataclass(frozen=True)
+class Section:
+    """One JSON object of a DeepSpeed config: what hf_zero does with each of its keys (see the module doc)."""
+
+    keys: tuple[str, ...] = ()
+    inert: Mapping[str, Any] = field(default_factory=dict)
+    unsupported: Mapping[str, tuple[Any, str]] = field(default_factory=dict)
+    aliases: Mapping[str, str] = field(default_factory=dict)
+    older: frozenset[str] = frozenset()  # aliases that are deprecated names: "keep only the newer one"
+    auto: frozenset[str] = frozenset()
+
+    def names(self) -> list[str]:
+        """Every spelling this section knows, for "did you mean"."""
+        return [*self.keys, *self.inert, *self.unsupported, *self.aliases]
+
+
+SUPPORTED_OPTIMIZERS: tuple[str, ...] = ("Adam", "AdamW", "SGD")
 # DeepSpeed's own optimizers: named so the error says "not supported yet" rather than "unknown".
 DEEPSPEED_ONLY_OPTIMIZERS = (
     "Adagrad", "Lamb", "OneBitAdam", "ZeroOneAdam", "OneBitLamb", "MuAdam", "MuAdamW", "MuSGD", "Lion", "Muon",
 )
-SUPPORTED_SCHEDULERS = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
+SUPPORTED_SCHEDULERS: tuple[str, ...] = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
 DEEPSPEED_ONLY_SCHEDULERS = ("LRRangeTest", "OneCycle")
 COMMUNICATION_DTYPES = ("fp32", "fp16", "bf16")
 # "skip" (the default): the step is skipped and counted in skipped_steps, as fp16 overflows are;
 # "stop": the run raises; "off": no check (DeepSpeed's behaviour, and no host sync per step).
 NONFINITE_LOSS = ("skip", "stop", "off")
+OFFLOAD_DEVICES = ("none", "cpu", "nvme")
+PIPELINE_SCHEDULES = ("1f1b", "gpipe")
+COMPILE_KWARGS = ("mode", "fullgraph", "dynamic", "options")
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 # ---------------------------------------------------------------- top level
 
-TOP_KEYS = (
-    "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping",
-    "optimizer", "scheduler", "fp16", "bf16", "zero_optimization", "communication_data_type",
-    "prescale_gradients", "gradient_predivide_factor", "steps_per_print", "seed", "activation_checkpointing",
-    "checkpoint",  # DeepSpeed's section; hf_zero acts on its own key "keep_last" there (CHECKPOINT_KEYS)
-    "nonfinite_loss",  # hf_zero's: what a bf16/fp32 step with an inf/nan loss or gradient does (NONFINITE_LOSS)
-    "pipeline",  # read when the model is a PipelineModule (PIPELINE_KEYS)
-    "compile",  # torch.compile of each block (COMPILE_KEYS)
+TOP = Section(
+    keys=(
+        "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping",
+        "optimizer", "scheduler", "fp16", "bf16", "zero_optimization", "communication_data_type",
+        "steps_per_print", "activation_checkpointing", "checkpoint", "pipeline", "compile",
+        "sequence_parallel_size",  # parsed; more than 1 is refused until sequence parallelism lands
+        "sequence_parallel",  # LLaMA-Factory's section; refused until sequence parallelism lands
+        "seed",  # hf_zero's: the seed of the distributed sampler's shuffle
+        "nonfinite_loss",  # hf_zero's: what a bf16/fp32 step with an inf/nan loss or gradient does
+    ),
+    aliases={"bfloat16": "bf16"},
+    older=frozenset({"bfloat16"}),
+    auto=frozenset({"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+                    "gradient_clipping"}),
+    inert={
+        "wall_clock_breakdown": False, "memory_breakdown": False, "dump_state": False,
+        # hf_zero shards any torch optimizer, which zero_allow_untested_optimizer: true asks DeepSpeed to allow
+        "zero_allow_untested_optimizer": True, "zero_force_ds_cpu_optimizer": True, "disable_allgather": False,
+        "dataloader_drop_last": False, "graph_harvesting": False, "vocabulary_size": None,
+        "use_data_before_expert_parallelism": False, "seq_parallel_communication_data_type": "fp32",
+        "disable_python_gc": False, "log_level": None,
+        # gradients are averaged once, in the reduce dtype: the pre-division knobs change nothing
+        "prescale_gradients": False, "gradient_predivide_factor": 1.0,
+        "data_parallel_size": None,  # DeepSpeed reads it only beside sequence_parallel_size
+        "allgather_size": 500_000_000,  # read with DeepSpeed's old boolean "zero_optimization": true
+        "flops_profiler": SWITCH, "tensorboard": SWITCH, "wandb": SWITCH, "csv_monitor": SWITCH, "comet": SWITCH,
+        "comms_logger": SWITCH, "autotuning": SWITCH, "nebula": SWITCH, "datastates_ckpt": ANY,
+        "timers": SECTION, "aio": SECTION, "data_types": SECTION,
+    },
+    unsupported={
+        "amp": (SWITCH, 'Apex AMP is not supported; use "bf16": {"enabled": true} or "fp16" instead'),
+        "sparse_gradients": (False, "sparse gradients are not supported; set it to false or remove it"),
+        "gradient_allreduce_op": ("mean", 'hf_zero always averages gradients; use "mean" or remove the key'),
+        "managed_gradient_accumulation": (True, "hf_zero manages the accumulation boundary itself (use "
+                                                "engine.set_gradient_accumulation_boundary); remove the key"),
+        "elasticity": (SWITCH, "elastic training is not supported yet; remove the section"),
+        "progressive_layer_drop": (SWITCH, "progressive layer drop is not supported; remove the section"),
+        "curriculum_learning": (SWITCH, "curriculum learning is not supported; remove the section"),
+        "data_efficiency": (SWITCH, "DeepSpeed data efficiency is not supported; remove the section"),
+        "hybrid_engine": (SWITCH, "the hybrid (RLHF) engine is not supported; remove the section"),
+        "torch_autocast": (SWITCH, "torch_autocast is not supported; use bf16 or fp16 instead"),
+        "eigenvalue": (SWITCH, "eigenvalue computation is not supported; remove the section"),
+        "quantize_training": (SWITCH, "quantized training is not supported; remove the section"),
+        "sparse_attention": (SECTION, "sparse attention is not supported; remove the section"),
+        "compression_training": (SECTION, "compression training is not supported; remove the section"),
+        "weight_quantization": (SECTION, "weight quantization is not supported; remove the section"),
+        "tensor_parallel": (SECTION, "tensor parallelism is not supported yet; remove the section"),
+        "expert_parallel": (SECTION, "expert parallelism is not supported yet; remove the section"),
+    },
 )
-BF16_ALIAS = "bfloat16"  # DeepSpeed's older name for the bf16 section
-
-TOP_INERT: dict[str, Any] = {
-    "wall_clock_breakdown": False, "memory_breakdown": False, "dump_state": False,
-    "zero_allow_untested_optimizer": False, "zero_force_ds_cpu_optimizer": True, "disable_allgather": False,
-    "dataloader_drop_last": False, "graph_harvesting": False, "vocabulary_size": None,
-    "use_data_before_expert_parallelism": False, "seq_parallel_comm_data_type": "fp32",
-    "flops_profiler": SWITCH, "tensorboard": SWITCH, "wandb": SWITCH, "csv_monitor": SWITCH, "comet": SWITCH,
-    "comms_logger": SWITCH, "autotuning": SWITCH, "nebula": SWITCH, "datastates": SWITCH,
-    "timers": SECTION, "aio": SECTION, "data_types": SECTION,
-}
-
-TOP_UNSUPPORTED: dict[str, tuple[Any, str]] = {
-    "amp": (SWITCH, 'Apex AMP is not supported; use "bf16": {"enabled": true} or "fp16" instead'),
-    "sparse_gradients": (False, "sparse gradients are not supported; set it to false or remove it"),
-    "gradient_allreduce_op": ("mean", 'hf_zero always averages gradients; use "mean" or remove the key'),
-    "sequence_parallel_size": (1, "sequence parallelism is not supported yet; remove the key"),
-    "elasticity": (SWITCH, "elastic training is not supported yet; remove the section"),
-    "progressive_layer_drop": (SWITCH, "progressive layer drop is not supported; remove the section"),
-    "curriculum_learning": (SWITCH, "curriculum learning is not supported; remove the section"),
-    "data_efficiency": (SWITCH, "DeepSpeed data efficiency is not supported; remove the section"),
-    "hybrid_engine": (SWITCH, "the hybrid (RLHF) engine is not supported; remove the section"),
-    "torch_autocast": (SWITCH, "torch_autocast is not supported; use bf16 or fp16 instead"),
-    "eigenvalue": (SWITCH, "eigenvalue computation is not supported; remove the section"),
-    "quantize_training": (SWITCH, "quantized training is not supported; remove the section"),
-    "sparse_attention": (SECTION, "sparse attention is not supported; remove the section"),
-    "compression_training": (SECTION, "compression training is not supported; remove the section"),
-    "weight_quantization": (SECTION, "weight quantization is not supported; remove the section"),
-    "tensor_parallel": (SECTION, "tensor parallelism is not supported yet; remove the section"),
-    "expert_parallel": (SECTION, "expert parallelism is not supported yet; remove the section"),
-}
-TOP_AUTO = frozenset({"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping"})
 SWITCHES_ACCEPTING_AUTO = frozenset({"amp"})  # transformers fills amp.enabled from TrainingArguments
 
 # ---------------------------------------------------------------- precision
 
-FP16_KEYS = ("enabled", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
-             "consecutive_hysteresis", "min_loss_scale")
-FP16_INERT: dict[str, Any] = {"auto_cast": False, "fused_mode": True}
-FP16_UNSUPPORTED: dict[str, tuple[Any, str]] = {
-    "fp16_master_weights_and_grads": (False, "fp16 master weights are not supported; masters are fp32"),
-}
-BF16_KEYS = ("enabled",)
-BF16_INERT: dict[str, Any] = {"immediate_grad_update": False, "check_grad_overflow": False}
-BF16_UNSUPPORTED: dict[str, tuple[Any, str]] = {
-    "bf16_master_weights_and_grads": (False, "bf16 master weights are not supported; masters are fp32"),
-    "bf16_optimizer_states": (False, "bf16 optimizer states are not supported; they are fp32"),
-}
+FP16 = Section(
+    keys=("enabled", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "consecutive_hysteresis",
+          "min_loss_scale"),
+    auto=frozenset({"enabled"}),
+    inert={"auto_cast": False, "fused_mode": True},
+    unsupported={"fp16_master_weights_and_grads": (False, "fp16 master weights are not supported; masters are fp32")},
+)
+BF16 = Section(
+    keys=("enabled",),
+    auto=frozenset({"enabled"}),
+    # hf_zero checks every bf16 step for inf/nan ("nonfinite_loss"), which check_grad_overflow: true asks for
+    inert={"immediate_grad_update": False, "check_grad_overflow": True},
+    unsupported={
+        "bf16_master_weights_and_grads": (False, "bf16 master weights are not supported; masters are fp32"),
+        "bf16_optimizer_states": (False, "bf16 optimizer states are not supported; they are fp32"),
+    },
+)
 
 # ---------------------------------------------------------------- zero_optimization
 
-ZERO_KEYS = (
-    "stage", "overlap_comm", "contiguous_gradients", "reduce_scatter", "reduce_bucket_size", "allgather_partitions",
-    "allgather_bucket_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold",
-    "stage3_max_live_parameters", "stage3_max_reuse_distance", "stage3_gather_16bit_weights_on_model_save",
-    "offload_optimizer", "offload_param",
+ZERO = Section(
+    keys=(
+        "stage", "reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold",
+        "stage3_max_live_parameters", "offload_optimizer", "offload_param",
+    ),
+    # DeepSpeed's field names beside their stage3_* aliases, and the deprecated fp16 spelling
+    aliases={
+        "prefetch_bucket_size": "stage3_prefetch_bucket_size",
+        "param_persistence_threshold": "stage3_param_persistence_threshold",
+        "max_live_parameters": "stage3_max_live_parameters",
+        "max_reuse_distance": "stage3_max_reuse_distance",
+        "gather_16bit_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save",
+        "stage3_gather_fp16_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save",
+        "model_persistence_threshold": "stage3_model_persistence_threshold",
+        "module_granularity_threshold": "stage3_module_granularity_threshold",
+        "use_all_reduce_for_fetch_params": "stage3_use_all_reduce_for_fetch_params",
+        "allgather_sequential": "stage3_allgather_sequential",
+    },
+    older=frozenset({"stage3_gather_fp16_weights_on_model_save"}),
+    auto=frozenset({"reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size",
+                    "stage3_param_persistence_threshold", "stage3_gather_16bit_weights_on_model_save"}),
+    inert={
+        # what hf_zero always does: gradients reduced on a side stream while backward runs (GPU), into
+        # flat contiguous buckets, reduce-scattered at stages 1-3, updated parameters all-gathered
+        "overlap_comm": True, "contiguous_gradients": True, "reduce_scatter": True, "allgather_partitions": True,
+        # the all-gather runs per flat group, sized by reduce_bucket_size; stage 3 frees a block's gathered
+        # parameters after use whatever the reuse distance; save_16bit_model always gathers the full weights
+        "allgather_bucket_size": 500_000_000, "stage3_max_reuse_distance": 1_000_000_000,
+        "stage3_gather_16bit_weights_on_model_save": True,
+        "load_from_fp32_weights": True, "elastic_checkpoint": False, "sub_group_size": 1_000_000_000,
+        "ignore_unused_parameters": True, "legacy_stage1": False, "round_robin_gradients": False,
+        "use_multi_rank_bucket_allreduce": True, "stage3_model_persistence_threshold": None,
+        "stage3_module_granularity_threshold": 0, "stage3_use_all_reduce_for_fetch_params": False,
+        "stage3_allgather_sequential": False, "memory_efficient_linear": True, "override_module_apply": True,
+        "pipeline_loading_checkpoint": False, "log_trace_cache_warnings": False, "enable_sanity_checks": False,
+        "mics_hierarchical_params_gather": False, "save_muon_momentum_buffer_in_memory": False,
+        "cpu_offload_use_pin_memory": None, "leaf_module": SECTION, "zeropp_loco_param": None,
+        "compute_grad_norm": True, "parameter_alignment": False,
+    },
+    unsupported={
+        "cpu_offload": (False, "offload is not supported yet; remove the key"),
+        "cpu_offload_param": (False, "offload is not supported yet; remove the key"),
+        "zero_quantized_weights": (False, "ZeRO++ quantized weights are not supported yet"),
+        "zero_quantized_nontrainable_weights": (False, "ZeRO++ quantized weights are not supported yet"),
+        "zero_quantized_gradients": (False, "ZeRO++ quantized gradients are not supported yet"),
+        "zero_hpz_partition_size": (1, "ZeRO++ hierarchical partitioning is not supported yet"),
+        "mics_shard_size": (-1, "MiCS sharding is not supported yet"),
+        "zenflow": (SECTION, "ZenFlow is not supported yet; remove the section"),
+    },
 )
-GATHER_16BIT_ALIAS = "stage3_gather_fp16_weights_on_model_save"
-ZERO_AUTO = frozenset({
-    "reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size",
-    "stage3_param_persistence_threshold", "stage3_gather_16bit_weights_on_model_save", GATHER_16BIT_ALIAS,
-})
-ZERO_INERT: dict[str, Any] = {
-    "load_from_fp32_weights": True, "elastic_checkpoint": False, "sub_group_size": 1_000_000_000,
-    "ignore_unused_parameters": True, "legacy_stage1": False, "round_robin_gradients": False,
-    "use_multi_rank_bucket_allreduce": True, "stage3_model_persistence_threshold": None,
-    "stage3_module_granularity_threshold": 0, "stage3_use_all_reduce_for_fetch_params": False,
-    "stage3_allgather_sequential": False, "stage3_partition_stream_chunk_size": 0,
-    "memory_efficient_linear": True, "override_module_apply": True, "pipeline_loading_checkpoint": False,
-    "log_trace_cache_warnings": False, "enable_sanity_checks": False, "mics_hierarchical_params_gather": False,
-    "save_muon_momentum_buffer_in_memory": False, "cpu_offload_use_pin_memory": None, "leaf_module": SECTION,
-    "zeropp_loco_param": None,
-}
-ZERO_UNSUPPORTED: dict[str, tuple[Any, str]] = {
-    "cpu_offload": (False, "offload is not supported yet; remove the key"),
-    "cpu_offload_param": (False, "offload is not supported yet; remove the key"),
-    "zero_quantized_weights": (False, "ZeRO++ quantized weights are not supported yet"),
-    "zero_quantized_nontrainable_weights": (False, "ZeRO++ quantized weights are not supported yet"),
-    "zero_quantized_gradients": (False, "ZeRO++ quantized gradients are not supported yet"),
-    "zero_hpz_partition_size": (1, "ZeRO++ hierarchical partitioning is not supported yet"),
-    "mics_shard_size": (-1, "MiCS sharding is not supported yet"),
-    "zenflow": (SECTION, "ZenFlow is not supported yet; remove the section"),
-}
+# Both offload sections are parsed in full (config_sections.OffloadParamConfig, OffloadOptimizerConfig).
+OFFLOAD_PARAM = Section(keys=("device", "nvme_path", "buffer_count", "buffer_size", "max_in_cpu", "pin_memory"))
+OFFLOAD_OPTIMIZER = Section(keys=("device", "nvme_path", "buffer_count", "pin_memory", "pipeline_read", "pipeline_write",
+                                  "fast_init", "ratio", "super_offload", "cpuadam_cores_perc"))
 
-# ---------------------------------------------------------------- checkpoint
+# ---------------------------------------------------------------- the other sections
 
-CHECKPOINT_KEYS = (
-    "keep_last",  # hf_zero's: save_checkpoint keeps the N newest checkpoints of its folder (null: all)
+CHECKPOINT = Section(
+    keys=("keep_last",),  # hf_zero's: save_checkpoint keeps the N newest checkpoints of its folder (null: all)
+    inert={"tag_validation": "Warn", "load_universal": False, "use_node_local_storage": False,
+           "checkpoint_serialization": True, "parallel_write": SECTION, "writer": SECTION},
 )
-CHECKPOINT_INERT: dict[str, Any] = {
-    "tag_validation": "Warn", "load_universal": False, "use_node_local_storage": False, "parallel_write": SECTION,
-    "writer": SECTION,
-}
-
-# ---------------------------------------------------------------- compile
-
-COMPILE_KEYS = (
-    "enabled", "backend",
-    "kwargs",  # torch.compile's keyword arguments (COMPILE_KWARGS)
+COMPILE = Section(
+    keys=("enabled", "backend", "kwargs"),  # kwargs: torch.compile's keyword arguments (COMPILE_KWARGS)
+    # DeepSpeed's DeepCompile (its own graph passes) is another engine; its tuning keys mean nothing here
+    unsupported={"deepcompile": (False, 'DeepSpeed\'s DeepCompile is not supported; use "compile": {"enabled": true} '
+                                        "(torch.compile of each block)")},
+    inert={
+        "free_activation": False, "free_activation_threshold": 10 * 1024 * 1024, "offload_activation": False,
+        "offload_activation_pin_memory": True, "offload_opt_states": False, "double_buffer": True,
+        "symmetric_memory": False, "debug_log": False, "offload_parameters": False, "sync_before_reduce": False,
+        "sync_after_reduce": False, "sync_before_allgather": False, "sync_after_allgather": False,
+        "keep_int_input_tensors": True, "keep_all_input_tensors": False, "autoep_non_moe": False, "passes": None,
+    },
 )
-COMPILE_KWARGS = ("mode", "fullgraph", "dynamic", "options")
-COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
-# DeepSpeed's DeepCompile (its own graph passes) is another engine; its tuning keys mean nothing here
-COMPILE_UNSUPPORTED: dict[str, tuple[Any, str]] = {
-    "deepcompile": (False, 'DeepSpeed\'s DeepCompile is not supported; use "compile": {"enabled": true} (torch.compile of each block)'),
-}
-COMPILE_INERT: dict[str, Any] = {
-    "free_activation": False, "offload_activation": False, "offload_opt_states": False, "double_buffer": True,
-    "symmetric_memory": False, "debug_log": False, "offload_parameters": False, "sync_before_reduce": False,
-    "sync_after_reduce": False, "sync_before_allgather": False, "sync_after_allgather": False,
-    "keep_int_input_tensors": True, "keep_all_input_tensors": False,
-}
-
-# ---------------------------------------------------------------- optimizer, scheduler, activation checkpointing
-
-OPTIMIZER_KEYS = ("type", "params")
-OPTIMIZER_INERT: dict[str, Any] = {"legacy_fusion": False}
-SCHEDULER_KEYS = ("type", "params")
-ACTIVATION_CHECKPOINTING_KEYS = (
+OPTIMIZER = Section(keys=("type", "params"), inert={"legacy_fusion": False})
+SCHEDULER = Section(keys=("type", "params"))
+ACTIVATION_CHECKPOINTING = Section(keys=(
     "partition_activations", "contiguous_memory_optimization", "cpu_checkpointing", "number_checkpoints",
     "synchronize_checkpoint_boundary", "profile",
     "checkpoint_blocks",  # hf_zero's: recompute every block (unit) in backward instead of storing activations
+))
+PIPELINE = Section(
+    keys=("stages", "activation_checkpoint_interval",
+          "schedule"),  # hf_zero's: "1f1b" (DeepSpeed's, the default) or "gpipe"
+    auto=frozenset({"stages"}),
+    inert={"partition": "best", "seed_layers": False, "pipe_partitioned": True, "grad_partitioned": True,
+           "use_reentrant": True},
 )
 
-
-# ---------------------------------------------------------------- pipeline (used with a PipelineModule)
-
-PIPELINE_KEYS = (
-    "stages", "activation_checkpoint_interval",
-    "schedule",  # hf_zero's: "1f1b" (DeepSpeed's, the default) or "gpipe"
-)
-PIPELINE_AUTO = frozenset({"stages"})
-PIPELINE_SCHEDULES = ("1f1b", "gpipe")
-PIPELINE_INERT: dict[str, Any] = {
-    "partition": "best", "seed_layers": False, "pipe_partitioned": True, "grad_partitioned": True,
-    "use_reentrant": True,
+# Every section hf_zero reads key by key, by JSON path; a key of one of these that is itself here is a
+# sub-section (optimizer.params and scheduler.params are free-form: optim.py checks them).
+SECTIONS: dict[str, Section] = {
+    "": TOP, "fp16": FP16, "bf16": BF16, "zero_optimization": ZERO,
+    "zero_optimization.offload_param": OFFLOAD_PARAM, "zero_optimization.offload_optimizer": OFFLOAD_OPTIMIZER,
+    "checkpoint": CHECKPOINT, "compile": COMPILE, "optimizer": OPTIMIZER, "scheduler": SCHEDULER,
+    "activation_checkpointing": ACTIVATION_CHECKPOINTING, "pipeline": PIPELINE,
 }
 
-# ---------------------------------------------------------------- value checks
 
+def classify(path: str) -> str | None:
+    """What hf_zero does with the DeepSpeed key at a dotted ``path``: "acted", "inert", "refused", or None.
 
-def show(value: Any) -> str:
-    """A value for a message: its Python repr (as optim.py's messages write it), shortened if long."""
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
-
-
-def json_kind(value: Any) -> str:
-    """The JSON name of a value's type, for messages about the wrong kind of thing."""
-    for types, name in ((bool, "boolean"), (dict, "object"), ((list, tuple), "array"), (str, "string"),
-                        ((int, float), "number"), (type(None), "null")):
-        if isinstance(value, types):
-            return name
-    return type(value).__name__
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-@dataclass(frozen=True)
-class Bool:
-    """A real JSON boolean: ``1`` and ``"true"`` are refused, since a typo there flips a feature silently."""
-
-    what: str = "true or false"
-
-    def __call__(self, value: Any, path: str) -> bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"{path}: got {show(value)}, expected {self.what}")
-        return value
-
-
-@dataclass(frozen=True)
-class Int:
-    """An integer >= ``minimum``; integral floats such as ``5e8`` pass, as DeepSpeed configs write them."""
-
-    minimum: int = 0
-
-    @property
-    def what(self) -> str:
-        return "a positive integer" if self.minimum == 1 else f"an integer >= {self.minimum}"
-
-    def __call__(self, value: Any, path: str) -> int:
-        if not _is_number(value) or not float(value).is_integer() or value < self.minimum:
-            raise ConfigError(f"{path}: got {show(value)}, expected {self.what}")
-        return int(value)
-
-
-@dataclass(frozen=True)
-class Number:
-    """A finite number >= ``minimum`` (or > it when ``strict``)."""
-
-    minimum: float = 0.0
-    strict: bool = False
-
-    @property
-    def what(self) -> str:
-        if self.minimum == 0:
-            return "a positive number" if self.strict else "a non-negative number"
-        return f"a number {'>' if self.strict else '>='} {self.minimum:g}"
-
-    def __call__(self, value: Any, path: str) -> float:
-        if not _is_number(value) or value < self.minimum or (self.strict and value == self.minimum):
-            raise ConfigError(f"{path}: got {show(value)}, expected {self.what}")
-        return float(value)
-
-
-@dataclass(frozen=True)
-class OneOf:
-    """One of a fixed list; strings match case-insensitively and come back in the canonical spelling."""
-
-    options: tuple
-
-    @property
-    def what(self) -> str:
-        return "one of " + ", ".join(str(o) for o in self.options)
-
-    def __call__(self, value: Any, path: str) -> Any:
-        for option in self.options:
-            if isinstance(option, str) and isinstance(value, str) and option.lower() == value.lower():
-                return option
-            if not isinstance(option, str) and _is_number(value) and value == option:
-                return option
-        raise ConfigError(f"{path}: got {show(value)}, expected {self.what}")
-
-
-def asks_for(value: Any, quiet: Any) -> bool:
-    """Does ``value`` ask for a feature, given the value (or section kind) that asks for nothing?"""
-    if quiet is SWITCH:
-        return isinstance(value, dict) and value.get("enabled") is True
-    if quiet is SECTION:
-        return value is not None and value != {}
-    if quiet is None:
-        return value is not None
-    if isinstance(quiet, str) and isinstance(value, str):
-        return value.lower() != quiet.lower()
-    return value != quiet
-
-
-def check_quiet_type(value: Any, quiet: Any, path: str) -> None:
-    """An ignored or refused key still has a type: a bool key given ``"false"`` is a mistake worth naming."""
-    if quiet in (SWITCH, SECTION):
-        if value is not None and not isinstance(value, dict):
-            raise ConfigError(f"{path}: got {show(value)}, expected an object")
-        if quiet is SWITCH and isinstance(value, dict) and "enabled" in value:
-            if not isinstance(value["enabled"], bool) and value["enabled"] != AUTO:
-                Bool()(value["enabled"], f"{path}.enabled")
-    elif isinstance(quiet, bool):
-        Bool()(value, path)
-    elif isinstance(quiet, (int, float)):
-        if not _is_number(value):
-            raise ConfigError(f"{path}: got {show(value)}, expected a number")
-    elif isinstance(quiet, str) and not isinstance(value, str):
-        raise ConfigError(f"{path}: got {show(value)}, expected a string")
+    "refused" means refused when it asks for its feature; a key inside an inert or refused section
+    shares its section's fate; None means hf_zero does not know the key.
+    """
+    here = ""
+    parts = path.split(".")
+    for i, part in enumerate(parts):
+        section = SECTIONS[here]
+        name = section.aliases.get(part, part)
+        if name in section.inert:
+            return "inert"
+        if name in section.unsupported:
+            return "refused"
+        if name not in section.keys:
+            return None
+        child = f"{here}.{name}" if here else name
+        if i == len(parts) - 1 or child not in SECTIONS:
+            return "acted"
+        here = child
+    return "acted"

@@ -28,13 +28,10 @@ from typing import Any
 import torch
 from torch.optim.lr_scheduler import LRScheduler
 
-from hf_zero.config_schema import ConfigError
+from hf_zero.config_schema import SUPPORTED_OPTIMIZERS, SUPPORTED_SCHEDULERS, ConfigError
 
 __all__ = ["SUPPORTED_OPTIMIZERS", "SUPPORTED_SCHEDULERS", "OptimizerConfigError", "WarmupCosineLR", "WarmupDecayLR",
            "WarmupLR", "build_optimizer", "build_scheduler"]
-
-SUPPORTED_OPTIMIZERS: tuple[str, ...] = ("Adam", "AdamW", "SGD")
-SUPPORTED_SCHEDULERS: tuple[str, ...] = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
 
 
 class OptimizerConfigError(ConfigError):

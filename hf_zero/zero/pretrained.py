@@ -114,6 +114,11 @@ def from_pretrained_sharded(cls: type, init: Any, pretrained_model_name_or_path:
     where = f"from_pretrained({str(pretrained_model_name_or_path)!r})"
     if model_args:
         raise ValueError(f"{where} under hf_zero.zero.Init takes no positional model arguments; pass a config instead")
+    adapter = kwargs.get("adapter_kwargs") or {}
+    if "_adapter_model_path" not in adapter:
+        # with peft installed, transformers' Auto classes pass adapter_kwargs (a revision, a token) on every
+        # load; only a folder that holds an adapter (they then add its path) asks for something
+        kwargs.pop("adapter_kwargs", None)
     for key in _UNSUPPORTED:
         if kwargs.get(key) not in (None, False):
             raise ValueError(f"{where}: {key}= is not supported under hf_zero.zero.Init; leave it unset")

@@ -1,0 +1,397 @@
+"""One walk over a DeepSpeed config dict: typed reads that know their JSON path, and the key rules.
+
+For every JSON object the walk visits, :meth:`Parser.object` first folds DeepSpeed's other
+spellings of a key into the name hf_zero uses (refusing two spellings of one key, as DeepSpeed
+does), then sorts each key by ``config_schema``'s tables: acted on (read later with a typed
+check), inert (named in one warning if it asks for anything), refused (one sentence naming the
+missing feature), or unknown. An unknown key that is a near-certain misspelling of a known one
+(see :func:`near_miss`) stops the run with "did you mean"; any other unknown key is named in a
+warning as ignored, because DeepSpeed ignores keys it does not read and real configs carry keys
+of their own tools. Each warning names a key once per process: the Trainer parses the config
+when ``TrainingArguments`` is built and the engine parses it again.
+
+The parser returns the fields of :class:`hf_zero.config.ZeroConfig` as a dict, so that this
+module needs nothing from ``config.py``.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import warnings
+from collections.abc import Iterable
+from typing import Any
+
+from hf_zero.config_schema import (
+    ACTIVATION_CHECKPOINTING,
+    AUTO,
+    BF16,
+    CHECKPOINT,
+    COMMUNICATION_DTYPES,
+    COMPILE,
+    COMPILE_KWARGS,
+    COMPILE_MODES,
+    DEEPSPEED_ONLY_OPTIMIZERS,
+    DEEPSPEED_ONLY_SCHEDULERS,
+    FP16,
+    NONFINITE_LOSS,
+    OFFLOAD_DEVICES,
+    OFFLOAD_OPTIMIZER,
+    OFFLOAD_PARAM,
+    OPTIMIZER,
+    PIPELINE,
+    PIPELINE_SCHEDULES,
+    SCHEDULER,
+    SECTIONS,
+    SUPPORTED_OPTIMIZERS,
+    SUPPORTED_SCHEDULERS,
+    SWITCH,
+    SWITCHES_ACCEPTING_AUTO,
+    TOP,
+    ZERO,
+    ConfigError,
+    Section,
+)
+from hf_zero.config_sections import (
+    BF16Config,
+    CompileConfig,
+    FP16Config,
+    OffloadOptimizerConfig,
+    OffloadParamConfig,
+    OptimizerConfig,
+    PipelineConfig,
+    SchedulerConfig,
+    ZeroOptimizationConfig,
+)
+from hf_zero.config_values import Bool, Int, Number, OneOf, Text, asks_for, check_quiet_type, show
+
+BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+ABSENT = object()  # "not given": the field keeps its dataclass default
+
+# (kind, JSON path) already named in a warning by this process: each key is named once.
+_WARNED: set[tuple[str, str]] = set()
+
+_OFFLOAD_CHECKS = {
+    "device": OneOf(OFFLOAD_DEVICES), "nvme_path": Text("a path"), "buffer_count": Int(0), "buffer_size": Int(0),
+    "max_in_cpu": Int(0), "pin_memory": Bool(), "pipeline_read": Bool(), "pipeline_write": Bool(),
+    "fast_init": Bool(), "ratio": Number(0.0, maximum=1.0), "super_offload": Bool(),
+    "cpuadam_cores_perc": Number(0.0, maximum=1.0),
+}
+
+
+def _join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
+
+
+def _distance(a: str, b: str) -> int:
+    """Edits (insert, delete, substitute, swap two neighbours) that turn ``a`` into ``b``."""
+    prev2: list[int] = []
+    prev = list(range(len(b) + 1))
+    for i in range(1, len(a) + 1):
+        row = [i] + [0] * len(b)
+        for j in range(1, len(b) + 1):
+            row[j] = min(prev[j] + 1, row[j - 1] + 1, prev[j - 1] + (a[i - 1] != b[j - 1]))
+            if i > 1 and j > 1 and a[i - 1] == b[j - 2] and a[i - 2] == b[j - 1]:
+                row[j] = min(row[j], prev2[j - 2] + 1)
+        prev2, prev = prev, row
+    return prev[-1]
+
+
+def near_miss(key: str, names: Iterable[str]) -> str | None:
+    """The known key ``key`` is a near-certain misspelling of, or None.
+
+    Near-certain means a case or separator slip (``Zero-Optimization``), or one edit for a key of
+    up to five letters and two for a longer one (``zero_optimisation``, ``stage3_prefetch_bucket_sise``,
+    ``stgae``). Wider than that, real keys of other tools start to match (``_comment`` is three
+    edits from ``comet``), and those must pass with a warning, not stop the run.
+    """
+    plain = key.lower().replace("-", "_").replace(" ", "_")
+    scored = sorted((_distance(plain, name.lower()), name) for name in names)
+    if not scored:
+        return None
+    edits, name = scored[0]
+    return name if edits <= (1 if len(plain) <= 5 else 2) else None
+
+
+def _read_elsewhere(key: str) -> str:
+    """Where DeepSpeed reads an unknown key when it is a key of exactly one other section, for the warning."""
+    homes = [path for path, section in SECTIONS.items() if key in section.names()]
+    if len(homes) != 1:
+        return ""
+    return " (a top-level key)" if homes[0] == "" else f" (a key of {homes[0]})"
+
+
+class _Object:
+    """One JSON object of the config, its keys under hf_zero's names, each remembering the user's spelling."""
+
+    def __init__(self, parser: Parser, values: dict, spelled: dict[str, str], path: str, section: Section) -> None:
+        self.parser, self.values, self.spelled, self.path, self.section = parser, values, spelled, path, section
+
+    def where(self, key: str) -> str:
+        """The JSON path of ``key`` as the user wrote it."""
+        return _join(self.path, self.spelled.get(key, key))
+
+    def get(self, key: str, check: Any, default: Any, nullable: bool = False) -> Any:
+        """The checked value of ``key``; ``default`` when absent, null (if ``nullable``) or "auto" (if allowed)."""
+        if key not in self.values:
+            return default
+        value, full = self.values[key], self.where(key)
+        if value is None and nullable:
+            return None
+        if isinstance(value, str) and value == AUTO:
+            if key not in self.section.auto:
+                raise ConfigError(
+                    f"{full}: got 'auto', expected {check.what} (\"auto\" is only allowed where the Trainer fills the value in)"
+                )
+            self.parser.auto_keys.add(full)
+            return default
+        return check(value, full)
+
+    def raw(self, key: str, example: str) -> dict:
+        """A sub-object; absent or null is an empty one."""
+        value = self.values.get(key)
+        if value is None:
+            return {}
+        if not isinstance(value, dict):
+            raise ConfigError(f"{self.where(key)}: got {show(value)}, expected an object like {example}")
+        return value
+
+
+class Parser:
+    """Builds the fields of a ZeroConfig from the user's dict; collects "auto" paths and the keys to warn about."""
+
+    def __init__(self) -> None:
+        self.auto_keys: set[str] = set()
+        self.ignored: list[str] = []  # inert DeepSpeed keys that ask for something
+        self.unknown: list[str] = []  # keys DeepSpeed does not know either
+
+    def parse(self, data: dict) -> dict[str, Any]:
+        """The ZeroConfig fields the config sets (those it leaves out keep the dataclass defaults)."""
+        top = self.object(data, "", TOP)
+        # ABSENT (absent, or "auto") leaves the field to ZeroConfig's default, the one copy of it
+        fields: dict[str, Any] = {name: top.get(name, Int(1), ABSENT) for name in BATCH_KEYS}
+        fields["gradient_clipping"] = top.get("gradient_clipping", Number(), ABSENT)
+        fields["communication_data_type"] = top.get("communication_data_type", OneOf(COMMUNICATION_DTYPES), ABSENT,
+                                                    nullable=True)
+        top.get("gradient_predivide_factor", Number(0.0, strict=True), ABSENT)  # inert, but a value must make sense
+        fields["steps_per_print"] = top.get("steps_per_print", Int(1), ABSENT, nullable=True)
+        fields["seed"] = top.get("seed", Int(0), ABSENT, nullable=True)
+        fields["sequence_parallel_size"] = top.get("sequence_parallel_size", Int(1), ABSENT)
+        fields["activation_checkpointing"] = self.activation_checkpointing(top)
+        fields["compile"] = self.compile(top)
+        fields["nonfinite_loss"] = top.get("nonfinite_loss", OneOf(NONFINITE_LOSS), ABSENT)
+        checkpoint = self.object(top.raw("checkpoint", '{"keep_last": 3}'), "checkpoint", CHECKPOINT)
+        fields["checkpoint_keep_last"] = checkpoint.get("keep_last", Int(1), ABSENT, nullable=True)
+        fields["optimizer"] = self.named(top, "optimizer", OptimizerConfig, SUPPORTED_OPTIMIZERS, DEEPSPEED_ONLY_OPTIMIZERS)
+        fields["scheduler"] = self.named(top, "scheduler", SchedulerConfig, SUPPORTED_SCHEDULERS, DEEPSPEED_ONLY_SCHEDULERS)
+        fields["fp16"] = self.fp16(top)
+        bf16 = self.object(top.raw("bf16", '{"enabled": true}'), top.where("bf16"), BF16)
+        fields["bf16"] = BF16Config(enabled=bf16.get("enabled", Bool(), BF16Config.enabled))
+        if fields["fp16"].enabled and fields["bf16"].enabled:
+            raise ConfigError(f"fp16.enabled: got True while {bf16.path}.enabled is also True; "
+                              "enable at most one of fp16 and bf16")
+        fields["zero_optimization"] = self.zero(top)
+        fields["pipeline"] = self.pipeline(top)
+        fields["auto_keys"] = self.auto_keys
+        return {name: value for name, value in fields.items() if value is not ABSENT}
+
+    # ------------------------------------------------------------ keys
+
+    def object(self, data: dict, path: str, section: Section) -> _Object:
+        """Fold aliases into hf_zero's names, then put every key in its group (see the module doc)."""
+        values: dict = {}
+        spelled: dict[str, str] = {}
+        for key, value in data.items():
+            name = section.aliases.get(key, key)
+            if name in values:
+                first, second = (key, spelled[name]) if key in section.aliases else (spelled[name], key)
+                if first in section.older:
+                    raise ConfigError(f"{_join(path, first)}: given together with {second}, its newer name; "
+                                      "keep only the newer one")
+                raise ConfigError(f"{_join(path, first)}: given together with {second}, another name of the same "
+                                  "DeepSpeed setting; keep one")
+            values[name], spelled[name] = value, key
+        obj = _Object(self, values, spelled, path, section)
+        for name, value in values.items():
+            self.sort(obj, name, value)
+        return obj
+
+    def sort(self, obj: _Object, name: str, value: Any) -> None:
+        """One key: checked and (if it asks for something) warned about, refused, or unknown."""
+        section, full = obj.section, obj.where(name)
+        if name in section.unsupported or name in section.inert:
+            if isinstance(value, str) and value == AUTO and name in section.auto:
+                self.auto_keys.add(full)
+                return
+            quiet = section.unsupported[name][0] if name in section.unsupported else section.inert[name]
+            check_quiet_type(value, quiet, full)
+            if quiet is SWITCH and isinstance(value, dict) and value.get("enabled") == AUTO:
+                if name not in SWITCHES_ACCEPTING_AUTO:
+                    raise ConfigError(f"{full}.enabled: got 'auto', expected True or False")
+                self.auto_keys.add(f"{full}.enabled")
+            if asks_for(value, quiet):
+                if name in section.unsupported:
+                    where, given = (f"{full}.enabled", True) if quiet is SWITCH else (full, value)
+                    raise ConfigError(f"{where}: got {show(given)}, but {section.unsupported[name][1]}")
+                self.ignored.append(full)
+        elif name not in section.keys:
+            close = near_miss(obj.spelled[name], section.names())
+            if close is not None:
+                raise ConfigError(f"{full}: unknown key; did you mean {close!r}?")
+            self.unknown.append(full + _read_elsewhere(obj.spelled[name]))
+
+    def warn(self) -> None:
+        """The two warnings, each naming only keys this process has not named before."""
+        for kind, names, text in (
+            ("inert", self.ignored, "hf_zero accepts but ignores these DeepSpeed keys"),
+            ("unknown", self.unknown, "hf_zero ignores these keys, which are not DeepSpeed config keys"),
+        ):
+            new = [name for name in dict.fromkeys(names) if (kind, name) not in _WARNED]
+            if new:
+                _WARNED.update((kind, name) for name in new)
+                warnings.warn(f"{text}: {', '.join(new)}", UserWarning, stacklevel=3)
+
+    # ------------------------------------------------------------ sections
+
+    def activation_checkpointing(self, top: _Object) -> dict:
+        section = top.raw("activation_checkpointing", '{"partition_activations": false}')
+        self.object(section, "activation_checkpointing", ACTIVATION_CHECKPOINTING)
+        if not isinstance(section.get("checkpoint_blocks", False), bool):
+            raise ConfigError(f"activation_checkpointing.checkpoint_blocks: got {show(section['checkpoint_blocks'])}, "
+                              "expected true or false")
+        return copy.deepcopy(section)
+
+    def compile(self, top: _Object) -> CompileConfig:
+        """``compile``: enabled, a ``torch._dynamo`` backend name, and torch.compile's own keyword arguments."""
+        obj = self.object(top.raw("compile", '{"enabled": true, "backend": "inductor"}'), "compile", COMPILE)
+        out = CompileConfig(enabled=obj.get("enabled", Bool(), False))
+        if "backend" in obj.values:
+            backend = obj.values["backend"]
+            import torch._dynamo
+
+            known = tuple(torch._dynamo.list_backends(exclude_tags=()))
+            if not isinstance(backend, str) or backend not in known:
+                raise ConfigError(f"compile.backend: got {show(backend)}, expected one of {', '.join(known)}")
+            out.backend = backend
+        kwargs = obj.values.get("kwargs") or {}
+        if not isinstance(kwargs, dict):
+            raise ConfigError(f"compile.kwargs: got {show(kwargs)}, expected an object like {{\"mode\": \"max-autotune\"}}")
+        for key, value in kwargs.items():
+            full = f"compile.kwargs.{key}"
+            if key not in COMPILE_KWARGS:
+                raise ConfigError(f"{full}: not an argument of torch.compile here; expected one of {', '.join(COMPILE_KWARGS)}")
+            if key == "mode":
+                value = OneOf(COMPILE_MODES)(value, full)
+            elif key in ("fullgraph", "dynamic"):
+                if value is not None and not isinstance(value, bool):
+                    raise ConfigError(f"{full}: got {show(value)}, expected true, false or null")
+            elif not isinstance(value, dict):
+                raise ConfigError(f"{full}: got {show(value)}, expected an object of inductor options")
+            out.kwargs[key] = value
+        if "mode" in out.kwargs and "options" in out.kwargs:
+            raise ConfigError("compile.kwargs: torch.compile takes mode or options, not both; keep one")
+        return out
+
+    def named(self, top: _Object, key: str, cls: type, supported: tuple, deepspeed_only: tuple) -> Any:
+        """``optimizer`` / ``scheduler``: a supported ``type`` and a ``params`` object (its "auto" values left out)."""
+        if top.values.get(key) is None:
+            return None
+        section = top.raw(key, f'{{"type": "{supported[0]}", "params": {{...}}}}')
+        self.object(section, key, OPTIMIZER if key == "optimizer" else SCHEDULER)
+        if "type" not in section:
+            raise ConfigError(f"{key}.type: missing; expected one of {', '.join(supported)}")
+        given = section["type"]
+        canonical = {name.lower(): name for name in supported}
+        if not isinstance(given, str) or given.lower() not in canonical:
+            allowed = ", ".join(supported)
+            if isinstance(given, str) and given.lower() in {name.lower() for name in deepspeed_only}:
+                raise ConfigError(f"{key}.type: got {given!r}, which hf_zero does not support yet; expected one of {allowed}")
+            close = near_miss(given, supported) if isinstance(given, str) else None
+            hint = f" (did you mean {close!r}?)" if close else ""
+            raise ConfigError(f"{key}.type: got {show(given)}, expected one of {allowed}{hint}")
+        params = section.get("params")
+        if params is None:
+            params = {}
+        if not isinstance(params, dict):
+            example = '{"lr": 0.001}' if key == "optimizer" else '{"warmup_num_steps": 100}'
+            raise ConfigError(f"{key}.params: got {show(params)}, expected an object like {example}")
+        kept = {}
+        for name, value in params.items():
+            if isinstance(value, str) and value == AUTO:
+                self.auto_keys.add(f"{key}.params.{name}")
+            else:
+                kept[name] = copy.deepcopy(value)
+        return cls(type=canonical[given.lower()], params=kept)
+
+    def fp16(self, top: _Object) -> FP16Config:
+        obj = self.object(top.raw("fp16", '{"enabled": true}'), "fp16", FP16)
+        d = FP16Config()
+        return FP16Config(
+            enabled=obj.get("enabled", Bool(), d.enabled),
+            loss_scale=obj.get("loss_scale", Number(), d.loss_scale),
+            initial_scale_power=obj.get("initial_scale_power", Int(0), d.initial_scale_power),
+            loss_scale_window=obj.get("loss_scale_window", Int(1), d.loss_scale_window),
+            hysteresis=obj.get("hysteresis", Int(1), d.hysteresis),
+            consecutive_hysteresis=obj.get("consecutive_hysteresis", Bool(), d.consecutive_hysteresis),
+            min_loss_scale=obj.get("min_loss_scale", Number(0.0, strict=True), d.min_loss_scale),
+        )
+
+    def pipeline(self, top: _Object) -> PipelineConfig:
+        obj = self.object(top.raw("pipeline", '{"schedule": "1f1b"}'), "pipeline", PIPELINE)
+        d = PipelineConfig()
+        return PipelineConfig(
+            stages=obj.get("stages", Int(1), d.stages),
+            activation_checkpoint_interval=obj.get("activation_checkpoint_interval", Int(0), d.activation_checkpoint_interval),
+            schedule=obj.get("schedule", OneOf(PIPELINE_SCHEDULES), d.schedule),
+        )
+
+    def zero(self, top: _Object) -> ZeroOptimizationConfig:
+        given = top.values.get("zero_optimization")
+        if isinstance(given, bool):  # DeepSpeed's oldest form: true is stage 1
+            return ZeroOptimizationConfig(stage=int(given))
+        obj = self.object(top.raw("zero_optimization", '{"stage": 2}'), "zero_optimization", ZERO)
+        d = ZeroOptimizationConfig()
+        return ZeroOptimizationConfig(
+            stage=obj.get("stage", OneOf((0, 1, 2, 3)), d.stage),
+            reduce_bucket_size=obj.get("reduce_bucket_size", Int(1), d.reduce_bucket_size),
+            stage3_prefetch_bucket_size=obj.get("stage3_prefetch_bucket_size", Int(0), d.stage3_prefetch_bucket_size),
+            stage3_param_persistence_threshold=obj.get("stage3_param_persistence_threshold", Int(0),
+                                                       d.stage3_param_persistence_threshold),
+            stage3_max_live_parameters=obj.get("stage3_max_live_parameters", Int(0), d.stage3_max_live_parameters),
+            offload_optimizer=self.offload(obj, "offload_optimizer", OffloadOptimizerConfig),
+            offload_param=self.offload(obj, "offload_param", OffloadParamConfig),
+        )
+
+    def offload(self, zero: _Object, key: str, cls: type) -> Any:
+        """An offload section in full, DeepSpeed's defaults for what it leaves out; None when absent."""
+        if zero.values.get(key) is None:
+            return None
+        section = OFFLOAD_OPTIMIZER if key == "offload_optimizer" else OFFLOAD_PARAM
+        obj = self.object(zero.raw(key, '{"device": "cpu", "pin_memory": true}'), zero.where(key), section)
+        defaults, out = cls(), {}
+        for f in dataclasses.fields(cls):
+            default = getattr(defaults, f.name)
+            value = obj.get(f.name, _OFFLOAD_CHECKS[f.name], default, nullable=f.name in ("device", "nvme_path"))
+            out[f.name] = default if value is None else value
+        return cls(**out)
+
+
+def refuse_missing_features(cfg: Any) -> None:
+    """Features the parser reads in full but hf_zero cannot run yet: one sentence each, before any work.
+
+    ``cfg`` is the parsed ZeroConfig. When offload or sequence parallelism lands, its engineer
+    deletes its lines here; the parsed values are already in ``cfg.zero_optimization.offload_*``
+    and ``cfg.sequence_parallel_size``.
+    """
+    for key in ("offload_optimizer", "offload_param"):
+        offload = getattr(cfg.zero_optimization, key)
+        if offload is not None and offload.device != "none":
+            raise ConfigError(f"zero_optimization.{key}.device: got {offload.device!r}, but offload is not supported yet; "
+                              f'use "none" or remove {key}')
+    if cfg.sequence_parallel_size > 1:
+        raise ConfigError(f"sequence_parallel_size: got {cfg.sequence_parallel_size}, but sequence parallelism "
+                          "is not supported yet; remove the key or set it to 1")
+    section = cfg.raw.get("sequence_parallel")  # LLaMA-Factory's; its keys are for the sequence-parallel engineer
+    if section not in (None, {}):
+        raise ConfigError(f"sequence_parallel: got {show(section)}, but sequence parallelism is not supported "
+                          "yet; remove the section")

@@ -1,0 +1,119 @@
+"""The typed sections of a parsed DeepSpeed config: what ``ZeroConfig`` holds besides its scalars.
+
+Each dataclass holds only the keys hf_zero acts on, under DeepSpeed's names and with
+DeepSpeed's defaults; these defaults are the one source of them (the parser reads them from
+here, and the engine takes its values from the parsed config). Keys hf_zero accepts without
+acting on them are not fields: they are tabulated in ``config_schema.py`` and named in the
+"accepts but ignores" warning when they ask for something.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class OptimizerConfig:
+    """``optimizer``: the type in canonical spelling ("Adam", "AdamW", "SGD"); params as given, minus "auto"."""
+
+    type: str
+    params: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class SchedulerConfig:
+    """``scheduler``: one of DeepSpeed's Warmup* schedules; ``optim.py`` checks the params."""
+
+    type: str
+    params: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class FP16Config:
+    """``fp16``: DeepSpeed's names and defaults, so a loss-scale history carries over unchanged."""
+
+    enabled: bool = False
+    loss_scale: float = 0.0  # 0 means dynamic scaling
+    initial_scale_power: int = 16
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+    consecutive_hysteresis: bool = False
+    min_loss_scale: float = 1.0
+
+
+@dataclass
+class BF16Config:
+    """``bf16`` (or DeepSpeed's older ``bfloat16``)."""
+
+    enabled: bool = False
+
+
+@dataclass
+class OffloadParamConfig:
+    """``zero_optimization.offload_param``, DeepSpeed's fields and defaults (parameters in host memory or NVMe).
+
+    Parsed in full so that the offload engine reads it from here; ``config_parse.refuse_missing_features``
+    refuses any device but "none" until it exists.
+    """
+
+    device: str = "none"  # "none" | "cpu" | "nvme"
+    nvme_path: str | None = None
+    buffer_count: int = 5
+    buffer_size: int = 100_000_000
+    max_in_cpu: int = 1_000_000_000
+    pin_memory: bool = True
+
+
+@dataclass
+class OffloadOptimizerConfig:
+    """``zero_optimization.offload_optimizer``, DeepSpeed's fields and defaults (optimizer state on the host).
+
+    As :class:`OffloadParamConfig`: parsed in full, refused for a device other than "none" for now.
+    """
+
+    device: str = "none"  # "none" | "cpu" | "nvme"
+    nvme_path: str | None = None
+    buffer_count: int = 4
+    pin_memory: bool = True
+    pipeline_read: bool = False
+    pipeline_write: bool = False
+    fast_init: bool = False
+    ratio: float = 1.0  # the share of the optimizer state offloaded (below 1 only at stage 3)
+    super_offload: bool = False
+    cpuadam_cores_perc: float = 0.8
+
+
+@dataclass
+class ZeroOptimizationConfig:
+    """``zero_optimization``: the knobs hf_zero uses. Their defaults are DeepSpeed's and the only copy here.
+
+    The ``stage3_*`` names are DeepSpeed's aliases; its field names (``prefetch_bucket_size``, ...)
+    are accepted as well and land in the same fields.
+    """
+
+    stage: int = 0
+    reduce_bucket_size: int = 500_000_000  # elements per gradient bucket (and per flat group)
+    stage3_prefetch_bucket_size: int = 50_000_000  # elements gathered ahead of use at stage 3
+    stage3_param_persistence_threshold: int = 100_000  # parameters smaller than this stay whole at stage 3
+    stage3_max_live_parameters: int = 1_000_000_000  # gathered elements alive at once at stage 3
+    offload_optimizer: OffloadOptimizerConfig | None = None  # None: the section is absent
+    offload_param: OffloadParamConfig | None = None
+
+
+@dataclass
+class PipelineConfig:
+    """``pipeline``: read when the model is a ``PipelineModule`` (``stages`` None: whatever the module says)."""
+
+    stages: int | None = None
+    activation_checkpoint_interval: int = 0
+    schedule: str = "1f1b"  # hf_zero's key: "1f1b" or "gpipe"
+
+
+@dataclass
+class CompileConfig:
+    """``compile``: ``torch.compile`` each block at ``initialize`` (see :mod:`hf_zero.compile`)."""
+
+    enabled: bool = False
+    backend: str = "inductor"
+    kwargs: dict = field(default_factory=dict)

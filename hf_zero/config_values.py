@@ -1,0 +1,150 @@
+"""Value checks for DeepSpeed config keys: each takes ``(value, path)`` and returns the value or raises.
+
+Every check raises one :class:`ConfigError` sentence in the form the whole parser uses,
+``path: got X, expected Y``, so a user sees the JSON path, what they wrote and what would do.
+The parser (``config_parse.py``) calls these; the tables of which key takes which check are in
+``config_schema.py``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from hf_zero.config_schema import ANY, AUTO, SECTION, SWITCH, ConfigError
+
+
+def show(value: Any) -> str:
+    """A value for a message: its Python repr (as optim.py's messages write it), shortened if long."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def json_kind(value: Any) -> str:
+    """The JSON name of a value's type, for messages about the wrong kind of thing."""
+    for types, name in ((bool, "boolean"), (dict, "object"), ((list, tuple), "array"), (str, "string"),
+                        ((int, float), "number"), (type(None), "null")):
+        if isinstance(value, types):
+            return name
+    return type(value).__name__
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+@dataclass(frozen=True)
+class Bool:
+    """A real JSON boolean: ``1`` and ``"true"`` are refused, since a typo there flips a feature silently."""
+
+    what: str = "true or false"
+
+    def __call__(self, value: Any, path: str) -> bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{path}: got {show(value)}, expected {self.what}")
+        return value
+
+
+@dataclass(frozen=True)
+class Int:
+    """An integer >= ``minimum``; integral floats such as ``5e8`` pass, as DeepSpeed configs write them."""
+
+    minimum: int = 0
+
+    @property
+    def what(self) -> str:
+        return "a positive integer" if self.minimum == 1 else f"an integer >= {self.minimum}"
+
+    def __call__(self, value: Any, path: str) -> int:
+        if not _is_number(value) or not float(value).is_integer() or value < self.minimum:
+            raise ConfigError(f"{path}: got {show(value)}, expected {self.what}")
+        return int(value)
+
+
+@dataclass(frozen=True)
+class Number:
+    """A finite number >= ``minimum`` (or > it when ``strict``), at most ``maximum`` when one is given."""
+
+    minimum: float = 0.0
+    strict: bool = False
+    maximum: float | None = None
+
+    @property
+    def what(self) -> str:
+        if self.maximum is not None:
+            return f"a number from {self.minimum:g} to {self.maximum:g}"
+        if self.minimum == 0:
+            return "a positive number" if self.strict else "a non-negative number"
+        return f"a number {'>' if self.strict else '>='} {self.minimum:g}"
+
+    def __call__(self, value: Any, path: str) -> float:
+        if (not _is_number(value) or value < self.minimum or (self.strict and value == self.minimum)
+                or (self.maximum is not None and value > self.maximum)):
+            raise ConfigError(f"{path}: got {show(value)}, expected {self.what}")
+        return float(value)
+
+
+@dataclass(frozen=True)
+class Text:
+    """Any string (a path, a name); ``null`` is handled by the caller's ``nullable``."""
+
+    what: str = "a string"
+
+    def __call__(self, value: Any, path: str) -> str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{path}: got {show(value)}, expected {self.what}")
+        return value
+
+
+@dataclass(frozen=True)
+class OneOf:
+    """One of a fixed list; strings match case-insensitively and come back in the canonical spelling."""
+
+    options: tuple
+
+    @property
+    def what(self) -> str:
+        return "one of " + ", ".join(str(o) for o in self.options)
+
+    def __call__(self, value: Any, path: str) -> Any:
+        for option in self.options:
+            if isinstance(option, str) and isinstance(value, str) and option.lower() == value.lower():
+                return option
+            if not isinstance(option, str) and _is_number(value) and value == option:
+                return option
+        raise ConfigError(f"{path}: got {show(value)}, expected {self.what}")
+
+
+def asks_for(value: Any, quiet: Any) -> bool:
+    """Does ``value`` ask for a feature, given the value (or section kind) that asks for nothing?"""
+    if quiet is SWITCH:
+        return isinstance(value, dict) and value.get("enabled") is True
+    if quiet is SECTION:
+        return value is not None and value != {}
+    if quiet is ANY:
+        return value not in (None, False, {})
+    if quiet is None:
+        return value is not None
+    if isinstance(quiet, str) and isinstance(value, str):
+        return value.lower() != quiet.lower()
+    return value != quiet
+
+
+def check_quiet_type(value: Any, quiet: Any, path: str) -> None:
+    """An ignored or refused key still has a type: a bool key given ``"false"`` is a mistake worth naming."""
+    if quiet is ANY:
+        return
+    if quiet in (SWITCH, SECTION):
+        if value is not None and not isinstance(value, dict):
+            raise ConfigError(f"{path}: got {show(value)}, expected an object")
+        if quiet is SWITCH and isinstance(value, dict) and "enabled" in value:
+            if not isinstance(value["enabled"], bool) and value["enabled"] != AUTO:
+                Bool()(value["enabled"], f"{path}.enabled")
+    elif isinstance(quiet, bool):
+        Bool()(value, path)
+    elif isinstance(quiet, (int, float)):
+        if not _is_number(value):
+            raise ConfigError(f"{path}: got {show(value)}, expected a number")
+    elif isinstance(quiet, str) and not isinstance(value, str):
+        raise ConfigError(f"{path}: got {show(value)}, expected a string")

@@ -1,0 +1,278 @@
+"""The key rules of the config parser: DeepSpeed's aliases, typos against unknown keys, warnings once.
+
+- DeepSpeed's field names and their aliases (``prefetch_bucket_size`` / ``stage3_prefetch_bucket_size``)
+  land in the same field; messages and "auto" paths keep the user's spelling; two spellings of one
+  key are refused, as DeepSpeed refuses them.
+- A key DeepSpeed does not know is a "did you mean" error only when it is a near-certain misspelling;
+  other unknown keys (real configs carry ``comms_config``, ``monitor_config``) are named in a warning.
+- Keys hf_zero accepts without acting on (issue 16's unread ZeRO fields among them) are named in the
+  "accepts but ignores" warning when they ask for something, once per process.
+- Offload sections parse in full, with DeepSpeed's defaults, and are refused in one sentence, as is
+  sequence parallelism.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import warnings
+from pathlib import Path
+
+import pytest
+
+from hf_zero import config_parse, config_sections
+from hf_zero.config import ConfigError, OffloadOptimizerConfig, OffloadParamConfig, ZeroConfig
+from hf_zero.config_parse import near_miss
+from hf_zero.config_schema import SECTIONS, ZERO, classify
+from tests.ds_corpus import CONFIGS
+
+MB = {"train_micro_batch_size_per_gpu": 2}
+PACKAGE = Path(config_parse.__file__).resolve().parent
+
+
+@pytest.fixture(autouse=True)
+def fresh_warnings(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(config_parse, "_WARNED", set())
+
+
+def load(config: dict) -> tuple[ZeroConfig, list[str]]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cfg = ZeroConfig.load(config)
+    return cfg, [str(w.message) for w in caught]
+
+
+def refusal(config: dict) -> str:
+    with pytest.raises(ConfigError) as err, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ZeroConfig.load(config)
+    msg = str(err.value)
+    assert "\n" not in msg
+    return msg
+
+
+# ---------------------------------------------------------------- DeepSpeed's spellings
+
+
+def test_deepspeed_field_names_and_stage3_aliases_land_in_the_same_fields() -> None:
+    names = {"prefetch_bucket_size": 7, "param_persistence_threshold": 8, "max_live_parameters": 9}
+    aliases = {"stage3_prefetch_bucket_size": 7, "stage3_param_persistence_threshold": 8, "stage3_max_live_parameters": 9}
+    by_name, _ = load({**MB, "zero_optimization": {"stage": 3, **names}})
+    by_alias, _ = load({**MB, "zero_optimization": {"stage": 3, **aliases}})
+    assert by_name.zero_optimization == by_alias.zero_optimization
+    zo = by_name.zero_optimization
+    assert (zo.stage3_prefetch_bucket_size, zo.stage3_param_persistence_threshold, zo.stage3_max_live_parameters) == (7, 8, 9)
+    # messages and "auto" name the key as the user spelt it
+    assert refusal({**MB, "zero_optimization": {"prefetch_bucket_size": -1}}).startswith(
+        "zero_optimization.prefetch_bucket_size: got -1, expected an integer >= 0")
+    auto, _ = load({**MB, "zero_optimization": {"prefetch_bucket_size": "auto", "param_persistence_threshold": "auto"}})
+    assert auto.auto_keys == {"zero_optimization.prefetch_bucket_size", "zero_optimization.param_persistence_threshold"}
+    # inert keys under either name: silent at what hf_zero does, named (as spelt) otherwise
+    _, quiet = load({**MB, "zero_optimization": {"gather_16bit_weights_on_model_save": True, "max_reuse_distance": 1e9}})
+    assert quiet == []
+    _, said = load({**MB, "zero_optimization": {"max_reuse_distance": 5}})
+    assert said == ["hf_zero accepts but ignores these DeepSpeed keys: zero_optimization.max_reuse_distance"]
+
+
+@pytest.mark.parametrize("alias, name", sorted(ZERO.aliases.items()))
+def test_two_spellings_of_one_key_are_refused(alias: str, name: str) -> None:
+    value = 1 if "threshold" in name or "size" in name or "parameters" in name or "distance" in name else False
+    msg = refusal({**MB, "zero_optimization": {name: value, alias: value}})
+    assert msg.startswith(f"zero_optimization.{alias}: given together with {name}, "), msg
+    assert msg.endswith("keep only the newer one" if alias in ZERO.older else "keep one")
+
+
+def test_bfloat16_and_the_old_boolean_zero_section() -> None:
+    assert refusal({**MB, "bf16": {"enabled": True}, "bfloat16": {"enabled": True}}) == (
+        "bfloat16: given together with bf16, its newer name; keep only the newer one")
+    cfg, _ = load({**MB, "bfloat16": {"enabled": "auto"}})
+    assert cfg.auto_keys == {"bfloat16.enabled"}
+    assert load({**MB, "zero_optimization": True})[0].zero_optimization.stage == 1  # DeepSpeed's oldest form
+    assert load({**MB, "zero_optimization": False})[0].zero_optimization.stage == 0
+
+
+# ---------------------------------------------------------------- typos against keys of other tools
+
+TYPOS = [
+    ({"zero_optimisation": {"stage": 2}}, "zero_optimisation: unknown key; did you mean 'zero_optimization'?"),
+    ({"Zero-Optimization": {"stage": 2}}, "Zero-Optimization: unknown key; did you mean 'zero_optimization'?"),
+    ({"Train_Micro_Batch_Size_Per_GPU": 2}, "did you mean 'train_micro_batch_size_per_gpu'?"),
+    ({"gradient_acumulation_step": 2}, "did you mean 'gradient_accumulation_steps'?"),
+    ({"zero_optimization": {"stage3_prefetch_bucket_sise": 1}},
+     "zero_optimization.stage3_prefetch_bucket_sise: unknown key; did you mean 'stage3_prefetch_bucket_size'?"),
+    ({"zero_optimization": {"prefetch_bucket_sizes": 1}}, "did you mean 'prefetch_bucket_size'?"),
+    ({"zero_optimization": {"stgae": 3}}, "zero_optimization.stgae: unknown key; did you mean 'stage'?"),
+    ({"zero_optimization": {"offload_param": {"pin_memmory": True}}},
+     "zero_optimization.offload_param.pin_memmory: unknown key; did you mean 'pin_memory'?"),
+    ({"fp16": {"enable": True}}, "fp16.enable: unknown key; did you mean 'enabled'?"),
+    ({"tensorbord": {"enabled": True}}, "tensorbord: unknown key; did you mean 'tensorboard'?"),
+    ({"pipeline": {"schedul": "gpipe"}}, "did you mean 'schedule'?"),
+]
+UNKNOWN = [  # real keys of other tools, or far from any DeepSpeed key: a warning, and the run goes on
+    ({"comms_config": {"verbose": False}, "monitor_config": {"enabled": True, "tag": "DeepSpeedMonitor"}},
+     ["comms_config", "monitor_config"]),
+    ({"_comment": "supported model list: ..."}, ["_comment"]),
+    ({"cuda_visible_devices": 0, "frobnicate": 1}, ["cuda_visible_devices", "frobnicate"]),
+    ({"compile": {"disable": False, "backend": "inductor"}}, ["compile.disable"]),
+    ({"zero_optimization": {"aio": {"block_size": 262144}}}, ["zero_optimization.aio (a top-level key)"]),
+    ({"stage3_max_live_parameters": 1e9}, ["stage3_max_live_parameters (a key of zero_optimization)"]),
+    ({"fp8": {"enabled": True}}, ["fp8"]),
+]
+
+
+@pytest.mark.parametrize("given, needle", TYPOS, ids=[str(i) for i in range(len(TYPOS))])
+def test_near_certain_misspellings_stop_with_did_you_mean(given: dict, needle: str) -> None:
+    assert needle in refusal({**MB, **given})
+
+
+@pytest.mark.parametrize("given, named", UNKNOWN, ids=[str(i) for i in range(len(UNKNOWN))])
+def test_other_unknown_keys_are_named_in_a_warning(given: dict, named: list[str]) -> None:
+    _, said = load({**MB, **given})
+    assert said == ["hf_zero ignores these keys, which are not DeepSpeed config keys: " + ", ".join(named)]
+
+
+def test_the_typo_threshold() -> None:
+    known = ["comet", "comms_logger", "zero_optimization", "stage", "enabled", "bf16", "fp16"]
+    assert near_miss("stgae", known) == "stage" and near_miss("stagee", known) == "stage"
+    assert near_miss("stg", known) is None  # two edits on a short key could be anything
+    assert near_miss("zero_optimzation", known) == "zero_optimization"
+    assert near_miss("zero_optmzation", known) == "zero_optimization"  # two edits on a long key
+    assert near_miss("zero_optmztion", known) is None  # three
+    for real in ("comms_config", "monitor_config", "_comment", "fp8", "fp32", "disable", "aio", "tag"):
+        assert near_miss(real, known) is None, real
+
+
+def test_no_corpus_config_is_refused_as_a_typo() -> None:
+    """The threshold, checked against the keys of real configs (all of tests/ds_configs, parsed here)."""
+    for path in sorted(CONFIGS.glob("*.json")):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            try:
+                ZeroConfig.load(str(path))
+            except ConfigError as e:
+                assert "unknown key" not in str(e), f"{path.name}: {e}"
+
+
+# ---------------------------------------------------------------- inert keys, warned once
+
+
+INERT_ASKING = [  # issue 16: ZeRO fields nothing in hf_zero reads, given values that ask for something
+    ("zero_optimization", "overlap_comm", False, True),
+    ("zero_optimization", "contiguous_gradients", False, True),
+    ("zero_optimization", "reduce_scatter", False, True),
+    ("zero_optimization", "allgather_partitions", False, True),
+    ("zero_optimization", "allgather_bucket_size", 2e8, 5e8),
+    ("zero_optimization", "stage3_max_reuse_distance", 0, 1e9),
+    ("zero_optimization", "stage3_gather_16bit_weights_on_model_save", False, True),
+    ("zero_optimization", "compute_grad_norm", False, True),
+    ("fp16", "auto_cast", True, False),
+    ("bf16", "check_grad_overflow", False, True),
+    ("", "prescale_gradients", True, False),
+    ("", "gradient_predivide_factor", 2.0, 1.0),
+    ("", "zero_allow_untested_optimizer", False, True),
+    ("", "log_level", "info", None),
+    ("", "datastates_ckpt", {"host_cache_size": 16}, False),
+]
+
+
+@pytest.mark.parametrize("section, key, asking, quiet", INERT_ASKING, ids=[k for _, k, _, _ in INERT_ASKING])
+def test_inert_keys_are_named_when_they_ask_for_something(section: str, key: str, asking, quiet) -> None:
+    def config(value):
+        return {**MB, key: value} if not section else {**MB, section: {key: value}}
+
+    path = f"{section}.{key}" if section else key
+    assert load(config(asking))[1] == [f"hf_zero accepts but ignores these DeepSpeed keys: {path}"]
+    if quiet is not None:
+        assert load(config(quiet))[1] == []
+
+
+def test_each_key_is_named_once_per_process() -> None:
+    first = {**MB, "wall_clock_breakdown": True, "comms_config": {}, "zero_optimization": {"overlap_comm": False}}
+    assert load(first)[1] == [
+        "hf_zero accepts but ignores these DeepSpeed keys: wall_clock_breakdown, zero_optimization.overlap_comm",
+        "hf_zero ignores these keys, which are not DeepSpeed config keys: comms_config",
+    ]
+    assert load(first)[1] == []  # the engine parsing the config the Trainer already parsed: silent
+    second = {**first, "memory_breakdown": True, "monitor_config": {}}
+    assert load(second)[1] == ["hf_zero accepts but ignores these DeepSpeed keys: memory_breakdown",
+                               "hf_zero ignores these keys, which are not DeepSpeed config keys: monitor_config"]
+
+
+def test_a_refused_config_warns_nothing_and_its_fix_warns_once() -> None:
+    """LLaMA-Factory's fp8 config (the issue's "comms_config: unknown key"): refused for its offload only."""
+    given = json.loads((CONFIGS / "llamafactory_ds_z3_fp8_config.json").read_text())
+    with warnings.catch_warnings(record=True) as caught, pytest.raises(ConfigError, match="offload is not supported yet"):
+        warnings.simplefilter("always")
+        ZeroConfig.load(given)
+    assert caught == []
+    given["zero_optimization"]["offload_optimizer"]["device"] = "none"
+    cfg, said = load(given)
+    assert said == ["hf_zero accepts but ignores these DeepSpeed keys: zero_optimization.overlap_comm",
+                    "hf_zero ignores these keys, which are not DeepSpeed config keys: comms_config, monitor_config"]
+    assert cfg.zero_optimization.stage == 3 and cfg.zero_optimization.offload_optimizer.pin_memory is False
+
+
+def test_every_config_field_is_read_outside_the_parser() -> None:
+    """A dataclass field nothing reads is dead: it belongs in an inert table (issue 16)."""
+    source = "\n".join(p.read_text() for p in PACKAGE.rglob("*.py")
+                       if p.name not in ("config_parse.py", "config_sections.py", "config_schema.py"))
+    waiting = {f.name for cls in (OffloadParamConfig, OffloadOptimizerConfig) for f in dataclasses.fields(cls)}
+    # parsed for the offload and sequence-parallel engines; refused until they exist (config_parse.refuse_missing_features)
+    waiting |= {"offload_optimizer", "offload_param", "sequence_parallel_size"}
+    classes = [c for c in vars(config_sections).values() if dataclasses.is_dataclass(c)] + [ZeroConfig]
+    unread = [f"{cls.__name__}.{f.name}" for cls in classes for f in dataclasses.fields(cls)
+              if f.name not in waiting and not re.search(rf"\.{f.name}\b", source)]
+    assert not unread, f"fields nothing reads: {unread}"
+
+
+# ---------------------------------------------------------------- offload and sequence parallelism
+
+
+def test_offload_sections_parse_in_full_with_deepspeeds_defaults() -> None:
+    given = {"device": "none", "nvme_path": "/nvme", "buffer_count": 6, "pin_memory": False, "ratio": 0.5,
+             "pipeline_read": True, "fast_init": True}
+    cfg, said = load({**MB, "zero_optimization": {"stage": 3, "offload_optimizer": given, "offload_param": {"device": "None"}}})
+    assert said == []
+    assert cfg.zero_optimization.offload_optimizer == OffloadOptimizerConfig(
+        device="none", nvme_path="/nvme", buffer_count=6, pin_memory=False, ratio=0.5, pipeline_read=True, fast_init=True)
+    assert cfg.zero_optimization.offload_param == OffloadParamConfig()  # DeepSpeed's: 5 buffers of 1e8, pinned
+    assert (OffloadParamConfig().buffer_count, OffloadParamConfig().max_in_cpu, OffloadOptimizerConfig().buffer_count) == (
+        5, 1_000_000_000, 4)
+    assert "offload_optimizer.ratio: got 1.5, expected a number from 0 to 1" in refusal(
+        {**MB, "zero_optimization": {"offload_optimizer": {"ratio": 1.5}}})
+    assert "offload_param.device: got 'disk', expected one of none, cpu, nvme" in refusal(
+        {**MB, "zero_optimization": {"offload_param": {"device": "disk"}}})
+
+
+@pytest.mark.parametrize("given, sentence", [
+    ({"zero_optimization": {"offload_optimizer": {"device": "cpu", "pin_memory": True}}},
+     "zero_optimization.offload_optimizer.device: got 'cpu', but offload is not supported yet; use \"none\" or remove "
+     "offload_optimizer"),
+    ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/x"}}},
+     "zero_optimization.offload_param.device: got 'nvme', but offload is not supported yet"),
+    ({"zero_optimization": {"cpu_offload": True}}, "zero_optimization.cpu_offload: got True, but offload is not supported yet"),
+    ({"sequence_parallel_size": 2}, "sequence_parallel_size: got 2, but sequence parallelism is not supported yet"),
+    ({"sequence_parallel": {"size": 2}}, "sequence_parallel: got {'size': 2}, but sequence parallelism is not supported yet"),
+])
+def test_offload_and_sequence_parallelism_are_refused_in_one_sentence(given: dict, sentence: str) -> None:
+    assert sentence in refusal({**MB, **given})
+
+
+def test_what_asks_for_nothing_is_accepted() -> None:
+    cfg, said = load({**MB, "sequence_parallel_size": 1, "sequence_parallel": {}, "data_parallel_size": None,
+                      "zero_optimization": {"cpu_offload": False, "offload_param": None}})
+    assert said == [] and cfg.sequence_parallel_size == 1 and cfg.zero_optimization.offload_param is None
+    assert "managed_gradient_accumulation: got False" in refusal({**MB, "managed_gradient_accumulation": False})
+
+
+def test_classify_names_what_happens_to_a_key() -> None:
+    assert classify("zero_optimization.prefetch_bucket_size") == classify("zero_optimization.stage3_prefetch_bucket_size")
+    assert classify("zero_optimization.stage3_prefetch_bucket_size") == "acted"
+    assert classify("zero_optimization.offload_param.nvme_path") == "acted"
+    assert classify("optimizer.params.betas") == "acted"  # free-form: optim.py checks the params
+    assert classify("tensorboard.output_path") == "inert" and classify("timers.throughput.enabled") == "inert"
+    assert classify("bfloat16.enabled") == "acted" and classify("zero_optimization.overlap_comm") == "inert"
+    assert classify("zero_optimization.zenflow.topk_ratio") == "refused" and classify("amp.opt_level") == "refused"
+    assert classify("comms_config") is None and classify("zero_optimization.aio") is None
+    assert all(path == "" or classify(path) == "acted" for path in SECTIONS)
