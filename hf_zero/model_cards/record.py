@@ -313,6 +313,9 @@ def hyperparameters(trainer: Any, zero_config: Mapping[str, Any]) -> dict[str, A
     except Exception:  # a transformers without it: the card still names the essentials
         args = trainer.args
         hp = {"learning_rate": args.learning_rate, "train_batch_size": args.per_device_train_batch_size, "seed": args.seed}
+    optim = getattr(trainer.args, "optim", None)
+    if isinstance(hp.get("optimizer"), str) and hasattr(optim, "value"):  # an enum's repr, not its name, in some versions
+        hp["optimizer"] = hp["optimizer"].replace(str(optim), str(optim.value))
     stage = (zero_config.get("zero_optimization") or {}).get("stage", 0) if isinstance(zero_config, Mapping) else 0
     hp["distributed_type"] = f"hf_zero ZeRO stage {stage}"
     hp["num_devices"] = int(trainer.args.world_size)
