@@ -12,7 +12,7 @@ from hf_zero.engine import UsageError, ZeroEngine
 __version__ = "0.1.0"
 
 __all__ = [
-    "pipe", "zero", "Accelerator", "Trainer", "TrainingArguments", "Seq2SeqTrainer", "Seq2SeqTrainingArguments", "ConfigError", "UsageError", "ZeroConfig", "ZeroEngine", "init_distributed", "initialize",
+    "pipe", "zero", "Accelerator", "Trainer", "TrainingArguments", "Seq2SeqTrainer", "Seq2SeqTrainingArguments", "DummyOptim", "DummyScheduler", "ConfigError", "UsageError", "ZeroConfig", "ZeroEngine", "init_distributed", "initialize",
     "add_config_arguments", "comm", "accelerator", "checkpointing", "ops", "utils", "runtime", "__version__",
 ]
 
@@ -22,6 +22,10 @@ _LAZY = {
     "TrainingArguments": "hf_zero.integrations.transformers",
     "Seq2SeqTrainer": "hf_zero.integrations.transformers",
     "Seq2SeqTrainingArguments": "hf_zero.integrations.transformers",
+    # Accelerate's stand-ins for an optimizer / scheduler that the config's sections build; Accelerate
+    # exports them from accelerate.utils only when the deepspeed package is installed.
+    "DummyOptim": "hf_zero.integrations.accelerate",
+    "DummyScheduler": "hf_zero.integrations.accelerate",
 }
 
 

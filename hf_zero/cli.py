@@ -51,6 +51,7 @@ class LaunchPlan:
 
     argv: list[str]
     env_updates: dict[str, str] = field(default_factory=dict)
+    notice: str = ""  # said once, before the command, when the launch is not what the flags suggest
 
     def command_line(self) -> str:
         """The command as one shell line, with the variables it sets in front."""
@@ -194,6 +195,7 @@ def plan_launch(args: argparse.Namespace, environ: Mapping[str, str], gpu_count:
         raise LaunchError(f"--node_rank: got {node_rank}, expected a value in [0, {args.num_nodes}).")
 
     env_updates: dict[str, str] = {}
+    notice = ""
     available = _visible_devices(environ, gpu_count)
     if args.include or args.exclude:
         if args.num_gpus is not None:
@@ -215,6 +217,11 @@ def plan_launch(args: argparse.Namespace, environ: Mapping[str, str], gpu_count:
         # CPU ranks always share the cores, so set it whenever the user has not.
         if "OMP_NUM_THREADS" not in environ:
             env_updates["OMP_NUM_THREADS"] = "1"
+        # Without it, Accelerate (and so transformers' Trainer) makes each process a world of one
+        # when no GPU is visible: every rank would train on all the data and act as the main process.
+        if "ACCELERATE_USE_CPU" not in environ:
+            env_updates["ACCELERATE_USE_CPU"] = "true"
+        notice = f"no GPU is visible: starting {nproc} CPU process{'es' if nproc > 1 else ''} (communication over gloo)"
     if args.max_restarts < 0:
         raise LaunchError(f"--max_restarts: got {args.max_restarts}, expected an integer >= 0.")
 
@@ -234,11 +241,13 @@ def plan_launch(args: argparse.Namespace, environ: Mapping[str, str], gpu_count:
     if args.no_python:
         argv.append("--no-python")
     argv += [args.script, *args.script_args]
-    return LaunchPlan(argv=argv, env_updates=env_updates)
+    return LaunchPlan(argv=argv, env_updates=env_updates, notice=notice)
 
 
 def run_plan(plan: LaunchPlan) -> int:
     """Run the plan; on POSIX this process becomes torchrun, so its exit code and signals are torchrun's."""
+    if plan.notice:
+        print(f"hf-zero launch: {plan.notice}", file=sys.stderr, flush=True)
     print(f"hf-zero launch: {plan.command_line()}", file=sys.stderr, flush=True)
     env = {**os.environ, **plan.env_updates}  # everything else (NCCL_*, HF_*, ...) passes through
     sys.stdout.flush()
@@ -315,7 +324,8 @@ def _add_consolidate_parser(subparsers: argparse._SubParsersAction) -> None:
         "a time (memory bounded by the largest tensor). Trainable weights come from the fp32 masters.",
         allow_abbrev=False,
     )
-    p.add_argument("checkpoint_dir", help="the save_checkpoint directory (its 'latest' is used) or a tag inside it")
+    p.add_argument("checkpoint_dir", help="the save_checkpoint directory (its 'latest' is used), a tag inside it, or a "
+                   "Trainer output dir (its newest checkpoint-N is used)")
     p.add_argument("out_dir", help="where to write model.safetensors / shards, config.json, generation_config.json")
     p.add_argument("--tag", default=None, help="checkpoint tag (default: the one 'latest' names)")
     p.add_argument("--max_shard_size", default="5GB", help="split into shards above this size (default 5GB)")
@@ -327,18 +337,53 @@ def _add_consolidate_parser(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=_cmd_consolidate)
 
 
-def _cmd_consolidate(args: argparse.Namespace) -> int:
-    import os
+def _trainer_checkpoints(path: str) -> list[tuple[int, str]]:
+    """``(N, folder)`` of a Trainer output dir's ``checkpoint-N`` folders that hold hf_zero resume state, oldest first."""
+    found = []
+    for name in os.listdir(path):
+        number = name[len("checkpoint-"):]
+        if name.startswith("checkpoint-") and number.isdigit() and os.path.isfile(os.path.join(path, name, "latest")):
+            found.append((int(number), os.path.join(path, name)))
+    return sorted(found)
 
+
+def find_checkpoint(path: str, tag: str | None) -> tuple[str, str | None]:
+    """The (folder, tag) that ``hf-zero consolidate PATH [--tag T]`` reads; errors name the command's own arguments.
+
+    PATH may be a folder ``save_checkpoint`` wrote (its ``latest`` names the tag), one tag inside
+    it, or a Trainer's output dir, whose newest ``checkpoint-N`` is taken.
+    """
+    if not os.path.isdir(path):
+        raise ValueError(f"CHECKPOINT_DIR {path} does not exist; pass the folder save_checkpoint (or the Trainer) wrote")
+    if tag is not None:
+        if not os.path.isfile(os.path.join(path, tag, "checkpoint.json")):
+            tags = sorted(d for d in os.listdir(path) if os.path.isfile(os.path.join(path, d, "checkpoint.json")))
+            have = f"its checkpoints are {', '.join(tags)}" if tags else "it holds no complete checkpoint"
+            raise ValueError(f"--tag {tag}: {path} has no complete checkpoint of that name; {have}")
+        return path, tag
+    if os.path.isfile(os.path.join(path, "latest")):
+        return path, None
+    if os.path.isfile(os.path.join(path, "checkpoint.json")):  # a tag folder itself
+        parent, name = os.path.split(os.path.normpath(path))
+        return parent, name
+    runs = _trainer_checkpoints(path)
+    if runs:
+        return runs[-1][1], None
+    if any(name.startswith("checkpoint-") for name in os.listdir(path)):
+        raise ValueError(f"{path}: its checkpoint-N folders hold no hf_zero resume state (saved without zero_config, "
+                         "or with save_only_model); nothing to consolidate")
+    raise ValueError(f"{path} holds no resume checkpoint (no 'latest' file, no Trainer checkpoint-N folder); pass the "
+                     "folder save_checkpoint wrote, or name a checkpoint inside it with --tag")
+
+
+def _cmd_consolidate(args: argparse.Namespace) -> int:
     import torch
 
     from hf_zero.checkpoint.consolidated import consolidate
 
-    ckpt, tag = args.checkpoint_dir, args.tag
-    if tag is None and not os.path.isfile(os.path.join(ckpt, "latest")) and os.path.isfile(os.path.join(ckpt, "checkpoint.json")):
-        ckpt, tag = os.path.split(os.path.normpath(ckpt))  # a tag directory was given directly
-    if not os.path.isdir(ckpt):
-        raise ValueError(f"{args.checkpoint_dir} does not exist; pass the directory save_checkpoint wrote")
+    ckpt, tag = find_checkpoint(args.checkpoint_dir, args.tag)
+    if os.path.normpath(ckpt) != os.path.normpath(args.checkpoint_dir) and tag is None:
+        print(f"hf-zero consolidate: reading {ckpt} (the newest checkpoint-N)", file=sys.stderr)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "auto": None}[args.dtype]
     from hf_zero.integrations import peft as hz_peft
 
@@ -348,6 +393,45 @@ def _cmd_consolidate(args: argparse.Namespace) -> int:
     else:
         files = consolidate(ckpt, args.out_dir, tag=tag, max_shard_size=args.max_shard_size, dtype=dtype)
     print(f"wrote {len(files)} weight file(s) to {args.out_dir}")
+    return 0
+
+
+# ------------------------------------------------------------------------- convert-deepspeed
+
+
+def _add_convert_deepspeed_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "convert-deepspeed",
+        help="turn a DeepSpeed ZeRO checkpoint into an hf_zero one (and, with --consolidated, Hugging Face weights)",
+        description="Rewrite a DeepSpeed checkpoint (ZeRO 0-3, fp32/bf16/fp16) as an hf_zero resume checkpoint in "
+        "DST/<tag> (and DST/latest): fp32 masters, optimizer moments and step counts, scheduler, loss scaler, "
+        "counters and client state, by parameter name, loadable at any world size and stage. Needs no DeepSpeed and "
+        "runs no code from the pickles (torch's weights-only loader). engine.load_checkpoint reads DeepSpeed folders "
+        "directly too; this makes a lasting copy. --consolidated also writes the fp32 weights as a from_pretrained "
+        "folder (DeepSpeed's zero_to_fp32.py, as safetensors).",
+        allow_abbrev=False,
+    )
+    p.add_argument("src", help="DeepSpeed's save_dir (its 'latest' is used), or a tag folder inside it")
+    p.add_argument("dst", help="where to write the hf_zero checkpoint (DST/<tag>, DST/latest)")
+    p.add_argument("--tag", default=None, help="checkpoint tag inside SRC (default: the one 'latest' names)")
+    p.add_argument("--consolidated", nargs="?", const="", default=None, metavar="DIR",
+                   help="also write the fp32 weights as model.safetensors (shards above --max_shard_size) into DIR "
+                   "(default DST/consolidated)")
+    p.add_argument("--max_shard_size", default="5GB", help="with --consolidated: split into shards above this size")
+    p.set_defaults(handler=_cmd_convert_deepspeed)
+
+
+def _cmd_convert_deepspeed(args: argparse.Namespace) -> int:
+    from hf_zero.checkpoint import deepspeed as ds_checkpoint
+
+    if not os.path.isdir(args.src):
+        raise ValueError(f"{args.src} does not exist; pass the folder DeepSpeed's save_checkpoint wrote")
+    path = ds_checkpoint.convert(args.src, args.dst, tag=args.tag)
+    print(f"wrote the hf_zero checkpoint {path}")
+    if args.consolidated is not None:
+        out = args.consolidated or os.path.join(args.dst, "consolidated")
+        files = ds_checkpoint.consolidate(args.src, out, tag=args.tag, max_shard_size=args.max_shard_size)
+        print(f"wrote {len(files)} weight file(s) to {out}")
     return 0
 
 
@@ -429,11 +513,12 @@ def build_parser() -> argparse.ArgumentParser:
         "weights to and from the Hub.",
     )
     subparsers = parser.add_subparsers(
-        dest="command", metavar="{launch,estimate,consolidate,push,pull}", required=True
+        dest="command", metavar="{launch,estimate,consolidate,convert-deepspeed,push,pull}", required=True
     )
     _add_launch_parser(subparsers)
     _add_estimate_parser(subparsers)
     _add_consolidate_parser(subparsers)
+    _add_convert_deepspeed_parser(subparsers)
     _add_push_parser(subparsers)
     _add_pull_parser(subparsers)
     return parser

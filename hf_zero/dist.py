@@ -14,6 +14,7 @@ import os
 import re
 import socket
 import sys
+import time
 from collections.abc import Iterator
 
 import torch
@@ -75,6 +76,11 @@ def init_distributed(
             _destroy_at_exit_once()
         return
     backend = dist_backend or default_backend()
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise RuntimeError(
+            "init_distributed(dist_backend='nccl'): NCCL needs CUDA GPUs and none is visible here; leave "
+            "dist_backend unset (gloo without GPUs) or pass get_accelerator().communication_backend_name()"
+        )
     if backend == "nccl" and torch.cuda.is_available():
         torch.cuda.set_device(get_device())
     kwargs: dict = {}
@@ -303,35 +309,74 @@ def dead_ranks() -> list[tuple[int, int]]:
     return dead
 
 
-def describe_peer_failure(error: BaseException, doing: str) -> str | None:
-    """One sentence for a collective that failed because of another rank; None if it was not that."""
+DYING_GRACE_S = 1.0  # how long a peer whose connection just closed may take to show up as dead
+LAUNCHER_GRACE_S = 2.0  # how long a survivor under torchrun waits to be stopped by the agent
+
+
+def _dead_ranks_settled(text: str) -> list[tuple[int, int]]:
+    """:func:`dead_ranks`, looking again for up to :data:`DYING_GRACE_S` when a connection was just closed.
+
+    A SIGKILLed process closes its sockets while it is torn down and becomes a zombie only after,
+    so the survivor's read error can arrive while the peer still looks alive for a few milliseconds.
+    """
+    dead = dead_ranks()
+    if dead or not re.search(r"closed|reset|broken pipe|remote process exited", text, re.I):
+        return dead
+    deadline = time.monotonic() + DYING_GRACE_S
+    while not dead and time.monotonic() < deadline:
+        time.sleep(0.05)
+        dead = dead_ranks()
+    return dead
+
+
+def _describe(error: BaseException, doing: str) -> tuple[str | None, bool]:
+    """The sentence for a collective that failed because of another rank (None if not that), and whether a peer died."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
-        return None
+        return None, False
     text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     if not isinstance(error, dist.DistError) and not _COMM_FAILURE.search(text):
-        return None
+        return None, False
     rank, world = dist.get_rank(), dist.get_world_size()
     timeout = comm_timeout()
     limit = f"{timeout.total_seconds():g} s ({TIMEOUT_ENV})" if timeout is not None else "the process group's timeout"
-    dead = dead_ranks()
+    dead = _dead_ranks_settled(text)
     if dead:
         names = ", ".join(f"rank {r} (pid {pid})" for r, pid in dead)
         verb = "has" if len(dead) == 1 else "have"
         return (
             f"{names} {verb} died, so rank {rank} stops in {doing} instead of waiting for it; "
             "restart from the last checkpoint (hf-zero launch --max_restarts N does it automatically)"
-        )
+        ), True
     others = [r for r in range(world) if r != rank]
     who = f"rank {others[0]}" if len(others) == 1 else "another rank"
     if re.search(r"timed out|timeout", text, re.I):
         return (
             f"{who} did not answer within {limit}, so rank {rank} stops in {doing}; "
             f"it is hung or far behind (gloo/NCCL said: {text[:200]})"
-        )
+        ), False
     return (
         f"rank {rank} lost its connection to {who} in {doing}, which usually means that rank died "
         f"(torchrun's summary names the rank that failed first; the backend said: {text[:200]})"
-    )
+    ), False
+
+
+def describe_peer_failure(error: BaseException, doing: str) -> str | None:
+    """One sentence for a collective that failed because of another rank; None if it was not that."""
+    return _describe(error, doing)[0]
+
+
+def _let_the_launcher_see_it_first(sentence: str) -> None:
+    """Under torchrun, say ``sentence`` now and give the agent a moment to stop this survivor itself.
+
+    torchrun's summary calls the failure with the smallest timestamp the root cause; a process that
+    left no error file is stamped with the second the agent noticed it, and a tie goes to the lowest
+    rank. A survivor that exits in the same poll (0.1 s) as the rank that died would be blamed
+    instead of it. Waiting lets the agent see the dead rank alone and stop this one with SIGTERM.
+    """
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return
+    print(f"[rank{get_rank()}]: hf_zero.dist.PeerFailureError: {sentence}", file=sys.stderr, flush=True)
+    time.sleep(LAUNCHER_GRACE_S)
 
 
 @contextlib.contextmanager
@@ -342,7 +387,9 @@ def peer_failure_guard(doing: str) -> Iterator[None]:
     except PeerFailureError:
         raise
     except RuntimeError as e:
-        sentence = describe_peer_failure(e, doing)
+        sentence, died = _describe(e, doing)
         if sentence is None:
             raise
+        if died:
+            _let_the_launcher_see_it_first(sentence)
         raise PeerFailureError(sentence) from None

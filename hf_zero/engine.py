@@ -518,8 +518,10 @@ class ZeroEngine(torch.nn.Module):
     ) -> tuple[str, dict]:
         """Restore a checkpoint written by ``save_checkpoint`` at any world size and stage.
 
-        Returns ``(path, client_state)`` as DeepSpeed does.
+        A DeepSpeed checkpoint folder (ZeRO 0-3) is recognised and read as it is
+        (``checkpoint/deepspeed.py``). Returns ``(path, client_state)`` as DeepSpeed does.
         """
+        from hf_zero.checkpoint import deepspeed as ds_checkpoint
         from hf_zero.checkpoint import sharded
 
         if not load_module_strict:
@@ -527,6 +529,11 @@ class ZeroEngine(torch.nn.Module):
         if custom_load_fn is not None:
             raise UsageError("load_checkpoint(custom_load_fn=...) is not supported; checkpoints are read as safetensors")
         with hz_dist.peer_failure_guard("load_checkpoint"):
+            if ds_checkpoint.is_deepspeed_checkpoint(load_dir, tag):
+                return ds_checkpoint.load(
+                    self, load_dir, tag, load_optimizer_states=load_optimizer_states,
+                    load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
+                )
             return sharded.load(
                 self, load_dir, tag, load_optimizer_states=load_optimizer_states,
                 load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,

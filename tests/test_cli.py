@@ -106,9 +106,10 @@ def test_launch_two_cpu_ranks_all_reduce_and_pass_args_through(tmp_path: Path) -
         assert r["omp"] == "1"  # CPU ranks, user did not set it
         assert r["nccl"] == "kept"
     launch_lines = [line for line in proc.stderr.splitlines() if line.startswith("hf-zero launch: ")]
-    assert len(launch_lines) == 1
-    assert "torch.distributed.run" in launch_lines[0]
-    assert "--nproc-per-node=2" in launch_lines[0] and f"--master-port={port}" in launch_lines[0]
+    assert launch_lines[0] == "hf-zero launch: no GPU is visible: starting 2 CPU processes (communication over gloo)"
+    assert len(launch_lines) == 2  # said once, by the launcher, not by each rank
+    assert "torch.distributed.run" in launch_lines[1]
+    assert "--nproc-per-node=2" in launch_lines[1] and f"--master-port={port}" in launch_lines[1]
 
 
 def test_launch_propagates_a_failing_rank(tmp_path: Path) -> None:
@@ -192,8 +193,9 @@ def test_plan_defaults() -> None:
     assert "--nproc-per-node=8" in gpu.argv and "--master-port=29500" in gpu.argv
     assert "--master-addr=127.0.0.1" in gpu.argv and "--nnodes=1" in gpu.argv and "--node-rank=0" in gpu.argv
     cpu = _plan(["train.py"], gpus=0)
-    assert "--nproc-per-node=1" in cpu.argv and cpu.env_updates == {"OMP_NUM_THREADS": "1"}
-    assert _plan(["--num_gpus", "3", "train.py"], {"OMP_NUM_THREADS": "4"}).env_updates == {}
+    assert "--nproc-per-node=1" in cpu.argv and cpu.env_updates == {"OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "true"}
+    assert cpu.notice == "no GPU is visible: starting 1 CPU process (communication over gloo)" and gpu.notice == ""
+    assert _plan(["--num_gpus", "3", "train.py"], {"OMP_NUM_THREADS": "4", "ACCELERATE_USE_CPU": "0"}).env_updates == {}
     assert "--nproc-per-node=3" in _plan(["--num_accelerators", "3", "train.py"]).argv
     module = _plan(["--module", "pkg.train", "--x"])
     assert module.argv[-3:] == ["--module", "pkg.train", "--x"]

@@ -246,6 +246,7 @@ def test_without_peft_merging_says_so_in_one_sentence(tmp_path: Path, monkeypatc
     monkeypatch.setitem(sys.modules, "peft", None)  # `import peft` now fails as if it were not installed
     assert not hz_peft.is_peft_model(torch.nn.Linear(2, 2))
     (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "latest").write_text("global_step1")  # looks like a checkpoint folder to the command
     assert cli.main(["consolidate", str(tmp_path / "ckpt"), str(tmp_path / "out"), "--merge-adapters"]) == 2
     assert capsys.readouterr().err.strip().splitlines() == [
         "hf-zero consolidate: error: --merge-adapters needs the peft package, which is not installed; "

@@ -16,6 +16,12 @@ A plain Accelerate loop gains ZeRO by changing its import::
 (the model comes back as the engine, the optimizer as a wrapper whose ``step`` is the engine's);
 data loaders and schedulers are prepared by Accelerate as usual. Accelerate decides where the
 accumulation boundaries are (``sync_gradients``); the engine communicates only on them.
+
+A config with ``optimizer`` / ``scheduler`` sections works as under DeepSpeed: pass
+``accelerate.utils.DummyOptim(model.parameters(), lr=...)`` and ``DummyScheduler(optimizer,
+total_num_steps=..., warmup_num_steps=...)``; the sections build both ("auto" filled from them) and
+the engine steps the schedule. The combinations Accelerate refuses for DeepSpeed (a section and an
+object built in code for the same thing, ...) are refused with its rule in one sentence.
 ``zero_config`` may also come from the ``HF_ZERO_CONFIG`` environment variable, so
 ``accelerate launch`` needs no new config key.
 """
@@ -23,7 +29,7 @@ accumulation boundaries are (``sync_gradients``); the engine communicates only o
 from __future__ import annotations
 
 import contextlib
-import json
+import copy
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -31,68 +37,33 @@ from typing import Any
 import accelerate
 import torch
 from accelerate.optimizer import AcceleratedOptimizer
+from accelerate.scheduler import AcceleratedScheduler
+from accelerate.utils.deepspeed import DummyOptim, DummyScheduler  # importable without the deepspeed package
 
 from hf_zero.engine import UsageError, ZeroEngine
-
-ENV_VAR = "HF_ZERO_CONFIG"
-
-
-def load_zero_config(zero_config: str | os.PathLike | dict | None) -> dict | None:
-    """The config as a dict (a path is read as JSON); ``None`` falls back to ``$HF_ZERO_CONFIG``."""
-    if zero_config is None:
-        zero_config = os.environ.get(ENV_VAR) or None
-    if zero_config is None or isinstance(zero_config, dict):
-        return None if zero_config is None else _no_pipeline(dict(zero_config), "(dict)")
-    path = os.fspath(zero_config)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"zero_config: {path} does not exist; pass a DeepSpeed-style JSON file or a dict")
-    with open(path) as f:
-        return _no_pipeline(json.load(f), path)
+from hf_zero.integrations.autofill import (  # noqa: F401 - MIN_AUTO_REDUCE_BUCKET and ENV_VAR are public here too
+    ENV_VAR,
+    MIN_AUTO_REDUCE_BUCKET,
+    fill_bucket_autos,
+    fill_dummy_optimizer,
+    fill_dummy_scheduler,
+    fill_precision,
+    load_zero_config,
+    parse_once,
+)
 
 
-def _no_pipeline(config: Any, where: str) -> Any:
-    """A ``pipeline`` section cannot be honoured here: Trainer and Accelerate loops call the model as a whole."""
-    if isinstance(config, dict) and config.get("pipeline"):
-        raise UsageError(
-            f"zero_config {where} has a pipeline section, but Trainer/Accelerator train the model unsplit; "
-            "run pipelines with hf_zero.initialize(model=hf_zero.pipe.split_causal_lm(...)) and engine.train_batch, "
-            "or remove the section"
-        )
-    return config
+def launched_without_gpus() -> bool:
+    """Started as several processes (torchrun's ``WORLD_SIZE`` > 1) on a machine where CUDA sees no GPU.
 
-
-MIN_AUTO_REDUCE_BUCKET = 25_000_000  # elements; 50 MB in bf16, twice DDP's default bucket
-
-
-def fill_bucket_autos(cfg: dict, model: torch.nn.Module) -> None:
-    """``"auto"`` bucket sizes from the model's hidden size, by the rule transformers uses for DeepSpeed,
-    except that a gradient bucket is never under :data:`MIN_AUTO_REDUCE_BUCKET` elements.
-
-    transformers' ``hidden_size**2`` gives a BERT-large 1M-element buckets: ~330 reduce-scatters and
-    all-gathers per step, each paying launch latency and a hook's Python, which made ZeRO-2 run at
-    0.46x of DDP in ``scripts/bench_finetune.py`` on 2 H200s. The floor keeps buckets in the tens of MB
-    DDP uses, while large models (hidden 8192: 67M) keep transformers' value.
+    Accelerate then makes every process a world of one (``DistributedType.NO``) unless told to use
+    the CPU: each rank would train on the whole data set and act as the main process.
     """
-    zo = cfg.get("zero_optimization")
-    if not isinstance(zo, dict):
-        return
-    mc = getattr(model, "config", None)
-    hidden = getattr(mc, "hidden_size", None) or max(getattr(mc, "hidden_sizes", None) or [0]) or None
-    rules = {
-        "reduce_bucket_size": lambda h: max(h * h, MIN_AUTO_REDUCE_BUCKET),
-        "stage3_prefetch_bucket_size": lambda h: int(0.9 * h * h),
-        "stage3_param_persistence_threshold": lambda h: 10 * h,
-    }
-    zo = dict(zo)
-    for key, rule in rules.items():
-        if zo.get(key) == "auto":
-            if hidden is None:
-                raise UsageError(
-                    f"zero_optimization.{key} is \"auto\" but the model has no config.hidden_size to derive it from; "
-                    "set it to a number"
-                )
-            zo[key] = rule(int(hidden))
-    cfg["zero_optimization"] = zo
+    try:
+        world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    except ValueError:
+        world = 1
+    return world > 1 and not torch.cuda.is_available()
 
 
 class ZeroAcceleratedOptimizer(AcceleratedOptimizer):
@@ -116,22 +87,41 @@ class ZeroAcceleratedOptimizer(AcceleratedOptimizer):
         return self.gradient_state.sync_gradients and not self.engine.was_step_applied()
 
 
+class ZeroEngineScheduler(AcceleratedScheduler):
+    """The scheduler ``prepare`` returns for a ``DummyScheduler``: the engine built it and steps it.
+
+    As under DeepSpeed, a schedule from the config's ``scheduler`` section advances inside the
+    engine's optimizer step (and not on a skipped one), so ``scheduler.step()`` in the loop does nothing.
+    """
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        """Nothing to do: the engine stepped the schedule with the optimizer."""
+
+
 class Accelerator(accelerate.Accelerator):
     """Accelerate's ``Accelerator`` whose ``prepare`` builds a ZeRO engine from ``zero_config``.
 
-    Without a ``zero_config`` (argument or ``$HF_ZERO_CONFIG``) it is exactly Accelerate's.
+    Without a ``zero_config`` (argument or ``$HF_ZERO_CONFIG``) it is exactly Accelerate's. With
+    one, the config is checked here, before any model exists, and a multi-process launch on a
+    machine without GPUs runs as CPU processes over gloo (as ``cpu=True`` asks), so the data is
+    sharded and only rank 0 is the main process.
     """
 
     def __init__(self, *args: Any, zero_config: str | os.PathLike | dict | None = None, **kwargs: Any) -> None:
+        config = load_zero_config(zero_config)
+        if config is not None and launched_without_gpus():
+            kwargs["cpu"] = True
         super().__init__(*args, **kwargs)
-        self.zero_config = load_zero_config(zero_config)
+        self.zero_config = config
         self._zero_engines: list[ZeroEngine] = []
 
     # ---------------------------------------------------------------- prepare
 
-    def _engine_config(self, loaders: list[torch.utils.data.DataLoader], model: torch.nn.Module) -> dict:
+    def _engine_config(self, loaders: list[torch.utils.data.DataLoader], model: torch.nn.Module,
+                       optimizer: Any = None, scheduler: Any = None) -> dict:
+        """The config the engine is built from: "auto" filled as Accelerate fills it for DeepSpeed."""
         assert self.zero_config is not None
-        cfg = dict(self.zero_config)
+        cfg = copy.deepcopy(self.zero_config)
         fill_bucket_autos(cfg, model)
         micro = cfg.get("train_micro_batch_size_per_gpu")
         if micro in (None, "auto"):
@@ -150,50 +140,122 @@ class Accelerator(accelerate.Accelerator):
         if cfg.get("gradient_clipping") == "auto":
             cfg["gradient_clipping"] = 0.0  # the loop clips with accelerator.clip_grad_norm_
         mp = str(self.mixed_precision)
-        for key, on in (("bf16", mp == "bf16"), ("fp16", mp == "fp16")):
-            section = cfg.get(key)
-            if isinstance(section, dict) and section.get("enabled") == "auto":
-                cfg[key] = dict(section, enabled=on)
-        if cfg.get("optimizer") is not None:
-            raise UsageError(
-                "zero_config has an optimizer section but Accelerate prepares the optimizer you built; remove "
-                "the section and pass your optimizer to prepare()"
-            )
-        if cfg.get("scheduler") is not None:
-            raise UsageError("zero_config has a scheduler section; build the scheduler yourself and pass it to prepare()")
-        cfg.pop("scheduler", None)
+        clash = fill_precision(cfg, mp in ("bf16", "fp8"), mp == "fp16", must_match=False)
+        if clash:
+            raise UsageError(f"zero_config contradicts Accelerator(mixed_precision={mp!r}): {'; '.join(clash)}")
+        if isinstance(optimizer, DummyOptim):
+            fill_dummy_optimizer(cfg, optimizer)
+        if isinstance(scheduler, DummyScheduler) and scheduler.lr_scheduler_callable is None:
+            inner = getattr(scheduler, "optimizer", None)
+            max_lr = inner.defaults["lr"] if getattr(inner, "defaults", None) else getattr(inner, "lr", None)
+            fill_dummy_scheduler(cfg, scheduler, max_lr, self.num_processes, self.split_batches)
         return cfg
+
+    def _check_optimizer_sections(self, optimizer: Any, scheduler: Any, real_scheduler: Any) -> None:
+        """Accelerate's rules for DeepSpeed's optimizer and scheduler sections, one sentence each."""
+        cfg = self.zero_config or {}
+        has_opt, has_sched = cfg.get("optimizer") is not None, cfg.get("scheduler") is not None
+        if has_opt and optimizer is not None and not isinstance(optimizer, DummyOptim):
+            raise UsageError(
+                "zero_config has an optimizer section and prepare() got an optimizer built in code; keep one: remove "
+                "the section, or pass accelerate.utils.DummyOptim(model.parameters()) so that the section builds it"
+            )
+        if isinstance(optimizer, DummyOptim) and not has_opt:
+            raise UsageError(
+                "prepare() got an accelerate.utils.DummyOptim but zero_config has no optimizer section to build it from; "
+                "add the section or pass a real optimizer"
+            )
+        if has_sched and real_scheduler is not None:
+            raise UsageError(
+                "zero_config has a scheduler section and prepare() got a scheduler built in code; keep one: remove the "
+                "section, or pass accelerate.utils.DummyScheduler(optimizer) so that the section builds it"
+            )
+        if isinstance(scheduler, DummyScheduler) and not has_sched and scheduler.lr_scheduler_callable is None:
+            raise UsageError(
+                "prepare() got an accelerate.utils.DummyScheduler without lr_scheduler_callable but zero_config has no "
+                "scheduler section; add the section or pass lr_scheduler_callable"
+            )
+        if isinstance(optimizer, DummyOptim) and real_scheduler is not None:
+            raise UsageError(
+                "prepare() got a scheduler built in code with a DummyOptim; a scheduler needs the optimizer the config "
+                "builds, so pass accelerate.utils.DummyScheduler (with the section or lr_scheduler_callable) instead"
+            )
+
+    def _held(self, obj: Any) -> Any:
+        """What this accelerator already made from ``obj`` (the engine, its optimizer or scheduler), else None.
+
+        A Trainer prepares again what it prepared before (its second ``train()`` hands over the
+        optimizer after ``free_memory()`` emptied the lists); that must neither wrap it twice nor
+        lose track of the engine, else evaluation would ``.to()`` a model whose shards the engine owns.
+        """
+        for engine in self._zero_engines:
+            mine = isinstance(obj, (ZeroAcceleratedOptimizer, ZeroEngineScheduler)) and getattr(obj, "engine", None) is engine
+            if obj is engine or obj is engine.module or mine:
+                if not any(m is engine for m in self._models):
+                    self._models.append(engine)
+                pool = self._optimizers if isinstance(obj, ZeroAcceleratedOptimizer) else self._schedulers
+                if mine and not any(o is obj for o in pool):
+                    pool.append(obj)
+                return obj if mine else engine
+        return None
 
     def prepare(self, *args: Any, device_placement: list[bool] | None = None) -> Any:
         if self.zero_config is None:
             return super().prepare(*args, device_placement=device_placement)
-        import hf_zero
-
-        models = [a for a in args if isinstance(a, torch.nn.Module) and not isinstance(a, ZeroEngine)]
-        optimizers = [a for a in args if isinstance(a, torch.optim.Optimizer) and not isinstance(a, AcceleratedOptimizer)]
-        loaders = [a for a in args if isinstance(a, torch.utils.data.DataLoader)]
-        if len(models) > 1 or len(optimizers) > 1:
+        replaced = {id(a): held for a in args if (held := self._held(a)) is not None}
+        fresh = [a for a in args if id(a) not in replaced]
+        models = [a for a in fresh if isinstance(a, torch.nn.Module)]
+        optimizers = [a for a in fresh if isinstance(a, (torch.optim.Optimizer, DummyOptim)) and not isinstance(a, AcceleratedOptimizer)]
+        dummies = [a for a in fresh if isinstance(a, DummyScheduler)]
+        real = [a for a in fresh if isinstance(a, torch.optim.lr_scheduler.LRScheduler)]
+        loaders = [a for a in fresh if isinstance(a, torch.utils.data.DataLoader)]
+        if len(models) > 1 or len(optimizers) > 1 or len(dummies) > 1:
             raise UsageError("hf_zero's Accelerator prepares one model and one optimizer per call; prepare them together")
         if models and not optimizers:
             raise UsageError(
                 "prepare() got a model without its optimizer; with zero_config both must be prepared in the same call"
             )
-        if optimizers and not models:
-            raise UsageError("prepare() got an optimizer without its model; prepare them in the same call")
-        replaced: dict[int, Any] = {}
+        if (optimizers or dummies) and not models:
+            raise UsageError("prepare() got an optimizer or DummyScheduler without its model; prepare them in the same call")
         if models:
-            engine, _, _, _ = hf_zero.initialize(model=models[0], optimizer=optimizers[0], config=self._engine_config(loaders, models[0]))
-            self._zero_engines.append(engine)
-            self._models.append(engine)
-            wrapped = ZeroAcceleratedOptimizer(engine)
-            self._optimizers.append(wrapped)
-            replaced[id(models[0])] = engine
-            replaced[id(optimizers[0])] = wrapped
+            self._check_optimizer_sections(optimizers[0], dummies[0] if dummies else None, real[0] if real else None)
+            replaced.update(self._build_engine(models[0], optimizers[0], dummies[0] if dummies else None, loaders))
         rest = [a for a in args if id(a) not in replaced]
         prepared = super().prepare(*rest) if rest else ()
         it = iter((prepared,) if len(rest) == 1 else prepared)
         out = [replaced[id(a)] if id(a) in replaced else next(it) for a in args]
         return out[0] if len(out) == 1 else tuple(out)
+
+    def _build_engine(self, model: torch.nn.Module, optimizer: Any, dummy_sched: Any, loaders: list) -> dict[int, Any]:
+        """One ZeRO engine from the model and its optimizer (or the config's sections); what replaces what."""
+        import hf_zero
+
+        cfg = parse_once(self._engine_config(loaders, model, optimizer, dummy_sched))
+        kwargs: dict[str, Any] = {"model": model, "config": cfg}
+        if isinstance(optimizer, DummyOptim):
+            kwargs["model_parameters"] = optimizer.params
+        else:
+            kwargs["optimizer"] = optimizer
+        if dummy_sched is not None and dummy_sched.lr_scheduler_callable is not None and cfg.scheduler is None:
+            kwargs["lr_scheduler"] = dummy_sched.lr_scheduler_callable
+        engine, _, _, sched = hf_zero.initialize(**kwargs)
+        self._zero_engines.append(engine)
+        self._models.append(engine)
+        wrapped = ZeroAcceleratedOptimizer(engine)
+        self._optimizers.append(wrapped)
+        replaced = {id(model): engine, id(optimizer): wrapped}
+        if dummy_sched is not None:
+            wrapped_sched = ZeroEngineScheduler(sched, wrapped, split_batches=self.split_batches)
+            wrapped_sched.engine = engine
+            self._schedulers.append(wrapped_sched)
+            replaced[id(dummy_sched)] = wrapped_sched
+        return replaced
+
+    def prepare_model(self, model: torch.nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False) -> Any:
+        """A model an engine already holds comes back as it is: never moved (``.to()`` of stage-3 shards) or wrapped."""
+        if self.zero_config is not None and self._held(model) is not None:
+            return model
+        return super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
 
     # ---------------------------------------------------------------- training
 

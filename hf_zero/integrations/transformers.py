@@ -15,35 +15,65 @@ on ``is_deepspeed_enabled``), so this subclasses, without patching either librar
 
 from __future__ import annotations
 
-import copy
 import os
 from dataclasses import dataclass, field
 from typing import Any
 
 import accelerate
+import torch
 import transformers
 
+from hf_zero import dist as hz_dist
 from hf_zero.engine import UsageError
-from hf_zero.integrations.accelerate import Accelerator, load_zero_config
+from hf_zero.integrations.accelerate import Accelerator, launched_without_gpus
+from hf_zero.integrations.autofill import (
+    fill_auto,
+    load_zero_config,
+    optimizer_args,
+    trainer_scheduler_params,
+)
+
+__all__ = ["Seq2SeqTrainer", "Seq2SeqTrainingArguments", "Trainer", "TrainingArguments", "fill_auto"]
 
 ZERO_STATE_TAG = "zero_state"
 
 
 @dataclass(repr=False)
 class TrainingArguments(transformers.TrainingArguments):
-    """transformers' ``TrainingArguments`` plus ``zero_config`` (a DeepSpeed-style JSON path or dict)."""
+    """transformers' ``TrainingArguments`` plus ``zero_config`` (a DeepSpeed-style JSON path or dict).
 
-    zero_config: str | None = field(
+    ``deepspeed=`` (``--deepspeed ds.json``) means the same as ``zero_config=``, so a DeepSpeed
+    script switches by its import alone; afterwards ``args.deepspeed`` reads None (transformers'
+    DeepSpeed branches would import the ``deepspeed`` package) and ``args.zero_config`` holds it.
+    The config is checked when the arguments are built, on every rank, before any model is loaded:
+    hf_zero's parser (a misspelt key, a feature hf_zero lacks) and its contradictions with these
+    arguments. Launched as several processes on a machine without GPUs, the run uses the CPU over
+    gloo (``use_cpu``) so the data is sharded and only rank 0 logs and saves.
+    """
+
+    zero_config: dict | str | None = field(
         default=None,
         metadata={"help": "ZeRO config: path to a DeepSpeed-style JSON file (or a dict). \"auto\" values are "
-                  "filled from these training arguments."},
+                  "filled from these training arguments. --deepspeed is the same flag."},
     )
 
     def __post_init__(self) -> None:
+        if self.deepspeed is not None:
+            if self.zero_config is not None:
+                raise ValueError("TrainingArguments: got both zero_config and deepspeed, which are one setting in "
+                                 "hf_zero; pass only one of them")
+            self.zero_config, self.deepspeed = self.deepspeed, None
+        config = load_zero_config(self.zero_config) if self.zero_config is not None else None
+        if config is not None and not torch.cuda.is_available():
+            if self.ddp_backend == "nccl":
+                raise ValueError("TrainingArguments: ddp_backend='nccl' needs CUDA GPUs and this machine has none; "
+                                 "drop it (hf_zero runs CPU processes over gloo here)")
+            if launched_without_gpus():
+                self.use_cpu = True
         super().__post_init__()
-        if self.zero_config is not None and self.deepspeed is not None:
-            raise ValueError("TrainingArguments: set zero_config or deepspeed, not both; hf_zero replaces DeepSpeed")
-        self.zero_config_dict = load_zero_config(self.zero_config) if self.zero_config is not None else None
+        self.zero_config_dict = config
+        if config is not None:
+            fill_auto(config, self, world_size=int(os.environ.get("WORLD_SIZE", "1") or 1))
 
     def to_dict(self) -> dict[str, Any]:
         d = super().to_dict()
@@ -51,62 +81,21 @@ class TrainingArguments(transformers.TrainingArguments):
         return d
 
 
-def fill_auto(config: dict, args: transformers.TrainingArguments, world_size: int) -> dict:
-    """The engine's config for a Trainer run, with ``"auto"`` taken from the training arguments.
-
-    The Trainer divides the loss for gradient accumulation and decides where steps happen, so the
-    engine runs with one micro-step per step (``gradient_accumulation_steps`` 1) and clips at
-    whatever ``clip_grad_norm_`` asks; the config's batch keys are checked against the arguments.
-    """
-    cfg = copy.deepcopy(config)
-    mismatches = []
-
-    def check(key: str, want: Any, arg: str) -> None:
-        have = cfg.get(key, "auto")
-        if have != "auto" and have is not None and have != want:
-            mismatches.append(f"{key}: config has {have}, TrainingArguments has {want} (--{arg})")
-
-    gas = int(args.gradient_accumulation_steps)
-    micro = int(args.per_device_train_batch_size)
-    check("train_micro_batch_size_per_gpu", micro, "per_device_train_batch_size")
-    check("gradient_accumulation_steps", gas, "gradient_accumulation_steps")
-    check("train_batch_size", micro * gas * world_size, "per_device_train_batch_size x gradient_accumulation_steps x world size")
-    check("gradient_clipping", float(args.max_grad_norm), "max_grad_norm")
-    opt = cfg.get("optimizer")
-    if isinstance(opt, dict) and isinstance(opt.get("params"), dict):
-        params = opt["params"]
-        for key, want, arg in (("lr", args.learning_rate, "learning_rate"), ("weight_decay", args.weight_decay, "weight_decay"),
-                               ("eps", args.adam_epsilon, "adam_epsilon"),
-                               ("betas", [args.adam_beta1, args.adam_beta2], "adam_beta1/adam_beta2")):
-            have = params.get(key, "auto")
-            if have != "auto" and (list(have) if isinstance(have, (list, tuple)) else have) != want:
-                mismatches.append(f"optimizer.params.{key}: config has {have}, TrainingArguments has {want} (--{arg})")
-    sched = cfg.get("scheduler")
-    if isinstance(sched, dict) and isinstance(sched.get("params"), dict):
-        have = sched["params"].get("warmup_max_lr", "auto")
-        if have != "auto" and have != args.learning_rate:
-            mismatches.append(f"scheduler.params.warmup_max_lr: config has {have}, TrainingArguments has "
-                              f"{args.learning_rate} (--learning_rate)")
-    for key, on, arg in (("bf16", bool(args.bf16), "bf16"), ("fp16", bool(args.fp16), "fp16")):
-        section = cfg.get(key)
-        if isinstance(section, dict):
-            if section.get("enabled") == "auto":
-                section["enabled"] = on
-            elif bool(section.get("enabled", False)) != on:
-                mismatches.append(f"{key}.enabled: config has {section.get('enabled')}, TrainingArguments has {on} (--{arg})")
-        elif on:
-            cfg[key] = {"enabled": True}
-    if mismatches:
-        raise UsageError("zero_config contradicts the training arguments: " + "; ".join(mismatches))
-    cfg["train_micro_batch_size_per_gpu"] = micro
-    cfg["gradient_accumulation_steps"] = 1
-    cfg.pop("train_batch_size", None)
-    cfg["gradient_clipping"] = 0.0  # the Trainer clips through accelerator.clip_grad_norm_
-    return cfg
-
-
 class Trainer(transformers.Trainer):
-    """transformers' ``Trainer``; with ``args.zero_config`` the model trains in a ZeRO engine."""
+    """transformers' ``Trainer``; with ``args.zero_config`` the model trains in a ZeRO engine.
+
+    The config's ``optimizer`` and ``scheduler`` sections build the optimizer and the schedule as
+    they do under DeepSpeed ("auto" from the arguments; the section's optimizer over every trainable
+    parameter, as DeepSpeed's one parameter group); without them the Trainer builds its own from the
+    arguments. A section and an optimizer or scheduler handed to the Trainer for the same thing are
+    refused (one sentence), as Accelerate refuses them for DeepSpeed. ``train``, ``evaluate`` and
+    ``predict`` name a rank that died under them instead of raising the backend's socket error.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self.zero_enabled:
+            self._check_optimizer_sections()
 
     @property
     def zero_enabled(self) -> bool:
@@ -131,55 +120,74 @@ class Trainer(transformers.Trainer):
         acc.__class__ = Accelerator
         acc.zero_config = fill_auto(self.args.zero_config_dict, self.args, acc.num_processes)
         acc._zero_engines = []
+        hz_dist.register_process()  # so that, should a peer die before the engine exists, it can be named
 
-    # ---------------------------------------------------------- optimizer from the config
+    # ---------------------------------------------------------- optimizer and scheduler
+
+    def _section(self, name: str) -> dict | None:
+        return (self.args.zero_config_dict or {}).get(name) if self.zero_enabled else None
+
+    def _check_optimizer_sections(self) -> None:
+        """The combinations of config sections and objects handed to the Trainer that DeepSpeed's integrations refuse."""
+        has_opt, has_sched = self._section("optimizer") is not None, self._section("scheduler") is not None
+        if has_opt and (self.optimizer is not None or self.optimizer_cls_and_kwargs is not None):
+            raise UsageError(
+                "zero_config has an optimizer section and the Trainer was given an optimizer too (optimizers= or "
+                "optimizer_cls_and_kwargs=); keep one: remove the section, or let the section build the optimizer"
+            )
+        if has_sched and self.lr_scheduler is not None:
+            raise UsageError(
+                "zero_config has a scheduler section and the Trainer was given a scheduler too (optimizers=); keep one: "
+                "remove the section, or let the section build the scheduler"
+            )
+        if has_opt and self.lr_scheduler is not None:
+            raise UsageError(
+                "the Trainer was given a scheduler (optimizers=) but zero_config's optimizer section builds the "
+                "optimizer it would drive; give the schedule as a scheduler section, or drop the optimizer section"
+            )
 
     def create_optimizer(self, model: Any = None) -> Any:
-        section = (self.args.zero_config_dict or {}).get("optimizer") if self.zero_enabled else None
+        section = self._section("optimizer")
         if section is None or self.optimizer is not None:
             return super().create_optimizer(model) if model is not None else super().create_optimizer()
         from hf_zero.optim import build_optimizer
 
-        params = dict(section.get("params", {}))
-        for key, value in (("lr", self.args.learning_rate), ("weight_decay", self.args.weight_decay),
-                           ("betas", [self.args.adam_beta1, self.args.adam_beta2]), ("eps", self.args.adam_epsilon)):
-            if params.get(key, "auto") == "auto":
+        params = dict(section.get("params") or {})
+        for key, value, _ in optimizer_args(self.args):
+            if params.get(key) == "auto":
                 params[key] = value
         target = model if model is not None else self.model
-        decay = set(self.get_decay_parameter_names(target))
-        groups = [
-            {"params": [p for n, p in target.named_parameters() if n in decay and p.requires_grad], "weight_decay": params["weight_decay"]},
-            {"params": [p for n, p in target.named_parameters() if n not in decay and p.requires_grad], "weight_decay": 0.0},
-        ]
-        self.optimizer = build_optimizer(section["type"], params, [g for g in groups if g["params"]])
+        # DeepSpeed builds the section's optimizer over model_parameters, which transformers passes as
+        # every trainable parameter in one group: weight decay applies to biases and norms too.
+        trainable = [p for p in target.parameters() if p.requires_grad]
+        self.optimizer = build_optimizer(section["type"], params, trainable)
         return self.optimizer
 
     def create_scheduler(self, num_training_steps: int, optimizer: Any = None) -> Any:
-        section = (self.args.zero_config_dict or {}).get("scheduler") if self.zero_enabled else None
+        section = self._section("scheduler")
         if section is None or self.lr_scheduler is not None:
             return super().create_scheduler(num_training_steps, optimizer)
         from hf_zero.optim import build_scheduler
 
-        params = dict(section.get("params", {}))
-        fills = {
-            "warmup_min_lr": 0.0, "warmup_max_lr": self.args.learning_rate,
-            "warmup_num_steps": self.args.get_warmup_steps(num_training_steps), "total_num_steps": num_training_steps,
-        }
-        mismatches = []
-        for key, value in fills.items():
-            have = params.get(key)
-            if have == "auto":
-                params[key] = value
-            elif key != "warmup_min_lr" and have is not None and have != value:
-                # an explicit step count the arguments contradict would warm up or decay over a run nobody asked for
-                mismatches.append(f"scheduler.params.{key}: config has {have}, the Trainer computed {value} "
-                                  f"(--{'learning_rate' if key == 'warmup_max_lr' else 'warmup_steps/max_steps'})")
-        if mismatches:
-            raise UsageError("zero_config contradicts the training arguments: " + "; ".join(mismatches))
+        params = trainer_scheduler_params(section, self.args, num_training_steps)
         opt = optimizer if optimizer is not None else self.optimizer
         self.lr_scheduler = build_scheduler(section["type"], params, getattr(opt, "optimizer", opt))
         self._created_lr_scheduler = True
         return self.lr_scheduler
+
+    # ---------------------------------------------------------- a rank that dies
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        with hz_dist.peer_failure_guard("Trainer.train()"):
+            return super().train(*args, **kwargs)
+
+    def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
+        with hz_dist.peer_failure_guard("Trainer.evaluate()"):
+            return super().evaluate(*args, **kwargs)
+
+    def predict(self, *args: Any, **kwargs: Any) -> Any:
+        with hz_dist.peer_failure_guard("Trainer.predict()"):
+            return super().predict(*args, **kwargs)
 
     # ------------------------------------------------------------------------ saving
 
@@ -267,6 +275,8 @@ class Trainer(transformers.Trainer):
         if not self.zero_enabled:
             return super()._load_from_checkpoint(resume_from_checkpoint, model)
         # weights come back with the engine state once the engine exists (_load_optimizer_and_scheduler)
+        if _saved_by_deepspeed(resume_from_checkpoint):
+            return
         if not os.path.isdir(os.path.join(resume_from_checkpoint, ZERO_STATE_TAG)):
             raise UsageError(
                 f"{resume_from_checkpoint} has no hf_zero resume state ('{ZERO_STATE_TAG}'); resume from a checkpoint "
@@ -276,18 +286,29 @@ class Trainer(transformers.Trainer):
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if not self.zero_enabled or checkpoint is None or self.engine is None:
             return super()._load_optimizer_and_scheduler(checkpoint)
+        if _saved_by_deepspeed(checkpoint):
+            from hf_zero.checkpoint import deepspeed as ds_checkpoint
+
+            return ds_checkpoint.resume_trainer(self, checkpoint)
         _, client = self.engine.load_checkpoint(checkpoint, tag=ZERO_STATE_TAG)
         if self.lr_scheduler is not None and client.get("lr_scheduler") is not None:
             self.lr_scheduler.load_state_dict(client["lr_scheduler"])
 
     def _load_rng_state(self, checkpoint: str | None) -> None:
-        if not self.zero_enabled:
-            return super()._load_rng_state(checkpoint)
+        if not self.zero_enabled or (checkpoint is not None and _saved_by_deepspeed(checkpoint)):
+            return super()._load_rng_state(checkpoint)  # transformers' rng_state_N.pth, read weights-only
 
     def _load_best_model(self) -> None:
         if not self.zero_enabled or self.engine is None:
             return super()._load_best_model()
         self.engine.load_checkpoint(self.state.best_model_checkpoint, tag=ZERO_STATE_TAG, load_module_only=True)
+
+
+def _saved_by_deepspeed(checkpoint: str) -> bool:
+    """A ``checkpoint-N`` that transformers wrote under DeepSpeed (``global_stepN/`` and ``latest``), not by hf_zero."""
+    from hf_zero.checkpoint.deepspeed_read import is_deepspeed_checkpoint
+
+    return not os.path.isdir(os.path.join(checkpoint, ZERO_STATE_TAG)) and is_deepspeed_checkpoint(checkpoint)
 
 
 @dataclass(repr=False)
