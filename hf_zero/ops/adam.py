@@ -5,8 +5,8 @@ PyTorch's ``Adam(fused=True)`` does the same, so FusedAdam here is ``torch.optim
 DeepSpeed's arguments: ``adam_w_mode=True`` (its default) decouples weight decay as AdamW does,
 ``False`` adds it to the gradient (L2). Parameters not yet on a GPU (a model moved by
 ``initialize``, or built under ``zero.Init``) get the fused kernel when the engine places the
-optimizer on the GPU shards. ``DeepSpeedCPUAdam`` exists for CPU offload, which hf_zero does
-not do, so constructing it says so.
+optimizer on the GPU shards. ``DeepSpeedCPUAdam`` (Adam on host tensors, for ZeRO-Offload) lives
+in ``hf_zero/ops/cpu_adam.py`` and is re-exported here under DeepSpeed's path.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from hf_zero.engine import UsageError
+from hf_zero.ops.cpu_adam import DeepSpeedCPUAdam
 from hf_zero.optim import _adam_kernel, _materialise
 
 __all__ = ["FusedAdam", "DeepSpeedCPUAdam"]
@@ -46,13 +47,3 @@ class FusedAdam(torch.optim.Adam):
                          decoupled_weight_decay=adam_w_mode, **_adam_kernel(groups))
         self.set_grad_none = set_grad_none
         self.hf_zero_fuse_on_device = True  # the engine turns the fused kernel on once the shards are on the GPU
-
-
-class DeepSpeedCPUAdam:
-    """Raises: DeepSpeed's CPU Adam serves ZeRO-Offload, which hf_zero does not implement."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        raise UsageError(
-            "DeepSpeedCPUAdam is for ZeRO-Offload (optimizer state in host memory), which hf_zero does not support yet; "
-            "use hf_zero.ops.adam.FusedAdam or torch.optim.AdamW, and ZeRO stage 3 to fit larger models"
-        )
