@@ -300,8 +300,9 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
     if args.params is not None:
         num_params = estimate.parse_param_count(args.params)
     else:
-        num_params = estimate.count_model_parameters(args.model)
-        print(f"{args.model}: {num_params:,} trainable parameters (built on the meta device)")
+        model = estimate.build_model_on_meta(args.model)
+        num_params = estimate.count_model_parameters(model)
+        print(f"{args.model}: {num_params:,} trainable parameters ({type(model).__name__}, built on the meta device)")
     print(
         _printable(
             estimate.format_table(num_params, args.num_gpus, args.num_nodes, args.dtype, args.optimizer)
@@ -328,6 +329,9 @@ def _add_consolidate_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max_shard_size", default="5GB", help="split into shards above this size (default 5GB)")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16", "auto"],
                    help="dtype of the floating weights; auto keeps the dtype the model trained in (default fp32)")
+    p.add_argument("--merge-adapters", "--merge_adapters", dest="merge_adapters", action="store_true",
+                   help="a PEFT model: write full weights with the adapters merged in (peft's merge_and_unload) instead "
+                   "of the adapter folder (adapter_model.safetensors + adapter_config.json) written by default")
     p.set_defaults(handler=_cmd_consolidate)
 
 
@@ -379,7 +383,13 @@ def _cmd_consolidate(args: argparse.Namespace) -> int:
     if os.path.normpath(ckpt) != os.path.normpath(args.checkpoint_dir) and tag is None:
         print(f"hf-zero consolidate: reading {ckpt} (the newest checkpoint-N)", file=sys.stderr)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "auto": None}[args.dtype]
-    files = consolidate(ckpt, args.out_dir, tag=tag, max_shard_size=args.max_shard_size, dtype=dtype)
+    from hf_zero.checkpoint import adapters as hz_peft
+
+    if args.merge_adapters or hz_peft.is_peft_checkpoint(ckpt, tag):
+        files = hz_peft.consolidate(ckpt, args.out_dir, tag=tag, merge=args.merge_adapters,
+                                    max_shard_size=args.max_shard_size, dtype=dtype)
+    else:
+        files = consolidate(ckpt, args.out_dir, tag=tag, max_shard_size=args.max_shard_size, dtype=dtype)
     print(f"wrote {len(files)} weight file(s) to {args.out_dir}")
     return 0
 

@@ -410,16 +410,31 @@ class ZeroEngine(torch.nn.Module):
         return CheckpointLayout.data_parallel(self.group)
 
     def save_pretrained(
-        self, save_directory: str, max_shard_size: int | str = "5GB", dtype: torch.dtype | None = None
+        self, save_directory: str, max_shard_size: int | str = "5GB", dtype: torch.dtype | None = None,
+        merge_adapters: bool = False,
     ) -> list[str]:
         """The model's full weights in Hugging Face's layout (every rank calls this; rank 0 writes).
 
         ``dtype`` defaults to the dtype the module holds (the compute dtype); stage-3 units are
-        gathered one at a time. The folder loads with ``from_pretrained``.
+        gathered one at a time. The folder loads with ``from_pretrained``. A peft ``PeftModel``
+        is saved as peft saves it (``adapter_model.safetensors`` + ``adapter_config.json``, only
+        the adapters gathered), or with ``merge_adapters=True`` as full weights with the adapters
+        merged in (see :mod:`hf_zero.integrations.peft`). The folder also records how the model
+        was trained, for its model card (:mod:`hf_zero.model_cards`).
         """
-        from hf_zero.checkpoint import consolidated
+        from hf_zero.checkpoint import adapters as hz_peft
+        from hf_zero.model_cards import record
 
-        return consolidated.save_pretrained(self, save_directory, max_shard_size=max_shard_size, dtype=dtype)
+        if merge_adapters:
+            files = hz_peft.save_merged(self, save_directory, max_shard_size=max_shard_size, dtype=dtype)
+        elif hz_peft.is_peft_model(self.module):
+            files = hz_peft.save_adapters(self, save_directory, dtype=dtype)
+        else:
+            from hf_zero.checkpoint import consolidated
+
+            files = consolidated.save_pretrained(self, save_directory, max_shard_size=max_shard_size, dtype=dtype)
+        record.write_engine_record(self, save_directory, merged=merge_adapters)
+        return files
 
     def save_16bit_model(
         self, save_dir: str, save_filename: str = "model.safetensors", exclude_frozen_parameters: bool = False
@@ -457,7 +472,8 @@ class ZeroEngine(torch.nn.Module):
     ) -> str | None:
         """Consolidate into ``save_directory`` and upload it (every rank calls this; rank 0 uploads).
 
-        The model card records this engine's ZeRO config; with ``include_resume_state`` the resume
+        The model card records this engine's resolved ZeRO config and hardware (from what
+        ``save_pretrained`` wrote in the folder); with ``include_resume_state`` the resume
         checkpoints saved in the same folder (``save_checkpoint(save_directory)``) go too, so a run
         can be picked up elsewhere with ``hf-zero pull`` and ``load_checkpoint``. Returns the commit
         URL on rank 0.
@@ -467,7 +483,11 @@ class ZeroEngine(torch.nn.Module):
         self.save_pretrained(save_directory)
         url, failure, error = None, None, None
         if self.global_rank == 0:
-            kwargs = {"zero_config": self.config.raw, **(card_kwargs or {})}
+            kwargs = dict(card_kwargs or {})
+            from hf_zero.model_cards import record
+
+            if not record.read_record(save_directory):  # a save that records nothing (a pipeline's): show the config
+                kwargs.setdefault("zero_config", self.config.raw)
             try:
                 url = hub.push_to_hub(
                     save_directory, repo_id, revision=revision, private=private, commit_message=commit_message,

@@ -187,39 +187,96 @@ def _load_config(path: str | os.PathLike) -> Any:
     raise FileNotFoundError(f"{path}: no such model directory or config.json")
 
 
+def model_class_for(config: Any) -> type | None:
+    """The transformers class ``config.architectures`` names (what was trained and saved), or None."""
+    import transformers
+
+    for name in getattr(config, "architectures", None) or []:
+        cls = getattr(transformers, str(name), None)
+        if isinstance(cls, type):
+            return cls
+    return None
+
+
 def _build_on_meta(config: Any) -> Any:
-    """The model a config describes, with no storage: causal LM if there is one, else the base model."""
+    """The model a config describes, with no storage: the class its ``architectures`` names, else a
+    causal LM if there is one for the model type, else the base model."""
     import torch
     from transformers import AutoModel, AutoModelForCausalLM
 
+    cls = model_class_for(config)
     with torch.device("meta"):
+        if cls is not None:
+            return cls(config)
         try:
             return AutoModelForCausalLM.from_config(config)
         except ValueError:
             return AutoModel.from_config(config)
 
 
+_PEFT_TASK_AUTO = {
+    "CAUSAL_LM": "AutoModelForCausalLM", "SEQ_2_SEQ_LM": "AutoModelForSeq2SeqLM", "SEQ_CLS": "AutoModelForSequenceClassification",
+    "TOKEN_CLS": "AutoModelForTokenClassification", "QUESTION_ANS": "AutoModelForQuestionAnswering", "FEATURE_EXTRACTION": "AutoModel",
+}
+
+
+def _adapter_on_meta(path: str) -> Any:
+    """A PEFT adapter folder's model on the meta device: its base (from ``base_model_name_or_path``) plus the adapter."""
+    import torch
+
+    from hf_zero import peft_model as hz_peft
+
+    adapters = hz_peft.read_adapter_configs(path)
+    base = next(iter(adapters.values())).base_model_name_or_path
+    if not base:
+        raise ValueError(f"{path}: adapter_config.json names no base_model_name_or_path, so the base model is unknown")
+    config = _load_config(base)
+    import transformers
+
+    first = next(iter(adapters.values()))
+    trained = (getattr(first, "auto_mapping", None) or {}).get("base_model_class")
+    cls = getattr(transformers, str(trained), None) if trained else None
+    if cls is None and first.task_type in _PEFT_TASK_AUTO:  # the head peft's task type puts on the base
+        with torch.device("meta"):
+            cls = type(getattr(transformers, _PEFT_TASK_AUTO[first.task_type]).from_config(config))
+    if cls is None:
+        cls = type(_build_on_meta(config))
+    return hz_peft.build_twin(cls, config, adapters)
+
+
+def build_model_on_meta(model_or_config: Any) -> Any:
+    """The module whose parameters the estimate counts: a transformers config (or a folder, config.json or Hub
+    id) built on the meta device as the class it names; a PEFT adapter folder as its base with the adapter."""
+    from transformers import PretrainedConfig
+
+    if isinstance(model_or_config, (str, os.PathLike)):
+        path = os.fspath(model_or_config)
+        if os.path.isdir(path) and os.path.isfile(os.path.join(path, "adapter_config.json")) \
+                and not os.path.isfile(os.path.join(path, "config.json")):
+            return _adapter_on_meta(path)
+        model_or_config = _load_config(path)
+    if not isinstance(model_or_config, PretrainedConfig):
+        raise TypeError(
+            f"count_model_parameters: got {type(model_or_config).__name__}, expected an nn.Module, "
+            "a transformers PretrainedConfig, or a path to a model directory or config.json"
+        )
+    return _build_on_meta(model_or_config)
+
+
 def count_model_parameters(model_or_config: Any) -> int:
     """Ψ: the trainable parameters of a module, a transformers config, or a path to one.
 
-    A config (or a directory / config.json path) is turned into a model on the meta device,
-    so counting a 70B model allocates nothing. Tied weights count once, because the engine
+    A config (or a directory / config.json path) is turned into a model on the meta device, as
+    the class its ``architectures`` names (so a classifier counts its head), so counting a 70B
+    model allocates nothing. A PEFT adapter folder counts its adapter's parameters (the frozen
+    base holds no gradients or optimizer state). Tied weights count once, because the engine
     stores a shared Parameter once.
     """
     import torch
 
     if isinstance(model_or_config, torch.nn.Module):
         return _count_module(model_or_config)
-    if isinstance(model_or_config, (str, os.PathLike)):
-        model_or_config = _load_config(model_or_config)
-    from transformers import PretrainedConfig
-
-    if not isinstance(model_or_config, PretrainedConfig):
-        raise TypeError(
-            f"count_model_parameters: got {type(model_or_config).__name__}, expected an nn.Module, "
-            "a transformers PretrainedConfig, or a path to a model directory or config.json"
-        )
-    return _count_module(_build_on_meta(model_or_config))
+    return _count_module(build_model_on_meta(model_or_config))
 
 
 def format_table(

@@ -5,8 +5,9 @@ Everything that touches the network goes through ``huggingface_hub`` (``HfApi.cr
 retries, LFS/Xet uploads and the cache layout are exactly what the rest of the Hugging Face
 stack does. hf_zero adds three things on top:
 
-- a model card (``README.md``) rendered from ``hf_zero/model_cards/README.md.j2`` when the
-  folder has none, saying how the model was trained (ZeRO config, hardware, throughput);
+- a model card (``README.md``, :mod:`hf_zero.model_cards.card`) when the folder has none, saying
+  how the model was trained from what the save recorded in the folder (resolved ZeRO config,
+  hardware, hyperparameters, results, versions), ``library_name: peft`` for an adapter folder;
 - the rule that resume state stays local: ``save_checkpoint`` tag folders (``global_step*``),
   the ``latest`` pointer, half-written ``.<tag>.partial`` folders and ``Trainer``'s
   ``checkpoint-*`` folders hold optimizer state and RNG, are large, and are of no use to
@@ -23,14 +24,15 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 import importlib
-import json
 import os
 import tempfile
-from collections.abc import Iterator, Mapping, Sequence
-from importlib import resources
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from hf_zero.errors import HubError
+from hf_zero.model_cards.card import WEIGHT_PATTERNS, render_model_card
+
+__all__ = ["HubError", "RESUME_STATE_PATTERNS", "WEIGHT_PATTERNS", "pull_from_hub", "push_to_hub", "render_model_card"]
 
 # Glob patterns (relative to the pushed folder; ``huggingface_hub`` matches them with fnmatch, whose
 # ``*`` also crosses ``/``) for resume state, left out of uploads unless include_resume_state=True.
@@ -44,150 +46,7 @@ RESUME_STATE_PATTERNS: tuple[str, ...] = (
     "checkpoint-*/*",  # Trainer's resume folders (optimizer, scheduler, RNG, trainer_state.json)
 )
 
-# What makes a folder worth pushing: at least one of these at its top level.
-WEIGHT_PATTERNS: tuple[str, ...] = ("*.safetensors", "pytorch_model*.bin", "*.gguf", "*.pt")
-
-CARD_TEMPLATE = "README.md.j2"
 DEFAULT_COMMIT_MESSAGE = "Upload model trained with hf_zero"
-
-# architecture suffix in config.json -> (Auto class, Hub pipeline tag)
-_HEADS: tuple[tuple[str, str, str], ...] = (
-    ("ForCausalLM", "AutoModelForCausalLM", "text-generation"),
-    ("ForSequenceClassification", "AutoModelForSequenceClassification", "text-classification"),
-    ("ForTokenClassification", "AutoModelForTokenClassification", "token-classification"),
-    ("ForQuestionAnswering", "AutoModelForQuestionAnswering", "question-answering"),
-    ("ForMaskedLM", "AutoModelForMaskedLM", "fill-mask"),
-)
-
-
-# ------------------------------------------------------------------------ model card
-
-
-def _read_config(folder: str) -> dict[str, Any]:
-    path = os.path.join(folder, "config.json")
-    try:
-        with open(path, encoding="utf-8") as f:
-            config = json.load(f)
-    except (OSError, ValueError):
-        return {}
-    return config if isinstance(config, dict) else {}
-
-
-def _head_of(config: Mapping[str, Any]) -> tuple[str, str | None]:
-    """Which Auto class loads this model and which pipeline tag the Hub should show, from config.json."""
-    for arch in config.get("architectures") or []:
-        for suffix, auto_class, pipeline_tag in _HEADS:
-            if str(arch).endswith(suffix):
-                return auto_class, pipeline_tag
-    return "AutoModel", None
-
-
-def _human_size(n: int) -> str:
-    size = float(n)
-    for unit in ("B", "KB", "MB", "GB"):
-        if size < 1000 or unit == "GB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1000
-    return f"{n} B"  # pragma: no cover - the loop always returns
-
-
-def _zero_stage(zero_config: Mapping[str, Any] | None) -> int | None:
-    if not zero_config:
-        return None
-    section = zero_config.get("zero_optimization", zero_config)  # a whole config, or just its ZeRO section
-    stage = section.get("stage") if isinstance(section, Mapping) else None
-    return stage if isinstance(stage, int) else None
-
-
-def render_model_card(
-    folder: str | os.PathLike,
-    *,
-    base_model: str | None = None,
-    datasets: Sequence[str] | str | None = None,
-    metrics: Mapping[str, float] | None = None,
-    zero_config: Mapping[str, Any] | None = None,
-    hardware: str | None = None,
-    throughput: float | str | None = None,
-    extra: Mapping[str, Any] | None = None,
-    repo_id: str | None = None,
-) -> str:
-    """The ``README.md`` text for ``folder``: YAML metadata the Hub indexes, then how it was trained.
-
-    The card is built with ``huggingface_hub.ModelCardData`` / ``ModelCard`` so that the metadata
-    block is exactly what the Hub (and ``ModelCard.load``) parses: ``library_name: hf_zero``,
-    the ``transformers`` and ``hf_zero`` tags, ``base_model``, ``datasets``, the pipeline tag
-    inferred from ``config.json``'s architecture, and a ``model-index`` when ``metrics`` and at
-    least one dataset are given (a model-index entry must name its dataset; without one the
-    metrics appear only in the body). ``throughput`` is tokens per second when a number.
-    ``extra`` holds further metadata fields (``license``, ``language``, more ``tags`` ...).
-    The body shows ``zero_config`` as a JSON block, the hardware, throughput and weight files.
-    """
-    from huggingface_hub import EvalResult, ModelCard, ModelCardData
-
-    folder = os.fspath(folder)
-    if not os.path.isdir(folder):
-        raise HubError(f"cannot write a model card for {folder}: it is not a directory.")
-    config = _read_config(folder)
-    auto_class, pipeline_tag = _head_of(config)
-    dataset_list = [datasets] if isinstance(datasets, str) else list(datasets or [])
-    metadata = dict(extra or {})
-    tags = ["transformers", "hf_zero"]
-    stage = _zero_stage(zero_config)
-    if stage is not None:
-        tags.append(f"zero-stage-{stage}")
-    tags += [t for t in metadata.pop("tags", None) or [] if t not in tags]
-    model_name = (repo_id or os.path.basename(os.path.abspath(folder))).split("/")[-1]
-    eval_results = None
-    if metrics and dataset_list:
-        eval_results = [
-            EvalResult(
-                task_type=metadata.get("pipeline_tag") or pipeline_tag or "other",
-                dataset_type=dataset_list[0],
-                dataset_name=dataset_list[0],
-                metric_type=name,
-                metric_value=value,
-            )
-            for name, value in metrics.items()
-        ]
-    card_data = ModelCardData(
-        library_name=metadata.pop("library_name", "hf_zero"),
-        base_model=base_model,
-        datasets=dataset_list or None,
-        tags=tags,
-        pipeline_tag=metadata.pop("pipeline_tag", pipeline_tag),
-        eval_results=eval_results,
-        model_name=model_name if eval_results else None,
-        **metadata,
-    )
-    if isinstance(throughput, (int, float)):
-        throughput_text = f"{throughput:,.0f} tokens/s"
-    else:
-        throughput_text = throughput
-    files = sorted(
-        (name, _human_size(os.path.getsize(os.path.join(folder, name))))
-        for name in os.listdir(folder)
-        if os.path.isfile(os.path.join(folder, name))
-        and any(fnmatch.fnmatch(name, p) for p in WEIGHT_PATTERNS)
-    )
-    arch = ", ".join(config.get("architectures") or []) or "A model"
-    template = resources.files("hf_zero").joinpath("model_cards", CARD_TEMPLATE).read_text(encoding="utf-8")
-    card = ModelCard.from_template(
-        card_data,
-        template_str=template,
-        model_name=model_name,
-        summary=f"{arch} trained with hf_zero"
-        + (f", fine-tuned from `{base_model}`." if base_model else "."),
-        auto_class=auto_class,
-        repo_hint=repo_id or "path/to/this/folder",
-        base_model=base_model,
-        datasets=dataset_list,
-        metrics=dict(metrics or {}),
-        hardware=hardware,
-        throughput_text=throughput_text,
-        zero_config_json=json.dumps(dict(zero_config), indent=2) if zero_config else None,
-        files=files,
-    )
-    return str(card)
 
 
 # ------------------------------------------------------------------------ errors

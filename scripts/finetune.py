@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None, callbacks: list | None = None) -> dict:
     }
     if trainer.is_world_process_zero():
         if script.model_card:
-            write_card(final_dir, script, args, summary)
+            write_card(final_dir, script)
         print(f"[finetune] accuracy {summary['accuracy_before']} -> {summary['accuracy_after']}, "
               f"train loss {summary['train_loss']:.4f}, {summary['steps']} steps, "
               f"{summary['samples_per_second']} samples/s, weights in {final_dir}", flush=True)
@@ -179,21 +179,15 @@ def main(argv: list[str] | None = None, callbacks: list | None = None) -> dict:
     return summary
 
 
-def write_card(folder: str, script: ScriptArguments, args: object, summary: dict) -> None:
-    """A model card (YAML metadata + what was run) beside the weights."""
-    from huggingface_hub import ModelCard, ModelCardData
+def write_card(folder: str, script: ScriptArguments) -> None:
+    """hf_zero's model card beside the weights, from what ``save_model`` recorded in the folder: the resolved
+    ZeRO config, devices, hyperparameters, evaluation results and versions (see hf_zero/model_cards/)."""
+    from hf_zero.hub import render_model_card
 
-    data = ModelCardData(library_name="transformers", tags=["hf_zero", "text-classification"],
-                         base_model=None if os.path.isdir(script.model_name_or_path) else script.model_name_or_path,
-                         datasets=[script.dataset_name] if script.dataset_name else None)
-    zero = getattr(args, "zero_config_dict", None)
-    import json
-
-    text = (f"---\n{data.to_yaml()}\n---\n\n# Fine-tuned with hf_zero\n\n"
-            f"Accuracy on the evaluation split: {summary['accuracy_before']} before, {summary['accuracy_after']} after "
-            f"{summary['steps']} steps (train loss {summary['train_loss']:.4f}).\n\n"
-            f"ZeRO config:\n\n```json\n{json.dumps(zero, indent=2)}\n```\n")
-    ModelCard(text).save(os.path.join(folder, "README.md"))
+    text = render_model_card(folder, datasets=[script.dataset_name] if script.dataset_name else None,
+                             extra={"tags": ["text-classification"]})
+    with open(os.path.join(folder, "README.md"), "w", encoding="utf-8") as f:
+        f.write(text)
 
 
 if __name__ == "__main__":

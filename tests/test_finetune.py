@@ -43,3 +43,9 @@ def test_finetune_defaults(launcher: list[str], tmp_path: Path) -> None:
     assert model.config.num_labels == 2
     card = ModelCard.load(final / "README.md")
     assert "hf_zero" in card.data.tags and '"stage": 2' in card.text
+    # the pretrained MiniLM's config says BertModel: the saved one names the class that was trained
+    assert model.config.architectures == ["BertForSequenceClassification"]
+    assert card.data.library_name == "transformers" and card.data.pipeline_tag == "text-classification"
+    config = card.text.split("```json\n", 1)[1].split("\n```", 1)[0]  # the ZeRO config the run resolved
+    assert '"auto"' not in config and '"train_micro_batch_size_per_gpu": 16' in config, config
+    assert "2 x CPU (gloo, world size 2)" in card.text and "| accuracy |" in card.text

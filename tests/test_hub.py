@@ -240,7 +240,7 @@ def test_model_card_parses_and_records_how_the_model_was_trained(
     from hf_zero.hub import render_model_card
 
     card = ModelCard.load(pushed["user/tiny-sharded"] / "README.md")
-    assert card.data.library_name == "hf_zero"
+    assert card.data.library_name == "transformers"  # the library that loads it; hf_zero is a tag
     assert {"transformers", "hf_zero", "zero-stage-3"} <= set(card.data.tags)
     assert card.data.base_model == "meta-llama/Tiny" and card.data.datasets == ["user/sentences"]
     assert card.data.pipeline_tag == "text-generation"
@@ -253,7 +253,7 @@ def test_model_card_parses_and_records_how_the_model_was_trained(
     assert 'AutoModelForCausalLM.from_pretrained("user/tiny-sharded")' in body
     # the card the CLI wrote (no details given) still parses and names the library
     plain = ModelCard.load(pushed["user/tiny"] / "README.md")
-    assert plain.data.library_name == "hf_zero" and "Not recorded." in plain.text
+    assert plain.data.library_name == "transformers" and "Not recorded." in plain.text
     # a folder without config.json, metrics without a dataset: no model-index, metrics in the body
     (tmp_path / "model.safetensors").write_bytes(b"")
     text = render_model_card(tmp_path, metrics={"loss": 1.5}, extra={"license": "apache-2.0"})

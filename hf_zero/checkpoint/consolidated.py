@@ -125,15 +125,30 @@ def write_weights(
 
 
 def save_model_config(module: torch.nn.Module, out_dir: str, dtype: torch.dtype | None) -> None:
-    """``config.json`` (with the saved dtype) and ``generation_config.json`` where the model has them."""
-    config = getattr(module, "config", None)
+    """``config.json`` (with the saved dtype) and ``generation_config.json`` where the model has them.
+
+    As transformers' ``save_pretrained`` does, ``architectures`` names the class that was trained
+    (the config may still name the class it was first saved from, or nothing for ``from_config``),
+    so ``from_pretrained``, ``hf-zero estimate`` and the model card pick the right head. A PEFT
+    model's base config is written, with its adapter configs beside it (see integrations/peft.py).
+    """
+    from transformers import PreTrainedModel
+
+    from hf_zero import peft_model as hz_peft
+
+    base = hz_peft.base_model_of(module)
+    config = getattr(base, "config", None)
     if config is not None and hasattr(config, "save_pretrained"):
         import copy
 
         cfg = copy.deepcopy(config)
         if dtype is not None:
             cfg.dtype = dtype
+        if isinstance(base, PreTrainedModel):
+            cfg.architectures = [type(base).__name__]
         cfg.save_pretrained(out_dir)
+    if base is not module:
+        hz_peft.write_adapter_configs(module, out_dir)
     gen = getattr(module, "generation_config", None)
     can_generate = getattr(module, "can_generate", None)
     if gen is not None and callable(can_generate) and can_generate():

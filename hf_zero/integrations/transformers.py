@@ -212,27 +212,74 @@ class Trainer(transformers.Trainer):
 
     # ------------------------------------------------------------------------ saving
 
-    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """Consolidated safetensors (``from_pretrained`` loads them), gathered unit by unit."""
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False, merge_adapters: bool = False) -> None:
+        """Consolidated safetensors (``from_pretrained`` loads them), gathered unit by unit.
+
+        A peft ``PeftModel`` is saved as peft saves it (``adapter_model.safetensors`` and
+        ``adapter_config.json``, only the adapters gathered), or with ``merge_adapters=True`` as full
+        weights with the adapters merged in. The folder records the run (resolved ZeRO config,
+        hyperparameters, results, devices) for the model card that ``push_to_hub`` or ``hf-zero push`` writes.
+        """
         if not self.zero_enabled or self.engine is None:
+            if merge_adapters:
+                raise UsageError(
+                    "save_model(merge_adapters=True) merges through hf_zero's engine, which exists once a Trainer with "
+                    "zero_config has started training; otherwise merge with peft: model.merge_and_unload().save_pretrained(dir)"
+                )
             return super().save_model(output_dir, _internal_call=_internal_call)
+        from hf_zero.model_cards import record
+
         output_dir = output_dir if output_dir is not None else self.args.output_dir
-        self.engine.save_pretrained(output_dir)
+        self.engine.save_pretrained(output_dir, merge_adapters=merge_adapters)
         if self.args.should_save:
             if self.processing_class is not None:
                 self.processing_class.save_pretrained(output_dir)
             with open(os.path.join(output_dir, "training_args.json"), "w") as f:
                 f.write(self.args.to_json_string())
+            record.update_record(output_dir, record.trainer_record(self, merged=merge_adapters), keep=record.TRAINER_FILLS_ONLY)
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
-    def create_model_card(self, *args: Any, tags: str | list[str] | None = None, **kwargs: Any) -> None:
-        """transformers' card, tagged ``hf_zero`` (and the ZeRO stage) so the Hub page says how it was trained."""
-        if self.zero_enabled:
-            tags = [tags] if isinstance(tags, str) else list(tags or [])
-            stage = (self.args.zero_config_dict.get("zero_optimization") or {}).get("stage", 0)
-            tags += [t for t in ("hf_zero", f"zero-stage-{stage}") if t not in tags]
-        return super().create_model_card(*args, tags=tags, **kwargs)
+    def create_model_card(
+        self, language: str | None = None, license: str | None = None, tags: str | list[str] | None = None,
+        model_name: str | None = None, finetuned_from: str | None = None, tasks: str | list[str] | None = None,
+        dataset_tags: str | list[str] | None = None, dataset: str | list[str] | None = None,
+        dataset_args: str | list[str] | None = None,
+    ) -> None:
+        """``README.md`` in ``output_dir`` (rank 0), built with huggingface_hub's ``ModelCard`` from the run's record.
+
+        transformers' arguments mean what they mean there; the card adds what transformers' does not
+        know: the resolved ZeRO config, the devices, world size and framework versions, and
+        ``library_name: peft`` with the base model for an adapter. Evaluation results become a
+        ``model-index`` when a dataset is named (``dataset``/``dataset_tags``, or a Hub dataset's own name).
+        """
+        if not self.zero_enabled:
+            return super().create_model_card(
+                language=language, license=license, tags=tags, model_name=model_name, finetuned_from=finetuned_from,
+                tasks=tasks, dataset_tags=dataset_tags, dataset=dataset, dataset_args=dataset_args,
+            )
+        if not self.is_world_process_zero():
+            return
+        from hf_zero.hub import _write_atomic
+        from hf_zero.model_cards import record
+        from hf_zero.model_cards.card import render_model_card
+
+        folder = self.args.output_dir
+        merged = bool(record.read_record(folder).get("merged_adapters"))  # as save_model left the folder
+        record.update_record(folder, record.trainer_record(self, merged=merged), keep=record.TRAINER_FILLS_ONLY)
+        extra: dict[str, Any] = {"tags": [tags] if isinstance(tags, str) else list(tags or [])}
+        if language is not None:
+            extra["language"] = language
+        if license is not None:
+            extra["license"] = license
+        if tasks:
+            extra["pipeline_tag"] = tasks if isinstance(tasks, str) else tasks[0]
+        datasets = dataset if dataset is not None else dataset_tags
+        text = render_model_card(
+            folder, base_model=finetuned_from, datasets=datasets, extra=extra, repo_id=getattr(self.args, "hub_model_id", None) or None,
+            model_name=model_name,
+        )
+        _write_atomic(os.path.join(folder, "README.md"), text)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         if not self.zero_enabled or self.engine is None:
