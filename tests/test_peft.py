@@ -116,7 +116,7 @@ class _count_gathers:  # noqa: N801 - used like a function
     """Record whether each stage-3 parameter group gathered is trainable, until ``undo()``."""
 
     def __init__(self) -> None:
-        from hf_zero.zero.params import ShardedParamGroup
+        from hf_zero.zero.stage3 import ShardedParamGroup
 
         self.kinds: list[bool] = []
         self.cls, self.original = ShardedParamGroup, ShardedParamGroup.gather
