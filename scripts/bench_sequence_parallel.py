@@ -241,7 +241,9 @@ def run(args: argparse.Namespace, engine: str, seq: int, sp: int) -> dict | None
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[len("RESULT "):])
-    tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+    lines = (proc.stderr + proc.stdout).strip().splitlines()
+    errors = [ln.strip() for ln in lines if "Error" in ln and "ChildFailedError" not in ln and "error_file" not in ln]
+    tail = errors[-2:] or lines[-3:]  # the worker's own exception, not torchrun's summary
     print(f"[bench_sp] {engine} seq {seq} sp {sp}: no result ({' | '.join(tail)})", flush=True)
     return None
 
