@@ -13,7 +13,7 @@ from hf_zero.errors import UsageError
 __version__ = "0.1.0"
 
 __all__ = [
-    "pipe", "zero", "Accelerator", "Trainer", "TrainingArguments", "Seq2SeqTrainer", "Seq2SeqTrainingArguments", "DummyOptim", "DummyScheduler", "ConfigError", "UsageError", "ZeroConfig", "ZeroEngine", "init_distributed", "initialize",
+    "pipe", "zero", "Accelerator", "Trainer", "TrainingArguments", "Seq2SeqTrainer", "Seq2SeqTrainingArguments", "zero_trainer", "zero_args", "DummyOptim", "DummyScheduler", "ConfigError", "UsageError", "ZeroConfig", "ZeroEngine", "init_distributed", "initialize",
     "add_config_arguments", "comm", "accelerator", "checkpointing", "ops", "utils", "runtime", "__version__",
 ]
 
@@ -23,6 +23,8 @@ _LAZY = {
     "TrainingArguments": "hf_zero.integrations.transformers",
     "Seq2SeqTrainer": "hf_zero.integrations.transformers",
     "Seq2SeqTrainingArguments": "hf_zero.integrations.transformers",
+    "zero_trainer": "hf_zero.integrations.transformers",
+    "zero_args": "hf_zero.integrations.transformers",
     # Accelerate's stand-ins for an optimizer / scheduler that the config's sections build; Accelerate
     # exports them from accelerate.utils only when the deepspeed package is installed.
     "DummyOptim": "hf_zero.integrations.accelerate",

@@ -278,6 +278,9 @@ def _add_estimate_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--num_nodes", type=int, default=1, help="nodes (default 1)")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"], help="training precision")
     p.add_argument("--optimizer", default="adam", choices=["adam", "adamw", "sgd", "sgd_momentum"])
+    p.add_argument("--ref-model", "--ref_model", dest="ref_model", nargs="?", const="same", default=None, metavar="MODEL_OR_PARAMS",
+                   help="also count a frozen reference model (TRL's DPO ref_model): alone, the same model again; or a "
+                   "model directory / config.json / Hub id, or a parameter count such as 7B")
     p.set_defaults(handler=_cmd_estimate)
 
 
@@ -303,9 +306,17 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
         model = estimate.build_model_on_meta(args.model)
         num_params = estimate.count_model_parameters(model)
         print(f"{args.model}: {num_params:,} trainable parameters ({type(model).__name__}, built on the meta device)")
+    ref_params = None
+    if args.ref_model == "same":
+        ref_params = num_params
+    elif args.ref_model is not None:
+        try:
+            ref_params = estimate.parse_param_count(args.ref_model)
+        except ValueError:
+            ref_params = estimate.count_model_parameters(estimate.build_model_on_meta(args.ref_model))
     print(
         _printable(
-            estimate.format_table(num_params, args.num_gpus, args.num_nodes, args.dtype, args.optimizer)
+            estimate.format_table(num_params, args.num_gpus, args.num_nodes, args.dtype, args.optimizer, ref_params=ref_params)
         )
     )
     return 0

@@ -44,6 +44,14 @@ def _shape_of(x: Any) -> str:
     return f"a tensor of shape {tuple(x.shape)}" if torch.is_tensor(x) else f"a {type(x).__name__}"
 
 
+class _NoOptimizer:
+    """The optimizer of a frozen stage-3 model: no parameter groups, so the shard layout holds only frozen groups."""
+
+    def __init__(self) -> None:
+        self.param_groups: list[dict] = []
+        self.state: dict = {}
+
+
 class ZeroEngine(torch.nn.Module):
     """Training engine for ZeRO stages 0-3 with DeepSpeed's method names and semantics.
 
@@ -83,6 +91,11 @@ class ZeroEngine(torch.nn.Module):
 
         stage = config.zero_optimization.stage
         hz_dist.register_process()  # so that, should a peer die, the survivors can name it
+        # A stage-3 model with nothing to train (a reference model, a teacher) is sharded all the same:
+        # its layout is built over an optimizer with no parameter groups, and it only runs forward.
+        self.inference_only = optimizer is None and stage == 3 and not any(p.requires_grad for p in model.parameters())
+        if self.inference_only:
+            optimizer = _NoOptimizer()
         # A zero.Init model stays as slices only where stage 3 with an optimizer lays out its shards.
         built_presharded = check_presharded(model, self.world_size, self.device, gather=stage != 3 or optimizer is None)
         move_to_device(model, self.device)
@@ -106,8 +119,10 @@ class ZeroEngine(torch.nn.Module):
             # The zero.Init slices were freed while the shards were laid out around them; hand those
             # blocks back so training's allocations start from unfragmented memory.
             torch.cuda.empty_cache()
-        self.optimizer = self.zero_optimizer
-        self.basic_optimizer = optimizer
+        if self.inference_only and self.zero_optimizer.runtime is not None:
+            self.zero_optimizer.runtime.keep_gathered_for_inference = False
+        self.optimizer = self.zero_optimizer if not self.inference_only else None
+        self.basic_optimizer = optimizer if not self.inference_only else None
         self.lr_scheduler = lr_scheduler
 
     # ------------------------------------------------------------- setup
@@ -282,7 +297,7 @@ class ZeroEngine(torch.nn.Module):
                 "engine.backward(loss) got a loss that does not require grad; compute it from the output "
                 "of engine(...) outside torch.no_grad()"
             )
-        if self.zero_optimizer is None:
+        if self.zero_optimizer is None or self.inference_only:
             raise UsageError("engine.backward() needs an optimizer; give one in the config or to initialize()")
         scaled = self.step_policy.scale_loss(loss, self.gradient_accumulation_steps() if scale_wrt_gas else 1)
         zo = self.zero_optimizer
@@ -295,7 +310,7 @@ class ZeroEngine(torch.nn.Module):
     def step(self, lr_kwargs: dict | None = None) -> None:
         """Called after every micro-batch; applies the optimizer on accumulation boundaries."""
         del lr_kwargs
-        if self.zero_optimizer is None:
+        if self.zero_optimizer is None or self.inference_only:
             raise UsageError("engine.step() needs an optimizer; give one in the config or to initialize()")
         boundary = self.is_gradient_accumulation_boundary()
         self._step_applied = False

@@ -279,13 +279,31 @@ def count_model_parameters(model_or_config: Any) -> int:
     return _count_module(build_model_on_meta(model_or_config))
 
 
+def reference_model_bytes(num_params: int, world_size: int, stage: int, dtype: str = "bf16") -> int:
+    """Bytes one rank holds of a frozen reference model (DPO's ``ref_model``, a teacher) of ``num_params``.
+
+    It has no gradients or optimizer state: at stage 3 its weights are sharded like the policy's
+    (the accelerator makes it an optimizer-free ZeRO-3 engine), so a rank holds ceil(Ψ/N) elements;
+    at stages 0-2 every rank holds a whole copy, as Accelerate places it. 2 bytes per element in
+    bf16/fp16, 4 in fp32.
+    """
+    width = 4 if dtype.strip().lower() == "fp32" else 2
+    return width * (math.ceil(num_params / world_size) if stage >= 3 else num_params)
+
+
 def format_table(
-    num_params: int, num_gpus: int, num_nodes: int, dtype: str = "bf16", optimizer: str = "adam"
+    num_params: int, num_gpus: int, num_nodes: int, dtype: str = "bf16", optimizer: str = "adam",
+    ref_params: int | None = None,
 ) -> str:
-    """The text ``hf-zero estimate`` prints: a header with the formula, one row per stage."""
+    """The text ``hf-zero estimate`` prints: a header with the formula, one row per stage.
+
+    ``ref_params``: the size of a frozen reference model trained beside this one (``--ref-model``),
+    added as its own column and counted in the total.
+    """
     world = num_gpus * num_nodes
     k = optimizer_state_bytes_per_element(optimizer)
     rows = [estimate_memory(num_params, world, s, dtype, optimizer) for s in range(4)]
+    refs = [reference_model_bytes(ref_params, world, s, dtype) if ref_params is not None else 0 for s in range(4)]
     half = dtype.strip().lower() != "fp32"
     master = "plus a 4-byte fp32 master copy" if half else "the fp32 master is the parameters"
     lines = [
@@ -294,12 +312,19 @@ def format_table(
         "Per-rank bytes at the optimizer step; Ψ/N means ceil(Ψ/N) elements per shard "
         f"(ceil(Ψ/N) = {math.ceil(num_params / world):,}); padding adds at most N-1 elements per buffer.",
         "",
-        f"{'stage':>5}  {'params GiB':>11}  {'grads GiB':>11}  {'optim GiB':>11}  {'total GiB':>11}  formula",
+        f"{'stage':>5}  {'params GiB':>11}  {'grads GiB':>11}  {'optim GiB':>11}"
+        + (f"  {'ref GiB':>11}" if ref_params is not None else "") + f"  {'total GiB':>11}  formula",
     ]
-    for r in rows:
+    for r, ref in zip(rows, refs):
+        ref_col = f"  {ref / GIB:>11.2f}" if ref_params is not None else ""
+        ref_formula = (" + ref " + ("2" if dtype.strip().lower() != "fp32" else "4") + ("Ψr/N" if r.stage >= 3 else "Ψr")
+                       if ref_params is not None else "")
         lines.append(
             f"{r.stage:>5}  {r.params_bytes / GIB:>11.2f}  {r.grads_bytes / GIB:>11.2f}  "
-            f"{r.optim_bytes / GIB:>11.2f}  {r.total_bytes / GIB:>11.2f}  {r.formula}"
+            f"{r.optim_bytes / GIB:>11.2f}{ref_col}  {(r.total_bytes + ref) / GIB:>11.2f}  {r.formula}{ref_formula}"
         )
+    if ref_params is not None:
+        lines.append(f"Ψr = {ref_params:,} parameters of the frozen reference model: a whole copy per rank at stages 0-2, "
+                     "sharded at stage 3.")
     lines.append("Activations, temporary buffers and the CUDA context are not included.")
     return "\n".join(lines)

@@ -384,3 +384,15 @@ def test_count_model_parameters_skips_frozen_and_rejects_other_inputs(tmp_path: 
         count_model_parameters(42)
     with pytest.raises(FileNotFoundError, match="no such model directory"):
         count_model_parameters(tmp_path / "missing")
+
+
+def test_estimate_ref_model_column_counts_a_frozen_copy_whole_at_stages_0_2_and_sharded_at_3(capsys: pytest.CaptureFixture) -> None:
+    from hf_zero.cli import main
+    from hf_zero.estimate import reference_model_bytes
+
+    assert main(["estimate", "--params", "1.1B", "--num_gpus", "2", "--ref-model"]) == 0
+    rows = [ln.split() for ln in capsys.readouterr().out.splitlines() if ln.strip()[:1] in "0123" and "+" in ln]
+    assert [r[4] for r in rows] == ["2.05", "2.05", "2.05", "1.02"]  # ref GiB: 2 bytes x 1.1e9, halved at stage 3
+    assert [reference_model_bytes(10, 4, s, "fp32") for s in (2, 3)] == [40, 12]  # ceil(10/4) = 3 elements of 4 bytes
+    assert main(["estimate", "--params", "1.1B", "--ref-model", "3e9"]) == 0
+    assert "Ψr = 3,000,000,000" in capsys.readouterr().out

@@ -122,6 +122,7 @@ class Accelerator(accelerate.Accelerator):
             self.state.parallelism_config = pc
         self.zero_config = config
         self._zero_engines: list[ZeroEngine] = []
+        self._eval_engines: list[ZeroEngine] = []  # models prepared for evaluation only (kept apart: not trained)
 
     # ---------------------------------------------------------------- prepare
 
@@ -271,10 +272,34 @@ class Accelerator(accelerate.Accelerator):
         return replaced
 
     def prepare_model(self, model: torch.nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False) -> Any:
-        """A model an engine already holds comes back as it is: never moved (``.to()`` of stage-3 shards) or wrapped."""
+        """A model an engine already holds comes back as it is: never moved (``.to()`` of stage-3 shards) or wrapped.
+
+        A model prepared for evaluation only (TRL's DPO reference model, a teacher) is, at stage 3, a
+        ZeRO-3 engine without optimizer, sharded like the trained model (DeepSpeed's integrations
+        initialize it the same way); at stages 0-2 Accelerate places a whole copy on each rank.
+        """
         if self.zero_config is not None and self._held(model) is not None:
             return model
+        for engine in getattr(self, "_eval_engines", []):
+            if model is engine or model is engine.module:
+                return engine
+        stage = int((self.zero_config or {}).get("zero_optimization", {}).get("stage", 0) or 0)
+        if evaluation_mode and stage == 3:
+            return self._build_eval_engine(model)
         return super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
+
+    def _build_eval_engine(self, model: torch.nn.Module) -> ZeroEngine:
+        """A frozen, sharded, optimizer-free engine for a model that only runs forward."""
+        import hf_zero
+
+        cfg = self._engine_config([], model)
+        for key in ("optimizer", "scheduler"):
+            cfg.pop(key, None)
+        model.requires_grad_(False)
+        engine = hf_zero.initialize(model=model, config=parse_once(cfg))[0]
+        engine.eval()
+        self._eval_engines.append(engine)
+        return engine
 
     # ---------------------------------------------------------------- training
 

@@ -34,7 +34,7 @@ from hf_zero.integrations.autofill import (
 )
 from hf_zero.sequence.setup import merge_sp_size, sp_size_of
 
-__all__ = ["Seq2SeqTrainer", "Seq2SeqTrainingArguments", "Trainer", "TrainingArguments", "fill_auto"]
+__all__ = ["Seq2SeqTrainer", "Seq2SeqTrainingArguments", "Trainer", "TrainingArguments", "fill_auto", "zero_args", "zero_trainer"]
 
 ZERO_STATE_TAG = "zero_state"
 
@@ -132,6 +132,7 @@ class Trainer(transformers.Trainer):
         acc.__class__ = Accelerator
         acc.zero_config = merge_sp_size(fill_auto(self.args.zero_config_dict, self.args, acc.num_processes // sp), sp)
         acc._zero_engines = []
+        acc._eval_engines = []
         hz_dist.register_process()  # so that, should a peer die before the engine exists, it can be named
 
     def compute_loss(self, model: Any, inputs: dict, return_outputs: bool = False, num_items_in_batch: Any = None) -> Any:
@@ -330,6 +331,40 @@ def _saved_by_deepspeed(checkpoint: str) -> bool:
     from hf_zero.checkpoint.deepspeed_read import is_deepspeed_checkpoint
 
     return not os.path.isdir(os.path.join(checkpoint, ZERO_STATE_TAG)) and is_deepspeed_checkpoint(checkpoint)
+
+
+def zero_args(cls: type) -> type:
+    """``cls`` (transformers' ``TrainingArguments`` or any dataclass subclass of it, e.g. TRL's ``SFTConfig``)
+    with ``zero_config`` (and ``deepspeed=`` meaning the same), checked when built.
+
+    The result is a dataclass whose fields are ``cls``'s plus ``zero_config``: combining the two by
+    plain inheritance (``class C(hf_zero.TrainingArguments, SFTConfig)``) would keep the first
+    parent's ``__init__``, which knows none of ``cls``'s own fields.
+    """
+    if not (isinstance(cls, type) and issubclass(cls, transformers.TrainingArguments)):
+        raise TypeError(f"zero_args expects a subclass of transformers.TrainingArguments, got {cls!r}")
+    if issubclass(cls, TrainingArguments):
+        return cls
+    made = type(cls.__name__, (TrainingArguments, cls), {"__module__": cls.__module__, "__doc__": cls.__doc__,
+                                                           "__qualname__": cls.__qualname__})
+    return dataclass(repr=False)(made)
+
+
+def zero_trainer(cls: type) -> type:
+    """``cls`` (transformers' ``Trainer`` or any subclass of it: TRL's ``SFTTrainer``, ``DPOTrainer``,
+    ``RewardTrainer``, a user's own) training on hf_zero's engine when its arguments carry a ``zero_config``.
+
+    hf_zero's :class:`Trainer` overrides only what the engine changes (the accelerator, optimizer and
+    scheduler sections, saving and loading, a dead rank), each calling ``super()``; placed before
+    ``cls`` in the method order, those calls reach ``cls``'s own behaviour (TRL's losses, collators,
+    reference models) and then transformers'. Its arguments must come from :func:`zero_args`.
+    """
+    if not (isinstance(cls, type) and issubclass(cls, transformers.Trainer)):
+        raise TypeError(f"zero_trainer expects a subclass of transformers.Trainer, got {cls!r}")
+    if issubclass(cls, Trainer):
+        return cls
+    return type(cls.__name__, (Trainer, cls), {"__module__": cls.__module__, "__doc__": cls.__doc__,
+                                               "__qualname__": cls.__qualname__})
 
 
 @dataclass(repr=False)

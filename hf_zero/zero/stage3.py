@@ -292,6 +292,9 @@ class Stage3Runtime:
         self._recording: list[Unit] = []
         self.in_backward: set[int] = set()
         self.inference_gathered = False
+        # False for a model that only ever runs forward (a reference model): each unit is resharded after
+        # its forward as in training, since no training forward would ever release what inference kept.
+        self.keep_gathered_for_inference = True
         self.limit = C.InflightLimit()
         self._unit_of: dict[int, Unit] = {}  # trainable parameter -> its unit
         self.handles = []
@@ -331,10 +334,10 @@ class Stage3Runtime:
             self.order = list(self._recording)
         if self.root_unit is None:
             return
-        if not torch.is_grad_enabled():
+        if not torch.is_grad_enabled() and self.keep_gathered_for_inference:
             self.inference_gathered = True
             return
-        if not _tensors_requiring_grad(output):
+        if not torch.is_grad_enabled() or not _tensors_requiring_grad(output):
             self.root_unit.reshard()  # no backward will come through it; otherwise it stays for backward
 
     def _prefetch_after(self, unit: Unit, reverse: bool) -> None:
@@ -377,11 +380,14 @@ class Stage3Runtime:
 
     def _make_post(self, unit: Unit):
         def post(module: torch.nn.Module, args: tuple, output: object) -> None:
-            if not torch.is_grad_enabled():
+            if not torch.is_grad_enabled() and self.keep_gathered_for_inference:
                 # Inference (evaluation, generate): keep the unit gathered, so that decoding a thousand
                 # tokens is one gather per unit rather than a thousand, and so that ranks generating
                 # different lengths need no collective in lock-step. Released by the next training forward.
                 self.inference_gathered = True
+                return
+            if not torch.is_grad_enabled():
+                unit.reshard()
                 return
             tensors = _tensors_requiring_grad(output)
             if tensors:
