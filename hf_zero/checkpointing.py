@@ -20,6 +20,7 @@ A pipeline's ``activation_checkpoint_interval`` is :class:`hf_zero.pipe.Pipeline
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -114,7 +115,41 @@ def checkpoint(function: Callable, *args: Any) -> Any:
 non_reentrant_checkpoint = checkpoint
 
 
-def checkpoint_blocks(module: torch.nn.Module, offload: bool = False) -> int:
+# Attention kernels whose outputs a checkpointed block may keep (see keep_attention in checkpoint_blocks).
+_ATTENTION_OPS = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+                  "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")
+KEEP_ATTENTION_FRACTION = 0.15  # "auto": keep when all blocks' kept outputs fit in this share of the GPU's memory
+
+
+def attention_ops() -> list[Any]:
+    """The attention kernel ops of this torch (SDPA's fused kernels, and flash-attn's when it is installed)."""
+    ops = [getattr(torch.ops.aten, name).default for name in _ATTENTION_OPS if hasattr(torch.ops.aten, name)]
+    flash = getattr(torch.ops, "flash_attn", None)
+    for name in ("_flash_attn_forward", "_flash_attn_varlen_forward"):
+        try:
+            ops.append(getattr(flash, name).default)
+        except (AttributeError, RuntimeError):
+            pass
+    return ops
+
+
+def _keeps_attention(keep: bool | str, hidden: Any, blocks: int) -> bool:
+    """Whether a block forward on ``hidden`` keeps its attention outputs.
+
+    A block's attention output has as many elements as its input hidden states (heads × head size =
+    hidden size; under Ulysses the sequence is whole and the heads split, the same count), so all
+    blocks keep about ``blocks × hidden.nbytes``. "auto" keeps them on a GPU when that is at most
+    :data:`KEEP_ATTENTION_FRACTION` of its memory, and never on a CPU.
+    """
+    if keep != "auto":
+        return bool(keep)
+    if not torch.is_tensor(hidden) or hidden.device.type != "cuda":
+        return False
+    total = torch.cuda.get_device_properties(hidden.device).total_memory
+    return blocks * hidden.numel() * hidden.element_size() <= KEEP_ATTENTION_FRACTION * total
+
+
+def checkpoint_blocks(module: torch.nn.Module, offload: bool = False, keep_attention: bool | str = "auto") -> int:
     """Recompute each block's forward in backward instead of keeping its activations; returns how many blocks.
 
     The blocks are stage 3's units (a transformers model's decoder layers). Each block's
@@ -122,18 +157,29 @@ def checkpoint_blocks(module: torch.nn.Module, offload: bool = False) -> int:
     and the recomputation happens while backward has the block gathered; non-reentrant
     ``torch.utils.checkpoint``, so the numbers are unchanged. ``offload`` (DeepSpeed's
     ``cpu_checkpointing``) keeps the block input saved for the recomputation in host memory.
+
+    ``keep_attention`` keeps what the attention kernel returned (its output and log-sum-exp) through
+    the recomputation instead of running the kernel again (selective activation checkpointing): at
+    long sequences attention is most of a block's time, and its forward is then run once per step
+    instead of twice, for one hidden-state-sized tensor per block (see :func:`_keeps_attention` for "auto").
     """
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
     from hf_zero.sequence.tiling import checkpoint_offloaded
 
     blocks = [block for _, block in find_units(module)]
+    keep_ops = attention_ops() if keep_attention else []
+    saving = functools.partial(create_selective_checkpoint_contexts, keep_ops) if keep_ops else None
     for block in blocks:
         inner = block.forward
 
         def forward(*args: Any, _inner: Any = inner, _block: torch.nn.Module = block, **kwargs: Any) -> Any:
             if _block.training and torch.is_grad_enabled():
+                hidden = args[0] if args else kwargs.get("hidden_states")
+                extra = {"context_fn": saving} if saving and _keeps_attention(keep_attention, hidden, len(blocks)) else {}
                 if offload:
-                    return checkpoint_offloaded(_inner, *args, **kwargs)
-                return torch.utils.checkpoint.checkpoint(_inner, *args, use_reentrant=False, **kwargs)
+                    return checkpoint_offloaded(_inner, *args, _checkpoint_kwargs=extra, **kwargs)
+                return torch.utils.checkpoint.checkpoint(_inner, *args, use_reentrant=False, **extra, **kwargs)
             return _inner(*args, **kwargs)
 
         block.forward = forward

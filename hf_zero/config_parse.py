@@ -259,6 +259,9 @@ class Parser:
         for key in ("checkpoint_blocks", "cpu_checkpointing"):
             if not isinstance(section.get(key, False), bool):
                 raise ConfigError(f"activation_checkpointing.{key}: got {show(section[key])}, expected true or false")
+        keep = section.get("keep_attention", "auto")
+        if not isinstance(keep, bool) and keep != "auto":
+            raise ConfigError(f'activation_checkpointing.keep_attention: got {show(keep)}, expected true, false or "auto"')
         return copy.deepcopy(section)
 
     def compile(self, top: _Object) -> CompileConfig:

@@ -230,6 +230,7 @@ ACTIVATION_CHECKPOINTING = Section(keys=(
     "partition_activations", "contiguous_memory_optimization", "cpu_checkpointing", "number_checkpoints",
     "synchronize_checkpoint_boundary", "profile",
     "checkpoint_blocks",  # hf_zero's: recompute every block (unit) in backward instead of storing activations
+    "keep_attention",  # hf_zero's: with checkpoint_blocks, keep attention kernels' outputs instead of recomputing them
 ))
 PIPELINE = Section(
     keys=("stages", "activation_checkpoint_interval",

@@ -114,7 +114,8 @@ class ZeroEngine(torch.nn.Module):
         if config.activation_checkpointing.get("checkpoint_blocks", False):
             self._no_kv_cache_in_training("activation_checkpointing.checkpoint_blocks")
             # DeepSpeed's cpu_checkpointing: the block input kept for the recomputation waits in host memory
-            checkpoint_blocks(self.module, offload=bool(config.activation_checkpointing.get("cpu_checkpointing", False)))
+            checkpoint_blocks(self.module, offload=bool(config.activation_checkpointing.get("cpu_checkpointing", False)),
+                              keep_attention=config.activation_checkpointing.get("keep_attention", "auto"))
         if built_presharded and self.device.type == "cuda":
             # The zero.Init slices were freed while the shards were laid out around them; hand those
             # blocks back so training's allocations start from unfragmented memory.

@@ -77,8 +77,10 @@ def hf_engine(args: argparse.Namespace, device: torch.device) -> Any:
 
     cfg = {"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": args.device != "cpu"},
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-5, "weight_decay": 0.0}},
-           "zero_optimization": {"stage": 3}, "sequence_parallel_size": args.sp, "steps_per_print": 10**9,
-           "activation_checkpointing": {"checkpoint_blocks": True, "cpu_checkpointing": args.offload},
+           "zero_optimization": {"stage": 3, **({"stage3_prefetch_bucket_size": int(args.prefetch)} if args.prefetch else {})},
+           "sequence_parallel_size": args.sp, "steps_per_print": 10**9,
+           "activation_checkpointing": {"checkpoint_blocks": True, "cpu_checkpointing": args.offload,
+                                        "keep_attention": {"on": True, "off": False}.get(args.keep_attention, "auto")},
            "sequence_parallel": {"tiled_loss": True, "tiled_mlp": True}}
     with hf_zero.zero.Init(), device:
         model = LlamaForCausalLM(_config(args))
@@ -223,7 +225,7 @@ def worker(args: argparse.Namespace) -> None:
     if dist.get_rank() == 0:
         dp = world // args.sp
         print("RESULT " + json.dumps({
-            "engine": args.engine, "seq": args.seq, "sp": args.sp, "gpus": world, "attn": _config(args)._attn_implementation,
+            "engine": args.engine, "seq": args.seq, "sp": args.sp, "gpus": world, "attn": _config(args)._attn_implementation, "keep_attention": args.keep_attention,
             "step_s": med, "tokens_per_s_per_gpu": args.seq * dp / med / world, "peak_gib": float(peak), "losses": losses,
         }), flush=True)
     dist.destroy_process_group()
@@ -235,7 +237,7 @@ def worker(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace, engine: str, seq: int, sp: int) -> dict | None:
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.gpus}", "--master_port", str(29500 + seq % 997),
            __file__, "--worker", "--engine", engine, "--seq", str(seq), "--sp", str(sp), "--model", args.model,
-           "--device", args.device, "--steps", str(args.steps), "--warmup", str(args.warmup)] + (["--no_offload"] if not args.offload else [])
+           "--device", args.device, "--steps", str(args.steps), "--warmup", str(args.warmup), "--keep_attention", args.keep_attention, "--prefetch", str(args.prefetch)] + (["--no_offload"] if not args.offload else [])
     env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True")
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
     for line in proc.stdout.splitlines():
@@ -261,6 +263,9 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--timeout", type=int, default=1800)
     p.add_argument("--no_offload", dest="offload", action="store_false", help="keep checkpointed block inputs on the GPU")
+    p.add_argument("--keep_attention", default="auto", choices=["auto", "on", "off"],
+                   help="hf_zero: keep attention outputs through the block recomputation (activation_checkpointing.keep_attention)")
+    p.add_argument("--prefetch", type=float, default=0, help="hf_zero: stage3_prefetch_bucket_size (elements; default the config's)")
     p.add_argument("--worker", action="store_true")
     p.add_argument("--engine", default="hf")
     p.add_argument("--seq", type=int, default=0)

@@ -119,6 +119,30 @@ def _train(engine, data: dict, steps: range, micro: int, gas: int) -> list[float
     return losses
 
 
+class _AttentionCalls:
+    """Counts the attention kernel calls (SDPA's fused ops) made while it is active."""
+
+    def __enter__(self) -> _AttentionCalls:
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        from hf_zero.checkpointing import attention_ops
+
+        ops, owner = set(attention_ops()), self
+        self.n = 0
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN202
+                owner.n += func in ops
+                return func(*args, **(kwargs or {}))
+
+        self.mode = Mode()
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.mode.__exit__(*exc)
+
+
 def _rel(a: dict, b: dict) -> float:
     return max(float((a[n] - b[n]).norm() / b[n].norm()) for n in b)
 
@@ -127,14 +151,18 @@ def _grid(rank: int, world: int, cases: list, tmp: str) -> list:
     out = []
     for stage, gas, clip, *flags in cases:
         extra = {"activation_checkpointing": {"checkpoint_blocks": True, "cpu_checkpointing": True}} if "offload" in flags else {}
+        if "keep" in flags:  # attention outputs kept through the recomputation, the MLP tiled inside the block
+            extra = {"activation_checkpointing": {"checkpoint_blocks": True, "cpu_checkpointing": True, "keep_attention": True},
+                     "sequence_parallel": {"tiled_mlp": True, "mlp_tile_tokens": 8}}
         engine, _, _, _ = _engine(stage, gas, clip, 2, **extra)
         dp = engine.sequence_parallel_groups.dp_size
         data = _data(STEPS, MICRO * gas * dp)
-        losses = _train(engine, data, range(STEPS), MICRO, gas)
+        with _AttentionCalls() as calls:
+            losses = _train(engine, data, range(STEPS), MICRO, gas)
         ref_losses, ref_w = _oracle(STEPS, MICRO, gas * dp, clip)
         out.append({"case": [stage, gas, clip, *flags], "loss_err": max(abs(a - b) / b for a, b in zip(losses, ref_losses)),
                     "w_err": _rel(_full_weights(engine), ref_w), "samples": engine.global_samples,
-                    "attn": engine.module.config._attn_implementation})
+                    "attn": engine.module.config._attn_implementation, "attention_calls_per_block_step": calls.n / (2 * STEPS * gas)})
     out.append(_loader_and_resume(rank, world, tmp))
     return out
 
@@ -178,7 +206,7 @@ def _loader_and_resume(rank: int, world: int, tmp: str) -> dict:
             "consolidated_err": _rel({n: p.detach() for n, p in loaded.items()}, ref_w), "config_mentions_hf_zero": "hf_zero" in saved_config}
 
 
-CASES_2 = [[0, 1, 0.0], [1, 2, 0.0], [2, 1, 0.5], [3, 1, 0.0], [3, 2, 0.5, "offload"]]
+CASES_2 = [[0, 1, 0.0], [1, 2, 0.0], [2, 1, 0.5], [3, 1, 0.0], [3, 2, 0.5, "offload"], [2, 2, 0.5, "keep"]]
 CASES_4 = [[0, 1, 0.0], [1, 1, 0.5], [2, 2, 0.0], [3, 1, 0.0]]
 
 
@@ -188,6 +216,8 @@ def _check(results: list, cases: list) -> None:
             assert r["loss_err"] < 1e-5, r
             assert r["w_err"] < 1e-5, r
             assert r["attn"] == "hf_zero_ulysses_sdpa", r
+            # the attention kernel runs in forward, and again in the recomputation unless its outputs are kept
+            assert r["attention_calls_per_block_step"] == (2 if "offload" in r["case"] else 1), r
         res = per_rank[len(cases)]
         assert res["resume_loss_err"] < 1e-5 and res["resume_w_err"] < 1e-5, res
         assert res["consolidated_err"] < 1e-5 and not res["config_mentions_hf_zero"], res

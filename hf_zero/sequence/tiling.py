@@ -98,16 +98,18 @@ def _run(holder: _HostHolder, inner: Callable, *args: Any, **kwargs: Any) -> Any
     return inner(holder.get(), *args, **kwargs)
 
 
-def checkpoint_offloaded(inner: Callable, *args: Any, **kwargs: Any) -> Any:
+def checkpoint_offloaded(inner: Callable, *args: Any, _checkpoint_kwargs: dict | None = None, **kwargs: Any) -> Any:
     """``checkpoint(inner, hidden, ...)`` whose kept input ``hidden`` (the first argument, or ``hidden_states=``)
-    waits for backward in host memory; a call without a tensor there is a plain checkpoint."""
+    waits for backward in host memory; a call without a tensor there is a plain checkpoint.
+    ``_checkpoint_kwargs`` go to ``torch.utils.checkpoint.checkpoint`` itself (e.g. ``context_fn``)."""
+    own = _checkpoint_kwargs or {}
     if args and torch.is_tensor(args[0]):
         hidden, rest = args[0], args[1:]
     elif not args and torch.is_tensor(kwargs.get("hidden_states")):
         hidden, rest = kwargs.pop("hidden_states"), ()
     else:
-        return checkpoint(inner, *args, use_reentrant=False, **kwargs)
+        return checkpoint(inner, *args, use_reentrant=False, **own, **kwargs)
     holder = _HostHolder(hidden)
-    out = checkpoint(_run, holder, inner, *rest, use_reentrant=False, **kwargs)
+    out = checkpoint(_run, holder, inner, *rest, use_reentrant=False, **own, **kwargs)
     holder.offload()
     return out
