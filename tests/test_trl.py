@@ -153,7 +153,9 @@ def test_sft_and_dpo_follow_trls_own_trainers_at_every_stage(tmp_path: Path) -> 
         {"kind": "sft", "dir": d("sft")},
         *({"kind": "sft", "dir": d(f"sft{s}"), "stage": s} for s in (0, 1, 2, 3)),
         {"kind": "dpo", "dir": d("dpo")},
+        {"kind": "dpo", "dir": d("dpo0"), "stage": 0},
         {"kind": "dpo", "dir": d("dpo1"), "stage": 1},
+        {"kind": "dpo", "dir": d("dpo2"), "stage": 2},
         {"kind": "dpo", "dir": d("dpo3"), "stage": 3, "flag": "deepspeed"},
         {"kind": "dpo", "dir": d("lora"), "lora": True},
         {"kind": "dpo", "dir": d("lora3"), "stage": 3, "lora": True},
@@ -161,22 +163,28 @@ def test_sft_and_dpo_follow_trls_own_trainers_at_every_stage(tmp_path: Path) -> 
         {"kind": "dpo", "dir": d("pre2"), "stage": 2, "precompute": True},
     ]
     results = spawn(_run, 2, cases)[0]
-    sft, *sft_zero, dpo, dpo1, dpo3, lora, lora3, pre, pre2 = results
-    print({k: v for k, v in zip(("sft", "z0", "z1", "z2", "z3", "dpo", "dpo1", "dpo3", "lora", "lora3", "pre", "pre2"), results)})
+    sft, *sft_zero, dpo, dpo0, dpo1, dpo2, dpo3, lora, lora3, pre, pre2 = results
     _close(lora3["losses"], lora["losses"], 1e-4, "LoRA dpo stage 3")
     _close(pre2["losses"], pre["losses"], 1e-4, "precomputed reference, stage 2")
     assert 0.45 < dpo3["ref_share"] < 0.55, dpo3["ref_share"]  # the reference model is sharded over the 2 ranks
     assert abs(dpo3["ref_vs_estimate"] - 1) < 0.01, dpo3["ref_vs_estimate"]  # as `hf-zero estimate --ref-model` counts it
-    assert [r["stage"] for r in (*sft_zero, dpo1, dpo3)] == [0, 1, 2, 3, 1, 3] and sft["stage"] is None
+    assert [r["stage"] for r in (*sft_zero, dpo0, dpo1, dpo2, dpo3)] == [0, 1, 2, 3, 0, 1, 2, 3] and sft["stage"] is None
     assert all(r == sft["losses"][0] for r in [s["losses"][0] for s in sft_zero])
     for stage, got in zip((0, 1, 2, 3), sft_zero):
         _close(got["losses"], sft["losses"], 1e-4, f"sft stage {stage}")
-    for name, got in (("dpo stage 1", dpo1), ("dpo stage 3", dpo3)):
-        _close(got["losses"], dpo["losses"], 1e-4, name)
-    assert dpo3["ref"] == "ZeroEngine" and dpo1["ref"] != "ZeroEngine", (dpo1["ref"], dpo3["ref"])
+    for stage, got in zip((0, 1, 2, 3), (dpo0, dpo1, dpo2, dpo3)):
+        _close(got["losses"], dpo["losses"], 1e-4, f"dpo stage {stage}")
+        _close(got["rewards"], dpo["rewards"], 1e-3, f"dpo stage {stage} rewards/chosen")  # near zero: looser
+    # the reference model: a sharded engine at stage 3, a whole frozen copy at stages 0-2
+    assert dpo3["ref"] == "ZeroEngine" and {dpo0["ref"], dpo1["ref"], dpo2["ref"]} == {"LlamaForCausalLM"}
     vocab = _tokenizer().vocab_size
     for name in ("sft3", "dpo3"):
         _loads(tmp_path / name / "final", vocab)
+    # what TRL's own run wrote, hf_zero's wrote too: its arguments as JSON (hf_zero writes no pickle), and the model
+    # card (peft's README.md in an adapter folder) when the folder is pushed (hf-zero push / push_to_hub)
+    for ours, theirs in (("sft3", "sft"), ("dpo3", "dpo"), ("lora3", "lora")):
+        want = set(os.listdir(tmp_path / theirs / "final")) - {"training_args.bin", "README.md"}
+        assert want <= set(os.listdir(tmp_path / ours / "final")), (ours, want - set(os.listdir(tmp_path / ours / "final")))
     from peft import PeftModel
 
     names = set(os.listdir(tmp_path / "lora3" / "final"))
