@@ -382,12 +382,26 @@ class Parser:
 def refuse_missing_features(cfg: Any) -> None:
     """Features the parser reads in full but hf_zero cannot run yet: one sentence each, before any work.
 
-    ``cfg`` is the parsed ZeroConfig. When offload lands, its engineer deletes its lines here; the
-    parsed values are already in ``cfg.zero_optimization.offload_*``. (Sequence parallelism has
-    landed: ``cfg.sequence_parallel``, read by hf_zero/sequence/config.py.)
+    ``cfg`` is the parsed ZeroConfig. Optimizer offload to the CPU runs (hf_zero/zero/offload.py); its
+    NVMe and partial forms, and parameter offload, do not yet. (Sequence parallelism: ``cfg.sequence_parallel``,
+    read by hf_zero/sequence/config.py.)
     """
-    for key in ("offload_optimizer", "offload_param"):
-        offload = getattr(cfg.zero_optimization, key)
-        if offload is not None and offload.device != "none":
-            raise ConfigError(f"zero_optimization.{key}.device: got {offload.device!r}, but offload is not supported yet; "
-                              f'use "none" or remove {key}')
+    zo = cfg.zero_optimization
+    opt = zo.offload_optimizer
+    if opt is not None and opt.device == "nvme":
+        raise ConfigError('zero_optimization.offload_optimizer.device: "nvme" (ZeRO-Infinity) is not supported; use '
+                          '"cpu" to keep the optimizer state in host memory, or "none"')
+    if opt is not None and opt.device == "cpu":
+        if zo.stage == 0:
+            raise ConfigError("zero_optimization.offload_optimizer: offload needs ZeRO stage 1, 2 or 3 (the offloaded state is "
+                              "the rank's shard), and the stage is 0; set zero_optimization.stage, or remove offload_optimizer")
+        if opt.ratio < 1.0:
+            raise ConfigError(f"zero_optimization.offload_optimizer.ratio: got {opt.ratio:g}, but partial offload is not "
+                              "supported yet; remove ratio (1.0: the whole optimizer state in host memory)")
+        if opt.super_offload:
+            raise ConfigError("zero_optimization.offload_optimizer.super_offload: SuperOffload is not supported; remove it "
+                              "(hf_zero offloads the optimizer state to host memory without it)")
+    par = zo.offload_param
+    if par is not None and par.device != "none":
+        raise ConfigError(f"zero_optimization.offload_param.device: got {par.device!r}, but parameter offload is not "
+                          'supported yet; use "none" or remove offload_param (offload_optimizer to "cpu" is supported)')

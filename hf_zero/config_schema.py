@@ -189,8 +189,8 @@ ZERO = Section(
         "compute_grad_norm": True, "parameter_alignment": False,
     },
     unsupported={
-        "cpu_offload": (False, "offload is not supported yet; remove the key"),
-        "cpu_offload_param": (False, "offload is not supported yet; remove the key"),
+        "cpu_offload": (False, 'this is DeepSpeed\'s deprecated spelling; write "offload_optimizer": {"device": "cpu"} instead'),
+        "cpu_offload_param": (False, "parameter offload is not supported yet; remove the key"),
         "zero_quantized_weights": (False, "ZeRO++ quantized weights are not supported yet"),
         "zero_quantized_nontrainable_weights": (False, "ZeRO++ quantized weights are not supported yet"),
         "zero_quantized_gradients": (False, "ZeRO++ quantized gradients are not supported yet"),

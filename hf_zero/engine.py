@@ -131,11 +131,14 @@ class ZeroEngine(torch.nn.Module):
     def _sharded_optimizer(self, optimizer: torch.optim.Optimizer) -> ShardedOptimizer:
         """The ZeRO stage of the config over ``optimizer``, sharded over this engine's group; every knob from the config."""
         zc = self.config.zero_optimization
+        off = zc.offload_optimizer
+        offload_pin = bool(off.pin_memory) if off is not None and off.device == "cpu" and not self.inference_only else None
         return ShardedOptimizer(
             self.module, optimizer, stage=zc.stage, compute_dtype=self.compute_dtype,
             reduce_dtype=reduce_dtype(self.config), bucket_numel=max(1, int(zc.reduce_bucket_size)), group=self.group,
             device=self.device, persistence_threshold=int(zc.stage3_param_persistence_threshold),
             prefetch_numel=int(zc.stage3_prefetch_bucket_size), max_live_numel=int(zc.stage3_max_live_parameters),
+            offload_pin=offload_pin,
         )
 
     def compile(self, backend: str | Any = "inductor", compile_kwargs: dict | None = None) -> None:

@@ -3,6 +3,7 @@
 Run on the GPU machine:
 
     python scripts/bench.py --gpus 4 --model 1.1b --engines hf1,hf2,hf3,ddp,fsdp2,ds2,ds3
+    python scripts/bench.py --gpus 1 --model 2.8b --engines hf2o,hf3o,ds2o,ds3o,fsdp2o --steps 4   # optimizer offload
 
 Each engine runs in its own torchrun (one process per GPU), so no engine's memory or caches
 leak into the next one's peak. ``ds2``/``ds3`` need DeepSpeed importable.
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -34,6 +36,8 @@ SHAPES = {
     "7.2b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32),
     # Llama-2-13B's shape: 13.0B parameters, 208 GB of fp32 weights + gradients + Adam state for DDP
     "13b": dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=40, num_attention_heads=40, num_key_value_heads=40),
+    # BASELINES.md's offload shape (2.81B parameters)
+    "2.8b": dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=26, num_attention_heads=24, num_key_value_heads=8),
 }
 PEAK_TFLOPS = 989.0
 
@@ -72,6 +76,7 @@ def run_engine(name: str, args: argparse.Namespace) -> dict:
     fpt = flops_per_token(model, args.seq)
     nparams = sum(p.numel() for p in model.parameters())
     torch.cuda.reset_peak_memory_stats()
+    offload = name.endswith("o") and name not in ("hf3i",)  # hf2o, hf3o, ds2o, ds3o, fsdp2o: optimizer state on the host
     if name.startswith("hf"):
         import hf_zero
 
@@ -82,7 +87,8 @@ def run_engine(name: str, args: argparse.Namespace) -> dict:
             "bf16": {"enabled": True},
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-5, "weight_decay": 0.0}},
             "zero_optimization": {"stage": stage, "reduce_bucket_size": args.bucket, "allgather_bucket_size": args.bucket,
-                                  **({"stage3_prefetch_bucket_size": int(args.prefetch)} if args.prefetch is not None else {})},
+                                  **({"stage3_prefetch_bucket_size": int(args.prefetch)} if args.prefetch is not None else {}),
+                                  **({"offload_optimizer": {"device": "cpu", "pin_memory": True}} if offload else {})},
             "steps_per_print": 10**9,
             "activation_checkpointing": {"checkpoint_blocks": bool(args.checkpoint_blocks)},
             **json.loads(args.hf_config),
@@ -113,7 +119,7 @@ def run_engine(name: str, args: argparse.Namespace) -> dict:
             opt.zero_grad(set_to_none=True)
             return loss
 
-    elif name in ("ds2", "ds3"):
+    elif name in ("ds2", "ds3", "ds2o", "ds3o"):
         import deepspeed
 
         ds_cfg = {
@@ -127,6 +133,7 @@ def run_engine(name: str, args: argparse.Namespace) -> dict:
                 "contiguous_gradients": True,
                 "reduce_bucket_size": 5e8,
                 "allgather_bucket_size": 5e8,
+                **({"offload_optimizer": {"device": "cpu", "pin_memory": True}} if offload else {}),
             },
             "steps_per_print": 10**9,
         }
@@ -138,15 +145,16 @@ def run_engine(name: str, args: argparse.Namespace) -> dict:
             ds_engine.step()
             return loss
 
-    elif name == "fsdp2":
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    elif name in ("fsdp2", "fsdp2o"):
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        policy = CPUOffloadPolicy(pin_memory=True) if offload else OffloadPolicy()
         for layer in model.model.layers:
             if args.compile:  # as torchtitan does: compile each block, then shard it
                 layer.compile()
-            fully_shard(layer, mp_policy=mp)
-        fully_shard(model, mp_policy=mp)
+            fully_shard(layer, mp_policy=mp, offload_policy=policy)
+        fully_shard(model, mp_policy=mp, offload_policy=policy)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.0, fused=True)
 
         def step(ids: torch.Tensor) -> torch.Tensor:
@@ -190,6 +198,7 @@ def run_engine(name: str, args: argparse.Namespace) -> dict:
         "last_loss": losses[-1],
         "world": world,
         "alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries", 0),
+        "host_peak_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,  # max RSS of rank 0 (KiB on Linux)
     }
     if build_peak is not None:
         out["build_peak_gib"] = build_peak
@@ -425,12 +434,12 @@ def main() -> None:
           f"torch {torch.__version__}, {torch.cuda.get_device_name()}")
     peers = [r for r in rows if not r["engine"].startswith("hf")]
     best = max(peers, key=lambda r: r["tokens_per_s_per_gpu"]) if peers else None
-    print("| engine | tokens/s/GPU | MFU | peak GiB | vs best peer | loss first→last |")
-    print("|---|---|---|---|---|---|")
+    print("| engine | tokens/s/GPU | MFU | peak GiB | host peak GiB | vs best peer | loss first→last |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
         ratio = f"{r['tokens_per_s_per_gpu'] / best['tokens_per_s_per_gpu']:.3f}× {best['engine']}" if best and r["engine"].startswith("hf") else ""
-        print(f"| {r['engine']} | {r['tokens_per_s_per_gpu']:,.0f} | {100 * r['mfu']:.1f}% | {r['peak_gib']:.1f} | {ratio} | "
-              f"{r['first_loss']:.3f}→{r['last_loss']:.3f} |")
+        print(f"| {r['engine']} | {r['tokens_per_s_per_gpu']:,.0f} | {100 * r['mfu']:.1f}% | {r['peak_gib']:.1f} | "
+              f"{r.get('host_peak_gib', 0.0):.1f} | {ratio} | {r['first_loss']:.3f}→{r['last_loss']:.3f} |")
     print("allocator retries (cudaFree + retry) on rank 0: " + ", ".join(f"{r['engine']} {r.get('alloc_retries', '?')}" for r in rows))
     for r in rows:
         if "bubble_per_stage" in r:

@@ -30,7 +30,8 @@ TRAINER_RUNS = Path(__file__).resolve().parent / "ds_corpus_trainer_runs.json"
 # (lr 1e-3 moves bf16 weights within the steps; accumulating 2 micro-batches runs the Trainer's accumulation).
 TRAINER_STEPS, USER_LR, USER_MICRO, USER_GAS = 3, 1e-3, 2, 2
 
-OFFLOAD = "offload is not supported yet"
+OFFLOAD = "offload is not supported yet"  # parameter offload, partial optimizer offload
+NVME = '"nvme" (ZeRO-Infinity) is not supported'  # offload to NVMe
 SEQUENCE_PARALLEL = "sequence parallelism is not supported yet"
 
 
@@ -245,7 +246,7 @@ def verdict(config: dict | str) -> Verdict:
 
 def refused_for(message: str, source: Source) -> str:
     """The missing feature a refusal names, if it is one a corpus config may be refused for, else ""."""
-    for feature, sentence in (("offload", OFFLOAD), ("sequence parallelism", SEQUENCE_PARALLEL),
+    for feature, sentence in (("offload", OFFLOAD), ("offload", NVME), ("sequence parallelism", SEQUENCE_PARALLEL),
                               (source.refuses.split(" is not")[0], source.refuses)):
         if sentence and sentence in message:
             return feature

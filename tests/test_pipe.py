@@ -83,7 +83,8 @@ def _train(rank: int, world: int, case: dict, save_dir: str | None = None) -> di
         "train_micro_batch_size_per_gpu": MB,
         "gradient_accumulation_steps": m,
         "gradient_clipping": case.get("clip", 0.0),
-        "zero_optimization": {"stage": case.get("zero", 0), "reduce_bucket_size": 200},
+        "zero_optimization": {"stage": case.get("zero", 0), "reduce_bucket_size": 200,
+                              **({"offload_optimizer": {"device": "cpu"}} if case.get("offload") else {})},
         "pipeline": {"schedule": case.get("schedule", "1f1b")},
         "steps_per_print": 1000,
     }
@@ -101,6 +102,11 @@ def _train(rank: int, world: int, case: dict, save_dir: str | None = None) -> di
            "loss_err": max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)),
            "w_err": max(_rel(p.detach(), ref_w[n]) for n, p in engine.module.named_parameters()),
            "names": sorted(n for n, _ in engine.module.named_parameters())}
+    if case.get("offload"):  # the masters really live apart from the parameters, in the offload groups
+        from hf_zero.zero.offload import OffloadedFlatGroup
+
+        groups = engine.zero_optimizer.groups
+        assert groups and all(isinstance(g, OffloadedFlatGroup) and g._host_grad is not None for g in groups), groups
     if case.get("eval"):
         ev = float(engine.eval_batch(iter([(ids[0, :MB],) * 2] * m)))
         ref = MODELS[case["model"]]()
@@ -144,6 +150,7 @@ def test_two_stages_1f1b_gpipe_zero_tied_checkpointing_save_and_errors(tmp_path)
         {"model": "llama", "stages": 2, "micro": 8, "schedule": "gpipe"},
         {"model": "llama", "stages": 2, "micro": 4, "schedule": "1f1b", "ckpt": 1},
         {"model": "gpt2", "stages": 2, "micro": 4, "schedule": "1f1b", "clip": 0.05},
+        {"model": "llama", "stages": 2, "micro": 4, "schedule": "1f1b", "zero": 1, "offload": True, "clip": 0.05},
     ]
     results = spawn(_grid, 2, cases, str(tmp_path / "consolidated"))
     errors = [per_rank.pop()["errors"] for per_rank in results]
@@ -160,13 +167,15 @@ def test_two_stages_1f1b_gpipe_zero_tied_checkpointing_save_and_errors(tmp_path)
 
 
 def test_four_ranks_four_stages_and_two_by_two_with_zero() -> None:
-    """World 4: 4 stages x 1 replica, and 2 stages x 2 replicas with ZeRO 0, 1 and 2 (GPT-2 tied under ZeRO-2)."""
+    """World 4: 4 stages x 1 replica, and 2 stages x 2 replicas with ZeRO 0, 1 and 2 (GPT-2 tied under ZeRO-2, also
+    with the optimizer offloaded)."""
     cases = [
         {"model": "llama", "stages": 4, "micro": 4, "schedule": "1f1b"},
         {"model": "llama", "stages": 4, "micro": 8, "schedule": "gpipe", "clip": 0.05},
         {"model": "llama", "stages": 2, "micro": 4, "schedule": "1f1b", "zero": 1, "clip": 0.05},
         {"model": "llama", "stages": 2, "micro": 8, "schedule": "gpipe", "zero": 0},
         {"model": "gpt2", "stages": 2, "micro": 4, "schedule": "1f1b", "zero": 2},
+        {"model": "gpt2", "stages": 2, "micro": 4, "schedule": "1f1b", "zero": 2, "offload": True, "clip": 0.05},
     ]
     _check(spawn(_grid, 4, cases, None))
 

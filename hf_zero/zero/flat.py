@@ -140,11 +140,12 @@ class FlatGroup(ShardGroup):
             if out.dtype != torch.float32:
                 out = out.float()
             out.div_(self.world_size)
-            if self.master.grad is not None and self.free_grads_after_reduce:
+            prev = self.reduced_grad()
+            if prev is not None and self.free_grads_after_reduce:
                 # Stage 2 reduces every micro-step: the shard accumulates the averaged gradients.
-                self.master.grad.add_(out)
-                out = self.master.grad
-        self.master.grad = out
+                prev.add_(out)
+                out = prev
+        self._set_reduced_grad(out)
         if self.free_grads_after_reduce:
             # Measured: bounding in-flight buckets (as stage 3 does) cost stage 2 about 4% on the
             # 7.2B shape and saved no peak memory, so stage 2 lets the allocator track the stream.
@@ -162,7 +163,7 @@ class FlatGroup(ShardGroup):
 
     def zero_grads(self) -> None:
         """End of step: clear accumulated gradients (free them under stage 2)."""
-        self.master.grad = None
+        self._set_reduced_grad(None)
         if self.free_grads_after_reduce:
             self.release_grad_buffer()
         elif self.grad_flat is not None:
@@ -181,7 +182,7 @@ class FlatGroup(ShardGroup):
 
     def held_tensors(self) -> dict[str, list[torch.Tensor | None]]:
         """The flat parameters; the gradient buffer, the reduced shard and autograd's own gradients of a direct backward."""
-        grads: list[torch.Tensor | None] = [self.grad_flat, self.master.grad]
+        grads: list[torch.Tensor | None] = [self.grad_flat, self.reduced_grad()]
         if self.direct:
             grads += [s.param.grad for s in self.slots]
         return {"params": [self.param_flat], "grads": grads}

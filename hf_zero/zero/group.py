@@ -170,22 +170,33 @@ class ShardGroup(abc.ABC):
     def zero_grads(self) -> None:
         """End of a step (applied or skipped): drop the reduced and any accumulated gradients."""
 
+    def reduced_grad(self) -> torch.Tensor | None:
+        """This rank's averaged gradient shard on the compute device (``master.grad``; an offloaded group keeps it apart)."""
+        return self.master.grad if self.master is not None else None
+
+    def _set_reduced_grad(self, grad: torch.Tensor | None) -> None:
+        assert self.master is not None
+        self.master.grad = grad
+
+    def before_step(self) -> None:  # noqa: B027 - a no-op unless the master lives elsewhere, not abstract
+        """Just before the optimizer steps the masters (an offloaded group copies its gradient shard to the host)."""
+
     def sum_grad_over(self, process_group: dist.ProcessGroup | None) -> None:
         """Add the same reduced shard of the other ranks of ``process_group`` (a weight tied across stages)."""
-        g = self.master.grad if self.master is not None else None
+        g = self.reduced_grad()
         if g is not None:
             dist.all_reduce(g, group=process_group)
 
     def grad_sq_sum(self) -> torch.Tensor:
         """Sum of squares of this rank's reduced gradient: an fp32 scalar on the compute device, no host sync."""
-        g = self.master.grad if self.master is not None else None
+        g = self.reduced_grad()
         if g is None:
             return torch.zeros((), device=self.device)
         return torch.linalg.vector_norm(g, dtype=torch.float32).square()
 
     def nonfinite(self) -> torch.Tensor:
         """1.0 when this rank's reduced gradient holds an inf or nan, else 0.0 (on the compute device)."""
-        g = self.master.grad if self.master is not None else None
+        g = self.reduced_grad()
         if g is None:
             return torch.zeros((), device=self.device)
         return (~torch.isfinite(g)).any().float()

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from hf_zero.zero import collectives as C
 from hf_zero.zero.flat import FlatGroup
 from hf_zero.zero.group import ParamSlot, Placement, ShardGroup
+from hf_zero.zero.offload import OffloadedFlatGroup, OffloadedShardedParamGroup, use_host_kernels
 from hf_zero.zero.preshard import materialize_
 from hf_zero.zero.stage3 import ShardedParamGroup, Stage3Runtime, Unit, find_units, input_embedding_unit
 
@@ -135,8 +136,12 @@ class ShardedOptimizer:
         persistence_threshold: int,
         prefetch_numel: int,
         max_live_numel: int,
+        offload_pin: bool | None = None,
     ) -> None:
+        """``offload_pin``: None keeps masters and optimizer state on ``device``; a bool moves them to host memory
+        (ZeRO-Offload, :mod:`hf_zero.zero.offload`), pinned when True and CUDA is present."""
         self.optimizer = optimizer
+        self.offload_pin = offload_pin
         self.stage = stage
         self.group = group
         self.rank = dist.get_rank(group)
@@ -161,10 +166,16 @@ class ShardedOptimizer:
         for gi, named in enumerate(group_named):
             # Reverse registration order approximates the order backward produces gradients.
             for bucket in _buckets(list(reversed(named)), bucket_numel):
-                fg = FlatGroup(bucket, self.place, partitioned=stage >= 1, free_grads_after_reduce=stage >= 1)
+                if offload_pin is None:
+                    fg = FlatGroup(bucket, self.place, partitioned=stage >= 1, free_grads_after_reduce=stage >= 1)
+                else:
+                    fg = OffloadedFlatGroup(bucket, self.place, partitioned=stage >= 1, free_grads_after_reduce=stage >= 1,
+                                            pin=offload_pin)
                 self.flat_groups.append(fg)
                 group_masters[gi].append(fg.master)
         _point_optimizer_at(optimizer, group_masters)
+        if offload_pin is not None:
+            use_host_kernels(optimizer)
 
         self._group_of: dict[int, ShardGroup] = {id(s.param): g for g in self.groups for s in g.slots}
         self._bucket_of: dict[int, tuple[int, ParamSlot]] = {}  # parameter -> (bucket index, its slot)
@@ -198,7 +209,10 @@ class ShardedOptimizer:
                 picked = [x for x in named if unit_of.get(id(x[1]), -1) == ui and x[1].numel() >= threshold]
                 if not picked:
                     continue
-                g = ShardedParamGroup(picked, self.place, trainable=gi >= 0)
+                if self.offload_pin is None or gi < 0:
+                    g = ShardedParamGroup(picked, self.place, trainable=gi >= 0)
+                else:
+                    g = OffloadedShardedParamGroup(picked, self.place, trainable=True, pin=self.offload_pin)
                 groups.append(g)
                 self.stage3_groups.append(g)
                 if g.master is not None:
@@ -294,12 +308,14 @@ class ShardedOptimizer:
 
     def scale_grads(self, coef: torch.Tensor | float) -> None:
         """Multiply every reduced gradient shard by ``coef`` (unscale and clip in one pass)."""
-        grads = [m.grad for m in self.master_params() if m.grad is not None]
+        grads = [g for g in (group.reduced_grad() for group in self.groups) if g is not None]
         if grads and not (isinstance(coef, float) and coef == 1.0):
             torch._foreach_mul_(grads, coef)
 
     def step_and_publish(self) -> None:
         """Optimizer step on this rank's masters, then publish the new weights to every rank."""
+        for g in self.groups:
+            g.before_step()
         self.optimizer.step()
         for g in self.groups:
             g.publish_master(self.comm_stream)

@@ -156,10 +156,11 @@ class ShardedParamGroup(ShardGroup):
             out = torch.empty(self.shard_numel, dtype=self.reduce_dtype, device=self.device)
             C.reduce_scatter_(out, src, self.group, self.world_size)
             out = out.float().div_(self.world_size)
-            if self.master.grad is None:
-                self.master.grad = out
+            prev = self.reduced_grad()
+            if prev is None:
+                self._set_reduced_grad(out)
             else:
-                self.master.grad.add_(out)
+                prev.add_(out)
         # `held`: made on the compute stream, read on `stream`
         if limit is not None:
             limit.after_issue(stream, held)
@@ -175,13 +176,13 @@ class ShardedParamGroup(ShardGroup):
     def zero_grads(self) -> None:
         """Drop the reduced gradient shard (unit gradients were released when reduced)."""
         if self.master is not None:
-            self.master.grad = None
+            self._set_reduced_grad(None)
 
     def held_tensors(self) -> dict[str, list[torch.Tensor | None]]:
         """The shard (in fp32 the master is the parameter itself) and the gathered buffer; unreduced and reduced grads."""
         shard = self.master if self.param_shard is None and not self.mixed else self.param_shard
         grads: list[torch.Tensor | None] = [s.param.grad for s in self.slots]
-        grads.append(None if self.master is None else self.master.grad)
+        grads.append(self.reduced_grad())
         return {"params": [shard, self.full], "grads": grads}
 
 

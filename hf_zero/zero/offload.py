@@ -1,0 +1,127 @@
+"""ZeRO-Offload of the optimizer: fp32 masters and optimizer state in host memory, the step on the CPU.
+
+DeepSpeed's ``"offload_optimizer": {"device": "cpu"}`` at stages 1-3, as two more shard groups
+(:mod:`hf_zero.zero.group`): the same layouts, reductions and gathers as
+:class:`~hf_zero.zero.flat.FlatGroup` and :class:`~hf_zero.zero.stage3.ShardedParamGroup`, with the
+master moved to the host. Per step:
+
+1. backward reduces each bucket's gradients as without offload, into an fp32 shard that stays on
+   the compute device and accumulates there across micro-steps (stages 2-3 reduce every
+   micro-step): the PCIe link carries one copy per optimizer step, not one per micro-step, for
+   the 4 bytes per parameter / N that stage 2 holds there anyway;
+2. the global norm, the non-finite rule and clipping read that device shard (one all-reduce, as
+   without offload);
+3. :meth:`before_step` copies it into the host master's ``.grad`` (pinned memory when CUDA and
+   ``pin_memory``), and the optimizer the user or the config gave steps the host masters: torch's
+   CPU kernels (Adam/AdamW fused on the host), so its state, ``state_dict()`` and any LR
+   scheduler built on it are untouched;
+4. :meth:`publish_master` copies the updated master back into the compute-dtype parameters on the
+   device (stages 1-2: this rank's range of ``param_flat``, then the all-gather; stage 3: the
+   16-bit shard that the next all-gather reads; DeepSpeed keeps that shard on the GPU too).
+
+GPU bytes per parameter: stage 2 without offload 2 (16-bit weights) + 4/N (fp32 gradient shard) +
+(4 + 8)/N (master, moments); with offload 2 + 4/N, the 12/N in host memory. Not here yet: the
+transfers and the CPU step are not overlapped with each other (sub-groups), NVMe, ``ratio`` < 1,
+``offload_param`` (refused by the config parser).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hf_zero.zero import collectives as C
+from hf_zero.zero.flat import FlatGroup
+from hf_zero.zero.group import Placement, ShardGroup
+from hf_zero.zero.stage3 import ShardedParamGroup
+
+
+def host_buffer(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    """An uninitialized host tensor, page-locked when ``pin`` (so copies to and from the GPU can be asynchronous)."""
+    return torch.empty(numel, dtype=dtype, device="cpu", pin_memory=pin)
+
+
+class _HostMaster(ShardGroup):
+    """The master (and so the optimizer state) of a trainable group in host memory; the reduced gradient on the device."""
+
+    pin: bool
+
+    def _move_master_to_host(self, pin: bool) -> None:
+        assert self.master is not None
+        self.pin = bool(pin) and torch.cuda.is_available()
+        on_device = self.master
+        self.master = host_buffer(on_device.numel(), torch.float32, pin=self.pin)
+        self.master.copy_(on_device)
+        self._device_grad: torch.Tensor | None = None
+        self._host_grad: torch.Tensor | None = None  # reused every step
+
+    def reduced_grad(self) -> torch.Tensor | None:
+        return self._device_grad
+
+    def _set_reduced_grad(self, grad: torch.Tensor | None) -> None:
+        self._device_grad = grad
+        if grad is None and self.master is not None:
+            self.master.grad = None  # the host buffer stays for the next step
+
+    def before_step(self) -> None:
+        """Copy the reduced gradient shard into the host master's ``.grad`` (None when there is none this step)."""
+        assert self.master is not None
+        g = self._device_grad
+        if g is None:
+            self.master.grad = None
+            return
+        if self._host_grad is None:
+            self._host_grad = host_buffer(self.master.numel(), torch.float32, pin=self.pin)
+        self._host_grad.copy_(g)  # blocking: the host optimizer reads it next
+        self.master.grad = self._host_grad
+
+
+class OffloadedFlatGroup(_HostMaster, FlatGroup):
+    """A stage 1-2 bucket whose fp32 master lives in host memory (see the module docstring)."""
+
+    def __init__(self, named_params: list[tuple[str, torch.nn.Parameter]], place: Placement, *, partitioned: bool,
+                 free_grads_after_reduce: bool, pin: bool) -> None:
+        FlatGroup.__init__(self, named_params, place, partitioned=partitioned, free_grads_after_reduce=free_grads_after_reduce)
+        # In fp32 the master was a view of the parameters; from here on it is a host copy either way.
+        self.mixed = True
+        self._move_master_to_host(pin)
+
+    def publish_master(self, stream: torch.cuda.Stream | None) -> None:
+        """Host master -> this rank's range of the device parameters (cast to the compute dtype), then the all-gather."""
+        with C.on_stream(stream):
+            self.param_flat[self.shard_lo : self.shard_hi].copy_(self.master, non_blocking=self.pin)
+            if self.partitioned:
+                C.all_gather_(self.param_flat, self.param_flat[self.shard_lo : self.shard_hi], self.group, self.world_size)
+
+
+class OffloadedShardedParamGroup(_HostMaster, ShardedParamGroup):
+    """A stage-3 group whose fp32 master lives in host memory; its compute-dtype shard stays on the device for the gathers."""
+
+    def __init__(self, named_params: list[tuple[str, torch.nn.Parameter]], place: Placement, *, trainable: bool,
+                 pin: bool) -> None:
+        ShardedParamGroup.__init__(self, named_params, place, trainable=trainable)
+        if not trainable:
+            return
+        assert self.master is not None
+        self.param_shard = self.master.to(self.compute_dtype, copy=True)
+        self._move_master_to_host(pin)
+
+    def publish_master(self, stream: torch.cuda.Stream | None) -> None:
+        """Host master -> the device shard the next all-gather reads (cast to the compute dtype)."""
+        if self.master is None:
+            return
+        assert self.param_shard is not None
+        with C.on_stream(stream):
+            self.param_shard.copy_(self.master, non_blocking=self.pin)
+
+    def held_tensors(self) -> dict[str, list[torch.Tensor | None]]:
+        held = ShardedParamGroup.held_tensors(self)
+        held["params"] = [self.param_shard, self.full]
+        return held
+
+
+def use_host_kernels(optimizer: torch.optim.Optimizer) -> None:
+    """Adam/AdamW param groups step with torch's fused CPU kernel once their parameters are host masters."""
+    if isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW):
+        for pg in optimizer.param_groups:
+            if pg.get("foreach") is None and not pg.get("differentiable", False):
+                pg["fused"] = True
