@@ -305,8 +305,9 @@ class ZeroEngine(torch.nn.Module):
             raise UsageError("engine.backward() needs an optimizer; give one in the config or to initialize()")
         scaled = self.step_policy.scale_loss(loss, self.gradient_accumulation_steps() if scale_wrt_gas else 1)
         zo = self.zero_optimizer
-        sync = not self._no_sync and (self.is_gradient_accumulation_boundary() or zo.reduces_every_micro_step)
-        zo.prepare_backward(sync)
+        boundary = self.is_gradient_accumulation_boundary()
+        sync = not self._no_sync and (boundary or zo.reduces_every_micro_step)
+        zo.prepare_backward(sync, final=boundary)
         scaled.reshape(()).backward(retain_graph=retain_graph)
         self.zero_optimizer.finish_backward()
         return loss

@@ -178,8 +178,13 @@ class ShardGroup(abc.ABC):
         assert self.master is not None
         self.master.grad = grad
 
+    copy_after_reduce = False  # an offloaded group: copy the reduced shard to the host as soon as it is final
+
     def before_step(self) -> None:  # noqa: B027 - a no-op unless the master lives elsewhere, not abstract
         """Just before the optimizer steps the masters (an offloaded group copies its gradient shard to the host)."""
+
+    def scale_host_copy(self, coef: torch.Tensor | float) -> None:  # noqa: B027 - a no-op without a host copy
+        """The reduced gradient was multiplied by ``coef`` after its copy to the host left: scale that copy too."""
 
     def sum_grad_over(self, process_group: dist.ProcessGroup | None) -> None:
         """Add the same reduced shard of the other ranks of ``process_group`` (a weight tied across stages)."""

@@ -53,25 +53,65 @@ class _HostMaster(ShardGroup):
         self.master.copy_(on_device)
         self._device_grad: torch.Tensor | None = None
         self._host_grad: torch.Tensor | None = None  # reused every step
+        self._in_flight: torch.cuda.Event | bool | None = None  # the copy of this step's gradient to the host
 
     def reduced_grad(self) -> torch.Tensor | None:
         return self._device_grad
 
     def _set_reduced_grad(self, grad: torch.Tensor | None) -> None:
         self._device_grad = grad
-        if grad is None and self.master is not None:
-            self.master.grad = None  # the host buffer stays for the next step
+        if grad is None:
+            self._in_flight = None
+            if self.master is not None:
+                self.master.grad = None  # the host buffer stays for the next step
 
-    def before_step(self) -> None:
-        """Copy the reduced gradient shard into the host master's ``.grad`` (None when there is none this step)."""
+    def _host_grad_buffer(self) -> torch.Tensor:
         assert self.master is not None
-        g = self._device_grad
-        if g is None:
-            self.master.grad = None
-            return
         if self._host_grad is None:
             self._host_grad = host_buffer(self.master.numel(), torch.float32, pin=self.pin)
-        self._host_grad.copy_(g)  # blocking: the host optimizer reads it next
+        return self._host_grad
+
+    def _copy_after_reduce(self, stream: torch.cuda.Stream | None) -> None:
+        """The last backward of the step reduced this group: start its device-to-host copy on the same stream,
+        so it runs while backward goes on (pinned memory makes it asynchronous)."""
+        if not self.copy_after_reduce or self._device_grad is None:
+            return
+        host = self._host_grad_buffer()
+        with C.on_stream(stream):
+            host.copy_(self._device_grad, non_blocking=self.pin)
+            if stream is not None:
+                event = torch.cuda.Event()
+                event.record(stream)
+                self._in_flight = event
+            else:
+                self._in_flight = True
+
+    def _wait_for_host_copy(self) -> None:
+        if isinstance(self._in_flight, torch.cuda.Event):
+            self._in_flight.synchronize()
+        self._in_flight = True
+
+    def scale_host_copy(self, coef: torch.Tensor | float) -> None:
+        if self._in_flight is None:
+            return
+        self._wait_for_host_copy()
+        assert self._host_grad is not None
+        self._host_grad.mul_(float(coef))
+
+    def sum_grad_over(self, process_group: object) -> None:
+        super().sum_grad_over(process_group)  # type: ignore[arg-type]
+        self._in_flight = None  # the device shard changed after its copy left: copy again before the step
+
+    def before_step(self) -> None:
+        """The reduced gradient shard as the host master's ``.grad`` (None when there is none this step)."""
+        assert self.master is not None
+        if self._device_grad is None:
+            self.master.grad = None
+            return
+        if self._in_flight is not None:
+            self._wait_for_host_copy()
+        else:
+            self._host_grad_buffer().copy_(self._device_grad)  # blocking: the host optimizer reads it next
         self.master.grad = self._host_grad
 
 
@@ -85,10 +125,14 @@ class OffloadedFlatGroup(_HostMaster, FlatGroup):
         self.mixed = True
         self._move_master_to_host(pin)
 
+    def reduce_grads(self, stream: torch.cuda.Stream | None) -> None:
+        FlatGroup.reduce_grads(self, stream)
+        self._copy_after_reduce(stream)
+
     def publish_master(self, stream: torch.cuda.Stream | None) -> None:
         """Host master -> this rank's range of the device parameters (cast to the compute dtype), then the all-gather."""
         with C.on_stream(stream):
-            self.param_flat[self.shard_lo : self.shard_hi].copy_(self.master, non_blocking=self.pin)
+            _to_device(self.param_flat[self.shard_lo : self.shard_hi], self.master, self.pin)
             if self.partitioned:
                 C.all_gather_(self.param_flat, self.param_flat[self.shard_lo : self.shard_hi], self.group, self.world_size)
 
@@ -105,18 +149,37 @@ class OffloadedShardedParamGroup(_HostMaster, ShardedParamGroup):
         self.param_shard = self.master.to(self.compute_dtype, copy=True)
         self._move_master_to_host(pin)
 
+    def reduce_grads(self, stream: torch.cuda.Stream | None, limit: C.InflightLimit | None = None) -> None:
+        ShardedParamGroup.reduce_grads(self, stream, limit)
+        self._copy_after_reduce(stream)
+
     def publish_master(self, stream: torch.cuda.Stream | None) -> None:
         """Host master -> the device shard the next all-gather reads (cast to the compute dtype)."""
         if self.master is None:
             return
         assert self.param_shard is not None
         with C.on_stream(stream):
-            self.param_shard.copy_(self.master, non_blocking=self.pin)
+            _to_device(self.param_shard, self.master, self.pin)
 
     def held_tensors(self) -> dict[str, list[torch.Tensor | None]]:
         held = ShardedParamGroup.held_tensors(self)
         held["params"] = [self.param_shard, self.full]
         return held
+
+
+def _to_device(dst: torch.Tensor, host: torch.Tensor, pinned: bool) -> None:
+    """``dst.copy_(host)`` on the current stream, the cast done on the device.
+
+    A copy across devices and dtypes at once would cast on the host first (a CPU pass, into
+    pageable memory, so the transfer could not be asynchronous); instead the fp32 values travel to
+    a device buffer and are cast there.
+    """
+    if dst.device.type == "cpu" or dst.dtype == host.dtype:
+        dst.copy_(host, non_blocking=pinned)
+        return
+    staged = torch.empty(host.shape, dtype=host.dtype, device=dst.device)
+    staged.copy_(host, non_blocking=pinned)
+    dst.copy_(staged)
 
 
 def use_host_kernels(optimizer: torch.optim.Optimizer) -> None:

@@ -261,13 +261,17 @@ class ShardedOptimizer:
         """Stages 2-3 reduce-scatter each micro-step's gradients (stages 0-1 only at the boundary)."""
         return self.stage >= 2
 
-    def prepare_backward(self, sync: bool) -> None:
+    def prepare_backward(self, sync: bool, final: bool = True) -> None:
         """Before ``loss.backward()``: gradient views in place; ``sync`` means reduce as buckets fill.
 
         A backward without ``sync`` leaves unreduced gradients behind, so ``reduced`` turns False
-        until a synced backward has reduced them too.
+        until a synced backward has reduced them too. ``final``: this backward ends the step's
+        accumulation (offloaded groups then start copying each reduced shard to the host at once).
         """
         self._sync = sync
+        if self.offload_pin is not None:
+            for g in self.groups:
+                g.copy_after_reduce = sync and final
         if not sync:
             self.reduced = False
         self._next_launch = 0
@@ -311,14 +315,35 @@ class ShardedOptimizer:
         grads = [g for g in (group.reduced_grad() for group in self.groups) if g is not None]
         if grads and not (isinstance(coef, float) and coef == 1.0):
             torch._foreach_mul_(grads, coef)
+            if self.offload_pin is not None:  # the copies already on their way to the host are scaled there
+                for g in self.groups:
+                    g.scale_host_copy(coef)
 
     def step_and_publish(self) -> None:
-        """Optimizer step on this rank's masters, then publish the new weights to every rank."""
+        """Optimizer step on this rank's masters, then publish the new weights to every rank.
+
+        Offloaded (host) masters step one shard group at a time: the optimizer sees only that
+        group's gradient (torch's optimizers skip parameters without one, so each master is updated
+        once, with its own step count), and the group's copy back to the device is issued on the
+        communication stream before the CPU moves on to the next group.
+        """
         for g in self.groups:
             g.before_step()
-        self.optimizer.step()
-        for g in self.groups:
-            g.publish_master(self.comm_stream)
+        if self.offload_pin is None:
+            self.optimizer.step()
+            for g in self.groups:
+                g.publish_master(self.comm_stream)
+        else:
+            grads = [(g, g.master.grad) for g in self.groups if g.master is not None and g.master.grad is not None]
+            for g, _ in grads:
+                g.master.grad = None
+            for g, grad in grads:
+                g.master.grad = grad
+                self.optimizer.step()
+                g.master.grad = None
+                g.publish_master(self.comm_stream)
+            for g, grad in grads:
+                g.master.grad = grad
         C.wait_for(self.comm_stream)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
