@@ -54,6 +54,8 @@ class _HostMaster(ShardGroup):
         self._device_grad: torch.Tensor | None = None
         self._host_grad: torch.Tensor | None = None  # reused every step
         self._in_flight: torch.cuda.Event | bool | None = None  # the copy of this step's gradient to the host
+        # After that copy left, the device shard is released; its part of the norm stays behind as scalars.
+        self._released: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def reduced_grad(self) -> torch.Tensor | None:
         return self._device_grad
@@ -62,8 +64,26 @@ class _HostMaster(ShardGroup):
         self._device_grad = grad
         if grad is None:
             self._in_flight = None
+            self._released = None
             if self.master is not None:
                 self.master.grad = None  # the host buffer stays for the next step
+
+    def grad_sq_sum(self) -> torch.Tensor:
+        return self._released[0] if self._released is not None else super().grad_sq_sum()
+
+    def nonfinite(self) -> torch.Tensor:
+        return self._released[1] if self._released is not None else super().nonfinite()
+
+    def _unrelease(self, stream: torch.cuda.Stream | None) -> None:
+        """The shard is needed on the device again after its release (a unit reduced twice in one backward, a
+        weight tied across pipeline stages): bring the host copy back."""
+        if self._released is None:
+            return
+        self._wait_for_host_copy()
+        assert self._host_grad is not None
+        with C.on_stream(stream):
+            self._device_grad = self._host_grad.to(self.device, non_blocking=self.pin, copy=True)
+        self._released, self._in_flight = None, None
 
     def _host_grad_buffer(self) -> torch.Tensor:
         assert self.master is not None
@@ -76,15 +96,19 @@ class _HostMaster(ShardGroup):
         so it runs while backward goes on (pinned memory makes it asynchronous)."""
         if not self.copy_after_reduce or self._device_grad is None:
             return
-        host = self._host_grad_buffer()
+        host, grad = self._host_grad_buffer(), self._device_grad
         with C.on_stream(stream):
-            host.copy_(self._device_grad, non_blocking=self.pin)
+            host.copy_(grad, non_blocking=self.pin)
             if stream is not None:
                 event = torch.cuda.Event()
                 event.record(stream)
                 self._in_flight = event
             else:
                 self._in_flight = True
+            # The shard's part of the global norm, then the shard itself goes (it was made on this stream, so
+            # its memory is reused only after the copy): GPU memory holds only the gradients still in flight.
+            self._released = (torch.linalg.vector_norm(grad, dtype=torch.float32).square(), (~torch.isfinite(grad)).any().float())
+            self._device_grad = None
 
     def _wait_for_host_copy(self) -> None:
         if isinstance(self._in_flight, torch.cuda.Event):
@@ -99,13 +123,14 @@ class _HostMaster(ShardGroup):
         self._host_grad.mul_(float(coef))
 
     def sum_grad_over(self, process_group: object) -> None:
+        self._unrelease(None)
         super().sum_grad_over(process_group)  # type: ignore[arg-type]
         self._in_flight = None  # the device shard changed after its copy left: copy again before the step
 
     def before_step(self) -> None:
         """The reduced gradient shard as the host master's ``.grad`` (None when there is none this step)."""
         assert self.master is not None
-        if self._device_grad is None:
+        if self._device_grad is None and self._released is None:
             self.master.grad = None
             return
         if self._in_flight is not None:
@@ -126,6 +151,7 @@ class OffloadedFlatGroup(_HostMaster, FlatGroup):
         self._move_master_to_host(pin)
 
     def reduce_grads(self, stream: torch.cuda.Stream | None) -> None:
+        self._unrelease(stream)
         FlatGroup.reduce_grads(self, stream)
         self._copy_after_reduce(stream)
 
@@ -150,6 +176,8 @@ class OffloadedShardedParamGroup(_HostMaster, ShardedParamGroup):
         self._move_master_to_host(pin)
 
     def reduce_grads(self, stream: torch.cuda.Stream | None, limit: C.InflightLimit | None = None) -> None:
+        if self.has_grads():
+            self._unrelease(stream)
         ShardedParamGroup.reduce_grads(self, stream, limit)
         self._copy_after_reduce(stream)
 

@@ -312,12 +312,14 @@ class ShardedOptimizer:
 
     def scale_grads(self, coef: torch.Tensor | float) -> None:
         """Multiply every reduced gradient shard by ``coef`` (unscale and clip in one pass)."""
+        if isinstance(coef, float) and coef == 1.0:
+            return
         grads = [g for g in (group.reduced_grad() for group in self.groups) if g is not None]
-        if grads and not (isinstance(coef, float) and coef == 1.0):
+        if grads:
             torch._foreach_mul_(grads, coef)
-            if self.offload_pin is not None:  # the copies already on their way to the host are scaled there
-                for g in self.groups:
-                    g.scale_host_copy(coef)
+        if self.offload_pin is not None:  # the shards already copied to the host (and released) are scaled there
+            for g in self.groups:
+                g.scale_host_copy(coef)
 
     def step_and_publish(self) -> None:
         """Optimizer step on this rank's masters, then publish the new weights to every rank.
