@@ -34,6 +34,7 @@ from hf_zero import dist as hz_dist
 from hf_zero.checkpoint.consolidated import (
     OneUnitAtATime,
     checkpoint_weights,
+    engine_entries,
     save_model_config,
     write_weights,
 )
@@ -194,15 +195,8 @@ def _merge_and_write(twin: Any, state: dict[str, torch.Tensor], save_directory: 
     missing = [n for n, t in merged.state_dict().items() if t.is_meta]
     if missing:
         raise UsageError(f"the saved weights do not fill the model rebuilt from its config: {missing[0]!r} is missing")
-    seen: set[int] = set()
-    entries, tensors = [], {}
-    for name, t in merged.state_dict(keep_vars=True).items():
-        if id(t) in seen:
-            continue
-        seen.add(id(t))
-        dt = dtype if (dtype is not None and t.is_floating_point()) else t.dtype
-        entries.append((name, dt, tuple(t.shape)))
-        tensors[name] = t.detach()
+    entries, tensors = engine_entries(merged, dtype)  # tied duplicates dropped, as save_pretrained does
+    tensors = {name: t.detach() for name, t in tensors.items()}
     os.makedirs(save_directory, exist_ok=True)
     files = write_weights(save_directory, entries, tensors.__getitem__, max_shard_size, writer=True)
     floats = [dt for _, dt, _ in entries if dt.is_floating_point]
