@@ -5,23 +5,25 @@ DeepSpeed's ``"offload_optimizer": {"device": "cpu"}`` at stages 1-3, as two mor
 :class:`~hf_zero.zero.flat.FlatGroup` and :class:`~hf_zero.zero.stage3.ShardedParamGroup`, with the
 master moved to the host. Per step:
 
-1. backward reduces each bucket's gradients as without offload, into an fp32 shard that stays on
-   the compute device and accumulates there across micro-steps (stages 2-3 reduce every
-   micro-step): the PCIe link carries one copy per optimizer step, not one per micro-step, for
-   the 4 bytes per parameter / N that stage 2 holds there anyway;
-2. the global norm, the non-finite rule and clipping read that device shard (one all-reduce, as
-   without offload);
-3. :meth:`before_step` copies it into the host master's ``.grad`` (pinned memory when CUDA and
-   ``pin_memory``), and the optimizer the user or the config gave steps the host masters: torch's
-   CPU kernels (Adam/AdamW fused on the host), so its state, ``state_dict()`` and any LR
-   scheduler built on it are untouched;
-4. :meth:`publish_master` copies the updated master back into the compute-dtype parameters on the
-   device (stages 1-2: this rank's range of ``param_flat``, then the all-gather; stage 3: the
-   16-bit shard that the next all-gather reads; DeepSpeed keeps that shard on the GPU too).
+1. backward reduces each bucket's gradients as without offload, into an fp32 shard on the compute
+   device that accumulates there across micro-steps (stages 2-3 reduce every micro-step), so the
+   PCIe link carries one copy per optimizer step, not one per micro-step;
+2. in the backward that ends the step, as soon as a bucket is reduced its shard is copied to pinned
+   host memory on the communication stream (while backward goes on), its part of the global norm
+   and of the inf/nan check kept as two scalars, and the device shard released;
+3. the step policy (norm, non-finite rule, clipping, fp16 unscaling) runs as without offload, the
+   scaling applied to the host copies; the optimizer the user or the config gave then steps the host
+   masters one shard group at a time (torch's optimizers skip a parameter without ``.grad``, so each
+   master is updated once with its own step count; Adam/AdamW use torch's fused CPU kernel), so its
+   state, ``state_dict()`` and any LR scheduler built on it are untouched;
+4. :meth:`publish_master` sends each group back as soon as it is stepped, while the CPU steps the
+   next: the fp32 master to a device buffer, cast there into the compute-dtype parameters (stages
+   1-2: this rank's range of ``param_flat``, then the all-gather; stage 3: the 16-bit shard the next
+   all-gather reads; DeepSpeed keeps that shard on the GPU too).
 
-GPU bytes per parameter: stage 2 without offload 2 (16-bit weights) + 4/N (fp32 gradient shard) +
-(4 + 8)/N (master, moments); with offload 2 + 4/N, the 12/N in host memory. Not here yet: the
-transfers and the CPU step are not overlapped with each other (sub-groups), NVMe, ``ratio`` < 1,
+GPU bytes per parameter at stage 2: without offload 2 (16-bit weights) + 4/N (fp32 gradient shard) +
+(4 + 8)/N (master, moments); with offload 2 + 4/N, the masters, moments and a gradient copy (16/N) in
+host memory. Not here yet: ``sub_group_size`` (each shard group is one sub-group), NVMe, ``ratio`` < 1,
 ``offload_param`` (refused by the config parser).
 """
 
