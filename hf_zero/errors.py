@@ -14,7 +14,7 @@ The old import paths (``hf_zero.engine.UsageError``, ``hf_zero.config.ConfigErro
 from __future__ import annotations
 
 __all__ = [
-    "CheckpointError", "ConfigError", "HubError", "LaunchError", "LossScaleFloorError", "NonFiniteLossError",
+    "CheckpointError", "ConfigError", "HostMemoryError", "HubError", "LaunchError", "LossScaleFloorError", "NonFiniteLossError",
     "OptimizerConfigError", "PeerFailureError", "PipelineError", "UsageError",
 ]
 
@@ -57,3 +57,7 @@ class LossScaleFloorError(FloatingPointError):
 
 class NonFiniteLossError(FloatingPointError):
     """A bf16/fp32 step had an inf/nan loss or gradient and the config says ``"nonfinite_loss": "stop"``."""
+
+
+class HostMemoryError(MemoryError):
+    """Offloading would need more host memory than the machine has available (checked before allocating any)."""

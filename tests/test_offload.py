@@ -164,3 +164,37 @@ def test_offload_configs_hf_zero_cannot_run_are_refused_in_one_sentence(section:
         ZeroConfig.load({"train_micro_batch_size_per_gpu": 1, "zero_optimization": section})
     assert "\n" not in str(err.value)
 
+
+
+def _short_of_host_memory(rank: int, world: int) -> dict:
+    """Every rank is told the machine has 1 KiB available: each stops with the same sentence, before any group exists."""
+    import hf_zero
+    from hf_zero.zero import offload, partition
+
+    built: list[int] = []
+    original = offload.OffloadedFlatGroup.__init__
+
+    def counting(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        built.append(1)
+        return original(self, *args, **kwargs)
+
+    offload.OffloadedFlatGroup.__init__ = counting
+    offload.available_host_bytes = lambda: 2**10
+    assert partition.check_host_memory is offload.check_host_memory
+    try:
+        hf_zero.initialize(model=_model(), config=_config(2, True, 1, 0.0))
+    except MemoryError as e:
+        return {"error": f"{type(e).__name__}: {e}", "groups_built": len(built)}
+    return {"error": None, "groups_built": len(built)}
+
+
+def test_offload_that_does_not_fit_the_host_stops_every_rank_before_allocating() -> None:
+    results = spawn(_short_of_host_memory, 2)
+    for r in results:
+        assert r["groups_built"] == 0 and r["error"] is not None, r
+        # both ranks' shards of the fp32 masters and gradient copies (8 bytes) and Adam's moments (8 bytes)
+        shard = sum((p.numel() + 1) // 2 for p in _model().parameters())
+        assert r["error"].startswith(f"HostMemoryError: offload_optimizer needs {2 * shard * 16 / 2**10:.1f} KiB of host "
+                                     "memory on "), r["error"]
+        assert "but 1.0 KiB is available (MemAvailable)" in r["error"] and "\n" not in r["error"]
+    assert results[0]["error"] == results[1]["error"]

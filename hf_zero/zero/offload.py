@@ -29,8 +29,13 @@ host memory. Not here yet: ``sub_group_size`` (each shard group is one sub-group
 
 from __future__ import annotations
 
-import torch
+import socket
+import zlib
 
+import torch
+import torch.distributed as dist
+
+from hf_zero.errors import HostMemoryError
 from hf_zero.zero import collectives as C
 from hf_zero.zero.flat import FlatGroup
 from hf_zero.zero.group import Placement, ShardGroup
@@ -195,6 +200,64 @@ class OffloadedShardedParamGroup(_HostMaster, ShardedParamGroup):
         held = ShardedParamGroup.held_tensors(self)
         held["params"] = [self.param_shard, self.full]
         return held
+
+
+def state_bytes_per_element(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of optimizer state per master element: Adam/AdamW 8 (two fp32 moments, 12 with AMSGrad),
+    SGD with momentum 4, otherwise 8 (an upper guess for an optimizer this does not know)."""
+    if isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW):
+        return 12 if any(pg.get("amsgrad") for pg in optimizer.param_groups) else 8
+    if isinstance(optimizer, torch.optim.SGD):
+        return 4 if any(pg.get("momentum") for pg in optimizer.param_groups) else 0
+    return 8
+
+
+def available_host_bytes() -> int:
+    """MemAvailable from /proc/meminfo (what the kernel can hand out without swapping); MemTotal grows on some
+    hosts as memory is touched, so it is not the figure to plan with."""
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise OSError("/proc/meminfo has no MemAvailable line")
+
+
+def check_host_memory(needed: int, group: dist.ProcessGroup | None) -> None:
+    """Before any host buffer exists: the ranks of each machine add up what they will pin, and every rank
+    stops with the same sentence when that exceeds the machine's available memory.
+
+    ``needed`` is this rank's bytes (masters, optimizer state, gradient copy). The ranks exchange
+    (host id, bytes, available bytes) with one all-gather of integers over ``group``.
+    """
+    try:
+        available = available_host_bytes()
+    except OSError:
+        return  # not Linux: nothing to plan with
+    host = zlib.crc32(socket.gethostname().encode())
+    mine = torch.tensor([host, needed, available], dtype=torch.int64)
+    world = dist.get_world_size(group) if dist.is_initialized() else 1
+    rows = [mine]
+    if world > 1:
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
+        out = [torch.empty(3, dtype=torch.int64, device=device) for _ in range(world)]
+        dist.all_gather(out, mine.to(device), group=group)
+        rows = [r.cpu() for r in out]
+    same_host = [r for r in rows if int(r[0]) == host]
+    total = sum(int(r[1]) for r in same_host)
+    if total > available:
+        raise HostMemoryError(
+            f"offload_optimizer needs {_size(total)} of host memory on {socket.gethostname()} "
+            f"({len(same_host)} rank(s) x masters, optimizer state and a gradient copy) but {_size(available)} "
+            "is available (MemAvailable); use fewer ranks per machine, a higher ZeRO stage or more machines, or turn "
+            "offload_optimizer off"
+        )
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} bytes"
 
 
 def _to_device(dst: torch.Tensor, host: torch.Tensor, pinned: bool) -> None:

@@ -22,6 +22,7 @@ whose gradients are complete waits until every earlier bucket has been launched.
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Iterable
 
@@ -31,7 +32,13 @@ import torch.distributed as dist
 from hf_zero.zero import collectives as C
 from hf_zero.zero.flat import FlatGroup
 from hf_zero.zero.group import ParamSlot, Placement, ShardGroup
-from hf_zero.zero.offload import OffloadedFlatGroup, OffloadedShardedParamGroup, use_host_kernels
+from hf_zero.zero.offload import (
+    OffloadedFlatGroup,
+    OffloadedShardedParamGroup,
+    check_host_memory,
+    state_bytes_per_element,
+    use_host_kernels,
+)
 from hf_zero.zero.preshard import materialize_
 from hf_zero.zero.stage3 import ShardedParamGroup, Stage3Runtime, Unit, find_units, input_embedding_unit
 
@@ -156,6 +163,9 @@ class ShardedOptimizer:
 
         group_named = _trainable_by_param_group(module, optimizer)
         self.group_names = [[n for n, _ in named] for named in group_named]  # checkpoints record them
+        if offload_pin is not None:  # planned before any host buffer exists: fp32 master + gradient copy + state
+            shard = sum(math.ceil(p.numel() / self.place.world_size) for named in group_named for _, p in named)
+            check_host_memory(shard * (8 + state_bytes_per_element(optimizer)), group)
         group_masters: list[list[torch.Tensor]] = [[] for _ in group_named]
         if stage == 3:
             self._build_stage3(module, group_named, group_masters, persistence_threshold, prefetch_numel, max_live_numel)
