@@ -55,7 +55,8 @@ def _call_mask(fn: Callable, config: Any, hidden: torch.Tensor, mask: torch.Tens
                position_ids: torch.Tensor) -> Any:
     """``create_causal_mask`` with the arguments this transformers version takes (5.x renamed some)."""
     params = inspect.signature(fn).parameters
-    kwargs: dict[str, Any] = {"config": config, "attention_mask": mask, "past_key_values": None, "position_ids": position_ids}
+    kwargs: dict[str, Any] = {"config": config, "attention_mask": mask, "past_key_values": None, "cache": None,
+                              "position_ids": position_ids}  # "cache": past_key_values' name from transformers 5.2x
     kwargs["inputs_embeds" if "inputs_embeds" in params else "input_embeds"] = hidden
     if "cache_position" in params:
         kwargs["cache_position"] = position_ids[0]
