@@ -39,6 +39,7 @@ from hf_zero.config_sections import (
     OptimizerConfig,
     PipelineConfig,
     SchedulerConfig,
+    TorchAutocastConfig,
     ZeroOptimizationConfig,
 )
 from hf_zero.config_values import Int, json_kind
@@ -47,7 +48,7 @@ from hf_zero.sequence.config import parse as parse_sequence_parallel
 
 __all__ = [
     "AUTO", "BF16Config", "CompileConfig", "ConfigError", "FP16Config", "OffloadOptimizerConfig", "OffloadParamConfig",
-    "OptimizerConfig", "PipelineConfig", "SchedulerConfig", "ZeroConfig", "ZeroOptimizationConfig",
+    "OptimizerConfig", "PipelineConfig", "SchedulerConfig", "TorchAutocastConfig", "ZeroConfig", "ZeroOptimizationConfig",
 ]
 
 
@@ -63,6 +64,7 @@ class ZeroConfig:
     scheduler: SchedulerConfig | None = None
     fp16: FP16Config = field(default_factory=FP16Config)
     bf16: BF16Config = field(default_factory=BF16Config)
+    torch_autocast: TorchAutocastConfig = field(default_factory=TorchAutocastConfig)
     zero_optimization: ZeroOptimizationConfig = field(default_factory=ZeroOptimizationConfig)
     communication_data_type: str | None = None  # "fp32" | "fp16" | "bf16"; None: the engine's default
     steps_per_print: int | None = 10  # null: never print, DeepSpeed's own default
@@ -85,6 +87,21 @@ class ZeroConfig:
         if self.fp16.enabled:
             return torch.float16
         return torch.float32
+
+    @property
+    def master_dtype(self) -> torch.dtype:
+        """What masters, reduced gradients and optimizer state are kept in: fp32, or bf16 when bf16 asks for it.
+
+        A torch optimizer keeps its state in its parameters' dtype, so bf16 masters come with bf16 state:
+        the two keys go together (``refuse_missing_features`` refuses one without the other).
+        """
+        bf = self.bf16
+        return torch.bfloat16 if bf.enabled and bf.master_weights_and_grads and bf.optimizer_states else torch.float32
+
+    @property
+    def autocast_dtype(self) -> torch.dtype | None:
+        """The dtype of ``torch_autocast`` (None: torch's default for the device); only read when it is enabled."""
+        return {"bf16": torch.bfloat16, "fp16": torch.float16, None: None}[self.torch_autocast.dtype]
 
     @classmethod
     def load(cls, config: str | os.PathLike | Mapping | ZeroConfig | None) -> ZeroConfig:

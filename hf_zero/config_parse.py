@@ -48,6 +48,8 @@ from hf_zero.config_schema import (
     SWITCH,
     SWITCHES_ACCEPTING_AUTO,
     TOP,
+    TORCH_AUTOCAST,
+    TORCH_AUTOCAST_DTYPES,
     ZERO,
     ConfigError,
     Section,
@@ -61,6 +63,7 @@ from hf_zero.config_sections import (
     OptimizerConfig,
     PipelineConfig,
     SchedulerConfig,
+    TorchAutocastConfig,
     ZeroOptimizationConfig,
 )
 from hf_zero.config_values import Bool, Int, Number, OneOf, Text, asks_for, check_quiet_type, show
@@ -186,7 +189,12 @@ class Parser:
         fields["scheduler"] = self.named(top, "scheduler", SchedulerConfig, SUPPORTED_SCHEDULERS, DEEPSPEED_ONLY_SCHEDULERS)
         fields["fp16"] = self.fp16(top)
         bf16 = self.object(top.raw("bf16", '{"enabled": true}'), top.where("bf16"), BF16)
-        fields["bf16"] = BF16Config(enabled=bf16.get("enabled", Bool(), BF16Config.enabled))
+        fields["bf16"] = BF16Config(
+            enabled=bf16.get("enabled", Bool(), BF16Config.enabled),
+            master_weights_and_grads=bf16.get("bf16_master_weights_and_grads", Bool(), False),
+            optimizer_states=bf16.get("bf16_optimizer_states", Bool(), False),
+        )
+        fields["torch_autocast"] = self.torch_autocast(top)
         if fields["fp16"].enabled and fields["bf16"].enabled:
             raise ConfigError(f"fp16.enabled: got True while {bf16.path}.enabled is also True; "
                               "enable at most one of fp16 and bf16")
@@ -326,6 +334,22 @@ class Parser:
                 kept[name] = copy.deepcopy(value)
         return cls(type=canonical[given.lower()], params=kept)
 
+    def torch_autocast(self, top: _Object) -> TorchAutocastConfig:
+        """``torch_autocast``: enabled and a dtype in any of DeepSpeed's spellings ("torch.bfloat16", "bf16", "half", ...)."""
+        obj = self.object(top.raw("torch_autocast", '{"enabled": true, "dtype": "bfloat16"}'), "torch_autocast",
+                          TORCH_AUTOCAST)
+        out = TorchAutocastConfig(enabled=obj.get("enabled", Bool(), False))
+        given = obj.values.get("dtype")
+        if given is not None:
+            spellings = {"bf16": ("torch.bfloat16", "bf16", "bfloat16"),
+                         "fp16": ("torch.float16", "fp16", "float16", "half")}
+            name = next((k for k, names in spellings.items() if given in names), None)
+            if name is None:
+                every = ", ".join(repr(n) for k in TORCH_AUTOCAST_DTYPES for n in spellings[k])
+                raise ConfigError(f"torch_autocast.dtype: got {show(given)}, expected a 16-bit dtype: one of {every}")
+            out.dtype = name
+        return out
+
     def fp16(self, top: _Object) -> FP16Config:
         obj = self.object(top.raw("fp16", '{"enabled": true}'), "fp16", FP16)
         d = FP16Config()
@@ -388,6 +412,24 @@ def refuse_missing_features(cfg: Any) -> None:
     """
     zo = cfg.zero_optimization
     opt = zo.offload_optimizer
+    bf = cfg.bf16
+    if bf.optimizer_states and not bf.master_weights_and_grads:
+        raise ConfigError("bf16.bf16_optimizer_states: got true, but it needs bf16.bf16_master_weights_and_grads: true "
+                          "(the optimizer state follows the masters); set both, or remove bf16_optimizer_states")
+    if bf.master_weights_and_grads:
+        if not bf.enabled and not {"bf16.enabled", "bfloat16.enabled"} & cfg.auto_keys:  # "auto": the Trainer decides
+            raise ConfigError("bf16.bf16_master_weights_and_grads: got true while bf16.enabled is false; bf16 masters "
+                              "need bf16 parameters, so enable bf16 or remove the key")
+        if zo.stage == 0:
+            raise ConfigError("bf16.bf16_master_weights_and_grads: bf16 masters need ZeRO stage 1, 2 or 3, and the stage "
+                              "is 0; set zero_optimization.stage, or remove the key")
+        if opt is not None and opt.device != "none":
+            raise ConfigError("bf16.bf16_master_weights_and_grads: bf16 masters with offload_optimizer are not supported "
+                              "yet; remove one of the two (offload keeps fp32 masters in host memory)")
+        if not bf.optimizer_states:
+            raise ConfigError("bf16.bf16_master_weights_and_grads: got true without bf16.bf16_optimizer_states, which asks "
+                              "for fp32 optimizer state beside bf16 masters (DeepSpeed runs that only with its CPU Adam "
+                              "under offload); set bf16_optimizer_states: true as well, or remove both")
     if opt is not None and opt.device == "nvme":
         raise ConfigError('zero_optimization.offload_optimizer.device: "nvme" (ZeRO-Infinity) is not supported; use '
                           '"cpu" to keep the optimizer state in host memory, or "none"')

@@ -80,6 +80,7 @@ TOP = Section(
         "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping",
         "optimizer", "scheduler", "fp16", "bf16", "zero_optimization", "communication_data_type",
         "steps_per_print", "activation_checkpointing", "checkpoint", "pipeline", "compile",
+        "torch_autocast",  # DeepSpeed's: forward under torch.autocast (hf_zero/engine.py)
         "sequence_parallel_size",  # DeepSpeed's (ALST): the Ulysses degree (hf_zero/sequence/config.py)
         "sequence_parallel",  # hf_zero's tiling switches; LLaMA-Factory's keys of the section are read too
         "seed",  # hf_zero's: the seed of the distributed sampler's shuffle
@@ -115,7 +116,6 @@ TOP = Section(
         "curriculum_learning": (SWITCH, "curriculum learning is not supported; remove the section"),
         "data_efficiency": (SWITCH, "DeepSpeed data efficiency is not supported; remove the section"),
         "hybrid_engine": (SWITCH, "the hybrid (RLHF) engine is not supported; remove the section"),
-        "torch_autocast": (SWITCH, "torch_autocast is not supported; use bf16 or fp16 instead"),
         "eigenvalue": (SWITCH, "eigenvalue computation is not supported; remove the section"),
         "quantize_training": (SWITCH, "quantized training is not supported; remove the section"),
         "sparse_attention": (SECTION, "sparse attention is not supported; remove the section"),
@@ -137,15 +137,18 @@ FP16 = Section(
     unsupported={"fp16_master_weights_and_grads": (False, "fp16 master weights are not supported; masters are fp32")},
 )
 BF16 = Section(
-    keys=("enabled",),
+    # bf16_master_weights_and_grads / bf16_optimizer_states: masters, reduced gradients and optimizer
+    # state in bf16 (no fp32 copy), checked against DeepSpeed's rules by refuse_missing_features
+    keys=("enabled", "bf16_master_weights_and_grads", "bf16_optimizer_states"),
     auto=frozenset({"enabled"}),
     # hf_zero checks every bf16 step for inf/nan ("nonfinite_loss"), which check_grad_overflow: true asks for
     inert={"immediate_grad_update": False, "check_grad_overflow": True},
-    unsupported={
-        "bf16_master_weights_and_grads": (False, "bf16 master weights are not supported; masters are fp32"),
-        "bf16_optimizer_states": (False, "bf16 optimizer states are not supported; they are fp32"),
-    },
 )
+# DeepSpeed's torch_autocast: the forward runs under torch.autocast(dtype). lower_precision_safe_modules
+# picks the parameters whose gradients DeepSpeed communicates in the autocast dtype; hf_zero averages every
+# gradient in one reduce dtype (communication_data_type), so that list asks for nothing here.
+TORCH_AUTOCAST_DTYPES = ("bf16", "fp16")
+TORCH_AUTOCAST = Section(keys=("enabled", "dtype"), inert={"lower_precision_safe_modules": None})
 
 # ---------------------------------------------------------------- zero_optimization
 
@@ -245,7 +248,7 @@ PIPELINE = Section(
 SECTIONS: dict[str, Section] = {
     "": TOP, "fp16": FP16, "bf16": BF16, "zero_optimization": ZERO,
     "zero_optimization.offload_param": OFFLOAD_PARAM, "zero_optimization.offload_optimizer": OFFLOAD_OPTIMIZER,
-    "checkpoint": CHECKPOINT, "compile": COMPILE, "optimizer": OPTIMIZER, "scheduler": SCHEDULER,
+    "checkpoint": CHECKPOINT, "compile": COMPILE, "torch_autocast": TORCH_AUTOCAST, "optimizer": OPTIMIZER, "scheduler": SCHEDULER,
     "activation_checkpointing": ACTIVATION_CHECKPOINTING, "pipeline": PIPELINE,
 }
 

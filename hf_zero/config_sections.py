@@ -44,9 +44,30 @@ class FP16Config:
 
 @dataclass
 class BF16Config:
-    """``bf16`` (or DeepSpeed's older ``bfloat16``)."""
+    """``bf16`` (or DeepSpeed's older ``bfloat16``).
+
+    ``master_weights_and_grads`` keeps the masters and the reduced gradients in bf16 instead of fp32,
+    and ``optimizer_states`` the optimizer's state: 6 bytes per parameter less than fp32 masters and
+    Adam moments, for less precise updates (DeepSpeed's ``bf16_master_weights_and_grads`` and
+    ``bf16_optimizer_states``; it allows the first without the second only with its own CPU Adam).
+    """
 
     enabled: bool = False
+    master_weights_and_grads: bool = False
+    optimizer_states: bool = False
+
+
+@dataclass
+class TorchAutocastConfig:
+    """``torch_autocast``: the forward under ``torch.autocast(device, dtype)``.
+
+    The parameters stay in the dtype the fp16/bf16 sections give (fp32 when neither is on), so
+    autocast picks the precision op by op. ``dtype`` None is torch's default for the device
+    (fp16 on CUDA, bf16 on the CPU), as DeepSpeed leaves it.
+    """
+
+    enabled: bool = False
+    dtype: str | None = None  # "bf16" | "fp16"
 
 
 @dataclass

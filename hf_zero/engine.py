@@ -24,7 +24,7 @@ from hf_zero.config import ZeroConfig
 from hf_zero.data import to_device
 from hf_zero.errors import UsageError
 from hf_zero.module_setup import broadcast_module, cast_frozen_params, check_presharded, move_to_device
-from hf_zero.precision import LossScaler, reduce_dtype
+from hf_zero.precision import loss_scaler_for, reduce_dtype
 from hf_zero.step import NormScope, StepPolicy
 from hf_zero.zero.partition import ShardedOptimizer
 
@@ -100,7 +100,7 @@ class ZeroEngine(torch.nn.Module):
         built_presharded = check_presharded(model, self.world_size, self.device, gather=stage != 3 or optimizer is None)
         move_to_device(model, self.device)
         broadcast_module(model, group)
-        self.loss_scaler = LossScaler(config.fp16) if config.fp16.enabled else None
+        self.loss_scaler = loss_scaler_for(config)
         # Clip, loss scale, the non-finite rule and the global norm (over this engine's group; a
         # pipeline widens the scope to its stages): one policy for every engine (hf_zero/step.py).
         self.step_policy = StepPolicy(
@@ -138,7 +138,7 @@ class ZeroEngine(torch.nn.Module):
             reduce_dtype=reduce_dtype(self.config), bucket_numel=max(1, int(zc.reduce_bucket_size)), group=self.group,
             device=self.device, persistence_threshold=int(zc.stage3_param_persistence_threshold),
             prefetch_numel=int(zc.stage3_prefetch_bucket_size), max_live_numel=int(zc.stage3_max_live_parameters),
-            offload_pin=offload_pin,
+            offload_pin=offload_pin, master_dtype=self.config.master_dtype,
         )
 
     def compile(self, backend: str | Any = "inductor", compile_kwargs: dict | None = None) -> None:
@@ -278,10 +278,21 @@ class ZeroEngine(torch.nn.Module):
         cast = self.compute_dtype if self.compute_dtype != torch.float32 else None
         args = to_device(args, self.device, cast)
         kwargs = to_device(kwargs, self.device, cast)
-        if self.world_size == 1:
-            return self.module(*args, **kwargs)
-        with hz_dist.peer_failure_guard("forward"):  # stage 3 gathers parameters here
-            return self.module(*args, **kwargs)
+        with self.autocast():
+            if self.world_size == 1:
+                return self.module(*args, **kwargs)
+            with hz_dist.peer_failure_guard("forward"):  # stage 3 gathers parameters here
+                return self.module(*args, **kwargs)
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """The config's ``torch_autocast`` around a forward (DeepSpeed's); a no-op context when it is off.
+
+        The backward needs none: autograd runs each op's backward in the dtype its forward chose.
+        """
+        ta = self.config.torch_autocast
+        if not ta.enabled:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.config.autocast_dtype)
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
         """Backward of the micro-batch loss, scaled for accumulation (and fp16)."""

@@ -89,6 +89,23 @@ class LossScaler:
         self.last_overflow_iter = int(state["last_overflow_iter"])
 
 
+def loss_scaler_for(config: ZeroConfig) -> LossScaler | None:
+    """The run's loss scaler: the fp16 section's; under fp16 ``torch_autocast`` at stage 0, torch's GradScaler rules.
+
+    DeepSpeed scales the loss of an fp16 autocast run only without ZeRO (stage 0), with
+    ``torch.amp.GradScaler`` (start at 2**16, halve on every overflow, double after 2000 clean
+    steps); ZeRO stages run it unscaled. The same rules here, so a run moved over skips the same
+    steps. bf16 and fp32 have no scaler.
+    """
+    if config.fp16.enabled:
+        return LossScaler(config.fp16)
+    ta = config.torch_autocast
+    if ta.enabled and ta.dtype == "fp16" and config.zero_optimization.stage == 0:
+        return LossScaler(FP16Config(enabled=True, loss_scale=0.0, initial_scale_power=16, loss_scale_window=2000,
+                                     hysteresis=1, min_loss_scale=2.0**-24))
+    return None
+
+
 def reduce_dtype(config: ZeroConfig) -> torch.dtype:
     """The dtype gradients are summed in across ranks.
 

@@ -148,10 +148,10 @@ CORPUS: list[Source] = [
     _at(DS_EXAMPLES, "dsexamples_imagenet_ds_fp16_z1.json", "training/imagenet/config/ds_fp16_z1_config.json"),
     _at(DS_EXAMPLES, "dsexamples_gan.json", "training/gan/gan_deepspeed_config.json"),
     _at(DS_EXAMPLES, "dsexamples_bf16_master_weight_baseline.json", "training/bf16_master_weight/configs/baseline.json"),
+    # bf16 masters, gradients and Adam state, with torch_autocast
+    _at(DS_EXAMPLES, "dsexamples_bf16_master_weight_bf16_full.json", "training/bf16_master_weight/configs/bf16_full.json"),
     _at(DS_EXAMPLES, "dsexamples_autosp_torchcompile.json", "benchmarks/autosp/configs/torchcompile_config.json"),
     # DeepSpeed feature demos: each exists to show a DeepSpeed feature hf_zero has no issue for yet
-    _at(DS_EXAMPLES, "dsexamples_bf16_master_weight_bf16_full.json", "training/bf16_master_weight/configs/bf16_full.json",
-        refuses="torch_autocast is not supported"),
     _at(DS_EXAMPLES, "dsexamples_zenflow.json", "training/DeepSpeed-ZenFlow/finetuning/zf_config.json",
         refuses="ZenFlow is not supported yet"),
     _at(DS_EXAMPLES, "dsexamples_tensor_parallel_hf.json", "training/tensor_parallel/hf_integration/configs/ds_config.json",

@@ -39,6 +39,11 @@ CASES = [
     {"name": "z1_bf16acc", "stage": 1, "dtype": "bf16_fp32acc", "steps_before_save": 2, "micro_after": 6},
     {"name": "z2_fp16", "stage": 2, "dtype": "fp16", "steps_before_save": 2, "micro_after": 6},
     {"name": "trainer_z3", "stage": 3, "trainer": True},
+    # bf16 masters, gradients and Adam state (no fp32 copy), and torch_autocast over fp32 parameters
+    *({"name": f"z{s}_bf16master", "stage": s, "dtype": "bf16master", "steps_before_save": 2, "micro_after": 6}
+      for s in (1, 2, 3)),
+    *({"name": f"z{s}_autocast", "stage": s, "dtype": "autocast", "steps_before_save": 2, "micro_after": 6}
+      for s in (0, 2, 3)),
 ]
 _RUN: dict[str, Any] = {}
 
@@ -123,6 +128,10 @@ def ds_config(stage: int, dtype: str, gas: int = 2, clip: float = 1.0) -> dict:
     }
     if dtype in ("bf16", "bf16_fp32acc"):
         cfg["bf16"] = {"enabled": True}
+    elif dtype == "bf16master":
+        cfg["bf16"] = {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
+    elif dtype == "autocast":
+        cfg["torch_autocast"] = {"enabled": True, "dtype": "torch.bfloat16"}
     if dtype == "bf16_fp32acc":  # ZeRO 1 then runs DeepSpeed's BF16_Optimizer, another checkpoint layout
         cfg["data_types"] = {"grad_accum_dtype": "fp32"}
     elif dtype == "fp16":

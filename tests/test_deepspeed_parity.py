@@ -5,7 +5,9 @@ config (gradient accumulation 2, clipping at 1.0, WarmupLR) and the same per-ran
 on 2 gloo ranks: hf_zero's losses at ZeRO stages 0-3 in fp32 equal DeepSpeed's at every one of
 10 micro-steps, bit for bit (the assertion allows rel. 1e-6 so that a harmless change of summation
 order in either library reads as what it is; the test prints the largest difference). bf16 and
-fp16 are compared too, to the precision those formats give. DeepSpeed's runs come from
+fp16 are compared too, to the precision those formats give, and so are bf16 masters (masters,
+gradients and Adam state in bf16: ``bf16_master_weights_and_grads`` + ``bf16_optimizer_states``) and
+``torch_autocast`` over fp32 parameters. DeepSpeed's runs come from
 ``tests/ds_oracle_train.py`` (shared with ``tests/test_deepspeed_checkpoints.py`` in one session).
 """
 
@@ -18,7 +20,9 @@ from tests.distributed import spawn
 
 MICRO_STEPS = 10
 CASES = [("z0_fp32", 0, "fp32"), ("z1_fp32", 1, "fp32"), ("z2_fp32", 2, "fp32"), ("z3_fp32", 3, "fp32"),
-         ("z1_bf16", 1, "bf16"), ("z3_bf16", 3, "bf16"), ("z2_fp16", 2, "fp16")]
+         ("z1_bf16", 1, "bf16"), ("z3_bf16", 3, "bf16"), ("z2_fp16", 2, "fp16"),
+         *((f"z{s}_bf16master", s, "bf16master") for s in (1, 2, 3)),
+         *((f"z{s}_autocast", s, "autocast") for s in (0, 2, 3))]
 
 
 def _train(rank: int, world: int, cases: list) -> dict:
@@ -59,4 +63,4 @@ def test_losses_equal_deepspeeds(runs: tuple[str, list], name: str, stage: int, 
             a, b = mine["losses"][t], theirs["losses"][t][rank]
             worst = max(worst, abs(a - b) / abs(b))
     print(f"{name}: hf_zero stage {stage} vs DeepSpeed, largest relative loss difference {worst:.3g}")
-    assert worst <= {"fp32": 1e-6, "bf16": 1e-3, "fp16": 1e-4}[dtype]
+    assert worst <= {"fp32": 1e-6, "bf16": 1e-3, "fp16": 1e-4, "bf16master": 1e-6, "autocast": 1e-4}[dtype]

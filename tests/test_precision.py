@@ -5,6 +5,8 @@ Also checks that non-boundary accumulation micro-steps issue no collective at al
 
 from __future__ import annotations
 
+import tempfile
+
 import pytest
 import torch
 
@@ -142,3 +144,108 @@ def test_fp16_overflow_skips_and_bf16_trains() -> None:
         # stage 2: every micro-step reduce-scatters; only the boundary gathers the new weights
         s2 = r["collectives_per_micro_stage2"]
         assert s2[0] == s2[1] == ["reduce_scatter_"] and "all_gather_" in s2[2], s2
+
+
+# ------------------------------------------------------------------ bf16 masters and torch_autocast
+# (their losses against DeepSpeed's own: tests/test_deepspeed_parity.py)
+
+BF16_MASTERS = {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
+
+
+@pytest.mark.parametrize("bf16,stage,offload,match", [
+    ({"enabled": True, "bf16_optimizer_states": True}, 2, False, "needs bf16.bf16_master_weights_and_grads"),
+    ({"enabled": True, "bf16_master_weights_and_grads": True}, 2, False, "without bf16.bf16_optimizer_states"),
+    (BF16_MASTERS, 0, False, "need ZeRO stage 1, 2 or 3"),
+    (BF16_MASTERS, 2, True, "with offload_optimizer are not supported yet"),
+    ({**BF16_MASTERS, "enabled": False}, 2, False, "bf16.enabled is false"),
+])
+def test_bf16_master_rules_are_deepspeeds(bf16: dict, stage: int, offload: bool, match: str) -> None:
+    from hf_zero.config import ConfigError, ZeroConfig
+
+    zo: dict = {"stage": stage}
+    if offload:
+        zo["offload_optimizer"] = {"device": "cpu"}
+    with pytest.raises(ConfigError, match=match):
+        ZeroConfig.load({"train_batch_size": 2, "bf16": bf16, "zero_optimization": zo})
+
+
+def test_bf16_masters_accept_auto_enabled_and_autocast_dtypes() -> None:
+    from hf_zero.config import ConfigError, ZeroConfig
+
+    cfg = ZeroConfig.load({"bf16": {**BF16_MASTERS, "enabled": "auto"}, "zero_optimization": {"stage": 3}})
+    assert "bf16.enabled" in cfg.auto_keys and cfg.master_dtype == torch.float32  # until the Trainer fills it
+    for spelt, dtype in (("torch.bfloat16", torch.bfloat16), ("bf16", torch.bfloat16), ("half", torch.float16)):
+        cfg = ZeroConfig.load({"torch_autocast": {"enabled": True, "dtype": spelt}})
+        assert cfg.torch_autocast.enabled and cfg.autocast_dtype == dtype
+    with pytest.raises(ConfigError, match="torch_autocast.dtype: got 'fp32', expected a 16-bit dtype"):
+        ZeroConfig.load({"torch_autocast": {"enabled": True, "dtype": "fp32"}})
+
+
+def _bf16_masters(rank: int, world: int, ckpt: str) -> dict:
+    import hf_zero
+
+    out: dict = {}
+    ids, labels = make_data(3, 2 * world)
+    for stage in (1, 2, 3):
+        model = make_model()  # the awkward shapes: uneven shards, a frozen layer, a tied weight
+        cfg = {"train_micro_batch_size_per_gpu": 2, "bf16": BF16_MASTERS,
+               "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
+        engine, *_ = hf_zero.initialize(model=model, optimizer=torch.optim.AdamW(
+            [p for p in model.parameters() if p.requires_grad], lr=1e-2), config=cfg)
+        for t in range(3):
+            loss = engine(ids[t, rank * 2 : rank * 2 + 2], labels[t, rank * 2 : rank * 2 + 2])
+            engine.backward(loss)
+            engine.step()
+        groups = [g for g in engine.zero_optimizer.groups if g.master is not None]
+        state = [t for st in engine.basic_optimizer.state.values() for t in st.values() if torch.is_tensor(t) and t.dim()]
+        shares = stage < 3 and all(
+            g.master.untyped_storage().data_ptr() == g.param_flat.untyped_storage().data_ptr() for g in groups)
+        out[stage] = {"masters": sorted({str(g.master.dtype) for g in groups}),
+                      "state": sorted({str(t.dtype) for t in state}), "n_state": len(state),
+                      "master_is_param_shard": shares, "loss": float(loss), "skipped": engine.skipped_steps}
+        if stage == 2:
+            engine.save_checkpoint(ckpt, tag="z2")
+            saved = {n: p.detach().float().clone() for n, p in model.named_parameters()}
+    # a bf16-master checkpoint resumes at stage 3 with bf16 masters, and in a plain bf16 run (fp32 masters)
+    for masters in (True, False):
+        model = make_model(seed=5)
+        bf16 = BF16_MASTERS if masters else {"enabled": True}
+        cfg = {"train_micro_batch_size_per_gpu": 2, "bf16": bf16, "zero_optimization": {"stage": 3 if masters else 1}}
+        engine, *_ = hf_zero.initialize(model=model, optimizer=torch.optim.AdamW(
+            [p for p in model.parameters() if p.requires_grad], lr=1e-2), config=cfg)
+        engine.load_checkpoint(ckpt, tag="z2")
+        with hf_zero.zero.GatheredParameters(list(model.parameters())):
+            out[f"resumed_masters_{masters}"] = all(
+                torch.equal(p.detach().float(), saved[n]) for n, p in model.named_parameters())
+        out[f"steps_{masters}"] = engine.global_steps
+    return out
+
+
+def test_bf16_masters_keep_no_fp32_copy() -> None:
+    """bf16 masters are the parameters' own bf16 shard (stages 1-2) or the bf16 shard itself (stage 3), and
+    Adam's moments are bf16: nothing of the model is held in fp32. Their checkpoint resumes at another stage,
+    with bf16 masters or with fp32 ones."""
+    with tempfile.TemporaryDirectory() as tmp:
+        results = spawn(_bf16_masters, 2, tmp)
+    for res in results:
+        assert res["resumed_masters_True"] and res["resumed_masters_False"] and res["steps_True"] == 3, res
+        for stage in ("1", "2", "3"):
+            r = res[stage]
+            assert r["masters"] == ["torch.bfloat16"] and r["state"] == ["torch.bfloat16"] and r["n_state"], (stage, r)
+            assert r["master_is_param_shard"] == (stage != "3") and r["skipped"] == 0
+            assert r["loss"] == r["loss"] and r["loss"] < 10  # finite
+
+
+def test_fp16_autocast_scales_the_loss_only_at_stage_0() -> None:
+    """DeepSpeed's rule: an fp16 torch_autocast run has torch's GradScaler without ZeRO, no scaling with it."""
+    from hf_zero.config import ZeroConfig
+    from hf_zero.precision import loss_scaler_for
+
+    for stage, scaled in ((0, True), (1, False), (3, False)):
+        cfg = ZeroConfig.load({"torch_autocast": {"enabled": True, "dtype": "fp16"}, "zero_optimization": {"stage": stage}})
+        scaler = loss_scaler_for(cfg)
+        assert (scaler is not None) == scaled
+        if scaler is not None:
+            assert scaler.scale == 2.0**16 and scaler.window == 2000 and scaler.hysteresis == 1
+    bf = ZeroConfig.load({"torch_autocast": {"enabled": True, "dtype": "bf16"}, "zero_optimization": {"stage": 0}})
+    assert loss_scaler_for(bf) is None

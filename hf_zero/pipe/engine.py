@@ -313,7 +313,7 @@ class PipelineEngine(ZeroEngine):
     def _forward_micro(self, i: int, run: _Run) -> None:
         """Forward of micro-batch ``i`` through this stage (and the loss on the last stage)."""
         x = run.inputs[i] if (run.train and not self.is_first_stage()) else run.inputs.pop(i)
-        with torch.enable_grad() if run.train else torch.no_grad():
+        with torch.enable_grad() if run.train else torch.no_grad(), self.autocast():
             out = self.module(x)
             if self.is_last_stage():
                 labels = run.labels.pop(i, None)

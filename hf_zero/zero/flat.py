@@ -53,11 +53,11 @@ class FlatGroup(ShardGroup):
             for s in self.slots:
                 fp32_flat[s.offset : s.offset + s.numel].copy_(s.param.detach().reshape(-1))
         if self.mixed:
-            self.master = fp32_flat[self.shard_lo : self.shard_hi].clone()
+            self.master = fp32_flat[self.shard_lo : self.shard_hi].to(self.master_dtype, copy=True)
             self.param_flat = fp32_flat.to(self.compute_dtype)
-        else:
-            self.param_flat = fp32_flat
-            self.master = fp32_flat[self.shard_lo : self.shard_hi]
+        else:  # fp32 (or bf16 masters of bf16 parameters): the optimizer steps the parameters' own shard
+            self.param_flat = fp32_flat.to(self.compute_dtype)
+            self.master = self.param_flat[self.shard_lo : self.shard_hi]
         del fp32_flat
         for s in self.slots:
             s.param.data = self.param_flat[s.offset : s.offset + s.numel].view(s.shape)
@@ -140,6 +140,8 @@ class FlatGroup(ShardGroup):
             if out.dtype != torch.float32:
                 out = out.float()
             out.div_(self.world_size)
+            if out.dtype != self.master_dtype:  # bf16 masters take bf16 gradients, averaged in fp32 first
+                out = out.to(self.master_dtype)
             prev = self.reduced_grad()
             if prev is not None and self.free_grads_after_reduce:
                 # Stage 2 reduces every micro-step: the shard accumulates the averaged gradients.

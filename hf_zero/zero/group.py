@@ -3,7 +3,7 @@
 A *shard group* is one bucket of parameters laid out back to back in one flat buffer
 (:func:`lay_out`), padded to a multiple of its process group's size so that every rank owns an
 equal, contiguous range of it: elements ``[shard_lo, shard_hi)``. For that range the group keeps
-an fp32 *master* (what the optimizer steps) and receives the averaged gradient (``master.grad``).
+an fp32 *master* (what the optimizer steps; bf16 when the config asks for bf16 masters) and receives the averaged gradient (``master.grad``).
 Everything outside ``hf_zero/zero`` talks to groups through :class:`ShardGroup` only:
 
 - **ownership** (checkpoints): :meth:`ShardGroup.owned` lists which elements of which parameter
@@ -59,7 +59,9 @@ class Placement:
     ``group`` is explicit (None: the default world) and ``rank`` / ``world_size`` are this rank's
     index in it and its size, so a group can shard over a data-parallel sub-group of the world.
     ``compute_dtype`` is what the parameters are held in, ``reduce_dtype`` what gradients are
-    averaged in.
+    averaged in, ``master_dtype`` what the masters and their reduced gradients are kept in (fp32,
+    or bf16 under ``bf16.bf16_master_weights_and_grads``: then a bf16 master is the parameters'
+    own shard, with no second copy).
     """
 
     group: dist.ProcessGroup | None
@@ -68,12 +70,14 @@ class Placement:
     device: torch.device
     compute_dtype: torch.dtype
     reduce_dtype: torch.dtype
+    master_dtype: torch.dtype = torch.float32
 
     @classmethod
     def over(cls, group: dist.ProcessGroup | None, device: torch.device, compute_dtype: torch.dtype,
-             reduce_dtype: torch.dtype) -> Placement:
+             reduce_dtype: torch.dtype, master_dtype: torch.dtype = torch.float32) -> Placement:
         """This rank's placement in ``group``."""
-        return cls(group, dist.get_rank(group), dist.get_world_size(group), device, compute_dtype, reduce_dtype)
+        return cls(group, dist.get_rank(group), dist.get_world_size(group), device, compute_dtype, reduce_dtype,
+                   master_dtype)
 
 
 @dataclass(frozen=True)
@@ -137,8 +141,8 @@ class ShardGroup(abc.ABC):
         """Lay the parameters out and compute this rank's range; ``parts`` is 1 when nothing is partitioned."""
         self.place = place
         self.group, self.rank, self.world_size, self.device = place.group, place.rank, place.world_size, place.device
-        self.compute_dtype, self.reduce_dtype = place.compute_dtype, place.reduce_dtype
-        self.mixed = self.compute_dtype != torch.float32
+        self.compute_dtype, self.reduce_dtype, self.master_dtype = place.compute_dtype, place.reduce_dtype, place.master_dtype
+        self.mixed = self.compute_dtype != self.master_dtype  # False: the master is (a view of) the parameters
         self.slots, self.numel = lay_out(named_params)
         self.padded_numel = math.ceil(self.numel / parts) * parts
         self.shard_numel = self.padded_numel // parts

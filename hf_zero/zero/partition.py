@@ -144,9 +144,11 @@ class ShardedOptimizer:
         prefetch_numel: int,
         max_live_numel: int,
         offload_pin: bool | None = None,
+        master_dtype: torch.dtype = torch.float32,
     ) -> None:
         """``offload_pin``: None keeps masters and optimizer state on ``device``; a bool moves them to host memory
-        (ZeRO-Offload, :mod:`hf_zero.zero.offload`), pinned when True and CUDA is present."""
+        (ZeRO-Offload, :mod:`hf_zero.zero.offload`), pinned when True and CUDA is present. ``master_dtype``:
+        fp32, or bf16 for bf16 masters (the optimizer's state then follows them into bf16)."""
         self.optimizer = optimizer
         self.offload_pin = offload_pin
         self.stage = stage
@@ -159,7 +161,9 @@ class ShardedOptimizer:
         self.flat_groups: list[FlatGroup] = []
         self.stage3_groups: list[ShardedParamGroup] = []
         self.runtime: Stage3Runtime | None = None
-        self.place = Placement.over(group, device, compute_dtype, reduce_dtype)
+        if master_dtype != torch.float32 and offload_pin is not None:
+            raise ValueError("bf16 masters are not built for an offloaded optimizer")  # the config refuses it first
+        self.place = Placement.over(group, device, compute_dtype, reduce_dtype, master_dtype)
 
         group_named = _trainable_by_param_group(module, optimizer)
         self.group_names = [[n for n, _ in named] for named in group_named]  # checkpoints record them

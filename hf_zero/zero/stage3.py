@@ -60,7 +60,8 @@ class ShardedParamGroup(ShardGroup):
         # A trainable group keeps only its fp32 master shard: the 16-bit values are cast from it at
         # gather time (as FSDP2 does), instead of a second, 16-bit copy of every shard living
         # beside it. Frozen groups have no master and keep their shard in the compute dtype.
-        self.master: torch.Tensor | None = shard32 if trainable else None
+        self.master: torch.Tensor | None = (shard32 if self.master_dtype == torch.float32 else shard32.to(self.master_dtype)) \
+            if trainable else None
         self.param_shard: torch.Tensor | None = None if trainable else shard32.to(compute_dtype)
         del shard32
         # One full-size tensor for the life of the group; "freeing" it resizes its storage to 0
@@ -156,6 +157,8 @@ class ShardedParamGroup(ShardGroup):
             out = torch.empty(self.shard_numel, dtype=self.reduce_dtype, device=self.device)
             C.reduce_scatter_(out, src, self.group, self.world_size)
             out = out.float().div_(self.world_size)
+            if out.dtype != self.master_dtype:  # bf16 masters take bf16 gradients, averaged in fp32 first
+                out = out.to(self.master_dtype)
             prev = self.reduced_grad()
             if prev is None:
                 self._set_reduced_grad(out)
