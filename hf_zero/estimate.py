@@ -17,8 +17,16 @@ freed yet), per data-parallel rank, for Ψ trainable parameters on N ranks. They
   multiple of N. Buffers are per bucket, so padding adds at most N-1 elements per buffer, which
   the estimate leaves out.
 
-A test of the engine measures the bytes it really holds and compares them with
-:func:`estimate_memory`, so the formulas here are a contract: change both or neither.
+With ``offload_optimizer`` (``device: cpu``, stages 1-3, :mod:`hf_zero.zero.offload`) the fp32
+master, the optimizer state and an fp32 copy of the reduced gradient shard move to host memory;
+the device keeps the compute-dtype parameters (at stage 3 the compute-dtype shard the gathers read)
+and the fp32 reduced-gradient shard until its copy leaves: :func:`estimate_offload_memory`. Its
+host figure is :func:`offload_host_bytes`, the function the engine checks against
+``MemAvailable`` before it allocates (``check_host_memory`` in hf_zero/zero/offload.py).
+
+Tests of the engine measure the bytes it really holds and compare them with
+:func:`estimate_memory` (tests/test_memory.py) and :func:`estimate_offload_memory`
+(tests/test_estimate_offload.py), so the formulas here are a contract: change both or neither.
 """
 
 from __future__ import annotations
@@ -71,6 +79,18 @@ def optimizer_state_bytes_per_element(optimizer: str) -> int:
     return _OPTIMIZER_STATE_BYTES[key]
 
 
+def _check_sizes(num_params: int, world_size: int, dtype: str) -> str:
+    """Refuse a count, world size or dtype the formulas have no meaning for; the dtype's lower-case key."""
+    if isinstance(num_params, bool) or not isinstance(num_params, int) or num_params < 0:
+        raise ValueError(f"num_params: got {num_params!r}, expected a non-negative integer")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size: got {world_size!r}, expected an integer >= 1")
+    dtype_key = dtype.strip().lower()
+    if dtype_key not in DTYPES:
+        raise ValueError(f"dtype: got {dtype!r}, expected one of {', '.join(DTYPES)}")
+    return dtype_key
+
+
 def estimate_memory(
     num_params: int, world_size: int, stage: int, dtype: str = "bf16", optimizer: str = "adam"
 ) -> MemoryEstimate:
@@ -101,15 +121,9 @@ def estimate_memory(
     cast from the fp32 master shards when it is gathered and freed after use. In 16-bit training the gradient term is the 16-bit gradients backward writes plus the
     fp32 reduced gradients; the optimizer term includes the fp32 master weights.
     """
-    if isinstance(num_params, bool) or not isinstance(num_params, int) or num_params < 0:
-        raise ValueError(f"num_params: got {num_params!r}, expected a non-negative integer")
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size: got {world_size!r}, expected an integer >= 1")
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"stage: got {stage!r}, expected one of 0, 1, 2, 3")
-    dtype_key = dtype.strip().lower()
-    if dtype_key not in DTYPES:
-        raise ValueError(f"dtype: got {dtype!r}, expected one of {', '.join(DTYPES)}")
+    dtype_key = _check_sizes(num_params, world_size, dtype)
     k = optimizer_state_bytes_per_element(optimizer)
     full = num_params
     shard = math.ceil(num_params / world_size)
@@ -135,6 +149,76 @@ def estimate_memory(
         formula = f"params {p_text} + grads {g_text} + optim (4+{k}){o_sym}"
     return MemoryEstimate(
         stage=stage, params_bytes=params, grads_bytes=grads, optim_bytes=optim, formula=formula
+    )
+
+
+def offload_host_bytes(shard_numel: int, state_bytes: int) -> int:
+    """Host bytes one rank pins for ``offload_optimizer``: per element of its shard, the fp32 master (4),
+    the fp32 copy of the reduced gradient the host optimizer reads (4) and ``state_bytes`` of optimizer state.
+
+    One function for two readers, so they cannot drift apart: the engine compares the sum over a
+    machine's ranks with ``MemAvailable`` before it allocates anything (``check_host_memory`` in
+    hf_zero/zero/offload.py), and ``hf-zero estimate`` prints it.
+    """
+    return shard_numel * (4 + 4 + state_bytes)
+
+
+@dataclass(frozen=True)
+class OffloadEstimate:
+    """Bytes one rank holds with ``offload_optimizer`` on the CPU: model states on the device and in host memory.
+
+    ``device_formula`` and ``host_formula`` spell the terms in Ψ and N, as :class:`MemoryEstimate`'s
+    ``formula`` does.
+    """
+
+    stage: int
+    device_params_bytes: int
+    device_grads_bytes: int
+    host_bytes: int
+    device_formula: str
+    host_formula: str
+
+    @property
+    def device_bytes(self) -> int:
+        return self.device_params_bytes + self.device_grads_bytes
+
+
+def estimate_offload_memory(
+    num_params: int, world_size: int, stage: int, dtype: str = "bf16", optimizer: str = "adam"
+) -> OffloadEstimate:
+    """Bytes per rank with ``"offload_optimizer": {"device": "cpu"}`` at ZeRO stage 1, 2 or 3.
+
+    With Ψ, N, S = ceil(Ψ/N) and k as in :func:`estimate_memory`, and w the bytes of the compute
+    dtype (2 in bf16/fp16, 4 in fp32):
+
+    ======  ==============  ==============  =====================
+    stage   device params   device grads    host (per rank)
+    ======  ==============  ==============  =====================
+    1, 2    wΨ              4S              (4 + 4 + k)S
+    3       wS              4S              (4 + 4 + k)S
+    ======  ==============  ==============  =====================
+
+    Device: the compute-dtype parameters (at stage 3 the compute-dtype shard the all-gathers read,
+    which offload keeps on the device where stage 3 without offload casts it from the fp32 master),
+    and the fp32 reduced-gradient shard. That shard is wholly on the device while stages 2-3
+    accumulate micro-steps; in the backward that ends a step each bucket's part is copied to the
+    host and released as soon as it is reduced, so with one micro-step per step (and at stage 1,
+    which reduces only then) fewer than 4S bytes of it are there at once. With gradient
+    accumulation stage 1 also holds the full compute-dtype gradients (wΨ) between micro-steps, as
+    it does without offload (see the module docstring). Host: :func:`offload_host_bytes` (master, gradient
+    copy, optimizer state). Stage 3's gathered units, like every temporary buffer, are left out.
+    Parameter offload (``offload_param``) is not built, so there is no row for it.
+    """
+    if stage not in (1, 2, 3):
+        raise ValueError(f"stage: got {stage!r}, expected 1, 2 or 3 (offload_optimizer needs a partitioned optimizer)")
+    width = 4 if _check_sizes(num_params, world_size, dtype) == "fp32" else 2
+    k = optimizer_state_bytes_per_element(optimizer)
+    shard = math.ceil(num_params / world_size)
+    params, p_text = (width * shard, f"{width}Ψ/N") if stage == 3 else (width * num_params, f"{width}Ψ")
+    return OffloadEstimate(
+        stage=stage, device_params_bytes=params, device_grads_bytes=4 * shard,
+        host_bytes=offload_host_bytes(shard, k), device_formula=f"params {p_text} + grads 4Ψ/N",
+        host_formula=f"(4+4+{k})Ψ/N",
     )
 
 
@@ -326,5 +410,43 @@ def format_table(
     if ref_params is not None:
         lines.append(f"Ψr = {ref_params:,} parameters of the frozen reference model: a whole copy per rank at stages 0-2, "
                      "sharded at stage 3.")
+    lines += ["", *format_offload_rows(num_params, num_gpus, num_nodes, dtype, optimizer, ref_params=ref_params)]
     lines.append("Activations, temporary buffers and the CUDA context are not included.")
     return "\n".join(lines)
+
+
+def format_offload_rows(
+    num_params: int, num_gpus: int, num_nodes: int, dtype: str = "bf16", optimizer: str = "adam",
+    ref_params: int | None = None,
+) -> list[str]:
+    """The offload part of ``hf-zero estimate``: device and host bytes per rank for ``offload_optimizer`` cpu at
+    stages 1-3, the host bytes of a node (its ``num_gpus`` ranks, the sum the engine compares with ``MemAvailable``),
+    and one line saying that ``offload_param`` has no row because hf_zero refuses it.
+
+    ``ref_params``: a frozen reference model has no optimizer to offload, so its weights stay on the device
+    (:func:`reference_model_bytes`) and are added to the device column.
+    """
+    world = num_gpus * num_nodes
+    dtype_name = dtype.strip().lower()
+    lines = [
+        'With "offload_optimizer": {"device": "cpu"}: the fp32 master, the optimizer state and a copy of the reduced '
+        f"gradient in host memory, the step on the CPU; the device keeps the {dtype_name} parameters (at stage 3 their shard) "
+        "and the fp32 reduced-gradient shard until its copy leaves.",
+        f"{'offload':<8} {'stage':>5}  {'device GiB':>11}  {'host GiB/rank':>13}  {'host GiB/node':>13}  "
+        "device formula / host formula",
+    ]
+    for stage in (1, 2, 3):
+        r = estimate_offload_memory(num_params, world, stage, dtype, optimizer)
+        ref, ref_text = 0, ""
+        if ref_params is not None:
+            ref = reference_model_bytes(ref_params, world, stage, dtype)
+            ref_text = f" + ref {4 if dtype_name == 'fp32' else 2}" + ("Ψr/N" if stage >= 3 else "Ψr")
+        lines.append(
+            f"{'cpu':<8} {stage:>5}  {(r.device_bytes + ref) / GIB:>11.2f}  {r.host_bytes / GIB:>13.2f}  "
+            f"{num_gpus * r.host_bytes / GIB:>13.2f}  {r.device_formula}{ref_text} / host {r.host_formula}"
+        )
+    lines.append(
+        f"host GiB/node = {num_gpus} ranks x host GiB/rank: what the engine checks against MemAvailable before it allocates."
+    )
+    lines.append('"offload_param": not built yet (hf_zero refuses it), so there is no row for it.')
+    return lines

@@ -23,6 +23,8 @@ from hf_zero.estimate import (
     MemoryEstimate,
     count_model_parameters,
     estimate_memory,
+    estimate_offload_memory,
+    offload_host_bytes,
     optimizer_state_bytes_per_element,
     parse_param_count,
 )
@@ -326,6 +328,44 @@ def test_estimate_cli_prints_four_stages(capsys: pytest.CaptureFixture[str]) -> 
     assert rows[3][4] == "4.10"  # (0 + 4/4 + 12/4) bytes * 1.1e9 / 2**30
 
 
+# (device params, device grads, host) bytes for offload_optimizer cpu at stages 1..3, by hand: S = 334;
+# host (4 master + 4 gradient copy + k) * 334; stage 3 keeps only the compute-dtype shard on the device
+# fmt: off
+EXPECTED_OFFLOAD = {
+    ("bf16", "adam"):         [(2000, 1336, 5344), (2000, 1336, 5344), (668, 1336, 5344)],
+    ("fp32", "sgd"):          [(4000, 1336, 2672), (4000, 1336, 2672), (1336, 1336, 2672)],
+    ("fp16", "sgd_momentum"): [(2000, 1336, 4008), (2000, 1336, 4008), (668, 1336, 4008)],
+}
+# fmt: on
+
+
+@pytest.mark.parametrize("dtype, optimizer", list(EXPECTED_OFFLOAD))
+def test_estimate_offload_memory_by_hand(dtype: str, optimizer: str) -> None:
+    for stage, (params, grads, host) in zip((1, 2, 3), EXPECTED_OFFLOAD[dtype, optimizer]):
+        est = estimate_offload_memory(PSI, N, stage, dtype, optimizer)
+        assert (est.device_params_bytes, est.device_grads_bytes, est.host_bytes) == (params, grads, host), (stage, est)
+        assert est.device_bytes == params + grads and est.stage == stage
+        assert est.host_bytes == offload_host_bytes(334, optimizer_state_bytes_per_element(optimizer))
+    with pytest.raises(ValueError, match="stage"):
+        estimate_offload_memory(PSI, N, 0)  # offload needs a partitioned optimizer, as the config parser says
+    with pytest.raises(ValueError, match="world_size"):
+        estimate_offload_memory(PSI, 0, 2)
+
+
+def test_estimate_cli_prints_offload_rows_per_rank_and_node(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["estimate", "--params", "7B", "--num_gpus", "8", "--num_nodes", "2"]) == 0
+    out = capsys.readouterr().out
+    rows = {int(line.split()[1]): line.split() for line in out.splitlines() if line.startswith("cpu ")}
+    assert sorted(rows) == [1, 2, 3]
+    for stage, cols in rows.items():
+        est = estimate_offload_memory(7_000_000_000, 16, stage, "bf16", "adam")
+        assert cols[2:5] == [f"{b / GIB:.2f}" for b in (est.device_bytes, est.host_bytes, 8 * est.host_bytes)]
+    assert rows[3][2:5] == ["2.44", "6.52", "52.15"]  # (2 + 4)/16, 16/16 and 8 * 16/16 bytes * 7e9 / 2**30
+    # parameter offload is refused by the engine, so the estimate gives it no row, only a line saying so
+    assert '"offload_param": not built yet' in out
+    assert not any("offload_param" in line and line[:1].isdigit() for line in out.splitlines())
+
+
 # ------------------------------------------------------------------- estimate: counting
 
 
@@ -391,8 +431,16 @@ def test_estimate_ref_model_column_counts_a_frozen_copy_whole_at_stages_0_2_and_
     from hf_zero.estimate import reference_model_bytes
 
     assert main(["estimate", "--params", "1.1B", "--num_gpus", "2", "--ref-model"]) == 0
-    rows = [ln.split() for ln in capsys.readouterr().out.splitlines() if ln.strip()[:1] in "0123" and "+" in ln]
+    out = capsys.readouterr().out
+    rows = [ln.split() for ln in out.splitlines() if ln.strip()[:1] in "0123" and "+" in ln]
     assert [r[4] for r in rows] == ["2.05", "2.05", "2.05", "1.02"]  # ref GiB: 2 bytes x 1.1e9, halved at stage 3
+    # with optimizer offload the frozen copy (no optimizer to offload) stays on the device
+    offload = [ln.split() for ln in out.splitlines() if ln.startswith("cpu ")]
+    for cols in offload:
+        stage = int(cols[1])
+        device = estimate_offload_memory(1_100_000_000, 2, stage).device_bytes + reference_model_bytes(1_100_000_000, 2, stage)
+        assert cols[2] == f"{device / GIB:.2f}" and "+ ref 2Ψr" in " ".join(cols), cols
+    assert len(offload) == 3
     assert [reference_model_bytes(10, 4, s, "fp32") for s in (2, 3)] == [40, 12]  # ceil(10/4) = 3 elements of 4 bytes
     assert main(["estimate", "--params", "1.1B", "--ref-model", "3e9"]) == 0
     assert "Ψr = 3,000,000,000" in capsys.readouterr().out

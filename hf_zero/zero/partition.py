@@ -169,7 +169,7 @@ class ShardedOptimizer:
         self.group_names = [[n for n, _ in named] for named in group_named]  # checkpoints record them
         if offload_pin is not None:  # planned before any host buffer exists: fp32 master + gradient copy + state
             shard = sum(math.ceil(p.numel() / self.place.world_size) for named in group_named for _, p in named)
-            check_host_memory(shard * (8 + state_bytes_per_element(optimizer)), group)
+            check_host_memory(shard, state_bytes_per_element(optimizer), group)
         group_masters: list[list[torch.Tensor]] = [[] for _ in group_named]
         if stage == 3:
             self._build_stage3(module, group_named, group_masters, persistence_threshold, prefetch_numel, max_live_numel)
