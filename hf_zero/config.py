@@ -128,7 +128,7 @@ class ZeroConfig:
         cfg.sequence_parallel = parse_sequence_parallel(config)
         cfg.sequence_parallel_size = cfg.sequence_parallel.size
         parser.unknown.extend(cfg.sequence_parallel.ignored)
-        refuse_missing_features(cfg)
+        parser.ignored.extend(refuse_missing_features(cfg))
         parser.warn()  # only for a config that will run: a refused one is fixed and parsed again
         return cfg
 

@@ -403,12 +403,13 @@ class Parser:
         return cls(**out)
 
 
-def refuse_missing_features(cfg: Any) -> None:
-    """Features the parser reads in full but hf_zero cannot run yet: one sentence each, before any work.
+def refuse_missing_features(cfg: Any) -> list[str]:
+    """Features the parser reads in full but hf_zero cannot run yet, and combinations DeepSpeed refuses: one
+    sentence each, before any work. Returns the JSON paths to name in the "accepts but ignores" warning.
 
-    ``cfg`` is the parsed ZeroConfig. Optimizer offload to the CPU runs (hf_zero/zero/offload.py); its
-    NVMe and partial forms, and parameter offload, do not yet. (Sequence parallelism: ``cfg.sequence_parallel``,
-    read by hf_zero/sequence/config.py.)
+    ``cfg`` is the parsed ZeroConfig. Optimizer offload and stage 3's parameter offload to the CPU run
+    (hf_zero/zero/offload.py); their NVMe and partial forms do not yet. (Sequence parallelism:
+    ``cfg.sequence_parallel``, read by hf_zero/sequence/config.py.)
     """
     zo = cfg.zero_optimization
     opt = zo.offload_optimizer
@@ -444,6 +445,10 @@ def refuse_missing_features(cfg: Any) -> None:
             raise ConfigError("zero_optimization.offload_optimizer.super_offload: SuperOffload is not supported; remove it "
                               "(hf_zero offloads the optimizer state to host memory without it)")
     par = zo.offload_param
-    if par is not None and par.device != "none":
-        raise ConfigError(f"zero_optimization.offload_param.device: got {par.device!r}, but parameter offload is not "
-                          'supported yet; use "none" or remove offload_param (offload_optimizer to "cpu" is supported)')
+    if par is not None and par.device == "nvme":
+        raise ConfigError('zero_optimization.offload_param.device: "nvme" (ZeRO-Infinity) is not supported; use "cpu" to '
+                          'keep the parameter shards in host memory, or "none"')
+    ignored = []
+    if par is not None and par.device == "cpu" and zo.stage != 3:
+        ignored.append("zero_optimization.offload_param (DeepSpeed reads it at stage 3 only)")
+    return ignored

@@ -74,8 +74,9 @@ class TorchAutocastConfig:
 class OffloadParamConfig:
     """``zero_optimization.offload_param``, DeepSpeed's fields and defaults (parameters in host memory or NVMe).
 
-    Parsed in full so that the offload engine reads it from here; ``config_parse.refuse_missing_features``
-    refuses any device but "none" until it exists.
+    Parsed in full; "cpu" runs at stage 3 (hf_zero/zero/offload.py), "nvme" is refused by
+    ``config_parse.refuse_missing_features`` (so are its fields' uses: nvme_path, buffer_count,
+    buffer_size and max_in_cpu configure NVMe only).
     """
 
     device: str = "none"  # "none" | "cpu" | "nvme"

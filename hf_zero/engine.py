@@ -133,12 +133,14 @@ class ZeroEngine(torch.nn.Module):
         zc = self.config.zero_optimization
         off = zc.offload_optimizer
         offload_pin = bool(off.pin_memory) if off is not None and off.device == "cpu" and not self.inference_only else None
+        par = zc.offload_param  # stage 3 only (the config names it as ignored at the others)
+        param_offload_pin = bool(par.pin_memory) if par is not None and par.device == "cpu" and zc.stage == 3 else None
         return ShardedOptimizer(
             self.module, optimizer, stage=zc.stage, compute_dtype=self.compute_dtype,
             reduce_dtype=reduce_dtype(self.config), bucket_numel=max(1, int(zc.reduce_bucket_size)), group=self.group,
             device=self.device, persistence_threshold=int(zc.stage3_param_persistence_threshold),
             prefetch_numel=int(zc.stage3_prefetch_bucket_size), max_live_numel=int(zc.stage3_max_live_parameters),
-            offload_pin=offload_pin, master_dtype=self.config.master_dtype,
+            offload_pin=offload_pin, master_dtype=self.config.master_dtype, param_offload_pin=param_offload_pin,
         )
 
     def compile(self, backend: str | Any = "inductor", compile_kwargs: dict | None = None) -> None:

@@ -152,15 +152,20 @@ def estimate_memory(
     )
 
 
-def offload_host_bytes(shard_numel: int, state_bytes: int) -> int:
-    """Host bytes one rank pins for ``offload_optimizer``: per element of its shard, the fp32 master (4),
-    the fp32 copy of the reduced gradient the host optimizer reads (4) and ``state_bytes`` of optimizer state.
+def offload_host_bytes(shard_numel: int, state_bytes: int, *, optimizer: bool = True, param_bytes: int = 0,
+                       frozen_numel: int = 0) -> int:
+    """Host bytes one rank pins for offload: with ``offload_optimizer``, per element of its trainable shard, the
+    fp32 master (4), the fp32 copy of the reduced gradient the host optimizer reads (4) and ``state_bytes`` of
+    optimizer state; with stage 3's ``offload_param``, ``param_bytes`` per element of the 16-bit shards kept
+    there (the trainable ones only when the optimizer is offloaded too, else their masters stay on the
+    device, and ``frozen_numel`` elements of frozen shards).
 
     One function for two readers, so they cannot drift apart: the engine compares the sum over a
     machine's ranks with ``MemAvailable`` before it allocates anything (``check_host_memory`` in
     hf_zero/zero/offload.py), and ``hf-zero estimate`` prints it.
     """
-    return shard_numel * (4 + 4 + state_bytes)
+    masters = shard_numel * (4 + 4 + state_bytes) if optimizer else 0
+    return masters + ((shard_numel if optimizer else 0) + frozen_numel) * param_bytes
 
 
 @dataclass(frozen=True)
@@ -184,9 +189,10 @@ class OffloadEstimate:
 
 
 def estimate_offload_memory(
-    num_params: int, world_size: int, stage: int, dtype: str = "bf16", optimizer: str = "adam"
+    num_params: int, world_size: int, stage: int, dtype: str = "bf16", optimizer: str = "adam", params: bool = False,
 ) -> OffloadEstimate:
-    """Bytes per rank with ``"offload_optimizer": {"device": "cpu"}`` at ZeRO stage 1, 2 or 3.
+    """Bytes per rank with ``"offload_optimizer": {"device": "cpu"}`` at ZeRO stage 1, 2 or 3 (and, with
+    ``params``, stage 3's ``"offload_param": {"device": "cpu"}`` as well).
 
     With Ψ, N, S = ceil(Ψ/N) and k as in :func:`estimate_memory`, and w the bytes of the compute
     dtype (2 in bf16/fp16, 4 in fp32):
@@ -207,18 +213,24 @@ def estimate_offload_memory(
     accumulation stage 1 also holds the full compute-dtype gradients (wΨ) between micro-steps, as
     it does without offload (see the module docstring). Host: :func:`offload_host_bytes` (master, gradient
     copy, optimizer state). Stage 3's gathered units, like every temporary buffer, are left out.
-    Parameter offload (``offload_param``) is not built, so there is no row for it.
+    With parameter offload (stage 3 only) the wS shard moves from the device column to the host one:
+    the device then holds parameters only while their unit is gathered (left out, as above).
     """
     if stage not in (1, 2, 3):
         raise ValueError(f"stage: got {stage!r}, expected 1, 2 or 3 (offload_optimizer needs a partitioned optimizer)")
+    if params and stage != 3:
+        raise ValueError(f"stage: got {stage!r}, but offload_param acts at stage 3 only")
     width = 4 if _check_sizes(num_params, world_size, dtype) == "fp32" else 2
     k = optimizer_state_bytes_per_element(optimizer)
     shard = math.ceil(num_params / world_size)
-    params, p_text = (width * shard, f"{width}Ψ/N") if stage == 3 else (width * num_params, f"{width}Ψ")
+    on_device, p_text = (width * shard, f"{width}Ψ/N") if stage == 3 else (width * num_params, f"{width}Ψ")
+    if params:
+        on_device, p_text = 0, "0 (gathered units only)"
     return OffloadEstimate(
-        stage=stage, device_params_bytes=params, device_grads_bytes=4 * shard,
-        host_bytes=offload_host_bytes(shard, k), device_formula=f"params {p_text} + grads 4Ψ/N",
-        host_formula=f"(4+4+{k})Ψ/N",
+        stage=stage, device_params_bytes=on_device, device_grads_bytes=4 * shard,
+        host_bytes=offload_host_bytes(shard, k, param_bytes=width if params else 0),
+        device_formula=f"params {p_text} + grads 4Ψ/N",
+        host_formula=f"(4+4+{k}+{width})Ψ/N" if params else f"(4+4+{k})Ψ/N",
     )
 
 
@@ -420,8 +432,8 @@ def format_offload_rows(
     ref_params: int | None = None,
 ) -> list[str]:
     """The offload part of ``hf-zero estimate``: device and host bytes per rank for ``offload_optimizer`` cpu at
-    stages 1-3, the host bytes of a node (its ``num_gpus`` ranks, the sum the engine compares with ``MemAvailable``),
-    and one line saying that ``offload_param`` has no row because hf_zero refuses it.
+    stages 1-3 and, at stage 3, with ``offload_param`` cpu too (row "cpu+param"), and the host bytes of a node
+    (its ``num_gpus`` ranks, the sum the engine compares with ``MemAvailable``).
 
     ``ref_params``: a frozen reference model has no optimizer to offload, so its weights stay on the device
     (:func:`reference_model_bytes`) and are added to the device column.
@@ -435,18 +447,18 @@ def format_offload_rows(
         f"{'offload':<8} {'stage':>5}  {'device GiB':>11}  {'host GiB/rank':>13}  {'host GiB/node':>13}  "
         "device formula / host formula",
     ]
-    for stage in (1, 2, 3):
-        r = estimate_offload_memory(num_params, world, stage, dtype, optimizer)
+    for stage, params in ((1, False), (2, False), (3, False), (3, True)):
+        r = estimate_offload_memory(num_params, world, stage, dtype, optimizer, params=params)
         ref, ref_text = 0, ""
         if ref_params is not None:
             ref = reference_model_bytes(ref_params, world, stage, dtype)
             ref_text = f" + ref {4 if dtype_name == 'fp32' else 2}" + ("Ψr/N" if stage >= 3 else "Ψr")
         lines.append(
-            f"{'cpu':<8} {stage:>5}  {(r.device_bytes + ref) / GIB:>11.2f}  {r.host_bytes / GIB:>13.2f}  "
-            f"{num_gpus * r.host_bytes / GIB:>13.2f}  {r.device_formula}{ref_text} / host {r.host_formula}"
+            f"{'cpu+param' if params else 'cpu':<9} {stage:>4}  {(r.device_bytes + ref) / GIB:>11.2f}  "
+            f"{r.host_bytes / GIB:>13.2f}  {num_gpus * r.host_bytes / GIB:>13.2f}  "
+            f"{r.device_formula}{ref_text} / host {r.host_formula}"
         )
     lines.append(
         f"host GiB/node = {num_gpus} ranks x host GiB/rank: what the engine checks against MemAvailable before it allocates."
     )
-    lines.append('"offload_param": not built yet (hf_zero refuses it), so there is no row for it.')
     return lines

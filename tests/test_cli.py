@@ -361,9 +361,11 @@ def test_estimate_cli_prints_offload_rows_per_rank_and_node(capsys: pytest.Captu
         est = estimate_offload_memory(7_000_000_000, 16, stage, "bf16", "adam")
         assert cols[2:5] == [f"{b / GIB:.2f}" for b in (est.device_bytes, est.host_bytes, 8 * est.host_bytes)]
     assert rows[3][2:5] == ["2.44", "6.52", "52.15"]  # (2 + 4)/16, 16/16 and 8 * 16/16 bytes * 7e9 / 2**30
-    # parameter offload is refused by the engine, so the estimate gives it no row, only a line saying so
-    assert '"offload_param": not built yet' in out
-    assert not any("offload_param" in line and line[:1].isdigit() for line in out.splitlines())
+    # stage 3 with offload_param too: the 2Ψ/N shard moves from the device column to the host ones
+    param = next(line.split() for line in out.splitlines() if line.startswith("cpu+param "))
+    est = estimate_offload_memory(7_000_000_000, 16, 3, "bf16", "adam", params=True)
+    assert param[1] == "3" and param[2:5] == [f"{b / GIB:.2f}" for b in (est.device_bytes, est.host_bytes, 8 * est.host_bytes)]
+    assert param[2:5] == ["1.63", "7.33", "58.67"]  # 4/16, 18/16 and 8 * 18/16 bytes * 7e9 / 2**30
 
 
 # ------------------------------------------------------------------- estimate: counting

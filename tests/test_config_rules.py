@@ -218,11 +218,10 @@ def test_every_config_field_is_read_outside_the_parser() -> None:
     """A dataclass field nothing reads is dead: it belongs in an inert table (issue 16)."""
     source = "\n".join(p.read_text() for p in PACKAGE.rglob("*.py")
                        if p.name not in ("config_parse.py", "config_sections.py", "config_schema.py"))
-    # parameter offload is parsed and refused until it exists (config_parse.refuse_missing_features); of the
-    # optimizer's, the NVMe fields (nvme is refused), fast_init (NVMe's) and cpuadam_cores_perc (super_offload's,
-    # refused) have nothing to configure with the offload to host memory that runs
-    waiting = {f.name for f in dataclasses.fields(OffloadParamConfig)} | {"offload_param"}
-    waiting |= {"nvme_path", "buffer_count", "pipeline_read", "pipeline_write", "fast_init", "cpuadam_cores_perc"}
+    # the NVMe fields of both offload sections (nvme is refused), fast_init (NVMe's) and cpuadam_cores_perc
+    # (super_offload's, refused) have nothing to configure with the offload to host memory that runs
+    waiting = {"nvme_path", "buffer_count", "buffer_size", "max_in_cpu", "pipeline_read", "pipeline_write", "fast_init",
+               "cpuadam_cores_perc"}
     waiting |= {"ratio", "super_offload"}  # read by the parser's refusal of partial offload and SuperOffload
     classes = [c for c in vars(config_sections).values() if dataclasses.is_dataclass(c)] + [ZeroConfig]
     unread = [f"{cls.__name__}.{f.name}" for cls in classes for f in dataclasses.fields(cls)

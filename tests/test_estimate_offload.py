@@ -40,7 +40,8 @@ from tests.distributed import spawn
 
 WORLD = 2
 VOCAB = 63
-CASES = [[s, d] for s in (1, 2, 3) for d in ("bf16", "fp32")]
+# stage 3 also with offload_param (the 16-bit shards in host memory too)
+CASES = [[s, d, False] for s in (1, 2, 3) for d in ("bf16", "fp32")] + [[3, d, True] for d in ("bf16", "fp32")]
 
 
 def _model() -> torch.nn.Module:
@@ -52,14 +53,17 @@ def _model() -> torch.nn.Module:
                                       bos_token_id=0, eos_token_id=0))
 
 
-def _config(stage: int, dtype: str) -> dict:
-    return {
+def _config(stage: int, dtype: str, params: bool = False) -> dict:
+    cfg = {
         "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "steps_per_print": 1000,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
         "zero_optimization": {"stage": stage, "reduce_bucket_size": 2000, "stage3_param_persistence_threshold": 0,
                               "offload_optimizer": {"device": "cpu", "pin_memory": True}},
         "bf16": {"enabled": dtype == "bf16"},
     }
+    if params:  # stage 3's parameter offload as well: the 16-bit shards in host memory
+        cfg["zero_optimization"]["offload_param"] = {"device": "cpu", "pin_memory": True}
+    return cfg
 
 
 def _batch(step: int, micro: int, rank: int) -> dict:
@@ -86,10 +90,10 @@ def _measure(rank: int, world: int, cases: list) -> list:
     from hf_zero.zero.offload import _HostMaster
 
     out = []
-    for stage, dtype in cases:
+    for stage, dtype, params in cases:
         model = _model()
         psi = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        engine, *_ = hf_zero.initialize(model=model, config=_config(stage, dtype))
+        engine, *_ = hf_zero.initialize(model=model, config=_config(stage, dtype, params))
         zo = engine.zero_optimizer
         groups = [g for g in zo.groups if g.trainable]
         assert all(isinstance(g, _HostMaster) for g in groups)
@@ -113,11 +117,12 @@ def _measure(rank: int, world: int, cases: list) -> list:
         device_params = _nbytes([t for h in held for t in h["params"]], seen)
         device_grads = _nbytes([t for h in held for t in h["grads"]], seen)
         host = _nbytes([g.master for g in groups] + [g._host_grad for g in groups], seen)
+        host += _nbytes([g.param_shard for g in groups if getattr(g, "shard_on_host", False)], seen)
         host += _nbytes([v for st in zo.optimizer.state.values() for v in st.values()
                          if torch.is_tensor(v) and v.numel() > 1], seen)
         boundary = sum(shards.values())
         per_param_shards = sum(math.ceil(p.numel() / world) for p in model.parameters() if p.requires_grad)
-        out.append({"stage": stage, "dtype": dtype, "psi": psi, "groups": len(groups), "params": len(list(model.parameters())),
+        out.append({"stage": stage, "dtype": dtype, "offload_param": params, "psi": psi, "groups": len(groups), "params": len(list(model.parameters())),
                     "device_params": device_params, "device_grads": device_grads, "host": host,
                     "boundary_shards": boundary, "shard_copies": len(shards), "per_param_shards": per_param_shards})
     return out
@@ -161,7 +166,7 @@ def test_offload_rows_equal_the_bytes_the_engine_holds(measured: list) -> None:
 
     for per_rank in measured:
         for r in per_rank:
-            est = estimate_offload_memory(r["psi"], WORLD, r["stage"], r["dtype"], "adamw")
+            est = estimate_offload_memory(r["psi"], WORLD, r["stage"], r["dtype"], "adamw", params=r["offload_param"])
             # padding: at most N-1 elements per flat buffer (each group's shard, 4 bytes per element and per fp32
             # tensor kept per element); check_host_memory rounds up per parameter, hence the parameter count
             slack = (r["groups"] + r["params"]) * (WORLD - 1) * 16
@@ -169,14 +174,15 @@ def test_offload_rows_equal_the_bytes_the_engine_holds(measured: list) -> None:
             assert _within(r["device_params"], est.device_params_bytes, slack), where
             assert _within(r["host"], est.host_bytes, slack), where
             # the engine's own host plan (the figure check_host_memory compares with MemAvailable) is the printed one
-            assert _within(offload_host_bytes(r["per_param_shards"], 8), est.host_bytes, slack), where
+            width = 2 if r["dtype"] == "bf16" else 4
+            plan = offload_host_bytes(r["per_param_shards"], 8, param_bytes=width if r["offload_param"] else 0)
+            assert _within(plan, est.host_bytes, slack), where
             # every group's fp32 reduced shard is on the device before its copy leaves: their sizes add up to 4Ψ/N
             assert r["shard_copies"] == r["groups"], where
             assert _within(r["boundary_shards"], est.device_grads_bytes, slack), where
             if r["stage"] >= 2:  # stages 2-3 accumulate the micro-steps there: the whole shard at once
                 assert _within(r["device_grads"], est.device_grads_bytes, slack), where
             else:  # stage 1 reduces at the boundary only: between micro-steps it holds the full gradients
-                width = 2 if r["dtype"] == "bf16" else 4
                 assert _within(r["device_grads"], width * r["psi"], slack), where
 
 

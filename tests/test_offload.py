@@ -155,7 +155,7 @@ def test_offloaded_optimizer_trains_like_the_device_one_and_resumes_across_setti
     ({"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp"}}, '"nvme" (ZeRO-Infinity) is not supported'),
     ({"stage": 0, "offload_optimizer": {"device": "cpu"}}, "offload needs ZeRO stage 1, 2 or 3"),
     ({"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.3}}, "partial offload is not supported yet"),
-    ({"stage": 3, "offload_param": {"device": "cpu"}}, "parameter offload is not supported yet"),
+    ({"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/tmp"}}, '"nvme" (ZeRO-Infinity) is not supported'),
 ])
 def test_offload_configs_hf_zero_cannot_run_are_refused_in_one_sentence(section: dict, words: str) -> None:
     from hf_zero.config import ConfigError, ZeroConfig
@@ -194,7 +194,87 @@ def test_offload_that_does_not_fit_the_host_stops_every_rank_before_allocating()
         assert r["groups_built"] == 0 and r["error"] is not None, r
         # both ranks' shards of the fp32 masters and gradient copies (8 bytes) and Adam's moments (8 bytes)
         shard = sum((p.numel() + 1) // 2 for p in _model().parameters())
-        assert r["error"].startswith(f"HostMemoryError: offload_optimizer needs {2 * shard * 16 / 2**10:.1f} KiB of host "
+        assert r["error"].startswith(f"HostMemoryError: offload needs {2 * shard * 16 / 2**10:.1f} KiB of host "
                                      "memory on "), r["error"]
         assert "but 1.0 KiB is available (MemAvailable)" in r["error"] and "\n" not in r["error"]
     assert results[0]["error"] == results[1]["error"]
+
+
+# ------------------------------------------------------------------ parameter offload (stage 3's offload_param)
+
+
+def _param_config(kind: str | None, gas: int, clip: float) -> dict:
+    cfg = _config(3, kind is not None and "opt" in kind, gas, clip)
+    if kind is not None and "param" in kind:
+        cfg["zero_optimization"]["offload_param"] = {"device": "cpu", "pin_memory": True}
+    return cfg
+
+
+def _param_model(freeze: bool):  # noqa: ANN202
+    model = _model()
+    if freeze:  # frozen groups too: the embedding and a whole MLP, as a partly frozen fine-tune has them
+        model.model.embed_tokens.requires_grad_(False)
+        model.model.layers[0].mlp.requires_grad_(False)
+    return model
+
+
+def _param_grid(rank: int, world: int, cases: list, tmp: str) -> list:
+    import hf_zero
+    from hf_zero.zero.offload import OffloadedFrozenGroup, OffloadedShardedParamGroup
+
+    out = []
+    for kind, gas, clip, freeze in cases:
+        row: dict = {}
+        for offload in (None, kind):
+            engine, *_ = hf_zero.initialize(model=_param_model(freeze), config=_param_config(offload, gas, clip))
+            losses = _train(engine, range(STEPS), gas, rank)
+            row["off" if offload else "on"] = {"losses": losses, "weights": _weights(engine)}
+            if offload:
+                sharded = engine.zero_optimizer.stage3_groups
+                frozen = [g for g in sharded if not g.trainable]
+                on_host = [g for g in sharded if getattr(g, "shard_on_host", False)]
+                row["check"] = {
+                    "frozen_offloaded": bool(frozen) == freeze and all(isinstance(g, OffloadedFrozenGroup) for g in frozen),
+                    # with the optimizer offloaded too, every sharded group's 16-bit shard is in host memory
+                    "all_on_host": len(on_host) == len(sharded) if "opt" in kind else len(on_host) == len(frozen),
+                    "host_tensors": all(g.param_shard.device.type == "cpu" for g in on_host),
+                    "not_counted_on_device": all(g.held_tensors()["params"][0] is None for g in on_host),
+                    "kinds": sorted({type(g).__name__ for g in sharded}),
+                    "opt_offloaded": all(isinstance(g, OffloadedShardedParamGroup) for g in sharded if g.trainable),
+                }
+                engine.save_checkpoint(tmp, tag=f"{kind}{freeze}")
+                # the offloaded checkpoint resumes in a run without offload: the same weights
+                plain, *_ = hf_zero.initialize(model=_param_model(freeze), config=_param_config(None, gas, clip))
+                plain.load_checkpoint(tmp, tag=f"{kind}{freeze}")
+                row["resumed"] = _weights(plain)
+        out.append(row)
+    return out
+
+
+PARAM_CASES = [["opt+param", 2, 0.5, False], ["opt+param", 1, 0.0, True], ["param", 2, 0.5, True]]
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_offload_param_trains_like_the_device_shards_and_resumes_without_it(world: int) -> None:
+    """``offload_param`` cpu at stage 3, with and without ``offload_optimizer``, frozen groups among them: the 16-bit
+    shards the all-gathers read live in host memory, and losses and weights equal the run that keeps them on the
+    device (which the parity suites check against one process)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        results = spawn(_param_grid, world, PARAM_CASES, tmp)
+    for per_rank in results:
+        for case, row in zip(PARAM_CASES, per_rank):
+            check = row["check"]
+            assert check["frozen_offloaded"] and check["all_on_host"] and check["host_tensors"], (case, check)
+            assert check["not_counted_on_device"] and check["opt_offloaded"] == ("opt" in case[0]), (case, check)
+            assert _rel(row["off"]["losses"], row["on"]["losses"]) < 1e-6, (case, row["off"]["losses"], row["on"]["losses"])
+            for name in row["on"]["weights"]:
+                assert _rel(row["off"]["weights"][name], row["on"]["weights"][name]) < 1e-6, (case, name)
+                assert row["resumed"][name] == row["off"]["weights"][name], (case, name)
+
+
+def test_offload_param_below_stage_3_is_named_as_ignored_as_deepspeed_ignores_it() -> None:
+    from hf_zero.config import ZeroConfig
+
+    with pytest.warns(UserWarning, match=r"zero_optimization.offload_param \(DeepSpeed reads it at stage 3 only\)"):
+        ZeroConfig.load({"train_micro_batch_size_per_gpu": 1,
+                         "zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}})

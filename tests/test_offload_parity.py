@@ -111,7 +111,8 @@ def test_offload_matches_single_process(world: int) -> None:
 
 
 def _trainer_run(rank: int, world: int, root: str) -> list:
-    """transformers' docs ZeRO-3 offload config through the Trainer: offload_optimizer kept, then dropped."""
+    """transformers' docs ZeRO-3 offload config verbatim through the Trainer (offload_optimizer and offload_param
+    to the CPU), then the same config without the two offload keys."""
     import json
     import os
 
@@ -121,9 +122,8 @@ def _trainer_run(rank: int, world: int, root: str) -> list:
     from tests.test_ds_corpus_trainer import CONFIGS, SEQ, VOCAB, _model, _reset, user_arguments
 
     given = json.loads((CONFIGS / "transformers_docs_zero3.json").read_text())
-    del given["zero_optimization"]["offload_param"]  # parameter offload is another branch's; refused until it lands
     plain = json.loads(json.dumps(given))
-    del plain["zero_optimization"]["offload_optimizer"]
+    del plain["zero_optimization"]["offload_optimizer"], plain["zero_optimization"]["offload_param"]
     out = []
     for i, cfg in enumerate((given, plain)):
         _reset()
@@ -141,7 +141,8 @@ def _trainer_run(rank: int, world: int, root: str) -> list:
                                   train_dataset=Dataset.from_dict({"input_ids": ids, "labels": ids}))
         trainer.train()
         weights = trainer.accelerator.get_state_dict(trainer.model_wrapped)
-        offloaded = any(type(g).__name__.startswith("Offloaded") for g in trainer.engine.zero_optimizer.groups)
+        offloaded = any(type(g).__name__.startswith("Offloaded") for g in trainer.engine.zero_optimizer.groups) and all(
+            g.shard_on_host for g in trainer.engine.zero_optimizer.stage3_groups)
         out.append({"offloaded": offloaded, "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
                     "weights": {k: v.detach().float().reshape(-1).tolist() for k, v in (weights or {}).items()}})
     return out

@@ -119,6 +119,20 @@ def _cases(rank: int, world: int, ckpt: str) -> dict:
     out["config_w_err"] = _rel(_gathered_state(engine), want_w)
     out["config_start_first"] = float(start["model.layers.3.mlp.up_proj.weight"][0, 0])
 
+    # 1b. remote_device="cpu" with offload_param and offload_optimizer (transformers' ZeRO-3 offload recipe):
+    # the slices wait in host memory, the same start and the same training
+    offload = dict(CFG, zero_optimization=dict(CFG["zero_optimization"], offload_param={"device": "cpu"},
+                                               offload_optimizer={"device": "cpu"}))
+    torch.manual_seed(100 + rank)
+    with hf_zero.zero.Init(remote_device="cpu", config_dict_or_path=offload):
+        model = AutoModelForCausalLM.from_config(_config())
+    out["remote_slices_on_host"] = all(p.hf_zero_preshard.shard.device.type == "cpu" for p in model.parameters())
+    engine, _, _, _ = hf_zero.initialize(model=model, config=offload)
+    out["remote_same_start"] = _rel(_gathered_state(engine), start) == 0.0
+    losses = _train(engine, rank, world, seed=5)
+    out["remote_loss_err"] = max(abs(a - b) / abs(b) for a, b in zip(losses, want_losses))
+    out["remote_w_err"] = _rel(_gathered_state(engine), want_w)
+
     # 2. from_pretrained of a sharded safetensors checkpoint: each rank reads its slices only
     with peak_bytes() as built:
         with hf_zero.zero.Init():
@@ -186,6 +200,8 @@ def test_zero_init_builds_sharded_and_trains_like_unsharded(checkpoint: Path) ->
         # transformers' _init_weights ran (normal(0, 0.02), norms at one), not nn.Linear's default
         assert abs(r["config_q_std"] - 0.02) < 0.004 and r["config_norm_ones"], r
         assert r["config_loss_err"] < 1e-5 and r["config_w_err"] < 1e-5, r
+        assert r["remote_slices_on_host"] and r["remote_same_start"], r
+        assert r["remote_loss_err"] < 1e-5 and r["remote_w_err"] < 1e-5, r
         assert r["ckpt_exact"] and r["ckpt_loss_err"] < 1e-5 and r["ckpt_w_err"] < 1e-5, r
         stats = r["ckpt_stats"]
         # each rank read about 1/N of the checkpoint (whole rows around its range), never all of it

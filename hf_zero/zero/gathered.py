@@ -8,6 +8,7 @@ from types import TracebackType
 import torch
 import torch.distributed as dist
 
+from hf_zero import dist as hz_dist
 from hf_zero.zero import collectives as C
 from hf_zero.zero.preshard import is_presharded, materialize_, reshard_
 from hf_zero.zero.stage3 import ShardState
@@ -70,7 +71,10 @@ class GatheredParameters:
                 self._presharded.append(p)
         if self._presharded:
             self._preshard_group = self._presharded[0].hf_zero_preshard.group
-            materialize_(self._presharded, self._presharded[0].hf_zero_preshard.shard.device)
+            # slices may wait in host memory (zero.Init(remote_device="cpu")); they are gathered where the
+            # collectives run and go back where they were
+            self._slice_device = self._presharded[0].hf_zero_preshard.shard.device
+            materialize_(self._presharded, hz_dist.get_device() if dist.is_initialized() else self._slice_device)
         return self
 
     def _process_group(self, p: torch.nn.Parameter) -> dist.ProcessGroup | None:
@@ -103,4 +107,4 @@ class GatheredParameters:
                 g.reshard()
         if self._presharded:
             # Without a modifier the shards are unchanged: every rank keeps the slice it had.
-            reshard_(self._presharded, self._preshard_group)
+            reshard_(self._presharded, self._preshard_group, self._slice_device)

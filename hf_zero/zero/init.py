@@ -76,10 +76,10 @@ class Init:
                 raise TypeError(f"zero.Init() got an unexpected keyword argument '{key}'")
             if value:
                 raise ValueError(f"zero.Init({key}=...) is not supported by hf_zero; leave it unset")
-        if remote_device not in (None, "none") and torch.device(remote_device).type != hz_dist.get_device().type:
+        if remote_device not in (None, "none", "cpu") and torch.device(remote_device).type != hz_dist.get_device().type:
             raise ValueError(
-                f"zero.Init(remote_device={remote_device!r}): parameter offload is not supported by hf_zero; "
-                "leave remote_device unset"
+                f"zero.Init(remote_device={remote_device!r}): hf_zero keeps the slices on the training device or, "
+                'with remote_device="cpu", in host memory; NVMe is not supported'
             )
         if mpu is not None:
             raise ValueError("zero.Init(mpu=...): model parallelism is not supported by hf_zero; leave mpu unset")
@@ -97,6 +97,9 @@ class Init:
         if enabled:
             hz_dist.init_distributed()
             self.device = hz_dist.get_device()
+            # remote_device="cpu" (DeepSpeed's, beside offload_param): each rank's slices wait in host memory, so a
+            # model bigger than the GPUs can be built; the engine moves one unit at a time to the device
+            self.slice_device = torch.device("cpu") if remote_device == "cpu" else self.device
             self.world_size = dist.get_world_size(self.group)
             if module is not None:  # DeepSpeed's zero.Init(module=model): shard an already-built model
                 for m in module.modules():
@@ -205,7 +208,7 @@ class Init:
                 full = p.data.to(self.device, dtype=self.dtype or p.dtype if p.is_floating_point() else p.dtype)
                 C.broadcast_(full, src, self.group, self.world_size)
                 p.data = full
-                preshard_(p, slice_of(full, self.group, self.device), self.group)
+                preshard_(p, slice_of(full, self.group, self.slice_device), self.group)
             del full
 
     def _replay_transformers_init(self, model: torch.nn.Module) -> None:

@@ -23,8 +23,9 @@ master moved to the host. Per step:
 
 GPU bytes per parameter at stage 2: without offload 2 (16-bit weights) + 4/N (fp32 gradient shard) +
 (4 + 8)/N (master, moments); with offload 2 + 4/N, the masters, moments and a gradient copy (16/N) in
-host memory. Not here yet: ``sub_group_size`` (each shard group is one sub-group), NVMe, ``ratio`` < 1,
-``offload_param`` (refused by the config parser).
+host memory. Stage 3's ``offload_param`` keeps the 16-bit shards the all-gathers read in host memory as
+well (:class:`_HostParamShard`): GPU memory then holds only the units gathered at the moment. Not here
+yet: ``sub_group_size`` (each shard group is one sub-group), NVMe, ``ratio`` < 1.
 """
 
 from __future__ import annotations
@@ -171,17 +172,55 @@ class OffloadedFlatGroup(_HostMaster, FlatGroup):
                 C.all_gather_(self.param_flat, self.param_flat[self.shard_lo : self.shard_hi], self.group, self.world_size)
 
 
-class OffloadedShardedParamGroup(_HostMaster, ShardedParamGroup):
-    """A stage-3 group whose fp32 master lives in host memory; its compute-dtype shard stays on the device for the gathers."""
+class _HostParamShard(ShardedParamGroup):
+    """Parameter offload (``offload_param``): the compute-dtype shard the all-gather reads waits in host memory
+    and is copied to the device just before each gather, on the gather stream, so the prefetch that runs
+    ahead of the compute hides it. GPU memory then holds only the units gathered at the moment."""
+
+    shard_on_host = False
+    shard_pin = False
+
+    def _move_param_shard_to_host(self, pin: bool) -> None:
+        assert self.param_shard is not None
+        self.shard_pin = bool(pin) and torch.cuda.is_available()
+        host = host_buffer(self.param_shard.numel(), self.param_shard.dtype, pin=self.shard_pin)
+        host.copy_(self.param_shard)
+        self.param_shard, self.shard_on_host = host, True
+
+    def _gather_source(self) -> torch.Tensor:
+        if not self.shard_on_host:
+            return super()._gather_source()
+        assert self.param_shard is not None
+        return self.param_shard.to(self.device, non_blocking=self.shard_pin)
+
+    def held_tensors(self) -> dict[str, list[torch.Tensor | None]]:
+        held = ShardedParamGroup.held_tensors(self)
+        held["params"] = [None if self.shard_on_host else self.param_shard, self.full]
+        return held
+
+
+class OffloadedFrozenGroup(_HostParamShard):
+    """A stage-3 group of frozen parameters (a LoRA base model, say) whose shard lives in host memory."""
+
+    def __init__(self, named_params: list[tuple[str, torch.nn.Parameter]], place: Placement, *, pin: bool) -> None:
+        ShardedParamGroup.__init__(self, named_params, place, trainable=False)
+        self._move_param_shard_to_host(pin)
+
+
+class OffloadedShardedParamGroup(_HostMaster, _HostParamShard):
+    """A stage-3 group whose fp32 master lives in host memory; its compute-dtype shard stays on the device for the
+    gathers, or in host memory too under ``offload_param`` (``params_on_host``)."""
 
     def __init__(self, named_params: list[tuple[str, torch.nn.Parameter]], place: Placement, *, trainable: bool,
-                 pin: bool) -> None:
+                 pin: bool, params_on_host: bool = False) -> None:
         ShardedParamGroup.__init__(self, named_params, place, trainable=trainable)
         if not trainable:
             return
         assert self.master is not None
         self.param_shard = self.master.to(self.compute_dtype, copy=True)
         self._move_master_to_host(pin)
+        if params_on_host:
+            self._move_param_shard_to_host(pin)
 
     def reduce_grads(self, stream: torch.cuda.Stream | None, limit: C.InflightLimit | None = None) -> None:
         if self.has_grads():
@@ -190,17 +229,16 @@ class OffloadedShardedParamGroup(_HostMaster, ShardedParamGroup):
         self._copy_after_reduce(stream)
 
     def publish_master(self, stream: torch.cuda.Stream | None) -> None:
-        """Host master -> the device shard the next all-gather reads (cast to the compute dtype)."""
+        """Host master -> the shard the next all-gather reads (cast to the compute dtype): on the device, or, with
+        the shard in host memory too, cast there (one CPU pass; the gather copies the 16-bit values over)."""
         if self.master is None:
             return
         assert self.param_shard is not None
+        if self.shard_on_host:
+            self.param_shard.copy_(self.master)
+            return
         with C.on_stream(stream):
             _to_device(self.param_shard, self.master, self.pin)
-
-    def held_tensors(self) -> dict[str, list[torch.Tensor | None]]:
-        held = ShardedParamGroup.held_tensors(self)
-        held["params"] = [self.param_shard, self.full]
-        return held
 
 
 def state_bytes_per_element(optimizer: torch.optim.Optimizer) -> int:
@@ -223,16 +261,16 @@ def available_host_bytes() -> int:
     raise OSError("/proc/meminfo has no MemAvailable line")
 
 
-def check_host_memory(shard_numel: int, state_bytes: int, group: dist.ProcessGroup | None) -> None:
+def check_host_memory(shard_numel: int, state_bytes: int, group: dist.ProcessGroup | None, **kinds: int | bool) -> None:
     """Before any host buffer exists: the ranks of each machine add up what they will pin, and every rank
     stops with the same sentence when that exceeds the machine's available memory.
 
     This rank pins :func:`hf_zero.estimate.offload_host_bytes` of its ``shard_numel`` master elements
     (masters, gradient copy, ``state_bytes`` of optimizer state each): the figure ``hf-zero estimate``
-    prints as host bytes per rank. The ranks exchange (host id, bytes, available bytes) with one
-    all-gather of integers over ``group``.
+    prints as host bytes per rank (``kinds``: its keyword arguments for parameter offload). The ranks
+    exchange (host id, bytes, available bytes) with one all-gather of integers over ``group``.
     """
-    needed = offload_host_bytes(shard_numel, state_bytes)
+    needed = offload_host_bytes(shard_numel, state_bytes, **kinds)  # type: ignore[arg-type]
     try:
         available = available_host_bytes()
     except OSError:
@@ -250,10 +288,10 @@ def check_host_memory(shard_numel: int, state_bytes: int, group: dist.ProcessGro
     total = sum(int(r[1]) for r in same_host)
     if total > available:
         raise HostMemoryError(
-            f"offload_optimizer needs {_size(total)} of host memory on {socket.gethostname()} "
-            f"({len(same_host)} rank(s) x masters, optimizer state and a gradient copy) but {_size(available)} "
-            "is available (MemAvailable); use fewer ranks per machine, a higher ZeRO stage or more machines, or turn "
-            "offload_optimizer off"
+            f"offload needs {_size(total)} of host memory on {socket.gethostname()} "
+            f"({len(same_host)} rank(s) x masters, optimizer state and a gradient copy, and offloaded parameter shards) "
+            f"but {_size(available)} is available (MemAvailable); use fewer ranks per machine, a higher ZeRO stage or "
+            "more machines, or turn offload_optimizer / offload_param off"
         )
 
 

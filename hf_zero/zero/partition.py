@@ -34,6 +34,7 @@ from hf_zero.zero.flat import FlatGroup
 from hf_zero.zero.group import ParamSlot, Placement, ShardGroup
 from hf_zero.zero.offload import (
     OffloadedFlatGroup,
+    OffloadedFrozenGroup,
     OffloadedShardedParamGroup,
     check_host_memory,
     state_bytes_per_element,
@@ -145,12 +146,17 @@ class ShardedOptimizer:
         max_live_numel: int,
         offload_pin: bool | None = None,
         master_dtype: torch.dtype = torch.float32,
+        param_offload_pin: bool | None = None,
     ) -> None:
         """``offload_pin``: None keeps masters and optimizer state on ``device``; a bool moves them to host memory
         (ZeRO-Offload, :mod:`hf_zero.zero.offload`), pinned when True and CUDA is present. ``master_dtype``:
-        fp32, or bf16 for bf16 masters (the optimizer's state then follows them into bf16)."""
+        fp32, or bf16 for bf16 masters (the optimizer's state then follows them into bf16). ``param_offload_pin``
+        (stage 3's ``offload_param``): None keeps parameter shards on ``device``; a bool keeps the 16-bit shards
+        the gathers read in host memory (frozen groups always; trainable ones when the optimizer is offloaded
+        too, since otherwise their fp32 master is the shard and the optimizer steps it on the device)."""
         self.optimizer = optimizer
         self.offload_pin = offload_pin
+        self.param_offload_pin = param_offload_pin if stage == 3 else None
         self.stage = stage
         self.group = group
         self.rank = dist.get_rank(group)
@@ -167,9 +173,16 @@ class ShardedOptimizer:
 
         group_named = _trainable_by_param_group(module, optimizer)
         self.group_names = [[n for n, _ in named] for named in group_named]  # checkpoints record them
-        if offload_pin is not None:  # planned before any host buffer exists: fp32 master + gradient copy + state
-            shard = sum(math.ceil(p.numel() / self.place.world_size) for named in group_named for _, p in named)
-            check_host_memory(shard, state_bytes_per_element(optimizer), group)
+        if offload_pin is not None or self.param_offload_pin is not None:
+            # planned before any host buffer exists: fp32 master + gradient copy + state, offloaded 16-bit shards
+            def shard_of(named: list) -> int:
+                return sum(math.ceil(p.numel() / self.place.world_size) for _, p in named)
+
+            frozen = [(n, p) for n, p in module.named_parameters() if not p.requires_grad]
+            params = self.param_offload_pin is not None
+            check_host_memory(sum(shard_of(named) for named in group_named), state_bytes_per_element(optimizer), group,
+                              optimizer=offload_pin is not None, param_bytes=compute_dtype.itemsize if params else 0,
+                              frozen_numel=shard_of(frozen) if params else 0)
         group_masters: list[list[torch.Tensor]] = [[] for _ in group_named]
         if stage == 3:
             self._build_stage3(module, group_named, group_masters, persistence_threshold, prefetch_numel, max_live_numel)
@@ -223,10 +236,13 @@ class ShardedOptimizer:
                 picked = [x for x in named if unit_of.get(id(x[1]), -1) == ui and x[1].numel() >= threshold]
                 if not picked:
                     continue
-                if self.offload_pin is None or gi < 0:
+                if gi < 0 and self.param_offload_pin is not None:
+                    g = OffloadedFrozenGroup(picked, self.place, pin=self.param_offload_pin)
+                elif self.offload_pin is None or gi < 0:
                     g = ShardedParamGroup(picked, self.place, trainable=gi >= 0)
                 else:
-                    g = OffloadedShardedParamGroup(picked, self.place, trainable=True, pin=self.offload_pin)
+                    g = OffloadedShardedParamGroup(picked, self.place, trainable=True, pin=self.offload_pin,
+                                                   params_on_host=self.param_offload_pin is not None)
                 groups.append(g)
                 self.stage3_groups.append(g)
                 if g.master is not None:

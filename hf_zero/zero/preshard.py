@@ -88,8 +88,8 @@ def materialize_(params: list[torch.nn.Parameter], device: torch.device) -> None
         set_data_(p, full[: ps.numel].view(ps.shape).to(p.dtype))
 
 
-def reshard_(params: list[torch.nn.Parameter], group: dist.ProcessGroup | None) -> None:
-    """Keep only this rank's slice of each (full, identical on every rank) parameter again."""
+def reshard_(params: list[torch.nn.Parameter], group: dist.ProcessGroup | None, device: torch.device | None = None) -> None:
+    """Keep only this rank's slice of each (full, identical on every rank) parameter again, on ``device``
+    (default: where the parameter is; host memory for a ``zero.Init(remote_device="cpu")`` model)."""
     for p in params:
-        device = p.device
-        preshard_(p, slice_of(p.data, group, device), group)
+        preshard_(p, slice_of(p.data, group, device or p.device), group)

@@ -169,7 +169,7 @@ def _read_slices(model: torch.nn.Module, weight_map: dict[str, str], handle: Any
     Returns the missing parameters' ids and first names, the checkpoint keys used, and how many
     elements were read for how many the checkpoint's parameters hold.
     """
-    group, device = init.group, init.device
+    group, device = init.group, init.slice_device
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     prefix = getattr(model, "base_model_prefix", "") or ""
     aliases: dict[int, list[str]] = {}

@@ -94,15 +94,18 @@ class ShardedParamGroup(ShardGroup):
             # Refilling storage that autograd saved views of is not a modification of their values
             # (they are the same weights): keep the version counter so backward accepts them.
             with torch.autograd._unsafe_preserve_version_counter(self.full), torch.no_grad():
-                src = self.param_shard
-                if src is None:
-                    assert self.master is not None
-                    src = self.master.to(self.compute_dtype) if self.mixed else self.master
-                C.all_gather_(self.full, src, self.group, self.world_size)
+                C.all_gather_(self.full, self._gather_source(), self.group, self.world_size)
             if stream is not None:
                 self._event = torch.cuda.Event()
                 self._event.record(stream)
         self.state = ShardState.GATHERING
+
+    def _gather_source(self) -> torch.Tensor:
+        """This rank's shard in the compute dtype on the device, as the all-gather reads it (on the current stream)."""
+        if self.param_shard is not None:
+            return self.param_shard
+        assert self.master is not None
+        return self.master.to(self.compute_dtype) if self.mixed else self.master
 
     def wait(self) -> None:
         """Make the gathered parameters usable on the compute stream."""
