@@ -4,6 +4,7 @@ Run on the GPU machine:
 
     python scripts/bench.py --gpus 4 --model 1.1b --engines hf1,hf2,hf3,ddp,fsdp2,ds2,ds3
     python scripts/bench.py --gpus 1 --model 2.8b --engines hf2o,hf3o,ds2o,ds3o,fsdp2o --steps 4   # optimizer offload
+    python scripts/bench.py --gpus 1 --model 2.8b --engines hf3op,ds3op,fsdp2o --steps 4   # + parameter offload
 
 Each engine runs in its own torchrun (one process per GPU), so no engine's memory or caches
 leak into the next one's peak. ``ds2``/``ds3`` need DeepSpeed importable.
@@ -76,7 +77,11 @@ def run_engine(name: str, args: argparse.Namespace) -> dict:
     fpt = flops_per_token(model, args.seq)
     nparams = sum(p.numel() for p in model.parameters())
     torch.cuda.reset_peak_memory_stats()
-    offload = name.endswith("o") and name not in ("hf3i",)  # hf2o, hf3o, ds2o, ds3o, fsdp2o: optimizer state on the host
+    # hf2o, hf3o, ds2o, ds3o, fsdp2o: optimizer state on the host; hf3op, ds3op: the parameter shards too
+    # (stage 3's offload_param; FSDP2's CPUOffloadPolicy always offloads both)
+    offload = name in ("hf2o", "hf3o", "ds2o", "ds3o", "fsdp2o", "hf3op", "ds3op")
+    offload_param = name in ("hf3op", "ds3op")
+    param_section = {"offload_param": {"device": "cpu", "pin_memory": True}} if offload_param else {}
     if name.startswith("hf"):
         import hf_zero
 
@@ -88,7 +93,8 @@ def run_engine(name: str, args: argparse.Namespace) -> dict:
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-5, "weight_decay": 0.0}},
             "zero_optimization": {"stage": stage, "reduce_bucket_size": args.bucket, "allgather_bucket_size": args.bucket,
                                   **({"stage3_prefetch_bucket_size": int(args.prefetch)} if args.prefetch is not None else {}),
-                                  **({"offload_optimizer": {"device": "cpu", "pin_memory": True}} if offload else {})},
+                                  **({"offload_optimizer": {"device": "cpu", "pin_memory": True}} if offload else {}),
+                                  **param_section},
             "steps_per_print": 10**9,
             "activation_checkpointing": {"checkpoint_blocks": bool(args.checkpoint_blocks)},
             **json.loads(args.hf_config),
@@ -119,7 +125,7 @@ def run_engine(name: str, args: argparse.Namespace) -> dict:
             opt.zero_grad(set_to_none=True)
             return loss
 
-    elif name in ("ds2", "ds3", "ds2o", "ds3o"):
+    elif name in ("ds2", "ds3", "ds2o", "ds3o", "ds3op"):
         import deepspeed
 
         ds_cfg = {
@@ -134,6 +140,7 @@ def run_engine(name: str, args: argparse.Namespace) -> dict:
                 "reduce_bucket_size": 5e8,
                 "allgather_bucket_size": 5e8,
                 **({"offload_optimizer": {"device": "cpu", "pin_memory": True}} if offload else {}),
+                **param_section,
             },
             "steps_per_print": 10**9,
         }

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tests import test_checkpoint, test_compile, test_ds_api, test_parity, test_stage3  # noqa: E402
+from tests import test_checkpoint, test_compile, test_ds_api, test_offload, test_parity, test_stage3  # noqa: E402
 
 TOL = 1e-5
 
@@ -87,6 +87,35 @@ def _ds_api(rank: int, world: int) -> list[dict]:
     return rows
 
 
+def _offload(rank: int, world: int) -> list[dict]:
+    """Optimizer offload (stages 1-3) and stage 3's parameter offload on GPUs, where host and device differ: pinned
+    copies on the side streams, the H2D copy before each all-gather. Errors against the same run without offload."""
+    import tempfile
+
+    def rel(a: list, b: list) -> float:
+        ta, tb = torch.tensor(a), torch.tensor(b)
+        return float((ta - tb).norm() / tb.norm().clamp_min(1e-12))
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        path = [tmp]
+        dist.broadcast_object_list(path, src=0)
+        opt_cases = [c for c in test_offload.CASES if not c[3]]  # fp16 is the CPU suite's (kernels round differently)
+        grid = test_offload._grid(rank, world, opt_cases, os.path.join(path[0], "opt"))
+        for case, row in zip(opt_cases, grid):
+            w = max(rel(row["off"]["weights"][n], row["on"]["weights"][n]) for n in row["on"]["weights"])
+            rows.append({"case": f"offload_optimizer stage {case[0]}, gas {case[1]}, clip {case[2]}",
+                         "loss_err": rel(row["off"]["losses"], row["on"]["losses"]), "w_err": w})
+        for case, row in zip(test_offload.PARAM_CASES, test_offload._param_grid(rank, world, test_offload.PARAM_CASES,
+                                                                                   os.path.join(path[0], "param"))):
+            ok = all(row["check"][k] for k in ("frozen_offloaded", "all_on_host", "host_tensors"))
+            w = max(rel(row["off"]["weights"][n], row["on"]["weights"][n]) for n in row["on"]["weights"])
+            rows.append({"case": f"stage 3 {case[0]}, gas {case[1]}, frozen {case[3]}",
+                         "loss_err": rel(row["off"]["losses"], row["on"]["losses"]) if ok else 1.0, "w_err": w})
+        dist.barrier()
+    return rows
+
+
 def main() -> int:
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl")
@@ -96,6 +125,7 @@ def main() -> int:
     rows += [("resume", r) for r in _resume(rank, world)]
     rows += [("compile (inductor)", r) for r in _compiled(rank, world)]
     rows += [("DeepSpeed API", r) for r in _ds_api(rank, world)]
+    rows += [("offload", r) for r in _offload(rank, world)]
     worst = torch.tensor([max(r["loss_err"], r["w_err"]) for _, r in rows], device="cuda")
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     failed = 0
