@@ -1,5 +1,6 @@
 """The Trainer's whole life on 2 CPU ranks, against transformers' own Trainer (DDP over gloo) doing the same:
 
+- evaluate and predict before any train (ZeRO 2 and 3), then train and evaluate, as the plain Trainer;
 - a GPT-2 (decoder, tied embeddings) at ZeRO stage 3: train, evaluate, train again resuming from the
   last checkpoint, evaluate, train again from where it is, predict, ``save_model`` (it reloads with
   ``from_pretrained``); every loss, eval loss and prediction as the plain Trainer's (fp32, rel. 1e-5);
@@ -158,6 +159,37 @@ def _sections(case: dict) -> dict:
     return {"losses": _losses(trainer), "lrs": lrs, "weights": {k: v.float().reshape(-1).tolist() for k, v in weights.items()}}
 
 
+def _evaluate_first(case: dict) -> dict:
+    """evaluate() and predict() before any train(), then train() and evaluate() again.
+
+    The plain Trainer's oracle uses one Trainer (and model) for the evaluation and a fresh Trainer and
+    model for the training: transformers' own Trainer, evaluated first on several CPU ranks, never wraps
+    the model in DDP afterwards and trains the ranks unsynchronised (its model_wrapped stays the bare model).
+    """
+    from datasets import Dataset
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    def fresh() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=16, n_layer=2, n_head=2,
+                                          resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+
+    model = fresh()
+    ids = _ids(48, seed=1)
+    train, held = Dataset.from_dict({"input_ids": ids, "labels": ids}), Dataset.from_dict({"input_ids": ids[:6], "labels": ids[:6]})
+    args = _args(case, max_steps=3, save_strategy="no", lr_scheduler_type="constant")
+    trainer = _trainer_cls(case)(model=model, args=args, train_dataset=train, eval_dataset=held)
+    out = {"eval0": trainer.evaluate()["eval_loss"],
+           "predict0": trainer.predict(held).predictions.reshape(-1)[::7].tolist()}
+    if case.get("zero") is None:
+        _reset()
+        args = _args(case, max_steps=3, save_strategy="no", lr_scheduler_type="constant")
+        trainer = _trainer_cls(case)(model=fresh(), args=args, train_dataset=train, eval_dataset=held)
+    trainer.train()
+    out.update(losses=_losses(trainer), eval1=trainer.evaluate()["eval_loss"], wrapped=type(trainer.model_wrapped).__name__)
+    return out
+
+
 def _misspelt(case: dict) -> dict:
     import hf_zero
 
@@ -169,7 +201,7 @@ def _misspelt(case: dict) -> dict:
 
 
 def _run(rank: int, world: int, cases: list) -> list:
-    jobs = {"life": _life, "seq2seq": _seq2seq, "sections": _sections, "misspelt": _misspelt}
+    jobs = {"life": _life, "seq2seq": _seq2seq, "sections": _sections, "misspelt": _misspelt, "evalfirst": _evaluate_first}
     out = []
     for case in cases:
         _reset()
@@ -199,11 +231,22 @@ def test_trainer_life_at_stage3_sections_and_seq2seq(tmp_path: Path, capsys: pyt
         {"job": "seq2seq", "dir": str(tmp_path / "t5_z3"), "zero": zero3},
         {"job": "sections", "dir": str(tmp_path / "sec_plain")},
         {"job": "sections", "dir": str(tmp_path / "sec_ds"), "deepspeed": str(tmp_path / "ds.json")},
+        {"job": "evalfirst", "dir": str(tmp_path / "first_plain")},
+        {"job": "evalfirst", "dir": str(tmp_path / "first_z3"), "zero": zero3},
+        {"job": "evalfirst", "dir": str(tmp_path / "first_z2"), "zero": {**zero3, "zero_optimization": {"stage": 2}}},
     ]
     per_rank = spawn(_run, 2, cases)
     for bad, *_ in per_rank:  # refused on both ranks, when the arguments were built
         assert bad["error"] == "zero_optimisation: unknown key; did you mean 'zero_optimization'?", bad
-    _, plain, z3, t5_plain, t5_z3, sec_plain, sec_ds = per_rank[0]
+    _, plain, z3, t5_plain, t5_z3, sec_plain, sec_ds, first_plain, first_z3, first_z2 = per_rank[0]
+
+    # evaluate() and predict() before train() (stage 3: on the training engine, sharded), then train() and evaluate()
+    for first in (first_z3, first_z2):
+        assert _close(first["eval0"], first_plain["eval0"]) and _close(first["eval1"], first_plain["eval1"]), (first, first_plain)
+        assert max(abs(a - b) for a, b in zip(first["predict0"], first_plain["predict0"])) < 1e-4
+        assert first["losses"].keys() == first_plain["losses"].keys() == {"1", "2", "3"}
+        assert all(_close(first["losses"][k], v) for k, v in first_plain["losses"].items()), (first, first_plain)
+    assert first_z3["wrapped"] == "ZeroEngine" and first_plain["wrapped"] == "DistributedDataParallel"
 
     for key in ("resumed", "again"):
         assert plain[key].keys() == z3[key].keys() and len(plain[key]) == (6 if key == "resumed" else 2), (plain[key], z3[key])

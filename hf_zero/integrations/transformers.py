@@ -211,6 +211,31 @@ class Trainer(transformers.Trainer):
         with hz_dist.peer_failure_guard("Trainer.predict()"):
             return super().predict(*args, **kwargs)
 
+    # ---------------------------------------------------------- evaluation before training
+
+    def evaluation_loop(self, *args: Any, **kwargs: Any) -> Any:
+        self._engine_for_evaluation()
+        return super().evaluation_loop(*args, **kwargs)
+
+    def _engine_for_evaluation(self) -> None:
+        """``evaluate()`` / ``predict()`` before any ``train()`` at stage 3: the training engine, built now.
+
+        transformers would prepare the bare model for evaluation only, which at stage 3 means a
+        forward-only engine that shards (and, for a reference model, freezes) it; the ``train()``
+        that follows then finds the model wrapped without its optimizer and cannot prepare it. So the
+        engine ``train()`` would build is built here, with the Trainer's optimizer (created as
+        ``train()`` creates it; Adam's state appears only at the first step): evaluation runs on the
+        sharded model, and ``train()`` finds model and optimizer prepared, as on its second call.
+        Stages 0-2 need nothing: Accelerate evaluates the whole model and ``train()`` prepares it later.
+        """
+        if not self.zero_enabled or self.accelerator._models or self.engine is not None:
+            return
+        zo = (self.args.zero_config_dict or {}).get("zero_optimization") or {}
+        if int(zo.get("stage", 0) or 0) != 3:
+            return
+        self.create_optimizer()
+        self.model_wrapped, self.optimizer = self.accelerator.prepare(self.model, self.optimizer)
+
     # ------------------------------------------------------------------------ saving
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False, merge_adapters: bool = False) -> None:
