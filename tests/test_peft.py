@@ -62,9 +62,12 @@ def _probe() -> torch.Tensor:
     return torch.randint(1, VOCAB, (3, SEQ), generator=torch.Generator().manual_seed(9))
 
 
-def _zero(stage: int) -> dict:
-    return {"zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 40},
-            "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "gradient_clipping": "auto"}
+def _zero(stage: int, offload: bool = False) -> dict:
+    zo: dict = {"stage": stage, "stage3_param_persistence_threshold": 40}
+    if offload:  # LoRA over a ZeRO-3 offload config: the frozen base's shards and the adapters' optimizer on the host
+        zo.update(offload_optimizer={"device": "cpu", "pin_memory": True}, offload_param={"device": "cpu", "pin_memory": True})
+    return {"zero_optimization": zo, "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+            "gradient_clipping": "auto"}
 
 
 def _train(rank: int, world: int, cases: list) -> list:
@@ -87,7 +90,7 @@ def _train(rank: int, world: int, cases: list) -> list:
         if case.get("gc_kwargs"):
             kw["gradient_checkpointing_kwargs"] = case["gc_kwargs"]
         if case.get("stage") is not None:
-            kw["zero_config"] = _zero(case["stage"])
+            kw["zero_config"] = _zero(case["stage"], bool(case.get("offload")))
         model = _lora(kind)
         trainer = hf_zero.Trainer(model=model, args=hf_zero.TrainingArguments(**kw), train_dataset=_data(kind))
         trainer.train(resume_from_checkpoint=case.get("resume"))
@@ -102,6 +105,9 @@ def _train(rank: int, world: int, cases: list) -> list:
         state = trainer.accelerator.get_state_dict(trainer.model_wrapped)
         adapters = get_peft_model_state_dict(model, state_dict=state)
         result = {"losses": losses, "adapters": {k: v.float().reshape(-1).tolist() for k, v in adapters.items()}}
+        if case.get("offload"):  # every sharded group's 16-bit shard in host memory, the frozen base's included
+            groups = trainer.engine.zero_optimizer.stage3_groups
+            result["on_host"] = bool(groups) and all(g.shard_on_host for g in groups)
         if gathered is not None:
             result["gathered"] = gathered.kinds
         if rank == 0 and case.get("stage") is None:  # the oracle's outputs on a probe, for the loaded folders
@@ -182,7 +188,7 @@ def _check_merged(merged_dir: Path, adapter_dir: Path, kind: str) -> None:
 
 
 def test_lora_trains_saves_merges_and_resumes_at_every_stage(tmp_path: Path) -> None:
-    d = {name: str(tmp_path / name) for name in ("plain", "z0", "z1", "z2", "z3", "resume", "bert", "bert3")}
+    d = {name: str(tmp_path / name) for name in ("plain", "z0", "z1", "z2", "z3", "resume", "bert", "bert3", "z3off")}
     cases = [
         {"kind": "llama", "dir": d["plain"]},
         {"kind": "llama", "dir": d["z0"], "stage": 0, "gc": True},
@@ -192,16 +198,18 @@ def test_lora_trains_saves_merges_and_resumes_at_every_stage(tmp_path: Path) -> 
         {"kind": "llama", "dir": d["resume"], "stage": 3, "gc": True, "resume": os.path.join(d["z3"], "checkpoint-2")},
         {"kind": "bert", "dir": d["bert"]},
         {"kind": "bert", "dir": d["bert3"], "stage": 3, "gc": True, "gc_kwargs": {"use_reentrant": True}, "merged": True},
+        {"kind": "llama", "dir": d["z3off"], "stage": 3, "gc": True, "offload": True, "merged": True},
     ]
-    plain, z0, z1, z2, z3, resumed, bert, bert3 = spawn(_train, 2, cases)[0]
+    plain, z0, z1, z2, z3, resumed, bert, bert3, z3off = spawn(_train, 2, cases)[0]
     steps = list(range(1, STEPS + 1))
-    for name, got in (("z0", z0), ("z1", z1), ("z2", z2), ("z3", z3)):
+    assert z3off["on_host"]
+    for name, got in (("z0", z0), ("z1", z1), ("z2", z2), ("z3", z3), ("z3 offload", z3off)):
         assert sorted(int(s) for s in got["losses"]) == steps
         for s, loss in plain["losses"].items():
             assert abs(got["losses"][s] - loss) / loss < 1e-5, (name, s, got["losses"], plain["losses"])
         _close_adapters(got["adapters"], plain["adapters"], 1e-5, name)
     _close_adapters(bert3["adapters"], bert["adapters"], 1e-5, "bert stage 3")
-    for got in (z3, resumed, bert3):  # saving the adapters at stage 3 gathered adapter groups, never a base weight
+    for got in (z3, resumed, bert3, z3off):  # saving the adapters at stage 3 gathered adapter groups, never a base weight
         assert got["gathered"] and all(got["gathered"]), got["gathered"]
     assert any("classifier" in k for k in bert3["adapters"])  # peft's modules_to_save head came along
 
@@ -211,8 +219,9 @@ def test_lora_trains_saves_merges_and_resumes_at_every_stage(tmp_path: Path) -> 
     assert resumed["adapters"] == z3["adapters"]
 
     root = {k: Path(v) for k, v in d.items()}
-    for name in ("z0", "z1", "z2", "z3", "resume"):
+    for name in ("z0", "z1", "z2", "z3", "resume", "z3off"):
         _check_adapter_folder(root[name] / "final", root["plain"] / "final", plain["probe"], "llama")
+    _check_merged(root["z3off"] / "merged", root["z3off"] / "final", "llama")
     # a Trainer checkpoint holds the adapter layout too: the one its resume state consolidates to offline
     from hf_zero.cli import main
 
