@@ -68,6 +68,7 @@ class ZeroConfig:
     zero_optimization: ZeroOptimizationConfig = field(default_factory=ZeroOptimizationConfig)
     communication_data_type: str | None = None  # "fp32" | "fp16" | "bf16"; None: the engine's default
     steps_per_print: int | None = 10  # null: never print, DeepSpeed's own default
+    wall_clock_breakdown: bool = False  # time forward, backward and step, logged every steps_per_print (timers.py)
     seed: int | None = None  # hf_zero extension: the seed of the distributed sampler's shuffle
     sequence_parallel_size: int = 1  # the Ulysses degree, from this key or the sequence_parallel section
     sequence_parallel: SequenceParallelConfig = field(default_factory=SequenceParallelConfig)  # the tiling switches

@@ -178,6 +178,7 @@ class Parser:
                                                     nullable=True)
         top.get("gradient_predivide_factor", Number(0.0, strict=True), ABSENT)  # inert, but a value must make sense
         fields["steps_per_print"] = top.get("steps_per_print", Int(1), ABSENT, nullable=True)
+        fields["wall_clock_breakdown"] = top.get("wall_clock_breakdown", Bool(), ABSENT)
         fields["seed"] = top.get("seed", Int(0), ABSENT, nullable=True)
         fields["sequence_parallel_size"] = top.get("sequence_parallel_size", Int(1), ABSENT)
         fields["activation_checkpointing"] = self.activation_checkpointing(top)

@@ -83,6 +83,7 @@ TOP = Section(
         "torch_autocast",  # DeepSpeed's: forward under torch.autocast (hf_zero/engine.py)
         "sequence_parallel_size",  # DeepSpeed's (ALST): the Ulysses degree (hf_zero/sequence/config.py)
         "sequence_parallel",  # hf_zero's tiling switches; LLaMA-Factory's keys of the section are read too
+        "wall_clock_breakdown",  # DeepSpeed's: time forward, backward and step (hf_zero/timers.py)
         "seed",  # hf_zero's: the seed of the distributed sampler's shuffle
         "nonfinite_loss",  # hf_zero's: what a bf16/fp32 step with an inf/nan loss or gradient does
     ),
@@ -91,7 +92,7 @@ TOP = Section(
     auto=frozenset({"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
                     "gradient_clipping"}),
     inert={
-        "wall_clock_breakdown": False, "memory_breakdown": False, "dump_state": False,
+        "memory_breakdown": False, "dump_state": False,
         # hf_zero shards any torch optimizer, which zero_allow_untested_optimizer: true asks DeepSpeed to allow
         "zero_allow_untested_optimizer": True, "zero_force_ds_cpu_optimizer": True, "disable_allgather": False,
         "dataloader_drop_last": False, "graph_harvesting": False, "vocabulary_size": None,

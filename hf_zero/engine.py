@@ -26,6 +26,7 @@ from hf_zero.errors import UsageError
 from hf_zero.module_setup import broadcast_module, cast_frozen_params, check_presharded, move_to_device
 from hf_zero.precision import loss_scaler_for, reduce_dtype
 from hf_zero.step import NormScope, StepPolicy
+from hf_zero.timers import StepTimers
 from hf_zero.zero.partition import ShardedOptimizer
 
 logger = logging.getLogger("hf_zero")
@@ -101,12 +102,15 @@ class ZeroEngine(torch.nn.Module):
         move_to_device(model, self.device)
         broadcast_module(model, group)
         self.loss_scaler = loss_scaler_for(config)
+        self.timers = StepTimers(config.wall_clock_breakdown, self.device)
         # Clip, loss scale, the non-finite rule and the global norm (over this engine's group; a
         # pipeline widens the scope to its stages): one policy for every engine (hf_zero/step.py).
         self.step_policy = StepPolicy(
             scaler=self.loss_scaler, nonfinite=config.nonfinite_loss, device=self.device,
             scope=NormScope(group, self.world_size, replicas=self.world_size),
         )
+        if self.timers.enabled:
+            self.step_policy.timed = self.timers.add
         self.zero_optimizer = self._sharded_optimizer(optimizer) if optimizer is not None else None
         cast_frozen_params(model, self.compute_dtype)
         if config.compile.enabled:  # before checkpointing, so the recomputation runs the compiled blocks too
@@ -280,7 +284,7 @@ class ZeroEngine(torch.nn.Module):
         cast = self.compute_dtype if self.compute_dtype != torch.float32 else None
         args = to_device(args, self.device, cast)
         kwargs = to_device(kwargs, self.device, cast)
-        with self.autocast():
+        with self.autocast(), self.timers.span("forward"):
             if self.world_size == 1:
                 return self.module(*args, **kwargs)
             with hz_dist.peer_failure_guard("forward"):  # stage 3 gathers parameters here
@@ -298,10 +302,11 @@ class ZeroEngine(torch.nn.Module):
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
         """Backward of the micro-batch loss, scaled for accumulation (and fp16)."""
-        if self.world_size == 1:
-            return self._backward(loss, retain_graph, scale_wrt_gas)
-        with hz_dist.peer_failure_guard(f"backward of step {self.global_steps}"):
-            return self._backward(loss, retain_graph, scale_wrt_gas)
+        with self.timers.span("backward"):
+            if self.world_size == 1:
+                return self._backward(loss, retain_graph, scale_wrt_gas)
+            with hz_dist.peer_failure_guard(f"backward of step {self.global_steps}"):
+                return self._backward(loss, retain_graph, scale_wrt_gas)
 
     def _backward(self, loss: torch.Tensor, retain_graph: bool, scale_wrt_gas: bool) -> torch.Tensor:
         if not torch.is_tensor(loss) or loss.numel() != 1:
@@ -333,11 +338,17 @@ class ZeroEngine(torch.nn.Module):
         boundary = self.is_gradient_accumulation_boundary()
         self._step_applied = False
         if boundary:
-            if self.world_size == 1:
-                self._take_model_step()
-            else:
-                with hz_dist.peer_failure_guard(f"step {self.global_steps}"):
+            with self.timers.span("step"):
+                if self.world_size == 1:
                     self._take_model_step()
+                else:
+                    with hz_dist.peer_failure_guard(f"step {self.global_steps}"):
+                        self._take_model_step()
+            spp = self.config.steps_per_print
+            if self.timers.enabled and spp and self.global_steps % spp == 0:
+                line = self.timers.line(reset=True)  # every rank resets; rank 0 says it
+                if self.global_rank == 0:
+                    logger.info("step=%d, time per call: %s", self.global_steps, line)
         self.micro_steps += 1
         self.global_samples += self.train_micro_batch_size_per_gpu() * self.dp_world_size
         self._boundary_override = None

@@ -19,6 +19,7 @@ keeps what is its own: the counters, the LR scheduler, the log line.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -90,6 +91,7 @@ class StepPolicy:
         self.scaler, self.nonfinite, self.scope, self.device = scaler, nonfinite, scope, device
         self._clip_next: float | None = None
         self._stats: tuple[torch.Tensor, torch.Tensor] | None = None  # computed early by grad_norm, reused by step
+        self.timed: Callable[[str, float], None] | None = None  # wall_clock_breakdown's sink for the offloaded step's parts
 
     def scale_loss(self, loss: torch.Tensor, divide_by: int = 1) -> torch.Tensor:
         """The fp32 loss to backpropagate: divided over ``divide_by`` micro-batches, times the fp16 scale."""
@@ -131,7 +133,7 @@ class StepPolicy:
         if stats is None and scaler is None and clip <= 0 and self.nonfinite == "off":
             # Nothing reads the norm: skip its pass over every gradient shard (as plain torch
             # does without clipping); get_global_grad_norm() is then None for this step.
-            optimizer.step_and_publish()
+            optimizer.step_and_publish(self.timed)
             return StepResult(applied=True)
         norm, bad = stats if stats is not None else self._compute(optimizer)
         scale = scaler.scale if scaler is not None else 1.0
@@ -156,7 +158,7 @@ class StepPolicy:
         if clip > 0:
             coef = (clip / (norm + 1e-6)).clamp(max=1.0) / scale
         optimizer.scale_grads(coef)
-        optimizer.step_and_publish()
+        optimizer.step_and_publish(self.timed)
         if scaler is not None:
             scaler.update(False)
         return StepResult(True, norm=norm, loss_scale=scale)

@@ -97,6 +97,7 @@ def run_engine(name: str, args: argparse.Namespace) -> dict:
                                   **param_section},
             "steps_per_print": 10**9,
             "activation_checkpointing": {"checkpoint_blocks": bool(args.checkpoint_blocks)},
+            "wall_clock_breakdown": bool(args.breakdown),
             **json.loads(args.hf_config),
         }
         engine, _, _, _ = hf_zero.initialize(model=model, config=cfg)
@@ -191,6 +192,9 @@ def run_engine(name: str, args: argparse.Namespace) -> dict:
     if args.profile:
         profile_steps(name, step, lambda: torch.randint(0, 32000, (args.micro, args.seq), device="cuda", generator=g),
                       args.profile)
+    breakdown = None
+    if name.startswith("hf") and args.breakdown:
+        breakdown = engine.timers.means()  # noqa: F821 - the hf branch defines engine
     med = statistics.median(times)
     tok = args.micro * args.seq / med
     peak = torch.tensor(torch.cuda.max_memory_allocated() / 2**30, device="cuda")
@@ -207,6 +211,8 @@ def run_engine(name: str, args: argparse.Namespace) -> dict:
         "alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries", 0),
         "host_peak_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,  # max RSS of rank 0 (KiB on Linux)
     }
+    if breakdown is not None:
+        out["breakdown_ms"] = breakdown
     if build_peak is not None:
         out["build_peak_gib"] = build_peak
         out["full_model_gib"] = nparams * 4 / 2**30
@@ -411,6 +417,9 @@ def main() -> None:
                     help='top-level keys added to the hf_zero engines\' config, e.g. \'{"nonfinite_loss": "off"}\'')
     ap.add_argument("--pipe_micro", type=int, default=8, help="pipeN engines: micro-batches per step (1F1B's m)")
     ap.add_argument("--pipe_schedule", default="1f1b", choices=["1f1b", "gpipe"], help="pipeN engines: the schedule")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="hf_zero engines: wall_clock_breakdown on (forward, backward, step and the offloaded step's parts, "
+                         "each span synchronised, so tokens/s drop a little); printed under the table")
     ap.add_argument("--json", default="", help=argparse.SUPPRESS)
     args, _ = ap.parse_known_args()
     args.bucket = int(args.bucket)
@@ -453,6 +462,9 @@ def main() -> None:
             stages = ", ".join(f"{100 * b:.1f}%" for b in r["bubble_per_stage"])
             print(f"{r['engine']}: {r['micro_batches']} micro-batches, measured bubble per stage {stages} "
                   f"(mean {100 * statistics.mean(r['bubble_per_stage']):.1f}%) vs (p-1)/(m+p-1) = {100 * r['bubble_formula']:.1f}%")
+        if "breakdown_ms" in r:
+            print(f"{r['engine']}: ms per call (mean over warm-up and timed steps): "
+                  + ", ".join(f"{k} {v:.1f}" for k, v in r["breakdown_ms"].items()))
         if "build_peak_gib" in r:
             print(f"{r['engine']}: built under zero.Init with a peak of {r['build_peak_gib']:.2f} GiB per GPU "
                   f"(the whole model in fp32 is {r['full_model_gib']:.2f} GiB)")

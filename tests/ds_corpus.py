@@ -30,7 +30,7 @@ TRAINER_RUNS = Path(__file__).resolve().parent / "ds_corpus_trainer_runs.json"
 # (lr 1e-3 moves bf16 weights within the steps; accumulating 2 micro-batches runs the Trainer's accumulation).
 TRAINER_STEPS, USER_LR, USER_MICRO, USER_GAS = 3, 1e-3, 2, 2
 
-OFFLOAD = "offload is not supported yet"  # parameter offload, partial optimizer offload
+OFFLOAD = "offload is not supported yet"  # partial optimizer offload (ratio < 1)
 NVME = '"nvme" (ZeRO-Infinity) is not supported'  # offload to NVMe
 SEQUENCE_PARALLEL = "sequence parallelism is not supported yet"
 

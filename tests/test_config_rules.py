@@ -188,9 +188,9 @@ def test_inert_keys_are_named_when_they_ask_for_something(section: str, key: str
 
 
 def test_each_key_is_named_once_per_process() -> None:
-    first = {**MB, "wall_clock_breakdown": True, "comms_config": {}, "zero_optimization": {"overlap_comm": False}}
+    first = {**MB, "dump_state": True, "comms_config": {}, "zero_optimization": {"overlap_comm": False}}
     assert load(first)[1] == [
-        "hf_zero accepts but ignores these DeepSpeed keys: wall_clock_breakdown, zero_optimization.overlap_comm",
+        "hf_zero accepts but ignores these DeepSpeed keys: dump_state, zero_optimization.overlap_comm",
         "hf_zero ignores these keys, which are not DeepSpeed config keys: comms_config",
     ]
     assert load(first)[1] == []  # the engine parsing the config the Trainer already parsed: silent
@@ -200,11 +200,12 @@ def test_each_key_is_named_once_per_process() -> None:
 
 
 def test_a_refused_config_warns_nothing_and_its_fix_warns_once() -> None:
-    """LLaMA-Factory's fp8 config (the issue's "comms_config: unknown key"): with parameter offload added it is
-    refused without a warning; as shipped (optimizer offload only) it loads, each ignored key named once."""
+    """LLaMA-Factory's fp8 config (the issue's "comms_config: unknown key"): with parameter offload to NVMe added
+    it is refused without a warning; as shipped (optimizer offload only) it loads, each ignored key named once."""
     given = json.loads((CONFIGS / "llamafactory_ds_z3_fp8_config.json").read_text())
-    with_params = {**given, "zero_optimization": {**given["zero_optimization"], "offload_param": {"device": "cpu"}}}
-    with warnings.catch_warnings(record=True) as caught, pytest.raises(ConfigError, match="parameter offload is not supported yet"):
+    with_params = {**given, "zero_optimization": {**given["zero_optimization"],
+                                                  "offload_param": {"device": "nvme", "nvme_path": "/nvme"}}}
+    with warnings.catch_warnings(record=True) as caught, pytest.raises(ConfigError, match=r'"nvme" \(ZeRO-Infinity\) is not supported'):
         warnings.simplefilter("always")
         ZeroConfig.load(with_params)
     assert caught == []
@@ -252,7 +253,7 @@ def test_offload_sections_parse_in_full_with_deepspeeds_defaults() -> None:
     ({"zero_optimization": {"offload_optimizer": {"device": "nvme", "nvme_path": "/x"}}},
      'zero_optimization.offload_optimizer.device: "nvme" (ZeRO-Infinity) is not supported; use "cpu"'),
     ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/x"}}},
-     "zero_optimization.offload_param.device: got 'nvme', but parameter offload is not supported yet"),
+     'zero_optimization.offload_param.device: "nvme" (ZeRO-Infinity) is not supported'),
     ({"zero_optimization": {"cpu_offload": True}},
      'zero_optimization.cpu_offload: got True, but this is DeepSpeed\'s deprecated spelling; write "offload_optimizer"'),
 ])

@@ -278,3 +278,36 @@ def test_offload_param_below_stage_3_is_named_as_ignored_as_deepspeed_ignores_it
     with pytest.warns(UserWarning, match=r"zero_optimization.offload_param \(DeepSpeed reads it at stage 3 only\)"):
         ZeroConfig.load({"train_micro_batch_size_per_gpu": 1,
                          "zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}})
+
+
+def _breakdown(rank: int, world: int) -> dict:
+    import logging
+
+    import hf_zero
+
+    cfg = _config(2, True, 1, 0.5)
+    cfg.update(wall_clock_breakdown=True, steps_per_print=2)
+    engine, *_ = hf_zero.initialize(model=_model(), config=cfg)
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("hf_zero").addHandler(handler)
+    _train(engine, range(3), 1, rank)
+    means = engine.timers.means()
+    plain, *_ = hf_zero.initialize(model=_model(), config=_config(2, True, 1, 0.5))
+    _train(plain, range(1), 1, rank)
+    return {"means": means, "lines": [x for x in lines if "time per call" in x], "off": plain.timers.means()}
+
+
+def test_wall_clock_breakdown_times_the_offloaded_step_in_its_parts() -> None:
+    """DeepSpeed's ``wall_clock_breakdown``: forward, backward and step, and the offloaded step's three parts
+    (waiting for the gradient copies, the CPU optimizer, the copy back), logged every steps_per_print steps."""
+    results = spawn(_breakdown, 2)
+    for r in results:
+        means = r["means"]
+        assert list(means) == ["forward", "backward", "step", "step.wait_grads", "step.cpu_optimizer", "step.to_device"]
+        assert all(v >= 0 for v in means.values()) and means["step.cpu_optimizer"] > 0
+        assert means["step.wait_grads"] + means["step.cpu_optimizer"] + means["step.to_device"] <= means["step"] * 1.05
+        assert r["off"] == {}  # off by default: nothing timed
+    assert len(results[0]["lines"]) == 1 and results[1]["lines"] == []  # step 2 of 3, rank 0
+    assert results[0]["lines"][0].startswith("step=2, time per call: forward ")
