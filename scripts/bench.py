@@ -5,6 +5,7 @@ Run on the GPU machine:
     python scripts/bench.py --gpus 4 --model 1.1b --engines hf1,hf2,hf3,ddp,fsdp2,ds2,ds3
     python scripts/bench.py --gpus 1 --model 2.8b --engines hf2o,hf3o,ds2o,ds3o,fsdp2o --steps 4   # optimizer offload
     python scripts/bench.py --gpus 1 --model 2.8b --engines hf3op,ds3op,fsdp2o --steps 4   # + parameter offload
+    python scripts/bench.py --gpus 1 --model 2.8b --engines hf2,hf2o,hf3,hf3o --gas 8 --steps 3   # offload's cost at accumulation 8
 
 Each engine runs in its own torchrun (one process per GPU), so no engine's memory or caches
 leak into the next one's peak. ``ds2``/``ds3`` need DeepSpeed importable.
@@ -39,6 +40,9 @@ SHAPES = {
     "13b": dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=40, num_attention_heads=40, num_key_value_heads=40),
     # BASELINES.md's offload shape (2.81B parameters)
     "2.8b": dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=26, num_attention_heads=24, num_key_value_heads=8),
+    # larger offload shapes for "the largest model one GPU trains" (host memory is what limits them)
+    "5b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=27, num_attention_heads=32, num_key_value_heads=8),
+    "6b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8),
 }
 PEAK_TFLOPS = 989.0
 
@@ -88,7 +92,7 @@ def run_engine(name: str, args: argparse.Namespace) -> dict:
         stage = int(name[2])
         cfg = {
             "train_micro_batch_size_per_gpu": args.micro,
-            "gradient_accumulation_steps": 1,
+            "gradient_accumulation_steps": args.gas,
             "bf16": {"enabled": True},
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-5, "weight_decay": 0.0}},
             "zero_optimization": {"stage": stage, "reduce_bucket_size": args.bucket, "allgather_bucket_size": args.bucket,
@@ -179,10 +183,11 @@ def run_engine(name: str, args: argparse.Namespace) -> dict:
     times = []
     losses = []
     for i in range(args.warmup + args.steps):
-        ids = torch.randint(0, 32000, (args.micro, args.seq), device="cuda", generator=g)
+        batches = [torch.randint(0, 32000, (args.micro, args.seq), device="cuda", generator=g) for _ in range(args.gas)]
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        loss = step(ids)
+        for ids in batches:  # --gas micro-batches per optimizer step (hf engines step on the last)
+            loss = step(ids)
         torch.cuda.synchronize()
         if i >= args.warmup:
             times.append(time.perf_counter() - t0)
@@ -196,7 +201,7 @@ def run_engine(name: str, args: argparse.Namespace) -> dict:
     if name.startswith("hf") and args.breakdown:
         breakdown = engine.timers.means()  # noqa: F821 - the hf branch defines engine
     med = statistics.median(times)
-    tok = args.micro * args.seq / med
+    tok = args.micro * args.seq * args.gas / med
     peak = torch.tensor(torch.cuda.max_memory_allocated() / 2**30, device="cuda")
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     out = {
@@ -417,6 +422,8 @@ def main() -> None:
                     help='top-level keys added to the hf_zero engines\' config, e.g. \'{"nonfinite_loss": "off"}\'')
     ap.add_argument("--pipe_micro", type=int, default=8, help="pipeN engines: micro-batches per step (1F1B's m)")
     ap.add_argument("--pipe_schedule", default="1f1b", choices=["1f1b", "gpipe"], help="pipeN engines: the schedule")
+    ap.add_argument("--gas", type=int, default=1,
+                    help="hf_zero engines: gradient_accumulation_steps; each timed step runs that many micro-batches")
     ap.add_argument("--breakdown", action="store_true",
                     help="hf_zero engines: wall_clock_breakdown on (forward, backward, step and the offloaded step's parts, "
                          "each span synchronised, so tokens/s drop a little); printed under the table")
@@ -426,6 +433,8 @@ def main() -> None:
     if args.json:
         child(args)
         return
+    if args.gas > 1 and any(not e.startswith("hf") for e in args.engines.split(",")):
+        raise SystemExit("--gas is for the hf engines (their config's gradient_accumulation_steps); run the others without it")
     unused = [flag for flag, on in (("--profile", args.profile), ("--memory_peak", args.memory_peak), ("--compile", args.compile),
                                     ("--checkpoint_blocks", args.checkpoint_blocks)) if on]
     if unused and any(e.startswith("pipe") for e in args.engines.split(",")):
