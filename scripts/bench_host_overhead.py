@@ -20,10 +20,13 @@ optimizer loop. Engines (``--engines``, comma-separated):
 Stage 3 shards every block by default (``--stage3-threshold 0``), as a large model's blocks are;
 DeepSpeed's default threshold would keep these tiny parameters whole and make it stage 2 with hooks.
 Each engine warms up (``--warmup`` steps), then runs ``--rounds`` rounds of ``--steps`` steps between
-barriers; the table gives the median round: steps/s, the ratio to DDP's steps/s, wall ms per step and
-rank 0's process CPU ms per step (its own threads included, gloo's too). ``--profile ENGINE`` runs
-cProfile on rank 0 over one more round of that engine and prints the functions that took the most
-time, by their own time and cumulatively.
+barriers, DDP's and the raw engines' rounds taken in turn (a load that comes and goes on a shared
+machine then weighs on all of them alike; the Trainers run their rounds after, in their own loop).
+The table gives the median round: steps/s, the ratio to DDP's steps/s, wall ms per step, "host ms"
+(the CPU time of rank 0's main thread, which runs the Python, the hooks and, on CPU, the kernels and
+autograd: the figure the noise of a shared machine disturbs least) and "cpu ms" (rank 0's whole
+process, gloo's threads included). ``--profile ENGINE`` runs cProfile on rank 0 over one more round
+of that engine and prints the functions that took the most time, by their own time and cumulatively.
 """
 
 from __future__ import annotations
@@ -106,23 +109,43 @@ def _zero_config(stage: int, micro_batch: int, threshold: int) -> dict:
             "steps_per_print": None, "zero_optimization": zero}
 
 
-def _time_rounds(step: Callable[[], None], opts: argparse.Namespace, profile: bool) -> tuple[list[float], list[float], str]:
-    """Warm up, then time ``opts.rounds`` rounds of ``opts.steps`` steps (wall and CPU seconds); optionally profile one more."""
+Clocks = tuple[float, float, float]  # wall, this thread's CPU, the process's CPU (seconds)
+
+
+def _clocks() -> Clocks:
+    return time.perf_counter(), time.thread_time(), time.process_time()
+
+
+def _since(t0: Clocks) -> Clocks:
+    t1 = _clocks()
+    return t1[0] - t0[0], t1[1] - t0[1], t1[2] - t0[2]
+
+
+def _time_interleaved(steps: dict[str, Callable[[], None]], opts: argparse.Namespace) -> tuple[dict[str, list[Clocks]], dict[str, str]]:
+    """Warm every engine up, then time ``opts.rounds`` rounds of ``opts.steps`` steps, one round of each engine in turn.
+
+    Taking the engines' rounds in turn, rather than all of one engine's first, spreads a load that
+    comes and goes on a shared machine over all of them alike, so the ratios hold better than the
+    absolute figures. Then one more round of each engine in ``opts.profile`` runs under cProfile on rank 0.
+    """
     import torch.distributed as dist
 
-    for _ in range(opts.warmup):
-        step()
-    walls, cpus = [], []
-    for _ in range(opts.rounds):
-        dist.barrier()
-        t0, c0 = time.perf_counter(), time.process_time()
-        for _ in range(opts.steps):
+    for step in steps.values():
+        for _ in range(opts.warmup):
             step()
-        dist.barrier()
-        walls.append(time.perf_counter() - t0)
-        cpus.append(time.process_time() - c0)
-    report = ""
-    if profile:
+    rounds: dict[str, list[Clocks]] = {name: [] for name in steps}
+    for _ in range(opts.rounds):
+        for name, step in steps.items():
+            dist.barrier()
+            t0 = _clocks()
+            for _ in range(opts.steps):
+                step()
+            dist.barrier()
+            rounds[name].append(_since(t0))
+    reports = {}
+    for name, step in steps.items():
+        if name not in opts.profile:
+            continue
         prof = cProfile.Profile() if dist.get_rank() == 0 else None
         dist.barrier()
         if prof is not None:
@@ -131,9 +154,9 @@ def _time_rounds(step: Callable[[], None], opts: argparse.Namespace, profile: bo
             step()
         if prof is not None:
             prof.disable()
-            report = _profile_report(prof, opts.profile_rows)
+            reports[name] = _profile_report(prof, opts.profile_rows)
         dist.barrier()
-    return walls, cpus, report
+    return rounds, reports
 
 
 def _profile_report(prof: cProfile.Profile, rows: int) -> str:
@@ -144,7 +167,7 @@ def _profile_report(prof: cProfile.Profile, rows: int) -> str:
     return out.getvalue()
 
 
-def _run_ddp(opts: argparse.Namespace, profile: bool) -> tuple[list[float], list[float], str]:
+def _ddp_step(opts: argparse.Namespace) -> Callable[[], None]:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
@@ -157,10 +180,10 @@ def _run_ddp(opts: argparse.Namespace, profile: bool) -> tuple[list[float], list
         opt.step()
         opt.zero_grad()
 
-    return _time_rounds(step, opts, profile)
+    return step
 
 
-def _run_engine(stage: int, opts: argparse.Namespace, profile: bool) -> tuple[list[float], list[float], str]:
+def _engine_step(stage: int, opts: argparse.Namespace) -> Callable[[], None]:
     import torch.distributed as dist
 
     import hf_zero
@@ -176,10 +199,10 @@ def _run_engine(stage: int, opts: argparse.Namespace, profile: bool) -> tuple[li
         engine.backward(loss)
         engine.step()
 
-    return _time_rounds(step, opts, profile)
+    return step
 
 
-def _run_trainer(stage: int, opts: argparse.Namespace, profile: bool) -> tuple[list[float], list[float], str]:
+def _run_trainer(stage: int, opts: argparse.Namespace, profile: bool) -> tuple[list[Clocks], str]:
     """The Trainer owns the loop: a callback marks each round's ends (after a barrier) and profiles the extra round."""
     import torch.distributed as dist
     from accelerate.state import AcceleratorState, GradientState
@@ -192,13 +215,12 @@ def _run_trainer(stage: int, opts: argparse.Namespace, profile: bool) -> tuple[l
     GradientState._reset_state()
     marks = [opts.warmup + r * opts.steps for r in range(opts.rounds + 1)]
     last = marks[-1] + (opts.steps if profile else 0)
-    walls: list[float] = []
-    cpus: list[float] = []
+    rounds: list[Clocks] = []
     report: list[str] = []
 
     class Clock(TrainerCallback):
         def __init__(self) -> None:
-            self.t = (0.0, 0.0)
+            self.t = _clocks()
             self.prof: cProfile.Profile | None = None
 
         def on_step_end(self, args, state, control, **kwargs):  # noqa: ANN001, ANN201
@@ -209,11 +231,9 @@ def _run_trainer(stage: int, opts: argparse.Namespace, profile: bool) -> tuple[l
                 self.prof.disable()
                 report.append(_profile_report(self.prof, opts.profile_rows))
             dist.barrier()
-            now = (time.perf_counter(), time.process_time())
             if step in marks[1:]:
-                walls.append(now[0] - self.t[0])
-                cpus.append(now[1] - self.t[1])
-            self.t = now
+                rounds.append(_since(self.t))
+            self.t = _clocks()
             if profile and step == marks[-1] and dist.get_rank() == 0:
                 self.prof = cProfile.Profile()
                 self.prof.enable()
@@ -230,22 +250,26 @@ def _run_trainer(stage: int, opts: argparse.Namespace, profile: bool) -> tuple[l
                                   train_dataset=Samples(world * opts.micro_batch * (last + 1)), callbacks=[Clock()])
         trainer.remove_callback(PrinterCallback)  # its end-of-training summary line is not this table's
         trainer.train()
-    return walls, cpus, "".join(report)
+    return rounds, "".join(report)
 
 
 def _bench(rank: int, world: int, opts: argparse.Namespace) -> list[dict]:
+    steps = {}
+    for name in opts.engines:
+        if name == "ddp":
+            steps[name] = _ddp_step(opts)
+        elif name.startswith("hf"):
+            steps[name] = _engine_step(int(name[2:]), opts)
+    rounds, reports = _time_interleaved(steps, opts)
+    for name in opts.engines:
+        if name.startswith("trainer"):
+            rounds[name], reports[name] = _run_trainer(int(name[len("trainer"):]), opts, name in opts.profile)
     rows = []
     for name in opts.engines:
-        profile = name in opts.profile
-        if name == "ddp":
-            walls, cpus, report = _run_ddp(opts, profile)
-        elif name.startswith("hf"):
-            walls, cpus, report = _run_engine(int(name[2:]), opts, profile)
-        else:
-            walls, cpus, report = _run_trainer(int(name[len("trainer"):]), opts, profile)
-        wall, cpu = statistics.median(walls), statistics.median(cpus)
+        wall, thread, proc = (statistics.median(r[i] for r in rounds[name]) for i in range(3))
         rows.append({"engine": name, "steps_per_s": opts.steps / wall, "ms_per_step": 1e3 * wall / opts.steps,
-                     "cpu_ms_per_step": 1e3 * cpu / opts.steps, "profile": report})
+                     "host_ms_per_step": 1e3 * thread / opts.steps, "cpu_ms_per_step": 1e3 * proc / opts.steps,
+                     "profile": reports.get(name, "")})
     return rows
 
 
@@ -271,10 +295,10 @@ def _entry(rank: int, world: int, store_path: str, out_dir: str, opts: argparse.
 def format_table(rows: list[dict]) -> str:
     """The result table: one row per engine, steps/s and its ratio to DDP (``-`` when DDP did not run)."""
     ddp = next((r["steps_per_s"] for r in rows if r["engine"] == "ddp"), None)
-    lines = [f"{'engine':<10} {'steps/s':>9} {'x DDP':>7} {'ms/step':>9} {'cpu ms/step':>12}"]
+    lines = [f"{'engine':<10} {'steps/s':>9} {'x DDP':>7} {'ms/step':>9} {'host ms/step':>13} {'cpu ms/step':>12}"]
     for r in rows:
         ratio = f"{r['steps_per_s'] / ddp:7.3f}" if ddp else f"{'-':>7}"
-        lines.append(f"{r['engine']:<10} {r['steps_per_s']:9.1f} {ratio} {r['ms_per_step']:9.3f} {r['cpu_ms_per_step']:12.3f}")
+        lines.append(f"{r['engine']:<10} {r['steps_per_s']:9.1f} {ratio} {r['ms_per_step']:9.3f} {r['host_ms_per_step']:13.3f} {r['cpu_ms_per_step']:12.3f}")
     return "\n".join(lines)
 
 
