@@ -63,6 +63,7 @@ class FlatGroup(ShardGroup):
             s.param.data = self.param_flat[s.offset : s.offset + s.numel].view(s.shape)
             s.param.hf_zero_flat = self  # lets GatheredParameters refresh the master after an edit
         self.grad_flat: torch.Tensor | None = None
+        self._grad_views: dict[int, torch.Tensor] = {}  # id(slot) -> its view of grad_flat, made with the buffer
         self.direct = False  # this backward leaves gradients where autograd puts them (begin_backward)
 
     # ----------------------------------------------------------------- views
@@ -80,8 +81,11 @@ class FlatGroup(ShardGroup):
         """Allocate the flat gradient buffer if needed and make every ``param.grad`` a view of it."""
         if self.grad_flat is None:
             self.grad_flat = torch.zeros(self.padded_numel, dtype=self.compute_dtype, device=self.device)
+            # Made once per buffer rather than per gradient and per backward: stage 0 keeps its buffer
+            # for the whole run, and slicing a view for each parameter each time was per-parameter Python.
+            self._grad_views = {id(s): self.grad_flat[s.offset : s.offset + s.numel].view(s.shape) for s in self.slots}
         for s in self.slots:
-            view = self.grad_flat[s.offset : s.offset + s.numel].view(s.shape)
+            view = self._grad_views[id(s)]
             if s.param.grad is None or s.param.grad.data_ptr() != view.data_ptr():
                 if s.param.grad is not None:  # the user replaced .grad (e.g. zero_grad(set_to_none))
                     view.copy_(s.param.grad)
@@ -108,7 +112,7 @@ class FlatGroup(ShardGroup):
             self.ensure_grad_buffer()
             return
         g = slot.param.grad
-        view = self.grad_flat[slot.offset : slot.offset + slot.numel].view(slot.shape)
+        view = self._grad_views[id(slot)]
         if g is not None and g.data_ptr() != view.data_ptr():
             view.copy_(g)
             slot.param.grad = view
@@ -162,6 +166,7 @@ class FlatGroup(ShardGroup):
         for s in self.slots:
             s.param.grad = None
         self.grad_flat = None
+        self._grad_views = {}
 
     def zero_grads(self) -> None:
         """End of step: clear accumulated gradients (free them under stage 2)."""

@@ -272,7 +272,10 @@ class Unit:
 
     @property
     def gathered(self) -> bool:
-        return any(g.state is not ShardState.SHARDED for g in self.groups)
+        for g in self.groups:  # a loop, not any(genexpr): _prefetch_after asks this of every unit ahead, every call
+            if g.state is not ShardState.SHARDED:
+                return True
+        return False
 
 
 class Stage3Runtime:
@@ -296,6 +299,7 @@ class Stage3Runtime:
         self.prefetch_numel = prefetch_numel
         self.max_live_numel = max_live_numel
         self.order: list[Unit] = []  # forward execution order, recorded on the first training forward
+        self._ahead: dict[bool, tuple[list[Unit], dict[int, int]]] = {}  # _set_order's, by reverse
         self._recording: list[Unit] = []
         self.in_backward: set[int] = set()
         self.inference_gathered = False
@@ -338,7 +342,7 @@ class Stage3Runtime:
 
     def _root_post(self, module: torch.nn.Module, args: tuple, output: object) -> None:
         if self._recording and (not self.order or len(self._recording) != len(self.order)):
-            self.order = list(self._recording)
+            self._set_order(list(self._recording))
         if self.root_unit is None:
             return
         if not torch.is_grad_enabled() and self.keep_gathered_for_inference:
@@ -346,6 +350,16 @@ class Stage3Runtime:
             return
         if not torch.is_grad_enabled() or not _tensors_requiring_grad(output):
             self.root_unit.reshard()  # no backward will come through it; otherwise it stays for backward
+
+    def _set_order(self, order: list[Unit]) -> None:
+        """Record the forward order, with the backward order and each unit's first place in either, for _prefetch_after."""
+        self.order = order
+        self._ahead = {}
+        for reverse, seq in ((False, order), (True, order[::-1])):
+            first: dict[int, int] = {}
+            for i, u in enumerate(seq):
+                first.setdefault(id(u), i)
+            self._ahead[reverse] = (seq, first)
 
     def _prefetch_after(self, unit: Unit, reverse: bool) -> None:
         """Gather the units that run after ``unit``, as far ahead as ``stage3_prefetch_bucket_size`` allows.
@@ -359,17 +373,20 @@ class Stage3Runtime:
         """
         if not self.order or self.prefetch_numel <= 0:
             return
-        order = self.order[::-1] if reverse else self.order
-        try:
-            i = order.index(unit)
-        except ValueError:
+        order, first = self._ahead[reverse]
+        i = first.get(id(unit))
+        if i is None:
             return
-        live = sum(u.numel for u in self.units if u.gathered)
+        # Summed over every unit only when a gather is due: before it, nothing here changes what is gathered.
+        live: int | None = None
         ahead = 0
-        for nxt in order[i + 1 :]:
+        for j in range(i + 1, len(order)):
+            nxt = order[j]
             if ahead > 0 and ahead + nxt.numel > self.prefetch_numel:
                 break
             if not nxt.gathered:
+                if live is None:
+                    live = sum(u.numel for u in self.units if u.gathered)
                 if live + nxt.numel > self.max_live_numel:
                     break
                 nxt.gather(self.stream)
