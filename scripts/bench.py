@@ -6,6 +6,7 @@ Run on the GPU machine:
     python scripts/bench.py --gpus 1 --model 2.8b --engines hf2o,hf3o,ds2o,ds3o,fsdp2o --steps 4   # optimizer offload
     python scripts/bench.py --gpus 1 --model 2.8b --engines hf3op,ds3op,fsdp2o --steps 4   # + parameter offload
     python scripts/bench.py --gpus 1 --model 2.8b --engines hf2,hf2o,hf3,hf3o --gas 8 --steps 3   # offload's cost at accumulation 8
+    python scripts/bench.py --gpus 1 --model 1.1b --engines hf2,tr2,hf3,tr3   # the Trainer path against the raw engine
 
 Each engine runs in its own torchrun (one process per GPU), so no engine's memory or caches
 leak into the next one's peak. ``ds2``/``ds3`` need DeepSpeed importable.
@@ -66,6 +67,74 @@ def flops_per_token(model: torch.nn.Module, seq: int) -> float:
     return 6 * n + 12 * c.num_hidden_layers * c.hidden_size * seq
 
 
+def run_trainer(name: str, args: argparse.Namespace, model: torch.nn.Module, fpt: float, nparams: int) -> dict:
+    """``trN``: the hf engine ``hfN``'s config and data through ``hf_zero.Trainer`` (issue 20: the Trainer path
+    against the raw engine). The same AdamW from the config's section, bf16, no clipping, no logging or saving;
+    a callback times each optimizer step (device synchronised), the median after the warm-up as for the engines;
+    the loss is logged every 10 steps, as a user logs it (each log is a host sync)."""
+    from transformers import TrainerCallback
+
+    import hf_zero
+
+    rank = dist.get_rank()
+    stage = int(name[2])
+    cfg = {
+        "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "train_batch_size": "auto",
+        "gradient_clipping": "auto", "bf16": {"enabled": "auto"},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-5, "weight_decay": 0.0}},
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": args.bucket, "allgather_bucket_size": args.bucket,
+                              **({"stage3_prefetch_bucket_size": int(args.prefetch)} if args.prefetch is not None else {})},
+        "steps_per_print": 10**9,
+        **json.loads(args.hf_config),
+    }
+    total = args.warmup + args.steps
+    g = torch.Generator().manual_seed(1234 + rank)
+    rows = [torch.randint(0, 32000, (args.seq,), generator=g) for _ in range(args.micro * args.gas * total)]
+
+    class Tokens(torch.utils.data.Dataset):
+        def __len__(self) -> int:
+            return len(rows)
+
+        def __getitem__(self, i: int) -> dict:
+            return {"input_ids": rows[i], "labels": rows[i]}
+
+    times: list[float] = []
+    losses: list[float] = []
+
+    class Clock(TrainerCallback):
+        def on_step_begin(self, a, state, control, **kw):  # noqa: ANN001, ANN003, ANN201
+            torch.cuda.synchronize()
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, a, state, control, **kw):  # noqa: ANN001, ANN003, ANN201
+            torch.cuda.synchronize()
+            if state.global_step > args.warmup:
+                times.append(time.perf_counter() - self.t0)
+
+        def on_log(self, a, state, control, logs=None, **kw):  # noqa: ANN001, ANN003, ANN201
+            if logs and "loss" in logs:
+                losses.append(float(logs["loss"]))
+
+    with tempfile.TemporaryDirectory() as out:
+        targs = hf_zero.TrainingArguments(
+            output_dir=out, per_device_train_batch_size=args.micro, gradient_accumulation_steps=args.gas, bf16=True,
+            max_steps=total, max_grad_norm=0.0, learning_rate=1e-5, weight_decay=0.0, lr_scheduler_type="constant",
+            logging_steps=10, report_to="none", save_strategy="no", disable_tqdm=True, dataloader_drop_last=True,
+            zero_config=cfg,
+        )
+        trainer = hf_zero.Trainer(model=model, args=targs, train_dataset=Tokens(), callbacks=[Clock()])
+        trainer.train()
+    med = statistics.median(times)
+    tok = args.micro * args.seq * args.gas / med
+    peak = torch.tensor(torch.cuda.max_memory_allocated() / 2**30, device="cuda")
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    return {"engine": name, "params": nparams, "tokens_per_s_per_gpu": tok, "mfu": tok * fpt / (PEAK_TFLOPS * 1e12),
+            "peak_gib": float(peak), "first_loss": losses[0] if losses else float("nan"),
+            "last_loss": losses[-1] if losses else float("nan"), "world": dist.get_world_size(),
+            "alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries", 0),
+            "host_peak_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+
+
 def run_engine(name: str, args: argparse.Namespace) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     build_peak = None
@@ -114,6 +183,8 @@ def run_engine(name: str, args: argparse.Namespace) -> dict:
             engine.step()
             return loss
 
+    elif name.startswith("tr"):
+        return run_trainer(name, args, model, fpt, nparams)
     elif name.startswith("pipe"):
         return run_pipeline(name, args)
     elif name == "ddp":
@@ -433,7 +504,7 @@ def main() -> None:
     if args.json:
         child(args)
         return
-    if args.gas > 1 and any(not e.startswith("hf") for e in args.engines.split(",")):
+    if args.gas > 1 and any(not e.startswith(("hf", "tr")) for e in args.engines.split(",")):
         raise SystemExit("--gas is for the hf engines (their config's gradient_accumulation_steps); run the others without it")
     unused = [flag for flag, on in (("--profile", args.profile), ("--memory_peak", args.memory_peak), ("--compile", args.compile),
                                     ("--checkpoint_blocks", args.checkpoint_blocks)) if on]
@@ -457,7 +528,7 @@ def main() -> None:
         raise SystemExit(1)
     print(f"\nmodel {args.model} ({rows[0]['params'] / 1e9:.2f}B params), {nproc} GPUs, micro-batch {args.micro}, seq {args.seq}, "
           f"torch {torch.__version__}, {torch.cuda.get_device_name()}")
-    peers = [r for r in rows if not r["engine"].startswith("hf")]
+    peers = [r for r in rows if not r["engine"].startswith(("hf", "tr"))]
     best = max(peers, key=lambda r: r["tokens_per_s_per_gpu"]) if peers else None
     print("| engine | tokens/s/GPU | MFU | peak GiB | host peak GiB | vs best peer | loss first→last |")
     print("|---|---|---|---|---|---|---|")
@@ -465,6 +536,12 @@ def main() -> None:
         ratio = f"{r['tokens_per_s_per_gpu'] / best['tokens_per_s_per_gpu']:.3f}× {best['engine']}" if best and r["engine"].startswith("hf") else ""
         print(f"| {r['engine']} | {r['tokens_per_s_per_gpu']:,.0f} | {100 * r['mfu']:.1f}% | {r['peak_gib']:.1f} | "
               f"{r.get('host_peak_gib', 0.0):.1f} | {ratio} | {r['first_loss']:.3f}→{r['last_loss']:.3f} |")
+    by_name = {r["engine"]: r for r in rows}
+    for r in rows:
+        raw = by_name.get("hf" + r["engine"][2:]) if r["engine"].startswith("tr") else None
+        if raw is not None:
+            print(f"{r['engine']} / {raw['engine']} (the Trainer path against the raw engine): "
+                  f"{r['tokens_per_s_per_gpu'] / raw['tokens_per_s_per_gpu']:.3f}")
     print("allocator retries (cudaFree + retry) on rank 0: " + ", ".join(f"{r['engine']} {r.get('alloc_retries', '?')}" for r in rows))
     for r in rows:
         if "bubble_per_stage" in r:
