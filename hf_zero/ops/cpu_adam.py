@@ -66,9 +66,11 @@ def host_buffer(numel: int, dtype: torch.dtype = torch.bfloat16, pin: bool | Non
 
     ``pin=None`` pins exactly when ``torch.cuda.is_available()``; a CPU-only build cannot pin.
     """
+    from hf_zero.zero.offload import host_buffer as pinned  # exactly its own pages pinned (see there)
+
     if pin is None:
         pin = torch.cuda.is_available()
-    return torch.empty(numel, dtype=dtype, device="cpu", pin_memory=bool(pin))
+    return pinned(numel, dtype, bool(pin))
 
 
 def _kernel_scalars(step: float, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,

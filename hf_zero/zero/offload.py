@@ -31,6 +31,7 @@ yet: ``sub_group_size`` (each shard group is one sub-group), NVMe, ``ratio`` < 1
 from __future__ import annotations
 
 import socket
+import weakref
 import zlib
 
 import torch
@@ -45,8 +46,24 @@ from hf_zero.zero.stage3 import ShardedParamGroup
 
 
 def host_buffer(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
-    """An uninitialized host tensor, page-locked when ``pin`` (so copies to and from the GPU can be asynchronous)."""
-    return torch.empty(numel, dtype=dtype, device="cpu", pin_memory=pin)
+    """An uninitialized host tensor, page-locked when ``pin`` (so copies to and from the GPU can be asynchronous).
+
+    Pinned by registering exactly its own pages with CUDA (``cudaHostRegister``), not with
+    ``pin_memory=True``: torch's caching host allocator rounds every pinned block up to a power of two,
+    which measured 21.7 GiB of host memory per billion offloaded parameters instead of the ~18 planned,
+    and keeps freed blocks cached. The pages are unregistered when the tensor is collected. Where
+    registering fails (no CUDA, a driver that refuses), the caching allocator's pinned memory is used.
+    """
+    if not pin or numel == 0 or not torch.cuda.is_available():
+        return torch.empty(numel, dtype=dtype, device="cpu", pin_memory=bool(pin) and torch.cuda.is_available())
+    t = torch.empty(numel, dtype=dtype, device="cpu")
+    cudart = torch.cuda.cudart()
+    ptr, nbytes = t.data_ptr(), t.numel() * t.element_size()
+    if int(cudart.cudaHostRegister(ptr, nbytes, 0)) != 0:
+        return torch.empty(numel, dtype=dtype, device="cpu", pin_memory=True)
+    done = weakref.finalize(t, cudart.cudaHostUnregister, ptr)  # before the storage goes: only views could outlive t
+    done.atexit = False  # at exit the process's pages go anyway; no CUDA call while the interpreter shuts down
+    return t
 
 
 class _HostMaster(ShardGroup):
