@@ -100,7 +100,8 @@ def loss_scaler_for(config: ZeroConfig) -> LossScaler | None:
     if config.fp16.enabled:
         return LossScaler(config.fp16)
     ta = config.torch_autocast
-    if ta.enabled and ta.dtype == "fp16" and config.zero_optimization.stage == 0:
+    fp16 = ta.dtype == "fp16" or (ta.dtype is None and torch.cuda.is_available())  # None: torch's default, fp16 on CUDA
+    if ta.enabled and fp16 and config.zero_optimization.stage == 0:
         return LossScaler(FP16Config(enabled=True, loss_scale=0.0, initial_scale_power=16, loss_scale_window=2000,
                                      hysteresis=1, min_loss_scale=2.0**-24))
     return None
