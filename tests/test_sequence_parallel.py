@@ -214,8 +214,9 @@ def test_config_keys() -> None:
 
 
 def test_public_alst_config_through_the_engine_config() -> None:
-    """LLaMA-Factory's ALST config: its sequence-parallel section is read (one key named in a warning); what
-    stops the whole config is its offload, which hf_zero refuses on its own account."""
+    """LLaMA-Factory's ALST config: its sequence-parallel section is read (one key named in a warning); with
+    parameter offload to the CPU it still loads (offload_param runs at stage 3), to NVMe it is refused on the
+    offload's own account."""
     from hf_zero.config import ZeroConfig
 
     alst = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
@@ -228,8 +229,11 @@ def test_public_alst_config_through_the_engine_config() -> None:
         cfg = ZeroConfig.load(alst)
     assert (cfg.sequence_parallel_size, cfg.sequence_parallel.tiled_mlp) == (4, True)
     offload = dict(alst, zero_optimization={**alst["zero_optimization"], "offload_param": {"device": "cpu"}})
-    with pytest.raises(ConfigError, match="offload"):
-        ZeroConfig.load(offload)
+    cfg = ZeroConfig.load(offload)
+    assert cfg.sequence_parallel_size == 4 and cfg.zero_optimization.offload_param.device == "cpu"
+    nvme = dict(alst, zero_optimization={**alst["zero_optimization"], "offload_param": {"device": "nvme", "nvme_path": "/x"}})
+    with pytest.raises(ConfigError, match="offload_param"):
+        ZeroConfig.load(nvme)
     assert ZeroConfig.load({"train_micro_batch_size_per_gpu": 1, "sequence_parallel_size": 8}).sequence_parallel_size == 8
 
 

@@ -154,6 +154,9 @@ def _grid(rank: int, world: int, cases: list, tmp: str) -> list:
         if "keep" in flags:  # attention outputs kept through the recomputation, the MLP tiled inside the block
             extra = {"activation_checkpointing": {"checkpoint_blocks": True, "cpu_checkpointing": True, "keep_attention": True},
                      "sequence_parallel": {"tiled_mlp": True, "mlp_tile_tokens": 8}}
+        if "zoffload" in flags:  # ZeRO-3 with optimizer and parameter offload (LLaMA-Factory's ALST offload config)
+            extra = {"zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 64, "reduce_bucket_size": 3000,
+                                           "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}}
         engine, _, _, _ = _engine(stage, gas, clip, 2, **extra)
         dp = engine.sequence_parallel_groups.dp_size
         data = _data(STEPS, MICRO * gas * dp)
@@ -206,7 +209,8 @@ def _loader_and_resume(rank: int, world: int, tmp: str) -> dict:
             "consolidated_err": _rel({n: p.detach() for n, p in loaded.items()}, ref_w), "config_mentions_hf_zero": "hf_zero" in saved_config}
 
 
-CASES_2 = [[0, 1, 0.0], [1, 2, 0.0], [2, 1, 0.5], [3, 1, 0.0], [3, 2, 0.5, "offload"], [2, 2, 0.5, "keep"]]
+CASES_2 = [[0, 1, 0.0], [1, 2, 0.0], [2, 1, 0.5], [3, 1, 0.0], [3, 2, 0.5, "offload"], [2, 2, 0.5, "keep"],
+           [3, 2, 0.5, "zoffload"]]
 CASES_4 = [[0, 1, 0.0], [1, 1, 0.5], [2, 2, 0.0], [3, 1, 0.0]]
 
 
