@@ -67,6 +67,12 @@ def flops_per_token(model: torch.nn.Module, seq: int) -> float:
     return 6 * n + 12 * c.num_hidden_layers * c.hidden_size * seq
 
 
+def hf_zero_section(stage: int, args: argparse.Namespace) -> dict:
+    """The hf engines' ``zero_optimization`` (the raw engine's and the Trainer's alike): buckets and prefetch from the flags."""
+    return {"stage": stage, "reduce_bucket_size": args.bucket, "allgather_bucket_size": args.bucket,
+            **({"stage3_prefetch_bucket_size": int(args.prefetch)} if args.prefetch is not None else {})}
+
+
 def run_trainer(name: str, args: argparse.Namespace, model: torch.nn.Module, fpt: float, nparams: int) -> dict:
     """``trN``: the hf engine ``hfN``'s config and data through ``hf_zero.Trainer`` (issue 20: the Trainer path
     against the raw engine). The same AdamW from the config's section, bf16, no clipping, no logging or saving;
@@ -82,8 +88,7 @@ def run_trainer(name: str, args: argparse.Namespace, model: torch.nn.Module, fpt
         "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "train_batch_size": "auto",
         "gradient_clipping": "auto", "bf16": {"enabled": "auto"},
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-5, "weight_decay": 0.0}},
-        "zero_optimization": {"stage": stage, "reduce_bucket_size": args.bucket, "allgather_bucket_size": args.bucket,
-                              **({"stage3_prefetch_bucket_size": int(args.prefetch)} if args.prefetch is not None else {})},
+        "zero_optimization": hf_zero_section(stage, args),
         "steps_per_print": 10**9,
         **json.loads(args.hf_config),
     }
@@ -164,8 +169,7 @@ def run_engine(name: str, args: argparse.Namespace) -> dict:
             "gradient_accumulation_steps": args.gas,
             "bf16": {"enabled": True},
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-5, "weight_decay": 0.0}},
-            "zero_optimization": {"stage": stage, "reduce_bucket_size": args.bucket, "allgather_bucket_size": args.bucket,
-                                  **({"stage3_prefetch_bucket_size": int(args.prefetch)} if args.prefetch is not None else {}),
+            "zero_optimization": {**hf_zero_section(stage, args),
                                   **({"offload_optimizer": {"device": "cpu", "pin_memory": True}} if offload else {}),
                                   **param_section},
             "steps_per_print": 10**9,

@@ -92,10 +92,6 @@ def _offload(rank: int, world: int) -> list[dict]:
     copies on the side streams, the H2D copy before each all-gather. Errors against the same run without offload."""
     import tempfile
 
-    def rel(a: list, b: list) -> float:
-        ta, tb = torch.tensor(a), torch.tensor(b)
-        return float((ta - tb).norm() / tb.norm().clamp_min(1e-12))
-
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         path = [tmp]
@@ -103,15 +99,15 @@ def _offload(rank: int, world: int) -> list[dict]:
         opt_cases = [c for c in test_offload.CASES if not c[3]]  # fp16 is the CPU suite's (kernels round differently)
         grid = test_offload._grid(rank, world, opt_cases, os.path.join(path[0], "opt"))
         for case, row in zip(opt_cases, grid):
-            w = max(rel(row["off"]["weights"][n], row["on"]["weights"][n]) for n in row["on"]["weights"])
+            w = max(test_offload._rel(row["off"]["weights"][n], row["on"]["weights"][n]) for n in row["on"]["weights"])
             rows.append({"case": f"offload_optimizer stage {case[0]}, gas {case[1]}, clip {case[2]}",
-                         "loss_err": rel(row["off"]["losses"], row["on"]["losses"]), "w_err": w})
+                         "loss_err": test_offload._rel(row["off"]["losses"], row["on"]["losses"]), "w_err": w})
         for case, row in zip(test_offload.PARAM_CASES, test_offload._param_grid(rank, world, test_offload.PARAM_CASES,
                                                                                    os.path.join(path[0], "param"))):
             ok = all(row["check"][k] for k in ("frozen_offloaded", "all_on_host", "host_tensors"))
-            w = max(rel(row["off"]["weights"][n], row["on"]["weights"][n]) for n in row["on"]["weights"])
+            w = max(test_offload._rel(row["off"]["weights"][n], row["on"]["weights"][n]) for n in row["on"]["weights"])
             rows.append({"case": f"stage 3 {case[0]}, gas {case[1]}, frozen {case[3]}",
-                         "loss_err": rel(row["off"]["losses"], row["on"]["losses"]) if ok else 1.0, "w_err": w})
+                         "loss_err": test_offload._rel(row["off"]["losses"], row["on"]["losses"]) if ok else 1.0, "w_err": w})
         dist.barrier()
     return rows
 

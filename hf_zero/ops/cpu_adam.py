@@ -40,6 +40,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from hf_zero.zero.offload import host_buffer as _pinned_host_buffer
+
 __all__ = ["ALIGN", "DeepSpeedCPUAdam", "adam_update", "host_buffer", "sub_group_ranges"]
 
 _KERNEL_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
@@ -66,11 +68,9 @@ def host_buffer(numel: int, dtype: torch.dtype = torch.bfloat16, pin: bool | Non
 
     ``pin=None`` pins exactly when ``torch.cuda.is_available()``; a CPU-only build cannot pin.
     """
-    from hf_zero.zero.offload import host_buffer as pinned  # exactly its own pages pinned (see there)
-
     if pin is None:
         pin = torch.cuda.is_available()
-    return pinned(numel, dtype, bool(pin))
+    return _pinned_host_buffer(numel, dtype, bool(pin))  # exactly its own pages pinned (see there)
 
 
 def _kernel_scalars(step: float, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,

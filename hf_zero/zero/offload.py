@@ -38,7 +38,6 @@ import torch
 import torch.distributed as dist
 
 from hf_zero.errors import HostMemoryError
-from hf_zero.estimate import offload_host_bytes
 from hf_zero.zero import collectives as C
 from hf_zero.zero.flat import FlatGroup
 from hf_zero.zero.group import Placement, ShardGroup
@@ -278,16 +277,14 @@ def available_host_bytes() -> int:
     raise OSError("/proc/meminfo has no MemAvailable line")
 
 
-def check_host_memory(shard_numel: int, state_bytes: int, group: dist.ProcessGroup | None, **kinds: int | bool) -> None:
+def check_host_memory(needed: int, group: dist.ProcessGroup | None) -> None:
     """Before any host buffer exists: the ranks of each machine add up what they will pin, and every rank
     stops with the same sentence when that exceeds the machine's available memory.
 
-    This rank pins :func:`hf_zero.estimate.offload_host_bytes` of its ``shard_numel`` master elements
-    (masters, gradient copy, ``state_bytes`` of optimizer state each): the figure ``hf-zero estimate``
-    prints as host bytes per rank (``kinds``: its keyword arguments for parameter offload). The ranks
-    exchange (host id, bytes, available bytes) with one all-gather of integers over ``group``.
+    ``needed`` is this rank's bytes, :func:`hf_zero.estimate.offload_host_bytes` of its shards (the figure
+    ``hf-zero estimate`` prints as host bytes per rank). The ranks exchange (host id, bytes, available
+    bytes) with one all-gather of integers over ``group``.
     """
-    needed = offload_host_bytes(shard_numel, state_bytes, **kinds)  # type: ignore[arg-type]
     try:
         available = available_host_bytes()
     except OSError:

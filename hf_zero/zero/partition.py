@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterable
 import torch
 import torch.distributed as dist
 
+from hf_zero.estimate import offload_host_bytes
 from hf_zero.zero import collectives as C
 from hf_zero.zero.flat import FlatGroup
 from hf_zero.zero.group import ParamSlot, Placement, ShardGroup
@@ -181,9 +182,10 @@ class ShardedOptimizer:
 
             frozen = [(n, p) for n, p in module.named_parameters() if not p.requires_grad]
             params = self.param_offload_pin is not None
-            check_host_memory(sum(shard_of(named) for named in group_named), state_bytes_per_element(optimizer), group,
-                              optimizer=offload_pin is not None, param_bytes=compute_dtype.itemsize if params else 0,
-                              frozen_numel=shard_of(frozen) if params else 0)
+            check_host_memory(offload_host_bytes(
+                sum(shard_of(named) for named in group_named), state_bytes_per_element(optimizer),
+                optimizer=offload_pin is not None, param_bytes=compute_dtype.itemsize if params else 0,
+                frozen_numel=shard_of(frozen) if params else 0), group)
         group_masters: list[list[torch.Tensor]] = [[] for _ in group_named]
         if stage == 3:
             self._build_stage3(module, group_named, group_masters, persistence_threshold, prefetch_numel, max_live_numel)

@@ -60,8 +60,7 @@ class ShardedParamGroup(ShardGroup):
         # A trainable group keeps only its fp32 master shard: the 16-bit values are cast from it at
         # gather time (as FSDP2 does), instead of a second, 16-bit copy of every shard living
         # beside it. Frozen groups have no master and keep their shard in the compute dtype.
-        self.master: torch.Tensor | None = (shard32 if self.master_dtype == torch.float32 else shard32.to(self.master_dtype)) \
-            if trainable else None
+        self.master: torch.Tensor | None = shard32.to(self.master_dtype) if trainable else None  # fp32: shard32 itself
         self.param_shard: torch.Tensor | None = None if trainable else shard32.to(compute_dtype)
         del shard32
         # One full-size tensor for the life of the group; "freeing" it resizes its storage to 0
