@@ -22,9 +22,9 @@ from hf_zero.errors import UsageError
 from hf_zero.optim import build_optimizer, build_scheduler
 from hf_zero.pipe.engine import PipelineEngine
 from hf_zero.pipe.module import PipelineModule
-from hf_zero.sequence.groups import SequenceParallelGroups
 from hf_zero.sequence.setup import setup_model as setup_sequence_parallel
 from hf_zero.sequence.setup import wrap_loader as wrap_sequence_loader
+from hf_zero.tensor_parallel import setup as setup_tensor_parallel
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -100,11 +100,13 @@ def _resolve_batch_sizes_on_every_rank(cfg: ZeroConfig, group: Any, data_paralle
 
 
 def _make_dataloader(training_data: Any, collate_fn: Callable | None, cfg: ZeroConfig, group: Any,
-                     sp: SequenceParallelGroups | None = None) -> torch.utils.data.DataLoader:
+                     place: tuple[int, int] | None = None) -> torch.utils.data.DataLoader:
     """A loader that gives each data-parallel rank its own micro-batches, shuffled with the config seed.
 
-    Under sequence parallelism the ranks of an sp group draw the same micro-batches (the caller
-    wraps the loader so that each keeps its shard of the sequence).
+    ``place`` is this rank's ``(dp_rank, dp_size)`` when the data-parallel ranks are fewer than the
+    ranks: under sequence parallelism the ranks of an sp group draw the same micro-batches (the caller
+    wraps the loader so that each keeps its shard of the sequence), under tensor parallelism the ranks
+    of a tp group do (they compute parts of one result).
     """
     if not isinstance(training_data, torch.utils.data.Dataset) and not hasattr(training_data, "__getitem__"):
         raise UsageError(
@@ -112,8 +114,8 @@ def _make_dataloader(training_data: Any, collate_fn: Callable | None, cfg: ZeroC
         )
     sampler = ResumableDistributedSampler(
         training_data,
-        num_replicas=sp.dp_size if sp else dist.get_world_size(group),
-        rank=sp.dp_rank if sp else dist.get_rank(group),
+        num_replicas=place[1] if place else dist.get_world_size(group),
+        rank=place[0] if place else dist.get_rank(group),
         shuffle=True,
         seed=cfg.seed if cfg.seed is not None else 0,
     )
@@ -199,21 +201,28 @@ def initialize(
     # A pipeline's batch sizes, optimizer shards and data loader are per data-parallel replica of its stage.
     group = model.dp_group if pipeline else None
     sp = setup_sequence_parallel(model, cfg, group, pipeline)  # None unless sequence_parallel_size > 1
-    _resolve_batch_sizes_on_every_rank(cfg, group, sp.dp_size if sp else None)
+    if pipeline and cfg.tensor_parallel_size > 1:
+        raise UsageError("tensor_parallel.autotp_size cannot be combined with a PipelineModule yet; train the model "
+                         "unsplit (a plain transformers model) or set autotp_size to 1")
+    tp = setup_tensor_parallel(model, cfg, group, hz_dist.get_device())  # None unless autotp_size > 1
+    dp_size = sp.dp_size if sp else tp.dp_size if tp else None
+    _resolve_batch_sizes_on_every_rank(cfg, group, dp_size)
 
     torch_opt = _optimizer(optimizer, cfg, _param_groups(model, model_parameters))
     if pipeline:
         engine = PipelineEngine(model, cfg, torch_opt)  # a ZeroEngine over the stage, group = its data-parallel group
     else:
-        engine = ZeroEngine(model, cfg, torch_opt, group=group)  # ZeRO over all ranks, sp ones included
+        # ZeRO over all ranks, sp ones included; under tensor parallelism over the ranks holding the same slices
+        engine = ZeroEngine(model, cfg, torch_opt, group=tp.dp_group if tp else group, tensor_parallel=tp)
     engine.sequence_parallel_groups = sp  # None without sequence parallelism
-    if sp is not None:
-        engine.dp_world_size = sp.dp_size
+    if dp_size is not None:
+        engine.dp_world_size = dp_size
 
     sched = _scheduler(lr_scheduler, cfg, torch_opt)
     engine.lr_scheduler = sched
 
-    loader = _make_dataloader(training_data, collate_fn, cfg, group, sp) if training_data is not None else None
+    place = (sp.dp_rank, sp.dp_size) if sp else (tp.dp_rank, tp.dp_size) if tp else None
+    loader = _make_dataloader(training_data, collate_fn, cfg, group, place) if training_data is not None else None
     loader = wrap_sequence_loader(loader, sp, model, engine.device) if loader is not None else None
     engine.training_dataloader = loader
     return engine, engine.optimizer, loader, sched

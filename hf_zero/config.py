@@ -72,6 +72,7 @@ class ZeroConfig:
     seed: int | None = None  # hf_zero extension: the seed of the distributed sampler's shuffle
     sequence_parallel_size: int = 1  # the Ulysses degree, from this key or the sequence_parallel section
     sequence_parallel: SequenceParallelConfig = field(default_factory=SequenceParallelConfig)  # the tiling switches
+    tensor_parallel_size: int = 1  # tensor_parallel.autotp_size (DeepSpeed's AutoTP training); 1: off
     activation_checkpointing: dict = field(default_factory=dict)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     compile: CompileConfig = field(default_factory=CompileConfig)

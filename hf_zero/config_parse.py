@@ -47,6 +47,8 @@ from hf_zero.config_schema import (
     SUPPORTED_SCHEDULERS,
     SWITCH,
     SWITCHES_ACCEPTING_AUTO,
+    TENSOR_PARALLEL,
+    TENSOR_PARALLEL_GROUPS,
     TOP,
     TORCH_AUTOCAST,
     TORCH_AUTOCAST_DTYPES,
@@ -201,6 +203,7 @@ class Parser:
                               "enable at most one of fp16 and bf16")
         fields["zero_optimization"] = self.zero(top)
         fields["pipeline"] = self.pipeline(top)
+        fields["tensor_parallel_size"] = self.tensor_parallel(top)
         fields["auto_keys"] = self.auto_keys
         return {name: value for name, value in fields.items() if value is not ABSENT}
 
@@ -373,6 +376,18 @@ class Parser:
             schedule=obj.get("schedule", OneOf(PIPELINE_SCHEDULES), d.schedule),
         )
 
+    def tensor_parallel(self, top: _Object) -> int:
+        """``tensor_parallel.autotp_size`` (0 and 1: off), with ``tensor_parallel.tp.tp_size`` allowed to repeat it."""
+        obj = self.object(top.raw("tensor_parallel", '{"autotp_size": 2}'), "tensor_parallel", TENSOR_PARALLEL)
+        size = obj.get("autotp_size", Int(0), 0)
+        inner = self.object(obj.raw("tensor_parallel", '{"tp_size": 2}'), obj.where("tensor_parallel"),
+                            TENSOR_PARALLEL_GROUPS)
+        tp_size = inner.get("tp_size", Int(1), 1)
+        if tp_size not in (1, size):
+            raise ConfigError(f"{inner.where('tp_size')}: got {tp_size}, but tensor_parallel.autotp_size is {size}; "
+                              "give the same degree in both, or remove tp_size")
+        return max(size, 1)
+
     def zero(self, top: _Object) -> ZeroOptimizationConfig:
         given = top.values.get("zero_optimization")
         if isinstance(given, bool):  # DeepSpeed's oldest form: true is stage 1
@@ -449,6 +464,20 @@ def refuse_missing_features(cfg: Any) -> list[str]:
     if par is not None and par.device == "nvme":
         raise ConfigError('zero_optimization.offload_param.device: "nvme" (ZeRO-Infinity) is not supported; use "cpu" to '
                           'keep the parameter shards in host memory, or "none"')
+    tp = cfg.tensor_parallel_size
+    if tp > 1:
+        if zo.stage == 3:
+            raise ConfigError(f"tensor_parallel.autotp_size: got {tp} with zero_optimization.stage 3, but hf_zero runs "
+                              "tensor parallelism with ZeRO stages 0-2 only so far; use stage 1 or 2, or autotp_size 1")
+        if cfg.sequence_parallel_size > 1:
+            raise ConfigError(f"tensor_parallel.autotp_size: got {tp} with sequence_parallel_size "
+                              f"{cfg.sequence_parallel_size}, but the two cannot be combined yet; keep one of them")
+        if cfg.compile.enabled:
+            raise ConfigError(f"tensor_parallel.autotp_size: got {tp} with compile enabled, but compiled blocks cannot "
+                              'hold the tensor-parallel all-reduces yet; set "compile": {"enabled": false} or autotp_size 1')
+        if cfg.pipeline.stages not in (None, 1):
+            raise ConfigError(f"tensor_parallel.autotp_size: got {tp} with pipeline.stages {cfg.pipeline.stages}, but "
+                              "tensor parallelism cannot be combined with a pipeline yet; keep one of them")
     ignored = []
     if par is not None and par.device == "cpu" and zo.stage != 3:
         ignored.append("zero_optimization.offload_param (DeepSpeed reads it at stage 3 only)")

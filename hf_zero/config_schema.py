@@ -86,6 +86,7 @@ TOP = Section(
         "wall_clock_breakdown",  # DeepSpeed's: time forward, backward and step (hf_zero/timers.py)
         "seed",  # hf_zero's: the seed of the distributed sampler's shuffle
         "nonfinite_loss",  # hf_zero's: what a bf16/fp32 step with an inf/nan loss or gradient does
+        "tensor_parallel",  # DeepSpeed's AutoTP training: autotp_size (hf_zero/tensor_parallel.py)
     ),
     aliases={"bfloat16": "bf16"},
     older=frozenset({"bfloat16"}),
@@ -122,7 +123,6 @@ TOP = Section(
         "sparse_attention": (SECTION, "sparse attention is not supported; remove the section"),
         "compression_training": (SECTION, "compression training is not supported; remove the section"),
         "weight_quantization": (SECTION, "weight quantization is not supported; remove the section"),
-        "tensor_parallel": (SECTION, "tensor parallelism is not supported yet; remove the section"),
         "expert_parallel": (SECTION, "expert parallelism is not supported yet; remove the section"),
     },
 )
@@ -244,6 +244,37 @@ PIPELINE = Section(
            "use_reentrant": True},
 )
 
+# DeepSpeed's AutoTP training section. hf_zero splits the linear layers named by the model's own plan
+# (config.base_model_tp_plan), so DeepSpeed's other ways of choosing the split are refused by name.
+TENSOR_PARALLEL = Section(
+    keys=("autotp_size", "tensor_parallel"),
+    aliases={"tp": "tensor_parallel", "kernel_inject": "replace_with_kernel_inject"},
+    inert={
+        "dtype": None,  # the model's dtype comes from the bf16/fp16 sections, as for every other engine
+        "tp_overlap_comm": False,  # the forward all-reduce runs on the compute stream
+        "vocab_parallel_ce_backend": "torch", "keep_module_on_host": False,
+    },
+    unsupported={
+        "vocab_parallel_lm_head": (ANY, "a vocabulary-parallel lm_head is not supported yet (hf_zero keeps the lm_head "
+                                        "whole on every rank); set it to false or remove it"),
+        "partition_config": (ANY, "custom partition rules are not supported yet; hf_zero splits the layers the model's "
+                                  "base_model_tp_plan names, so remove partition_config"),
+        "preset_model": (ANY, "AutoTP presets are not supported; hf_zero splits the layers the model's base_model_tp_plan "
+                              "names, so remove preset_model"),
+        "injection_policy_tuple": (ANY, "injection policies are not supported; hf_zero splits the layers the model's "
+                                        "base_model_tp_plan names, so remove injection_policy_tuple"),
+        "replace_with_kernel_inject": (False, "kernel injection belongs to DeepSpeed's inference engine; remove it"),
+    },
+)
+TENSOR_PARALLEL_GROUPS = Section(
+    keys=("tp_size",),
+    inert={"tp_grain_size": 1},
+    unsupported={
+        "mpu": (ANY, "a model-parallel unit cannot come from a JSON config; remove it (hf_zero makes the groups)"),
+        "tp_group": (ANY, "a process group cannot come from a JSON config; remove it (hf_zero makes the groups)"),
+    },
+)
+
 # Every section hf_zero reads key by key, by JSON path; a key of one of these that is itself here is a
 # sub-section (optimizer.params and scheduler.params are free-form: optim.py checks them).
 SECTIONS: dict[str, Section] = {
@@ -251,6 +282,7 @@ SECTIONS: dict[str, Section] = {
     "zero_optimization.offload_param": OFFLOAD_PARAM, "zero_optimization.offload_optimizer": OFFLOAD_OPTIMIZER,
     "checkpoint": CHECKPOINT, "compile": COMPILE, "torch_autocast": TORCH_AUTOCAST, "optimizer": OPTIMIZER, "scheduler": SCHEDULER,
     "activation_checkpointing": ACTIVATION_CHECKPOINTING, "pipeline": PIPELINE,
+    "tensor_parallel": TENSOR_PARALLEL, "tensor_parallel.tensor_parallel": TENSOR_PARALLEL_GROUPS,
 }
 
 

@@ -26,7 +26,9 @@ from hf_zero.errors import UsageError
 from hf_zero.module_setup import broadcast_module, cast_frozen_params, check_presharded, move_to_device
 from hf_zero.precision import loss_scaler_for, reduce_dtype
 from hf_zero.step import NormScope, StepPolicy
+from hf_zero.tensor_parallel import TensorParallelGroups
 from hf_zero.timers import StepTimers
+from hf_zero.tp_split import split_of
 from hf_zero.zero.partition import ShardedOptimizer
 
 logger = logging.getLogger("hf_zero")
@@ -68,7 +70,11 @@ class ZeroEngine(torch.nn.Module):
         optimizer: torch.optim.Optimizer | None,
         lr_scheduler: Any = None,
         group: dist.ProcessGroup | None = None,
+        tensor_parallel: TensorParallelGroups | None = None,
     ) -> None:
+        """``group``: the ranks ZeRO shards over (None: the world). Under tensor parallelism
+        (``tensor_parallel``, the model already split by ``hf_zero/tensor_parallel.py``) it is the
+        data-parallel group of this rank's slices, and the norm and checkpoints span the whole grid."""
         super().__init__()
         _ensure_log_handler()
         self.module = model
@@ -76,6 +82,7 @@ class ZeroEngine(torch.nn.Module):
         self.group = group
         self.world_size = dist.get_world_size(group)
         self.dp_world_size = self.world_size
+        self.tensor_parallel_groups = tensor_parallel
         self.global_rank = dist.get_rank()
         self.local_rank = hz_dist.local_rank()
         self.device = hz_dist.get_device()
@@ -107,7 +114,7 @@ class ZeroEngine(torch.nn.Module):
         # pipeline widens the scope to its stages): one policy for every engine (hf_zero/step.py).
         self.step_policy = StepPolicy(
             scaler=self.loss_scaler, nonfinite=config.nonfinite_loss, device=self.device,
-            scope=NormScope(group, self.world_size, replicas=self.world_size),
+            scope=self._norm_scope(),
         )
         if self.timers.enabled:
             self.step_policy.timed = self.timers.add
@@ -131,6 +138,13 @@ class ZeroEngine(torch.nn.Module):
         self.lr_scheduler = lr_scheduler
 
     # ------------------------------------------------------------- setup
+
+    def _norm_scope(self) -> NormScope:
+        """The ranks the global norm sums over: this engine's group, or under tensor parallelism the whole grid."""
+        tp = self.tensor_parallel_groups
+        if tp is None:
+            return NormScope(self.group, self.world_size, replicas=self.world_size)
+        return NormScope(tp.parent, tp.dp_size * tp.tp_size, replicas=tp.dp_size, tp=tp.tp_size)
 
     def _sharded_optimizer(self, optimizer: torch.optim.Optimizer) -> ShardedOptimizer:
         """The ZeRO stage of the config over ``optimizer``, sharded over this engine's group; every knob from the config."""
@@ -450,8 +464,14 @@ class ZeroEngine(torch.nn.Module):
             )
 
     def checkpoint_layout(self) -> CheckpointLayout:
-        """Which ranks write a checkpoint of this engine together: its data-parallel group, each rank the whole model."""
-        return CheckpointLayout.data_parallel(self.group)
+        """Which ranks write a checkpoint of this engine together: its data-parallel group, each rank the whole model;
+        under tensor parallelism the whole grid, each tensor-parallel rank storing its own slices."""
+        tp = self.tensor_parallel_groups
+        if tp is None:
+            return CheckpointLayout.data_parallel(self.group)
+        whole = {id(p) for p in self.module.parameters() if split_of(p) is None}
+        return CheckpointLayout(tp.parent, dist.get_rank(tp.parent), tp.dp_size * tp.tp_size, tp.dp_rank, dp=tp.dp_size,
+                                tp_rank=tp.tp_rank, others=whole if tp.tp_rank else set())
 
     def save_pretrained(
         self, save_directory: str, max_shard_size: int | str = "5GB", dtype: torch.dtype | None = None,
@@ -539,8 +559,9 @@ class ZeroEngine(torch.nn.Module):
                 )
             except Exception as e:  # every rank learns of it, instead of waiting for rank 0 in a barrier
                 failure, error = e, str(e) if isinstance(e, hub.HubError) else f"{type(e).__name__}: {e}"
-        if self.world_size > 1:
-            error = hz_dist.gather_json(error, self.group)[0]
+        lay = self.checkpoint_layout()
+        if lay.world > 1:
+            error = hz_dist.gather_json(error, lay.group)[0]
         if failure is not None:
             raise failure
         if error is not None:

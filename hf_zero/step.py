@@ -38,13 +38,17 @@ class NormScope:
 
     ``group`` (of ``world`` ranks) is summed over; ``replicas`` of its ranks hold each
     unpartitioned group's (identical) gradient, which therefore counts once; the groups whose ids
-    are in ``exclude`` are counted by another rank (a tied weight's later stages).
+    are in ``exclude`` are counted by another rank (a tied weight's later stages). Under tensor
+    parallelism the scope is the whole grid: groups of slices (``tp_split``) differ from rank to rank
+    of a tensor-parallel group, groups of whole parameters are the same on its ``tp`` ranks and count
+    ``1/tp`` each.
     """
 
     group: dist.ProcessGroup | None
     world: int
     replicas: int
     exclude: frozenset[int] = field(default_factory=frozenset)
+    tp: int = 1  # tensor parallelism: a group of whole parameters (not ``tp_split``) is held alike by ``tp`` ranks
 
 
 def grad_stats(
@@ -57,8 +61,13 @@ def grad_stats(
     """
     zero = torch.zeros((), device=device)
     counted = [g for g in groups if id(g) not in scope.exclude]
-    part = [g.grad_sq_sum() for g in counted if g.partitioned]
-    repl = [g.grad_sq_sum() for g in counted if not g.partitioned]
+
+    def sq(g: ShardGroup) -> torch.Tensor:
+        s = g.grad_sq_sum()
+        return s / scope.tp if scope.tp > 1 and not g.tp_split else s
+
+    part = [sq(g) for g in counted if g.partitioned]
+    repl = [sq(g) for g in counted if not g.partitioned]
     rows = [torch.stack(part).sum() if part else zero, torch.stack(repl).sum() if repl else zero]
     if need_flag:
         bad = [g.nonfinite() for g in groups]

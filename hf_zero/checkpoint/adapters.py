@@ -131,7 +131,7 @@ def gather_full_state_dict(engine: Any) -> dict[str, torch.Tensor] | None:
     Tied names share one tensor, as in the model.
     """
 
-    rank = dist.get_rank(engine.group)
+    rank = engine.checkpoint_layout().rank
     units = OneUnitAtATime(engine)
     out: dict[str, torch.Tensor] = {}
     copies: dict[int, torch.Tensor] = {}

@@ -22,6 +22,7 @@ import torch
 from hf_zero.checkpoint.format import CheckpointReader, read_meta, resolve_tag
 from hf_zero.errors import CheckpointError
 from hf_zero.precision import SAFETENSORS_DTYPES
+from hf_zero.tp_split import parse_slice_name, split_of
 
 
 class StreamingSafetensorsWriter:
@@ -163,7 +164,8 @@ def engine_entries(module: torch.nn.Module, dtype: torch.dtype | None) -> tuple[
         if id(t) in seen:
             continue
         seen.add(id(t))
-        shape = tuple(t.shape)
+        split = split_of(t)
+        shape = tuple(t.shape) if split is None else split.full_shape
         dt = dtype if (dtype is not None and t.is_floating_point()) else t.dtype
         entries.append((name, dt, shape))
         tensors[name] = t
@@ -182,16 +184,25 @@ class OneUnitAtATime:
         if self.optimizer is not None:
             self.optimizer.release_inference()
         self.current: Any = None
+        self.tp = getattr(engine, "tensor_parallel_groups", None)
 
     def full(self, t: torch.Tensor) -> torch.Tensor:
-        """``t`` itself, made whole first if its shard group keeps only shards between uses."""
+        """``t`` itself, made whole first if its shard group keeps only shards between uses; a tensor-parallel
+        slice comes back as a new tensor, the whole weight (an all-gather over its group: every rank of it calls)."""
         g = self.optimizer.group_of(t) if self.optimizer is not None else None
         if g is not None and not g.resident and g is not self.current:
             self.release()
             g.gather(None)
             g.wait()
             self.current = g
-        return t
+        split = split_of(t)
+        if split is None or self.tp is None:
+            return t
+        import torch.distributed as dist
+
+        parts = [torch.empty_like(t) for _ in range(split.size)]
+        dist.all_gather(parts, t.detach().contiguous(), group=self.tp.tp_group)
+        return torch.cat(parts, dim=split.dim)
 
     def release(self) -> None:
         if self.current is not None:
@@ -301,13 +312,22 @@ def checkpoint_weights(
     if damaged:
         raise CheckpointError(damaged[0])
     entries, kinds = [], {}
+    slices: dict[str, list[str]] = {}  # a tensor-parallel weight: its slices' names, by rank (hf_zero/tp_split.py)
     for name, info in meta["params"].items():
         if exclude_frozen and not info.get("trainable", True):
             continue
         saved = getattr(torch, info["dtype"])
         dt = dtype if dtype is not None and saved.is_floating_point else saved
-        entries.append((name, dt, tuple(info["shape"])))
         kinds[name] = ("master" if ("master", name) in reader.index else "frozen", info)
+        cut = parse_slice_name(name)
+        if cut is None:
+            entries.append((name, dt, tuple(info["shape"])))
+            continue
+        whole, r, size = cut
+        if whole not in slices:
+            slices[whole] = [""] * size
+            entries.append((whole, dt, tuple(info["tp"]["full_shape"])))
+        slices[whole][r] = name
     for name, (r, key) in reader.buffers.items():  # rank 0's, or in a pipeline each stage's
         if name not in kinds:
             t = reader.tensor(r, key)
@@ -315,6 +335,9 @@ def checkpoint_weights(
             kinds[name] = ("buffer", None)
 
     def produce(name: str) -> torch.Tensor:
+        if name in slices:
+            parts = [produce(key) for key in slices[name]]
+            return torch.cat(parts, dim=kinds[slices[name][0]][1]["tp"]["dim"])
         kind, info = kinds[name]
         if kind == "buffer":
             return reader.tensor(*reader.buffers[name])
@@ -325,7 +348,8 @@ def checkpoint_weights(
         buf = torch.empty(n, dtype=torch.float32 if kind == "master" else getattr(torch, info["dtype"]))
         reader.read(kind, name, 0, n, buf)
         out = buf.view(shape)
-        return out if out.dtype == dtypes[name] else out.to(dtypes[name])
+        want = dtypes.get(name) or dtypes[parse_slice_name(name)[0]]
+        return out if out.dtype == want else out.to(want)
 
     dtypes = {name: dt for name, dt, _ in entries}
     return path, entries, produce

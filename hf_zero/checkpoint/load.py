@@ -24,6 +24,7 @@ from hf_zero.checkpoint.format import (
 from hf_zero.checkpoint.optim_state import load_optimizer, optimizer_plan
 from hf_zero.checkpoint.ranks import CheckpointLayout, gather_findings
 from hf_zero.errors import CheckpointError
+from hf_zero.tp_split import checkpoint_name, parse_slice_name, split_of, stored_names
 
 
 def _different_model(path: str, missing: list[str], extra: list[str]) -> str:
@@ -33,10 +34,19 @@ def _different_model(path: str, missing: list[str], extra: list[str]) -> str:
 
 def _model_problems(engine: Any, meta: dict, path: str, lay: CheckpointLayout) -> list[str]:
     """This rank's reasons to refuse the checkpoint's parameter table (names, shapes)."""
-    saved_params, here = meta["params"], dict(engine.module.named_parameters())
+    saved_params = meta["params"]
+    here = {checkpoint_name(n, p): p for n, p in engine.module.named_parameters()}
     problems: list[str] = []
+    saved_tp = {s[2] for s in map(parse_slice_name, saved_params) if s}
+    here_tp = {split_of(p).size for p in here.values() if split_of(p) is not None}
+    if saved_tp != here_tp:
+        saved_deg, here_deg = max(saved_tp, default=1), max(here_tp, default=1)
+        return [f"{path} was saved with tensor-parallel degree {saved_deg} and this run has {here_deg}; resume it with "
+                f"tensor_parallel.autotp_size {saved_deg}, or consolidate it (hf-zero consolidate) and start from the weights"]
     missing = sorted(set(here) - set(saved_params))
-    extra = sorted(set(saved_params) - set(here))
+    # the other ranks of this rank's tensor-parallel group hold the other slices
+    others = {m for n, p in engine.module.named_parameters() for m in stored_names(n, p)}
+    extra = sorted(set(saved_params) - others)
     if lay.stage is not None:
         extra = []  # a stage holds part of the model: what no stage holds is known once the names are pooled
     if missing or extra:
@@ -79,6 +89,7 @@ def _restore_weights(engine: Any, reader: CheckpointReader) -> None:
     for name, p in engine.module.named_parameters():
         if id(p) in grouped:
             continue
+        name = checkpoint_name(name, p)
         buf = torch.empty(p.numel(), dtype=p.dtype)
         kind = "frozen" if ("frozen", name) in reader.index else "master"
         reader.read(kind, name, 0, p.numel(), buf)

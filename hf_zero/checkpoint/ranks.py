@@ -30,7 +30,9 @@ class CheckpointLayout:
 
     ``group`` (``world`` ranks, this one ``rank``) writes the checkpoint: files are numbered by
     ``rank``. Replicated values (ZeRO stage 0, frozen parameters, buffers) are stored by the rank
-    whose ``dp_rank`` is 0. In a pipeline (``stage`` set) the group is the whole world, each
+    whose ``dp_rank`` (and ``tp_rank``) is 0. Under tensor parallelism the group is the whole grid: the
+    ranks of a tensor-parallel group store their own slices (named per rank, ``hf_zero/tp_split.py``)
+    and ``others`` holds the whole parameters, which only ``tp_rank`` 0 stores. In a pipeline (``stage`` set) the group is the whole world, each
     stage holds other parameters, and the tied parameters whose ids are in ``others`` are stored
     by the first stage holding them, not this one.
     """
@@ -43,6 +45,7 @@ class CheckpointLayout:
     num_stages: int | None = None
     dp: int = 1
     others: set[int] = field(default_factory=set)
+    tp_rank: int = 0  # under tensor parallelism: this rank's place in its group (buffers are stored by tp_rank 0)
 
     @classmethod
     def data_parallel(cls, group: dist.ProcessGroup | None) -> CheckpointLayout:

@@ -39,6 +39,7 @@ from hf_zero.checkpoint.format import (
 from hf_zero.checkpoint.ranks import CheckpointLayout, agree, attempt, pool
 from hf_zero.dist import gather_json
 from hf_zero.errors import CheckpointError
+from hf_zero.tp_split import checkpoint_name, stored_names, table_entry
 
 
 def optimizer_table(engine: Any) -> dict[str, Any]:
@@ -51,17 +52,21 @@ def optimizer_table(engine: Any) -> dict[str, Any]:
         {k: to_json(v, f"optimizer param group '{k}'") for k, v in pg.items() if k != "params"}
         for pg in zo.optimizer.param_groups
     ]
-    group_of = {n: gi for gi, names in enumerate(zo.group_names) for n in names}
+    # A tensor-parallel slice is listed under every rank's name (each rank stores its own; hf_zero/tp_split.py).
+    mine = {checkpoint_name(n, p): (n, p) for n, p in engine.module.named_parameters()}
+    names_of = lambda key: stored_names(*mine[key]) if key in mine else [key]  # noqa: E731
+    group_names = [[m for n in names for m in names_of(n)] for names in zo.group_names]
+    group_of = {n: gi for gi, names in enumerate(group_names) for n in names}
     sched = engine.lr_scheduler
     return {
         "param_groups": groups_meta,
-        "group_names": [list(names) for names in zo.group_names],
+        "group_names": group_names,
         "lr_scheduler": to_json(sched.state_dict(), "lr_scheduler state")
         if sched is not None and hasattr(sched, "state_dict") else None,
         "params": {
-            n: {"shape": list(p.shape), "dtype": str(p.dtype).removeprefix("torch."), "trainable": p.requires_grad,
-                "group": group_of.get(n)}
-            for n, p in engine.module.named_parameters()
+            k: {"shape": list(p.shape), "dtype": str(p.dtype).removeprefix("torch."), "trainable": p.requires_grad,
+                "group": group_of.get(k), **table_entry(p)}
+            for n, p in engine.module.named_parameters() for k in stored_names(n, p)
         },
     }
 
@@ -171,9 +176,10 @@ def _share(engine: Any, lay: CheckpointLayout) -> dict[str, Any]:
     if lay.dp_rank == 0:
         for name, p in engine.module.named_parameters():
             if id(p) not in grouped:  # frozen and whole on every rank (of the stage)
-                out["tensors"][f"frozen|{name}"] = p.detach().reshape(-1).to("cpu", copy=True)
-                out["ranges"][f"frozen|{name}"] = [name, 0, p.numel()]
-        for name, b in engine.module.state_dict(keep_vars=True).items():
+                key = checkpoint_name(name, p)
+                out["tensors"][f"frozen|{key}"] = p.detach().reshape(-1).to("cpu", copy=True)
+                out["ranges"][f"frozen|{key}"] = [key, 0, p.numel()]
+        for name, b in engine.module.state_dict(keep_vars=True).items() if lay.tp_rank == 0 else ():
             if not isinstance(b, torch.nn.Parameter) and torch.is_tensor(b):
                 out["tensors"][f"buffer|{name}"] = b.detach().to("cpu", copy=True)
     return out

@@ -185,15 +185,18 @@ def engine_record(engine: Any, merged: bool = False) -> dict[str, Any]:
     from hf_zero import dist as hz_dist
 
     names = [local_device_name(engine.device)]
-    if engine.world_size > 1:
-        names = hz_dist.gather_json(names[0], engine.group)
+    group, world = _ranks_of(engine)
+    if world > 1:
+        names = hz_dist.gather_json(names[0], group)
+    tp = getattr(engine, "tensor_parallel_groups", None)
     return {
         "format": FORMAT,
         **model_fields(engine.module, merged),
         "merged_adapters": bool(merged),
         "zero_config": resolve_autos(engine.config.raw or {}, engine_values(engine)),
         "zero_stage": engine.zero_optimization_stage(),
-        "world_size": engine.world_size,
+        "world_size": world,
+        **({"tensor_parallel_size": tp.tp_size} if tp is not None else {}),
         "backend": dist.get_backend(engine.group),
         "devices": dict(collections.Counter(names)),
         "compute_dtype": str(engine.compute_dtype).removeprefix("torch."),
@@ -207,8 +210,19 @@ def write_engine_record(engine: Any, folder: str, merged: bool = False) -> None:
     import torch.distributed as dist
 
     fields = engine_record(engine, merged)
-    if dist.get_rank(engine.group) == 0:
+    group, _ = _ranks_of(engine)
+    if dist.get_rank(group) == 0:
         update_record(folder, fields)
+
+
+def _ranks_of(engine: Any) -> tuple[Any, int]:
+    """The ranks that trained the model together: the engine's group, or under tensor parallelism the whole grid."""
+    import torch.distributed as dist
+
+    tp = getattr(engine, "tensor_parallel_groups", None)
+    if tp is None:
+        return engine.group, engine.world_size
+    return tp.parent, dist.get_world_size(tp.parent)
 
 
 # ----------------------------------------------------------------------------- the file

@@ -143,6 +143,7 @@ class ShardGroup(abc.ABC):
     trainable: bool
     partitioned: bool
     resident: bool
+    tp_split = False  # its parameters are tensor-parallel slices (a bucket never mixes slices and whole ones)
     master: torch.Tensor | None
 
     def __init__(self, named_params: list[tuple[str, torch.nn.Parameter]], place: Placement, *, parts: int) -> None:

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from hf_zero.estimate import offload_host_bytes
+from hf_zero.tp_split import checkpoint_name, split_of
 from hf_zero.zero import collectives as C
 from hf_zero.zero.flat import FlatGroup
 from hf_zero.zero.group import ParamSlot, Placement, ShardGroup
@@ -65,9 +66,25 @@ def _buckets(named: NamedParams, bucket_numel: int) -> list[NamedParams]:
     return out
 
 
+def _buckets_by_split(named: NamedParams, bucket_numel: int) -> list[NamedParams]:
+    """``_buckets``, except that tensor-parallel slices and whole parameters never share a bucket.
+
+    The global norm counts a bucket of whole parameters once per tensor-parallel group and a bucket
+    of slices on every rank (``hf_zero/step.py``). Each kind is bucketed on its own and the buckets
+    are ordered by when their last gradient arrives, so they still launch about as backward fills them.
+    """
+    if not any(split_of(p) for _, p in named):
+        return _buckets(named, bucket_numel)
+    pos = {id(p): i for i, (_, p) in enumerate(named)}
+    out = (_buckets([x for x in named if split_of(x[1])], bucket_numel)
+           + _buckets([x for x in named if not split_of(x[1])], bucket_numel))
+    return sorted(out, key=lambda b: pos[id(b[-1][1])])
+
+
 def _trainable_by_param_group(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[NamedParams]:
     """The trainable ``(name, parameter)`` pairs of each optimizer param group, checked before any work is done."""
-    names = {id(p): n for n, p in module.named_parameters(remove_duplicate=True)}
+    # a tensor-parallel slice is named per rank, so checkpoints keep every rank's slice (hf_zero/tp_split.py)
+    names = {id(p): checkpoint_name(n, p) for n, p in module.named_parameters(remove_duplicate=True)}
     seen: set[int] = set()
     group_named: list[NamedParams] = []
     for gi, pg in enumerate(optimizer.param_groups):
@@ -195,12 +212,13 @@ class ShardedOptimizer:
             materialize_(list(module.parameters()), device)
         for gi, named in enumerate(group_named):
             # Reverse registration order approximates the order backward produces gradients.
-            for bucket in _buckets(list(reversed(named)), bucket_numel):
+            for bucket in _buckets_by_split(list(reversed(named)), bucket_numel):
                 if offload_pin is None:
                     fg = FlatGroup(bucket, self.place, partitioned=stage >= 1, free_grads_after_reduce=stage >= 1)
                 else:
                     fg = OffloadedFlatGroup(bucket, self.place, partitioned=stage >= 1, free_grads_after_reduce=stage >= 1,
                                             pin=offload_pin)
+                fg.tp_split = split_of(bucket[0][1]) is not None
                 self.flat_groups.append(fg)
                 group_masters[gi].append(fg.master)
         _point_optimizer_at(optimizer, group_masters)

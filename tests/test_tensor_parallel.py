@@ -1,0 +1,230 @@
+"""Tensor parallelism (DeepSpeed's AutoTP, ``"tensor_parallel": {"autotp_size": 2}``) equals one process.
+
+A transformers Llama split by its own ``base_model_tp_plan`` over 2 ranks (tp 2, dp 1) and over 4
+(tp 2 x dp 2) trains with ZeRO stages 0-2, gradient accumulation and clipping to the losses and
+weights of one process running plain torch AdamW on the same samples (fp32, rel. 1e-5). The same
+spawn checks the engine's own loader (the ranks of a tp group draw the same batch), a resume
+checkpoint saved at tp 2 and resumed at tp 2 at another stage, ``save_pretrained`` and offline
+``hf-zero consolidate`` (whole weights that ``from_pretrained`` loads), and the sentences for what
+cannot run: a checkpoint resumed at another tensor-parallel degree, a model without a plan, head
+counts the degree does not divide, and ranks of one group fed different batches.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import torch
+
+from tests.distributed import spawn
+
+STEPS = 3
+MICRO = 2
+SEQ = 24
+VOCAB = 80
+LR = 1e-2
+EPS = 1e-4  # as tests/test_sequence_parallel_engine.py: keeps fp32 summation-order noise out of Adam's division
+
+
+def _llama(**kw):  # noqa: ANN202
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=56, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=64, attention_bias=True)
+    return LlamaForCausalLM(LlamaConfig(**{**cfg, **kw}))
+
+
+def _data(steps: int, batch: int) -> dict:
+    g = torch.Generator().manual_seed(11)
+    ids = torch.randint(0, VOCAB, (steps, batch, SEQ), generator=g)
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+def _micro(data: dict, t: int, lo: int, n: int) -> dict:
+    return {k: v[t, lo : lo + n] for k, v in data.items()}
+
+
+def _oracle(steps: int, micro: int, per_step: int, clip: float) -> tuple[list[float], dict]:
+    model = _llama().train()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
+    data = _data(steps, micro * per_step)
+    losses = []
+    for t in range(steps):
+        total = 0.0
+        for k in range(per_step):
+            loss = model(**_micro(data, t, k * micro, micro)).loss / per_step
+            loss.backward()
+            total += loss.item()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _whole(engine) -> dict:
+    from hf_zero.checkpoint.consolidated import OneUnitAtATime
+
+    units = OneUnitAtATime(engine)
+    with torch.no_grad():
+        return {n: units.full(p).detach().clone() for n, p in engine.module.named_parameters()}
+
+
+def _rel(a: dict, b: dict) -> float:
+    return max(float((a[n] - b[n]).norm() / b[n].norm()) for n in b)
+
+
+def _config(stage: int, gas: int, clip: float, **extra) -> dict:
+    return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": gas, "gradient_clipping": clip,
+            "zero_optimization": {"stage": stage, "reduce_bucket_size": 3000}, "tensor_parallel": {"autotp_size": 2},
+            "steps_per_print": 1000, **extra}
+
+
+def _train(engine, data: dict, steps: range, gas: int) -> list[float]:
+    tp = engine.tensor_parallel_groups
+    losses = []
+    for t in steps:
+        total = torch.zeros(())
+        for k in range(gas):
+            loss = engine(**_micro(data, t, (tp.dp_rank * gas + k) * MICRO, MICRO)).loss
+            engine.backward(loss)
+            engine.step()
+            total += loss.detach() / gas
+        import torch.distributed as dist
+
+        dist.all_reduce(total)  # every rank of a tp group holds the same loss: divide by the world
+        losses.append(total.item() / dist.get_world_size())
+    return losses
+
+
+def _grid(rank: int, world: int, cases: list, tmp: str) -> list:
+    import hf_zero
+
+    out = []
+    for stage, gas, clip in cases:
+        engine, _, _, _ = hf_zero.initialize(model=_llama(), config=_config(stage, gas, clip),
+                                             optimizer=lambda ps: torch.optim.AdamW(ps, lr=LR, eps=EPS))
+        tp = engine.tensor_parallel_groups
+        q = engine.module.model.layers[0].self_attn.q_proj
+        losses = _train(engine, _data(STEPS, MICRO * gas * tp.dp_size), range(STEPS), gas)
+        ref_losses, ref_w = _oracle(STEPS, MICRO, gas * tp.dp_size, clip)
+        out.append({"case": [stage, gas, clip], "loss_err": max(abs(a - b) / b for a, b in zip(losses, ref_losses)),
+                    "w_err": _rel(_whole(engine), ref_w), "q_shape": list(q.weight.shape), "q_bias": list(q.bias.shape),
+                    "dp": tp.dp_size, "zero_world": engine.world_size})
+    if world == 2:
+        out.append(_loader_resume_and_save(rank, world, tmp))
+        out.append(_refusals(tmp))
+    return out
+
+
+def _loader_resume_and_save(rank: int, world: int, tmp: str) -> dict:
+    """The engine's loader at tp 2; its checkpoint resumed at tp 2 and stage 1; save_pretrained and consolidate."""
+    import torch.distributed as dist
+
+    import hf_zero
+    from hf_zero.checkpoint.consolidated import consolidate
+
+    steps = 3
+    data = _data(steps, MICRO)
+    samples = [{k: v[t, i] for k, v in data.items()} for t in range(steps) for i in range(MICRO)]
+    cfg = {**_config(2, 1, 0.5), "optimizer": {"type": "AdamW", "params": {"lr": LR, "eps": EPS, "weight_decay": 0.01}}}
+    engine, _, loader, _ = hf_zero.initialize(model=_llama(), config=cfg, training_data=samples)
+    loader.sampler.shuffle = False
+    it = iter(loader)
+    for _ in range(2):
+        engine.backward(engine(**next(it)).loss)
+        engine.step()
+    engine.save_checkpoint(tmp, tag="tp2")
+    resumed, _, _, _ = hf_zero.initialize(model=_llama(), config={**cfg, "zero_optimization": {"stage": 1}})
+    resumed.load_checkpoint(tmp, tag="tp2")
+    last = _train(resumed, data, range(2, 3), 1)
+    ref_losses, ref_w = _oracle(steps, MICRO, 1, 0.5)
+    final = os.path.join(tmp, "final")
+    resumed.save_pretrained(final)
+    if rank == 0:
+        consolidate(tmp, os.path.join(tmp, "offline"), tag="tp2", progress=False)
+    dist.barrier()
+    from transformers import LlamaForCausalLM
+
+    loaded = {n: p.detach() for n, p in LlamaForCausalLM.from_pretrained(final).named_parameters()}
+    offline = {n: p.detach() for n, p in LlamaForCausalLM.from_pretrained(os.path.join(tmp, "offline")).named_parameters()}
+    # the offline folder holds the step-2 masters: compare with what the engine held then
+    after_two = _oracle(2, MICRO, 1, 0.5)[1]
+    files = sorted(os.listdir(os.path.join(tmp, "tp2")))
+    return {"resume_loss_err": abs(last[0] - ref_losses[2]) / ref_losses[2], "resume_w_err": _rel(_whole(resumed), ref_w),
+            "saved_err": _rel(loaded, ref_w), "offline_err": _rel(offline, after_two), "files": files}
+
+
+def _refusals(tmp: str) -> dict:
+    import hf_zero
+
+    said = {}
+    for what, fn in {
+        "other_degree": lambda: hf_zero.initialize(model=_llama(), config={
+            "train_micro_batch_size_per_gpu": MICRO, "zero_optimization": {"stage": 2}, "steps_per_print": 1000,
+            "optimizer": {"type": "AdamW", "params": {"lr": LR}}})[0].load_checkpoint(tmp, tag="tp2"),
+        "no_plan": lambda: hf_zero.initialize(model=_gpt2(), config=_config(2, 1, 0.0), optimizer=torch.optim.SGD,),
+        "heads": lambda: hf_zero.initialize(model=_llama(num_key_value_heads=1), config=_config(2, 1, 0.0),
+                                            optimizer=lambda ps: torch.optim.SGD(ps, lr=LR)),
+        "batches": lambda: _different_batches(),
+    }.items():
+        try:
+            fn()
+            said[what] = None
+        except (hf_zero.UsageError, hf_zero.ConfigError, ValueError) as e:
+            said[what] = str(e)
+    return said
+
+
+def _gpt2():  # noqa: ANN202
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    return GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=2, n_positions=64))
+
+
+def _different_batches() -> None:
+    import torch.distributed as dist
+
+    import hf_zero
+
+    engine = hf_zero.initialize(model=_llama(), config=_config(2, 1, 0.0), optimizer=lambda ps: torch.optim.SGD(ps, lr=LR))[0]
+    data = _data(1, 2)
+    engine(**_micro(data, 0, dist.get_rank(), 1))
+
+
+def _check(results: list, cases: list) -> None:
+    for per_rank in results:
+        for r in per_rank[: len(cases)]:
+            assert r["loss_err"] < 1e-5, r
+            assert r["w_err"] < 1e-5, r
+            assert r["q_shape"] == [16, 32] and r["q_bias"] == [16], r  # 4 heads of 8: two per rank
+            assert r["zero_world"] == r["dp"], r
+
+
+CASES_2 = [[0, 1, 0.0], [1, 2, 0.5], [2, 1, 0.5], [2, 2, 0.0]]
+CASES_4 = [[1, 1, 0.5], [2, 2, 0.5]]
+
+
+def test_tp2_on_two_ranks_equals_one_process() -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        results = spawn(_grid, 2, CASES_2, tmp)
+    _check(results, CASES_2)
+    for per_rank in results:
+        res = per_rank[len(CASES_2)]
+        assert res["resume_loss_err"] < 1e-5 and res["resume_w_err"] < 1e-5, res
+        assert res["saved_err"] < 1e-5 and res["offline_err"] < 1e-5, res
+        said = per_rank[len(CASES_2) + 1]
+        assert "saved with tensor-parallel degree 2 and this run has 1" in said["other_degree"], said
+        assert "has no tensor-parallel plan" in said["no_plan"], said
+        assert "num_key_value_heads is 1, which 2 does not divide" in said["heads"], said
+        assert "got different batches" in said["batches"], said
+
+
+def test_tp2_times_dp2_on_four_ranks_equals_one_process() -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        results = spawn(_grid, 4, CASES_4, tmp)
+    _check(results, CASES_4)
+    assert all(r["dp"] == 2 for per_rank in results for r in per_rank), results
