@@ -85,6 +85,13 @@ def _alone() -> dist.ProcessGroup:
     return _ALONE[0]
 
 
+def degree_of(config: Any) -> int:
+    """``tensor_parallel.autotp_size`` of a raw (checked) config dict; 1 without one."""
+    section = (config or {}).get("tensor_parallel") if isinstance(config, dict) else None
+    size = (section or {}).get("autotp_size") if isinstance(section, dict) else None
+    return size if isinstance(size, int) and size > 1 else 1
+
+
 def data_parallel_place(tp_size: int, rank: int, world: int) -> tuple[int, int]:
     """``(dp_rank, dp_size)`` of global ``rank`` in a world of ``world`` ranks, for loaders built before the groups."""
     return rank // tp_size, max(world // tp_size, 1)

@@ -105,8 +105,7 @@ CORPUS: list[Source] = [
     _at(LLAMA_FACTORY, "llamafactory_ds_z3_config.json", "examples/deepspeed/ds_z3_config.json"),
     _at(LLAMA_FACTORY, "llamafactory_ds_z3_offload_config.json", "examples/deepspeed/ds_z3_offload_config.json"),
     _at(LLAMA_FACTORY, "llamafactory_ds_z3_fp8_config.json", "examples/deepspeed/ds_z3_fp8_config.json"),
-    _at(LLAMA_FACTORY, "llamafactory_ds_z2_autotp_config.json", "examples/deepspeed/ds_z2_autotp_config.json",
-        refuses="tensor parallelism is not supported yet"),
+    _at(LLAMA_FACTORY, "llamafactory_ds_z2_autotp_config.json", "examples/deepspeed/ds_z2_autotp_config.json"),
     # axolotl: deepspeed_configs
     _at(AXOLOTL, "axolotl_zero1.json", "deepspeed_configs/zero1.json"),
     _at(AXOLOTL, "axolotl_zero1_torch_compile.json", "deepspeed_configs/zero1_torch_compile.json"),
@@ -154,8 +153,7 @@ CORPUS: list[Source] = [
     # DeepSpeed feature demos: each exists to show a DeepSpeed feature hf_zero has no issue for yet
     _at(DS_EXAMPLES, "dsexamples_zenflow.json", "training/DeepSpeed-ZenFlow/finetuning/zf_config.json",
         refuses="ZenFlow is not supported yet"),
-    _at(DS_EXAMPLES, "dsexamples_tensor_parallel_hf.json", "training/tensor_parallel/hf_integration/configs/ds_config.json",
-        refuses="tensor parallelism is not supported yet"),
+    _at(DS_EXAMPLES, "dsexamples_tensor_parallel_hf.json", "training/tensor_parallel/hf_integration/configs/ds_config.json"),
     _at(DS_EXAMPLES, "dsexamples_autosp.json", "benchmarks/autosp/configs/autosp_config.json",
         refuses="DeepCompile is not supported"),  # and sequence_parallel_size 2, refused after it
 ]
@@ -278,12 +276,13 @@ def compatibility_markdown() -> str:
         "**Parse** is what `hf_zero.config.ZeroConfig.load` does with the file as published (`\"auto\"` left in,",
         "as the Trainer passes it): *accepted*, naming the keys its warnings name (DeepSpeed keys that ask",
         "for something hf_zero does not do, and keys that are not DeepSpeed's), or *refused* with the",
-        "sentence a user sees. The rule is in the README's \"Config\" paragraph. Offload and sequence",
-        "parallelism are refused until their issues land; the last four rows are DeepSpeed feature demos.",
+        "sentence a user sees. The rule is in the README's \"Config\" paragraph. What is still refused is NVMe",
+        "offload (ZeRO-Infinity), ZenFlow and DeepCompile; the last four rows are DeepSpeed feature demos.",
         "",
         "**Trainer (2 ranks)** is what `tests/test_ds_corpus_trainer.py` observed running the file, verbatim, through",
-        "`hf_zero.TrainingArguments(deepspeed=<file>)` + `hf_zero.Trainer` on 2 gloo CPU ranks: *trains* means a tiny",
-        f"`LlamaForCausalLM` (built from a config: hidden 16, 2 layers) took {TRAINER_STEPS} optimizer steps to finite losses with its",
+        "`hf_zero.TrainingArguments(deepspeed=<file>)` + `hf_zero.Trainer` on 2 gloo CPU ranks (a tensor-parallel config",
+        "on as many ranks as its `autotp_size` asks, if more): *trains* means a tiny `LlamaForCausalLM` (built from a",
+        f"config: hidden 16, 2 layers, 4 heads) took {TRAINER_STEPS} optimizer steps to finite losses with its",
         "weights moved, and the `save_model` folder loads with `from_pretrained` to exactly the trained weights;",
         "*refused* is the error raised when `TrainingArguments` is built (before any model), the same on both ranks.",
         "The arguments in each cell are those a user of the config sets: what the config fixes (precision, batch",

@@ -135,8 +135,9 @@ def _model():  # noqa: ANN202
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
+    # 4 heads and 4 key-value heads: tensor-parallel configs split them over up to 4 ranks
     return LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
-                                        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=SEQ))
+                                        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=SEQ))
 
 
 def _reset() -> None:
@@ -212,9 +213,21 @@ def _grid(rank: int, world: int, files: list[str], root: str) -> list[dict]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
     """Every corpus config on 2 ranks: {file: [rank 0's result, rank 1's]} (one spawn for the whole corpus)."""
-    files = [s.file for s in CORPUS]
-    per_rank = spawn(_grid, WORLD, files, str(tmp_path_factory.mktemp("corpus_trainer")))
-    return {f: [per_rank[r][i] for r in range(WORLD)] for i, f in enumerate(files)}
+    out: dict[str, list[dict]] = {}
+    by_world: dict[int, list[str]] = {}
+    for s in CORPUS:
+        by_world.setdefault(world_of(s), []).append(s.file)
+    for world, files in sorted(by_world.items()):
+        per_rank = spawn(_grid, world, files, str(tmp_path_factory.mktemp(f"corpus_trainer{world}")))
+        # rank 0 and the last rank: under tensor parallelism they are in different groups, or at the ends of one
+        out.update({f: [per_rank[0][i], per_rank[-1][i]] for i, f in enumerate(files)})
+    return out
+
+
+def world_of(source: Source) -> int:
+    """2 ranks, or as many as a tensor-parallel config's autotp_size needs (DeepSpeed's own example asks for 4)."""
+    tp = (json.loads((CONFIGS / source.file).read_text()).get("tensor_parallel") or {}).get("autotp_size") or 1
+    return max(WORLD, int(tp))
 
 
 # ------------------------------------------------------------------ what the runs show
@@ -226,8 +239,9 @@ def outcome(source: Source, result: dict) -> str:
         return f"refused at `TrainingArguments` ({refused_for(result['refused'], source) or 'unexpectedly'})"
     if "error" in result:
         return f"fails in the Trainer (an hf_zero bug): `{result['error']}`"
-    return (f"trains at stage {result['stage']} in {result['param_dtype']}: {len(result['losses'])} steps, finite losses, "
-            f"`save_model` reloads as {result['reloaded_class']}; with `{result['args']}`")
+    ranks = f" on {world_of(source)} ranks" if world_of(source) != WORLD else ""
+    return (f"trains at stage {result['stage']} in {result['param_dtype']}{ranks}: {len(result['losses'])} steps, finite "
+            f"losses, `save_model` reloads as {result['reloaded_class']}; with `{result['args']}`")
 
 
 @pytest.mark.parametrize(

@@ -53,6 +53,7 @@ from hf_zero.integrations.autofill import (  # noqa: F401 - MIN_AUTO_REDUCE_BUCK
 )
 from hf_zero.sequence.setup import merge_sp_size, sp_size_of
 from hf_zero.sequence.setup import wrap_loader as wrap_sequence_loader
+from hf_zero.tensor_parallel import degree_of
 
 
 def launched_without_gpus() -> bool:
@@ -123,6 +124,49 @@ class Accelerator(accelerate.Accelerator):
         self.zero_config = config
         self._zero_engines: list[ZeroEngine] = []
         self._eval_engines: list[ZeroEngine] = []  # models prepared for evaluation only (kept apart: not trained)
+        self._data_parallel_view = False
+
+    # ------------------------------------------------------- tensor parallelism
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        """The config's ``tensor_parallel.autotp_size`` (1 without one): the ranks that share every batch."""
+        return degree_of(getattr(self, "zero_config", None))
+
+    @property
+    def num_processes(self) -> int:
+        """The data-parallel replicas: what the Trainer scales the loss and counts batches by. Under tensor
+        parallelism the ranks of a group are one replica (Accelerate's own state still counts every rank)."""
+        return super().num_processes // self.tensor_parallel_size
+
+    @property
+    def process_index(self) -> int:
+        i = super().process_index
+        return i // self.tensor_parallel_size if getattr(self, "_data_parallel_view", False) else i
+
+    def prepare_data_loader(self, data_loader: Any, device_placement: bool | None = None,
+                            slice_fn_for_dispatch: Any = None) -> Any:
+        """Accelerate's, but under tensor parallelism sharded over the data-parallel ranks: the ranks of a
+        tensor-parallel group draw the same batches (they compute parts of one result)."""
+        self._data_parallel_view = self.tensor_parallel_size > 1
+        try:
+            return super().prepare_data_loader(data_loader, device_placement=device_placement,
+                                               slice_fn_for_dispatch=slice_fn_for_dispatch)
+        finally:
+            self._data_parallel_view = False
+
+    def gather(self, tensor: Any) -> Any:
+        """Accelerate's, but under tensor parallelism each tensor-parallel group's (identical) values count once,
+        so evaluation and ``predict`` see every sample once, as with data parallelism alone."""
+        out = super().gather(tensor)
+        tp = self.tensor_parallel_size
+        if tp <= 1:
+            return out
+        from accelerate.utils import recursively_apply
+
+        world = self.state.num_processes
+        return recursively_apply(lambda t: torch.cat(list(t.reshape(world, -1, *t.shape[1:]))[::tp]).reshape(-1, *t.shape[1:])
+                                 if t.dim() else t, out)
 
     # ---------------------------------------------------------------- prepare
 

@@ -24,7 +24,7 @@ import torch
 import transformers
 
 from hf_zero import dist as hz_dist
-from hf_zero.errors import UsageError
+from hf_zero.errors import ConfigError, UsageError
 from hf_zero.integrations.accelerate import Accelerator, launched_without_gpus
 from hf_zero.integrations.autofill import (
     fill_auto,
@@ -33,6 +33,7 @@ from hf_zero.integrations.autofill import (
     trainer_scheduler_params,
 )
 from hf_zero.sequence.setup import merge_sp_size, sp_size_of
+from hf_zero.tensor_parallel import degree_of
 
 __all__ = ["Seq2SeqTrainer", "Seq2SeqTrainingArguments", "Trainer", "TrainingArguments", "fill_auto", "zero_args", "zero_trainer"]
 
@@ -75,7 +76,12 @@ class TrainingArguments(transformers.TrainingArguments):
         self.zero_config_dict = config
         if config is not None:  # under sequence parallelism the batch multiplies by the data-parallel degree
             sp = sp_size_of(getattr(self, "parallelism_config", None))
-            fill_auto(config, self, world_size=int(os.environ.get("WORLD_SIZE", "1") or 1) // sp)
+            world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+            tp = degree_of(config)
+            if world % tp:  # said here, before any model is built, as the engine would say it later
+                raise ConfigError(f"tensor_parallel.autotp_size: got {tp}, which does not divide the {world} ranks of "
+                                  f"this run; launch a multiple of {tp} processes or choose a divisor of {world}")
+            fill_auto(config, self, world_size=world // sp // tp)
 
     def to_dict(self) -> dict[str, Any]:
         d = super().to_dict()
@@ -130,6 +136,7 @@ class Trainer(transformers.Trainer):
         # The accelerator was built from all of the Trainer's arguments; it becomes hf_zero's subclass
         # (which only adds prepare/backward/clip/save behaviour) rather than being rebuilt from them.
         acc.__class__ = Accelerator
+        acc.zero_config = self.args.zero_config_dict  # first, so that num_processes counts replicas (tensor parallelism)
         acc.zero_config = merge_sp_size(fill_auto(self.args.zero_config_dict, self.args, acc.num_processes // sp), sp)
         acc._zero_engines = []
         acc._eval_engines = []
