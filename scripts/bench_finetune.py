@@ -229,7 +229,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(args: argparse.Namespace, model: str, engine: str, out: str) -> dict:
+_RUNNING: list[subprocess.Popen] = []  # the launch under way, for the SIGTERM handler in main()
+
+
+def _stop_launch(signum: int, frame: Any) -> None:  # noqa: ARG001
+    """SIGTERM (e.g. ``timeout`` around this script): end the running torchrun and its ranks too, which live in
+    their own session and would otherwise keep the GPU busy for the next command."""
+    for proc in _RUNNING:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    sys.exit(128 + signum)
+
+
+def launch(args: argparse.Namespace, model: str, engine: str, out: str, timeout: float) -> dict:
     """One torchrun of the worker for ``engine``; its RESULT line, or the error and exit status."""
     python = args.ds_python if engine.startswith("ds") and args.ds_python else sys.executable
     cmd = [python, "-m", "torch.distributed.run", f"--nproc_per_node={args.gpus}", "--master_addr=127.0.0.1",
@@ -246,12 +260,15 @@ def launch(args: argparse.Namespace, model: str, engine: str, out: str) -> dict:
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                             start_new_session=True)
+    _RUNNING.append(proc)
     try:
-        stdout, stderr = proc.communicate(timeout=args.timeout)
+        stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.communicate()
-        return {"engine": engine, "rc": "timeout", "error": f"timed out after {args.timeout} s"}
+        return {"engine": engine, "rc": "timeout", "error": f"timed out after {timeout:.0f} s"}
+    finally:
+        _RUNNING.remove(proc)
     for line in stdout.splitlines():
         if line.startswith("RESULT ") and proc.returncode == 0:
             return {**json.loads(line[len("RESULT "):]), "rc": 0, "launch_s": time.perf_counter() - t0}
@@ -299,7 +316,8 @@ def table(args: argparse.Namespace, model: str, rows: list[dict]) -> list[str]:
     for r in rows:
         name = ENGINE_NAMES.get(r["engine"], r["engine"])
         if r["rc"] != 0:
-            out.append(f"| {r['engine']} | {r['rc']} | - | - | - | - |  |  | -→- | {name}: failed: "
+            why = "not run" if r["rc"] == "skipped" else "failed"
+            out.append(f"| {r['engine']} | {r['rc']} | - | - | - | - |  |  | -→- | {name}: {why}: "
                        f"{r['error'].replace('|', '/')} |")
             continue
         peer = f"{r['steady_per_s'] / best['steady_per_s']:.3f}×" if best and r["engine"].startswith("hf") else ""
@@ -376,6 +394,7 @@ def main_modes(args: argparse.Namespace, ap: argparse.ArgumentParser) -> int:
 
 
 def main() -> int:
+    start = time.perf_counter()
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gpus", type=int, default=2, help="processes per launch (GPUs; CPU processes without CUDA)")
     ap.add_argument("--model", action="append", help="1.1b, 8b, tiny, bert-large, minilm or NAME=PATH (repeatable)")
@@ -396,6 +415,8 @@ def main() -> int:
     ap.add_argument("--ds-python", default=None, help="the interpreter for ds rows (default: this one)")
     ap.add_argument("--cpu", action="store_true", help="run on CPU (gloo) even where CUDA exists")
     ap.add_argument("--timeout", type=int, default=900, help="seconds per engine launch")
+    ap.add_argument("--budget", type=int, default=None, help="seconds for the whole call: a launch is cut to what "
+                                                             "is left, and none starts with under 30 s left")
     ap.add_argument("--out", default=None, help="scratch folder (default: a new temporary one)")
     ap.add_argument("--verbose", action="store_true", help="print a failed launch's stderr tail")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -425,6 +446,7 @@ def main() -> int:
         ap.error("--warmup must be at least 1: the first timed interval starts at a step's end")
     import torch
 
+    signal.signal(signal.SIGTERM, _stop_launch)
     args.cpu = args.cpu or not torch.cuda.is_available()
     args.steps = args.steps or 10
     out = args.out or tempfile.mkdtemp(prefix="bench_finetune_")
@@ -432,7 +454,7 @@ def main() -> int:
     if ds_why:
         print(f"skipping ds2/ds3: {ds_why}", flush=True)
         engines = [e for e in engines if not e.startswith("ds")]
-    failed, start = False, time.perf_counter()
+    failed = False
     for model in args.model:
         run_args = argparse.Namespace(**vars(args))
         llama = is_llama(model)
@@ -440,12 +462,16 @@ def main() -> int:
         run_args.seq = args.seq or (2048 if llama and model != "tiny" else 128)
         rows = []
         for engine in engines:
-            r = launch(run_args, model, engine, os.path.join(out, re.sub(r"\W", "_", model)))
+            left = args.budget - (time.perf_counter() - start) if args.budget else float("inf")
+            if left < 30:  # not enough for a launch's start-up: say so in the row rather than overrun the caller
+                rows.append({"engine": engine, "rc": "skipped", "error": f"--budget {args.budget} s spent"})
+                continue
+            r = launch(run_args, model, engine, os.path.join(out, re.sub(r"\W", "_", model)), min(args.timeout, left))
             print(json.dumps(r), flush=True)
             rows.append(r)
         print("\n".join(table(run_args, model, rows)), flush=True)
         failed = failed or any(r["rc"] != 0 for r in rows)
-    print(f"\n{len(args.model) * len(engines)} launches in {time.perf_counter() - start:.0f} s", flush=True)
+    print(f"\nthis call took {time.perf_counter() - start:.0f} s", flush=True)
     return 1 if failed else 0
 
 
