@@ -34,6 +34,14 @@ ranks; the loss logged at the first and the last step (``logging_steps=1``, for 
 launch's exit status. ``vs best peer`` divides an hf row by the best DeepSpeed/FSDP2 row. The script exits 1 if
 any engine failed, after printing its table.
 
+``--budget SECONDS`` bounds the whole call (a launch gets what is left; with under 30 s left the remaining engines
+are "not run" rows), so several calls fit one device command, e.g. on one H200 (about 9 minutes in all):
+
+    B="python3 scripts/bench_finetune.py --gpus 1 --steps 6 --warmup 3"
+    $B --model 1.1b --engines hf2,hf3,ds2,ds3,fsdp2,ddp --budget 210
+    $B --model 8b --lora --engines hf3,ds3 --budget 140
+    $B --model 1.1b --grad-ckpt --engines hf3,ds3,fsdp2,hf2,ds2,ddp --budget 160
+
 ``--modes`` keeps the older measurement: ``scripts/finetune.py`` (the main job, hf_zero's Trainer with
 ``configs/<mode>.json`` or ``ddp``) under ``accelerate launch``, with accuracy before and after.
 """
@@ -200,6 +208,8 @@ def worker(args: argparse.Namespace) -> None:
     t0 = time.perf_counter()
     trainer.train()
     whole = time.perf_counter() - t0
+    if len(ends) != total:  # a short run would divide the wrong number of steps' work by its time
+        raise SystemExit(f"{engine}: the Trainer ran {len(ends)} optimizer steps, not {total}; check --batch/--accum")
     steps = [b - a for a, b in zip(ends[args.warmup - 1:], ends[args.warmup:])] if args.warmup >= 1 else []
     step = statistics.median(steps) if steps else float("nan")
     peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
@@ -214,7 +224,7 @@ def worker(args: argparse.Namespace) -> None:
             "step_s": step, "train_s": whole, "peak_gib": peak, "steps": len(ends),
             "loss_first": losses[0] if losses else float("nan"), "loss_last": losses[-1] if losses else float("nan"),
         }), flush=True)
-    if dist.is_initialized():  # a clean end: gloo ranks left to exit with FSDP2's groups alive abort in teardown
+    if dist.is_initialized():  # end the group before exit: gloo ranks leaving FSDP2's group alive abort at teardown
         dist.barrier()
         dist.destroy_process_group()
 
