@@ -17,7 +17,15 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tests import test_checkpoint, test_compile, test_ds_api, test_offload, test_parity, test_stage3  # noqa: E402
+from tests import (  # noqa: E402
+    test_checkpoint,
+    test_compile,
+    test_ds_api,
+    test_offload,
+    test_parity,
+    test_stage3,
+    test_tensor_parallel,
+)
 
 TOL = 1e-5
 
@@ -112,6 +120,30 @@ def _offload(rank: int, world: int) -> list[dict]:
     return rows
 
 
+def _tensor_parallel(rank: int, world: int) -> list[dict]:
+    """Tensor parallelism (autotp_size 2) with NCCL: the forward and backward all-reduces inside the blocks, ZeRO over
+    the data-parallel group; on 2 GPUs also the resume, save_pretrained and consolidate rows. Needs an even world."""
+    import tempfile
+
+    if world % 2:
+        return []
+    cases = test_tensor_parallel.CASES_2 if world == 2 else test_tensor_parallel.CASES_4
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        path = [tmp]
+        dist.broadcast_object_list(path, src=0)
+        grid = test_tensor_parallel._grid(rank, world, cases, path[0])
+        for case, row in zip(cases, grid):
+            rows.append({"case": f"tp 2 x dp {world // 2}, stage {case[0]}, gas {case[1]}, clip {case[2]}",
+                         "loss_err": row["loss_err"], "w_err": row["w_err"]})
+        if world == 2:
+            res = grid[len(cases)]
+            rows.append({"case": "tp 2: resume at stage 1, save_pretrained", "loss_err": res["resume_loss_err"],
+                         "w_err": max(res["resume_w_err"], res["saved_err"], res["offline_err"])})
+        dist.barrier()
+    return rows
+
+
 def main() -> int:
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl")
@@ -122,6 +154,7 @@ def main() -> int:
     rows += [("compile (inductor)", r) for r in _compiled(rank, world)]
     rows += [("DeepSpeed API", r) for r in _ds_api(rank, world)]
     rows += [("offload", r) for r in _offload(rank, world)]
+    rows += [("tensor parallel", r) for r in _tensor_parallel(rank, world)]
     worst = torch.tensor([max(r["loss_err"], r["w_err"]) for _, r in rows], device="cuda")
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     failed = 0

@@ -74,7 +74,7 @@ def _whole(engine) -> dict:
 
 
 def _rel(a: dict, b: dict) -> float:
-    return max(float((a[n] - b[n]).norm() / b[n].norm()) for n in b)
+    return max(float((a[n].cpu() - b[n].cpu()).norm() / b[n].cpu().norm()) for n in b)
 
 
 def _config(stage: int, gas: int, clip: float, **extra) -> dict:
@@ -87,7 +87,7 @@ def _train(engine, data: dict, steps: range, gas: int) -> list[float]:
     tp = engine.tensor_parallel_groups
     losses = []
     for t in steps:
-        total = torch.zeros(())
+        total = torch.zeros((), device=engine.device)  # the device NCCL reduces on (scripts/gpu_check.py)
         for k in range(gas):
             loss = engine(**_micro(data, t, (tp.dp_rank * gas + k) * MICRO, MICRO)).loss
             engine.backward(loss)
