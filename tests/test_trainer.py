@@ -141,3 +141,61 @@ def test_seq2seq_trainer_generates_under_stage3(tmp_path: Path) -> None:
     results = spawn(_generate, 2, [None, zero], str(tmp_path))
     for plain, sharded in results:
         assert plain == sharded
+
+
+def _nan_run(rank: int, world: int, cases: list) -> list:
+    """A loss made NaN at one step; counts the host-side ``torch.isnan`` tests of a 0-dim loss during ``train()``."""
+    import transformers
+
+    import hf_zero
+
+    out = []
+    for case in cases:
+        from accelerate.state import AcceleratorState, GradientState
+
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+        base = hf_zero.Trainer if case.get("zero") else transformers.Trainer
+        arg_cls = hf_zero.TrainingArguments if case.get("zero") else transformers.TrainingArguments
+
+        class NanAt(base):  # type: ignore[misc, valid-type]
+            def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):  # noqa: ANN001, ANN201
+                loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+                return loss * float("nan") if self.state.global_step == 1 else loss
+
+        kw = dict(output_dir=case["dir"], per_device_train_batch_size=2, max_steps=4, learning_rate=5e-3,
+                  logging_steps=2, report_to="none", use_cpu=True, seed=0, save_strategy="no", disable_tqdm=True)
+        if case.get("zero"):
+            kw["zero_config"] = case["zero"]
+        args = arg_cls(**kw)
+        trainer = NanAt(model=_model(), args=args, train_dataset=_data())
+        calls = []
+        real = torch.isnan
+
+        def counting(t, *a, **k):  # noqa: ANN001, ANN002, ANN003, ANN202
+            if isinstance(t, torch.Tensor) and t.dim() == 0:
+                calls.append(1)
+            return real(t, *a, **k)
+
+        torch.isnan = counting
+        try:
+            trainer.train()
+        finally:
+            torch.isnan = real
+        losses = {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
+        out.append({"losses": losses, "host_tests": len(calls), "flag_after": trainer.args.logging_nan_inf_filter})
+    return out
+
+
+def test_nan_loss_filter_runs_on_the_device(tmp_path: Path) -> None:
+    """transformers' ``logging_nan_inf_filter`` tests each micro-step's loss on the host (a device sync per
+    micro-step); hf_zero's Trainer applies the same rule on the device: the logged loss of a window with a
+    NaN step is the plain Trainer's, the loop made no host test, and the user's flag is back after train()."""
+    zero = {"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": "auto",
+            "gradient_accumulation_steps": "auto", "nonfinite_loss": "skip"}
+    plain, z2 = spawn(_nan_run, 2, [{"dir": str(tmp_path / "p")}, {"dir": str(tmp_path / "z"), "zero": zero}])[0]
+    assert plain["host_tests"] >= 4 and z2["host_tests"] == 0, (plain["host_tests"], z2["host_tests"])
+    step2 = {int(k): v for k, v in plain["losses"].items()}[2]
+    got = {int(k): v for k, v in z2["losses"].items()}
+    assert abs(got[2] - step2) / step2 < 1e-5 and all(v == v for v in got.values()), (got, plain["losses"])
+    assert z2["flag_after"] is True

@@ -15,7 +15,9 @@ on ``is_deepspeed_enabled``), so this subclasses, without patching either librar
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -207,8 +209,41 @@ class Trainer(transformers.Trainer):
     # ---------------------------------------------------------- a rank that dies
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
-        with hz_dist.peer_failure_guard("Trainer.train()"):
+        with hz_dist.peer_failure_guard("Trainer.train()"), self._loss_filter_on_device():
             return super().train(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def _loss_filter_on_device(self) -> Iterator[None]:
+        """transformers' ``logging_nan_inf_filter`` applied on the device instead of the host.
+
+        The training loop tests every micro-step's loss with ``torch.isnan(loss) or torch.isinf(loss)``:
+        a host sync per micro-step, which stalls the CPU until the backward just queued has run, so
+        the step's norm, clip and optimizer kernels are queued only after the GPU has drained. The
+        same rule (a non-finite loss counts as the mean of the losses logged since the last log) is
+        applied in :meth:`training_step` with ``torch.where``, and the flag reads ``False`` to the
+        loop while ``train()`` runs; evaluation, which filters its own losses, sees the user's value.
+        transformers versions without the on-device running loss (``_tr_loss``) keep the host test.
+        """
+        args = self.args
+        wanted = self.zero_enabled and bool(getattr(args, "logging_nan_inf_filter", False))
+        self._hz_loss_filter = wanted
+        try:
+            yield
+        finally:
+            self._hz_loss_filter = False
+            if wanted:
+                args.logging_nan_inf_filter = True
+
+    def training_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        loss = super().training_step(*args, **kwargs)
+        running = getattr(self, "_tr_loss", None)
+        if not getattr(self, "_hz_loss_filter", False) or not isinstance(running, torch.Tensor) or loss.device != running.device:
+            if getattr(self, "_hz_loss_filter", False):
+                self.args.logging_nan_inf_filter = True  # (this transformers: the loop's host test, as it was)
+            return loss
+        self.args.logging_nan_inf_filter = False  # read by the loop right after this returns
+        since = 1 + self.state.global_step - self._globalstep_last_logged
+        return torch.where(torch.isfinite(loss), loss, running / since)
 
     def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
         with hz_dist.peer_failure_guard("Trainer.evaluate()"):
@@ -222,7 +257,13 @@ class Trainer(transformers.Trainer):
 
     def evaluation_loop(self, *args: Any, **kwargs: Any) -> Any:
         self._engine_for_evaluation()
-        return super().evaluation_loop(*args, **kwargs)
+        flag = self.args.logging_nan_inf_filter
+        if getattr(self, "_hz_loss_filter", False):
+            self.args.logging_nan_inf_filter = True  # evaluation inside train() filters its losses as the user asked
+        try:
+            return super().evaluation_loop(*args, **kwargs)
+        finally:
+            self.args.logging_nan_inf_filter = flag
 
     def _engine_for_evaluation(self) -> None:
         """``evaluate()`` / ``predict()`` before any ``train()`` at stage 3: the training engine, built now.
