@@ -164,7 +164,7 @@ class StepPolicy:
             ))
         norm = norm / scale
         coef: torch.Tensor | float = 1.0 / scale
-        if clip > 0:
+        if 0 < clip < float("inf"):  # inf (transformers asking for the norm alone) clips nothing: no pass over the gradients
             coef = (clip / (norm + 1e-6)).clamp(max=1.0) / scale
         optimizer.scale_grads(coef)
         optimizer.step_and_publish(self.timed)

@@ -249,3 +249,36 @@ def test_fp16_autocast_scales_the_loss_only_at_stage_0() -> None:
             assert scaler.scale == 2.0**16 and scaler.window == 2000 and scaler.hysteresis == 1
     bf = ZeroConfig.load({"torch_autocast": {"enabled": True, "dtype": "bf16"}, "zero_optimization": {"stage": 0}})
     assert loss_scaler_for(bf) is None
+
+
+def _norm_only(rank: int, world: int) -> dict:
+    import hf_zero
+
+    out: dict = {}
+    for case in ("plain", "inf"):
+        model = make_model()
+        cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+               "zero_optimization": {"stage": 2}}
+        engine, *_ = hf_zero.initialize(model=model, config=cfg)
+        coefs: list = []
+        real = engine.zero_optimizer.scale_grads
+        engine.zero_optimizer.scale_grads = lambda c, coefs=coefs, real=real: (coefs.append(type(c).__name__), real(c))  # type: ignore[method-assign]
+        ids, labels = make_data(3, 2 * world)
+        norms = []
+        for t in range(3):
+            engine.backward(engine(ids[t, rank * 2 : rank * 2 + 2], labels[t, rank * 2 : rank * 2 + 2]))
+            if case == "inf":  # what transformers' Trainer does when max_grad_norm is 0: ask for the norm alone
+                engine.set_clip_for_next_step(float("inf"))
+                norms.append(float(engine.current_grad_norm()))
+            engine.step()
+        out[case] = {"coefs": coefs, "norms": norms,
+                     "weights": [p.detach().reshape(-1).tolist() for p in model.parameters()]}
+    return out
+
+
+def test_clip_at_infinity_touches_no_gradient() -> None:
+    """``clip_grad_norm_(params, inf)`` (the Trainer's norm for logging) gives the norm and scales nothing:
+    no multiply over the gradient shards, the same weights as a step never asked for its norm."""
+    for r in spawn(_norm_only, 2):
+        assert r["inf"]["coefs"] == ["float"] * 3 and all(n > 0 for n in r["inf"]["norms"]), r["inf"]
+        assert r["inf"]["weights"] == r["plain"]["weights"]

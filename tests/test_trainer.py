@@ -172,7 +172,7 @@ def _nan_run(rank: int, world: int, cases: list) -> list:
         calls = []
         real = torch.isnan
 
-        def counting(t, *a, **k):  # noqa: ANN001, ANN002, ANN003, ANN202
+        def counting(t, *a, calls=calls, real=real, **k):  # noqa: ANN001, ANN002, ANN003, ANN202
             if isinstance(t, torch.Tensor) and t.dim() == 0:
                 calls.append(1)
             return real(t, *a, **k)
