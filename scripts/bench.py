@@ -44,6 +44,9 @@ SHAPES = {
     # larger offload shapes for "the largest model one GPU trains" (host memory is what limits them)
     "5b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=27, num_attention_heads=32, num_key_value_heads=8),
     "6b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8),
+    # Llama-3-8B's shape (8.03B parameters with its 128,256-token vocabulary): issue 17's offload shape
+    "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+               vocab_size=128256),
 }
 PEAK_TFLOPS = 989.0
 
@@ -53,7 +56,7 @@ def build_model(shape: str, seq: int) -> torch.nn.Module:
 
     # use_cache=False: training needs no KV cache, and with one transformers hands every block a
     # cache whose per-layer index makes torch.compile build a graph per block (eager past 8).
-    cfg = LlamaConfig(vocab_size=32000, max_position_embeddings=seq, use_cache=False, **SHAPES[shape])
+    cfg = LlamaConfig(max_position_embeddings=seq, use_cache=False, **{"vocab_size": 32000, **SHAPES[shape]})
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
     with torch.device("cuda"):  # (inside zero.Init, modules are built on the GPU and sliced as they are made)
@@ -412,7 +415,7 @@ def run_pipeline(name: str, args: argparse.Namespace) -> dict:
 
     world = dist.get_world_size()
     stages, m = int(name[4:] or 4), args.pipe_micro
-    cfg = LlamaConfig(vocab_size=32000, max_position_embeddings=args.seq, **SHAPES[args.model])
+    cfg = LlamaConfig(max_position_embeddings=args.seq, **{"vocab_size": 32000, **SHAPES[args.model]})
     cfg._attn_implementation = "sdpa"
     with torch.device("meta"):
         meta = LlamaForCausalLM(cfg)
