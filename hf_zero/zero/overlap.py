@@ -105,7 +105,8 @@ class DeferredPublish:
         self._hooks = []
         for m, gs in points:
             if gs:
-                self._hooks.append(m.register_forward_pre_hook(self._waiter(gs)))
+                # prepend: before any hook the user registered earlier, which may read the weights too
+                self._hooks.append(m.register_forward_pre_hook(self._waiter(gs), prepend=True))
         self._hooks.append(module.register_state_dict_pre_hook(self._before_state_dict))
         self._hooks.append(module.register_load_state_dict_pre_hook(self._before_load_state_dict))
 
