@@ -165,3 +165,33 @@ def test_the_forward_hooks_do_the_waiting(runs: dict) -> None:
         # ... and the forward's pre-hooks take every one of them, before any module reads its weights
         assert rec["forward_waits"] == [{"forward": n, "other": 0}], key
         assert rec["pending_seen_by_modules"] == [], key
+
+
+def _trainer(rank: int, world: int, cases: list, lazy: bool) -> list:
+    from tests import test_trainer
+
+    if lazy:
+        _lazy_all_gather()
+    return test_trainer._run(rank, world, cases)
+
+
+def test_trainer_train_evaluate_load_best_and_save_match_the_eager_publish(tmp_path: object) -> None:
+    # tests/test_trainer.py's run: 6 steps of 2 micro-batches, evaluation and a checkpoint every 3 steps, the best
+    # checkpoint loaded at the end, predict, save_model; here at stage 2 with lazy gathers against the eager publish
+    def case(name: str, overlap: bool) -> dict:
+        zero = {"zero_optimization": {"stage": 2, "reduce_bucket_size": 3000, "overlap_param_gather": overlap},
+                "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+                "gradient_clipping": "auto", "bf16": {"enabled": "auto"}}
+        return {"dir": os.path.join(str(tmp_path), name), "zero": zero, "best": True, "save_model": True}
+
+    eager = spawn(_trainer, 2, [case("eager", False)], False)[0][0]
+    lazy = spawn(_trainer, 2, [case("lazy", True)], True)[0][0]
+    assert sorted(eager["losses"]) == ["1", "2", "3", "4", "5", "6"], eager["losses"]
+    assert lazy["losses"] == eager["losses"]
+    assert lazy["weights"] == eager["weights"]
+    assert os.path.basename(lazy["best"]) == os.path.basename(eager["best"])
+    from safetensors.torch import load_file
+
+    a = load_file(os.path.join(lazy["saved"], "model.safetensors"))
+    b = load_file(os.path.join(eager["saved"], "model.safetensors"))
+    assert sorted(a) == sorted(b) and all(torch.equal(a[n], b[n]) for n in a)
