@@ -166,7 +166,7 @@ def _overlap(rank: int, world: int) -> list[dict]:
             n = o["groups"]
             hooks_waited = (o["in_flight_after_step"] == [n] * test_overlap_param_gather.STEPS
                             and o["forward_waits"] == [{"forward": n, "other": 0}] and not o["pending_seen_by_modules"])
-            w_err = max(rel(o[what][k], e[what][k]) for what in ("state_dict", "gathered", "saved") for k in e[what])
+            w_err = max(rel(o[what][k], e[what][k]) for what in ("block_state_dict", "state_dict", "gathered", "saved") for k in e[what])
             rows.append({"case": f"{key}, {n} groups", "loss_err": rel(o["losses"] + [o["next_forward"]],
                                                                          e["losses"] + [e["next_forward"]]),
                          "w_err": w_err if hooks_waited else float("inf")})

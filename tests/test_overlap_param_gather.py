@@ -5,8 +5,9 @@ accumulation, an untied and a tied LM head) three ways: the eager publish, the d
 (gloo's ``async_op`` handles), and the deferred one with *lazy* handles, whose all-gather runs
 only when the handle is waited for. The lazy run is the worst case a GPU can produce: any reader
 that skips its wait sees the other rank's half of the weights from before the step. Every reader
-is exercised right after a step (the next forward, ``state_dict()``, ``GatheredParameters``,
-``save_16bit_model``, ``load_checkpoint``) and must give bit-identical values to the eager run;
+is exercised right after a step (the next forward, a block's and the model's ``state_dict()``,
+``GatheredParameters``, ``save_16bit_model``, ``load_checkpoint``; and the Trainer's train, evaluate,
+load-best and save) and must give bit-identical values to the eager run;
 a control run with the forward hooks taken off must differ, which shows the comparison catches
 a missing wait. The deferred run also shows who waited: every group is still in flight when
 ``step()`` returns and the forward's pre-hooks, not a full wait, take them.
@@ -80,7 +81,7 @@ def _run(rank: int, world: int, mode: str, tmp: str) -> dict:
         overlap = zo.overlap
         assert (overlap is None) == (mode == "eager")
         if mode == "lazy-no-hooks":
-            for h in overlap._hooks[:-2]:  # the forward pre-hooks (the last two are the state_dict ones)
+            for h in overlap.forward_hooks:
                 h.remove()
         seen_pending: list[str] = []
 
@@ -114,7 +115,8 @@ def _run(rank: int, world: int, mode: str, tmp: str) -> dict:
                     rec["forward_waits"].append({k: overlap.waits[k] - before[k] for k in before})
                 if mode == "lazy-no-hooks":
                     break  # the control: only the forward that skipped its waits
-            if step == 1:
+            if step == 1:  # a block's own state_dict first (its pre-hook waits too), then the model's
+                rec["block_state_dict"] = {n: _flat(t) for n, t in model.model.layers[1].state_dict().items()}
                 rec["state_dict"] = {n: _flat(t) for n, t in model.state_dict().items() if "rotary" not in n}
                 engine.save_checkpoint(ckpt, tag="t")
             if step == 2:
@@ -144,7 +146,7 @@ def test_every_reader_after_a_step_sees_the_eager_values(runs: dict) -> None:
     for mode in ("overlap", "lazy"):
         for key, rec in runs[mode].items():
             ref = eager[key]
-            for what in ("losses", "next_forward", "state_dict", "gathered", "saved"):
+            for what in ("losses", "next_forward", "block_state_dict", "state_dict", "gathered", "saved"):
                 assert rec[what] == ref[what], f"{mode} {key}: {what} differs from the eager publish"
 
 

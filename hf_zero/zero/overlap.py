@@ -18,13 +18,15 @@ gathers still in flight and makes each reader wait for exactly the groups it rea
   then block 0's, block 1's, ...), so the first blocks' weights arrive first and the later
   blocks' gathers run while the first blocks compute.
 - **everything else** that reads or writes the parameters waits for all of them first:
-  ``state_dict()`` and ``load_state_dict()`` of the root (pre-hooks here), the next step and the
-  next backward (:class:`hf_zero.zero.partition.ShardedOptimizer`), ``GatheredParameters`` and
-  a group's own next publish (:meth:`hf_zero.zero.flat.FlatGroup.wait`), the engine's saves,
-  loads and consolidation (``hf_zero/engine.py``). Code that reads ``module.parameters()``
-  directly between ``step()`` and the next forward (an EMA of the weights, ``copy.deepcopy``)
-  passes through none of these and must call ``engine.wait_params()`` first; that is why the
-  mechanism is asked for in the config rather than always on.
+  ``state_dict()`` and ``load_state_dict()`` of the model or of any module in it (pre-hooks
+  here), the next step and the next backward (:class:`hf_zero.zero.partition.ShardedOptimizer`),
+  ``GatheredParameters`` and a group's own next publish (:meth:`hf_zero.zero.flat.FlatGroup.wait`),
+  the engine's saves, loads and consolidation (``hf_zero/engine.py``). ``zero_grad`` does not
+  wait (it touches gradients only, and the engine calls it right after the step). Code that
+  reads ``module.parameters()`` directly between ``step()`` and the next forward (an EMA of the
+  weights, ``copy.deepcopy``, ``.cpu()``), or calls a module inside a block on its own, passes
+  through none of these and must call ``engine.wait_params()`` first; that is why the mechanism
+  is asked for in the config rather than always on.
 
 On CUDA a group's wait is its all-gather's event (the compute stream waits for it, no host sync);
 on CPU (gloo) it is the collective's ``async_op`` work handle, so the deferred wait is exercised
@@ -102,13 +104,11 @@ class DeferredPublish:
         self.pending = False
         self._left = 0  # groups published with defer=True that no hook has waited for yet
         self.waits = {"forward": 0, "other": 0}
-        self._hooks = []
-        for m, gs in points:
-            if gs:
-                # prepend: before any hook the user registered earlier, which may read the weights too
-                self._hooks.append(m.register_forward_pre_hook(self._waiter(gs), prepend=True))
-        self._hooks.append(module.register_state_dict_pre_hook(self._before_state_dict))
-        self._hooks.append(module.register_load_state_dict_pre_hook(self._before_load_state_dict))
+        # prepend: before any hook the user registered earlier, which may read the weights too
+        self.forward_hooks = [m.register_forward_pre_hook(self._waiter(gs), prepend=True) for m, gs in points if gs]
+        # on every module, not only the root: model.model.layers[0].state_dict() reads weights too
+        self.dict_hooks = [h for m in module.modules() for h in (m.register_state_dict_pre_hook(self._before_state_dict),
+                                                                 m.register_load_state_dict_pre_hook(self._before_load_state_dict))]
 
     def _waiter(self, groups: list[FlatGroup]) -> Any:
         def hook(module: torch.nn.Module, args: Any) -> None:
@@ -144,10 +144,3 @@ class DeferredPublish:
 
     def _before_load_state_dict(self, module: torch.nn.Module, *args: Any) -> None:
         self.wait_all()
-
-    def remove(self) -> None:
-        """Wait for what is in flight and take the hooks off the model."""
-        self.wait_all()
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
