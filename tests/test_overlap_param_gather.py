@@ -93,8 +93,8 @@ def _run(rank: int, world: int, mode: str, tmp: str) -> dict:
                     seen_pending.append(type(m).__name__)
 
         checks = [m.register_forward_pre_hook(check) for m in model.modules()] if mode == "overlap" else []
-        ids = torch.randint(0, 64, (STEPS * gas * 4, 8), generator=torch.Generator().manual_seed(3))
-        ids = ids.reshape(STEPS * gas, 2, 2, 8)[:, rank]
+        ids = torch.randint(0, 64, (STEPS * gas * world * 2, 8), generator=torch.Generator().manual_seed(3))
+        ids = ids.reshape(STEPS * gas, world, 2, 8)[:, rank]  # (scripts/gpu_check.py runs this on any number of GPUs)
         rec: dict = {"losses": [], "in_flight_after_step": [], "forward_waits": [], "groups": len(zo.flat_groups)}
         ckpt = os.path.join(tmp, f"{mode}-{key}-ckpt")
         for step in range(STEPS):
