@@ -1,6 +1,7 @@
 """The CPU test suite's arithmetic oracles, run with NCCL on GPUs.
 
     torchrun --nproc_per_node 2 scripts/gpu_check.py
+    torchrun --nproc_per_node 1 scripts/gpu_check.py --only overlap_param_gather   # one suite (comma-separated names)
 
 Each rank trains on its GPU (NCCL collectives, side streams); the single-process oracle runs on
 the CPU. Prints one line per case with the largest relative loss and weight errors, and exits
@@ -178,14 +179,21 @@ def main() -> int:
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
-    rows = [("stages 0-2", r) for r in test_parity._run_grid(rank, world, test_parity.CASES)]
-    rows += [("stage 3", r) for r in test_stage3._grid(rank, world, test_stage3.CASES)]
-    rows += [("resume", r) for r in _resume(rank, world)]
-    rows += [("compile (inductor)", r) for r in _compiled(rank, world)]
-    rows += [("DeepSpeed API", r) for r in _ds_api(rank, world)]
-    rows += [("offload", r) for r in _offload(rank, world)]
-    rows += [("tensor parallel", r) for r in _tensor_parallel(rank, world)]
-    rows += [("overlap_param_gather", r) for r in _overlap(rank, world)]
+    suites = {
+        "stages 0-2": lambda: test_parity._run_grid(rank, world, test_parity.CASES),
+        "stage 3": lambda: test_stage3._grid(rank, world, test_stage3.CASES),
+        "resume": lambda: _resume(rank, world),
+        "compile (inductor)": lambda: _compiled(rank, world),
+        "DeepSpeed API": lambda: _ds_api(rank, world),
+        "offload": lambda: _offload(rank, world),
+        "tensor parallel": lambda: _tensor_parallel(rank, world),
+        "overlap_param_gather": lambda: _overlap(rank, world),
+    }
+    only = sys.argv[sys.argv.index("--only") + 1].split(",") if "--only" in sys.argv[:-1] else list(suites)
+    unknown = [name for name in only if name not in suites]
+    if unknown:
+        raise SystemExit(f"--only {unknown[0]!r}: not a suite; choose from {', '.join(suites)}")
+    rows = [(name, r) for name in only for r in suites[name]()]
     worst = torch.tensor([max(r["loss_err"], r["w_err"]) for _, r in rows], device="cuda")
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     failed = 0
