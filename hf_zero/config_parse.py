@@ -403,6 +403,7 @@ class Parser:
             stage3_max_live_parameters=obj.get("stage3_max_live_parameters", Int(0), d.stage3_max_live_parameters),
             offload_optimizer=self.offload(obj, "offload_optimizer", OffloadOptimizerConfig),
             offload_param=self.offload(obj, "offload_param", OffloadParamConfig),
+            overlap_param_gather=obj.get("overlap_param_gather", Bool(), d.overlap_param_gather),
         )
 
     def offload(self, zero: _Object, key: str, cls: type) -> Any:

@@ -157,6 +157,7 @@ ZERO = Section(
     keys=(
         "stage", "reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold",
         "stage3_max_live_parameters", "offload_optimizer", "offload_param",
+        "overlap_param_gather",  # hf_zero's: the step's parameter all-gather waited for in the next forward
     ),
     # DeepSpeed's field names beside their stage3_* aliases, and the deprecated fp16 spelling
     aliases={

@@ -159,6 +159,7 @@ class ZeroEngine(torch.nn.Module):
             device=self.device, persistence_threshold=int(zc.stage3_param_persistence_threshold),
             prefetch_numel=int(zc.stage3_prefetch_bucket_size), max_live_numel=int(zc.stage3_max_live_parameters),
             offload_pin=offload_pin, master_dtype=self.config.master_dtype, param_offload_pin=param_offload_pin,
+            overlap_param_gather=zc.overlap_param_gather,
         )
 
     def compile(self, backend: str | Any = "inductor", compile_kwargs: dict | None = None) -> None:
@@ -288,6 +289,18 @@ class ZeroEngine(torch.nn.Module):
         if zo is None or not zo.reduced or not self.is_gradient_accumulation_boundary():
             return None  # (stage 2 has reduced the micro-steps so far, but the step's gradient is not whole)
         return self.step_policy.grad_norm(zo)  # the step reuses it: one norm, one all-reduce per step
+
+    def wait_params(self) -> None:
+        """Make the parameters whole and current before reading them outside the engine's own paths.
+
+        Only needed with ``zero_optimization.overlap_param_gather``: the step then returns with the
+        parameters' all-gathers in flight, and the next forward, ``state_dict()``, the engine's saves
+        and loads, ``GatheredParameters`` and the next step or backward wait for them themselves
+        (``hf_zero/zero/overlap.py``). Code that reads ``module.parameters()`` directly in between (an
+        EMA of the weights, ``copy.deepcopy(model)``) calls this first. A no-op otherwise.
+        """
+        if self.zero_optimizer is not None:
+            self.zero_optimizer.wait_params()
 
     def was_step_applied(self) -> bool:
         return self._step_applied
@@ -427,6 +440,7 @@ class ZeroEngine(torch.nn.Module):
             keep_last = self.config.checkpoint_keep_last
         if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
             raise UsageError(f"save_checkpoint(keep_last=...): got {keep_last!r}, expected an integer >= 1 (or None to keep all)")
+        self.wait_params()
         with hz_dist.peer_failure_guard("save_checkpoint"):
             return save(self, save_dir, tag, client_state, save_latest=save_latest, keep_last=keep_last)
 
@@ -452,6 +466,7 @@ class ZeroEngine(torch.nn.Module):
             raise UsageError("load_checkpoint(load_module_strict=False) is not supported yet; the model must match the checkpoint")
         if custom_load_fn is not None:
             raise UsageError("load_checkpoint(custom_load_fn=...) is not supported; checkpoints are read as safetensors")
+        self.wait_params()  # the load writes the masters, which in fp32 are the gathered buffers
         with hz_dist.peer_failure_guard("load_checkpoint"):
             if ds_checkpoint.is_deepspeed_checkpoint(load_dir, tag):
                 return ds_checkpoint.load(
@@ -489,6 +504,7 @@ class ZeroEngine(torch.nn.Module):
         from hf_zero.checkpoint import adapters as hz_peft
         from hf_zero.model_cards import record
 
+        self.wait_params()
         if merge_adapters:
             files = hz_peft.save_merged(self, save_directory, max_shard_size=max_shard_size, dtype=dtype)
         elif hz_peft.is_peft_model(self.module):
@@ -517,6 +533,7 @@ class ZeroEngine(torch.nn.Module):
                 f"save_16bit_model(save_filename={save_filename!r}): hf_zero writes safetensors only (a pickled .bin "
                 "can run code when loaded); pass a name ending in .safetensors, such as 'model.safetensors'"
             )
+        self.wait_params()
         consolidated.save_single_file(self, save_dir, save_filename, exclude_frozen=exclude_frozen_parameters)
         return True
 

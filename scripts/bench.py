@@ -7,6 +7,7 @@ Run on the GPU machine:
     python scripts/bench.py --gpus 1 --model 2.8b --engines hf3op,ds3op,fsdp2o --steps 4   # + parameter offload
     python scripts/bench.py --gpus 1 --model 2.8b --engines hf2,hf2o,hf3,hf3o --gas 8 --steps 3   # offload's cost at accumulation 8
     python scripts/bench.py --gpus 1 --model 1.1b --engines hf2,tr2,hf3,tr3   # the Trainer path against the raw engine
+    python scripts/bench.py --gpus 2 --model 1.1b --engines hf2,hf2g,fsdp2 --bucket 1e8   # the step's all-gather in the next forward
 
 Each engine runs in its own torchrun (one process per GPU), so no engine's memory or caches
 leak into the next one's peak. ``ds2``/``ds3`` need DeepSpeed importable.
@@ -70,10 +71,14 @@ def flops_per_token(model: torch.nn.Module, seq: int) -> float:
     return 6 * n + 12 * c.num_hidden_layers * c.hidden_size * seq
 
 
-def hf_zero_section(stage: int, args: argparse.Namespace) -> dict:
-    """The hf engines' ``zero_optimization`` (the raw engine's and the Trainer's alike): buckets and prefetch from the flags."""
+def hf_zero_section(stage: int, args: argparse.Namespace, name: str = "") -> dict:
+    """The hf engines' ``zero_optimization`` (the raw engine's and the Trainer's alike): buckets and prefetch from the flags.
+
+    A name ending in ``g`` (``hf1g``, ``hf2g``, ``tr2g``) turns on ``overlap_param_gather``: the step's parameter
+    all-gather is waited for in the next forward (hf_zero/zero/overlap.py)."""
     return {"stage": stage, "reduce_bucket_size": args.bucket, "allgather_bucket_size": args.bucket,
-            **({"stage3_prefetch_bucket_size": int(args.prefetch)} if args.prefetch is not None else {})}
+            **({"stage3_prefetch_bucket_size": int(args.prefetch)} if args.prefetch is not None else {}),
+            **({"overlap_param_gather": True} if name.endswith("g") else {})}
 
 
 def run_trainer(name: str, args: argparse.Namespace, model: torch.nn.Module, fpt: float, nparams: int) -> dict:
@@ -91,7 +96,7 @@ def run_trainer(name: str, args: argparse.Namespace, model: torch.nn.Module, fpt
         "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "train_batch_size": "auto",
         "gradient_clipping": "auto", "bf16": {"enabled": "auto"},
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-5, "weight_decay": 0.0}},
-        "zero_optimization": hf_zero_section(stage, args),
+        "zero_optimization": hf_zero_section(stage, args, name),
         "steps_per_print": 10**9,
         **json.loads(args.hf_config),
     }
@@ -172,7 +177,7 @@ def run_engine(name: str, args: argparse.Namespace) -> dict:
             "gradient_accumulation_steps": args.gas,
             "bf16": {"enabled": True},
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-5, "weight_decay": 0.0}},
-            "zero_optimization": {**hf_zero_section(stage, args),
+            "zero_optimization": {**hf_zero_section(stage, args, name),
                                   **({"offload_optimizer": {"device": "cpu", "pin_memory": True}} if offload else {}),
                                   **param_section},
             "steps_per_print": 10**9,

@@ -49,6 +49,8 @@ import torch
 
 WIDTH = 16
 ENGINES = ("ddp", "hf0", "hf1", "hf2", "hf3", "trainer2", "trainer3")
+# not in the default list: hf1g / hf2g are hf1 / hf2 with zero_optimization.overlap_param_gather (the forward's wait hooks)
+VARIANTS = ("hf1g", "hf2g")
 
 
 class Block(torch.nn.Module):
@@ -101,8 +103,8 @@ def _batch(micro_batch: int, rank: int) -> dict[str, torch.Tensor]:
     return {"x": torch.randn(micro_batch, WIDTH, generator=g), "labels": torch.randn(micro_batch, WIDTH, generator=g)}
 
 
-def _zero_config(stage: int, micro_batch: int, threshold: int) -> dict:
-    zero: dict = {"stage": stage}
+def _zero_config(stage: int, micro_batch: int, threshold: int, overlap: bool = False) -> dict:
+    zero: dict = {"stage": stage, **({"overlap_param_gather": True} if overlap else {})}
     if stage == 3:
         zero["stage3_param_persistence_threshold"] = threshold
     return {"train_micro_batch_size_per_gpu": micro_batch, "gradient_accumulation_steps": 1,
@@ -183,7 +185,7 @@ def _ddp_step(opts: argparse.Namespace) -> Callable[[], None]:
     return step
 
 
-def _engine_step(stage: int, opts: argparse.Namespace) -> Callable[[], None]:
+def _engine_step(stage: int, opts: argparse.Namespace, overlap: bool = False) -> Callable[[], None]:
     import torch.distributed as dist
 
     import hf_zero
@@ -191,7 +193,7 @@ def _engine_step(stage: int, opts: argparse.Namespace) -> Callable[[], None]:
     model = _model(opts.params)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=opts.foreach or None)
     engine, *_ = hf_zero.initialize(model=model, optimizer=opt,
-                                    config=_zero_config(stage, opts.micro_batch, opts.stage3_threshold))
+                                    config=_zero_config(stage, opts.micro_batch, opts.stage3_threshold, overlap))
     batch = _batch(opts.micro_batch, dist.get_rank())
 
     def step() -> None:
@@ -259,7 +261,7 @@ def _bench(rank: int, world: int, opts: argparse.Namespace) -> list[dict]:
         if name == "ddp":
             steps[name] = _ddp_step(opts)
         elif name.startswith("hf"):
-            steps[name] = _engine_step(int(name[2:]), opts)
+            steps[name] = _engine_step(int(name[2]), opts, overlap=name.endswith("g"))
     rounds, reports = _time_interleaved(steps, opts)
     for name in opts.engines:
         if name.startswith("trainer"):
@@ -322,9 +324,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     opts = p.parse_args(argv)
     opts.engines = [e for e in opts.engines.split(",") if e]
     opts.profile = [e for e in opts.profile.split(",") if e]
-    bad = [e for e in [*opts.engines, *opts.profile] if e not in ENGINES]
+    bad = [e for e in [*opts.engines, *opts.profile] if e not in ENGINES + VARIANTS]
     if bad:
-        p.error(f"unknown engine {bad[0]!r}; pick from {', '.join(ENGINES)}")
+        p.error(f"unknown engine {bad[0]!r}; pick from {', '.join(ENGINES + VARIANTS)}")
     if min(opts.steps, opts.rounds, opts.params, opts.micro_batch, opts.world) < 1 or opts.warmup < 0:
         p.error("--steps, --rounds, --params, --micro-batch and --world must be at least 1, --warmup at least 0")
     return opts

@@ -1,6 +1,7 @@
 """The CPU test suite's arithmetic oracles, run with NCCL on GPUs.
 
     torchrun --nproc_per_node 2 scripts/gpu_check.py
+    torchrun --nproc_per_node 1 scripts/gpu_check.py --only overlap_param_gather   # one suite (comma-separated names)
 
 Each rank trains on its GPU (NCCL collectives, side streams); the single-process oracle runs on
 the CPU. Prints one line per case with the largest relative loss and weight errors, and exits
@@ -22,6 +23,7 @@ from tests import (  # noqa: E402
     test_compile,
     test_ds_api,
     test_offload,
+    test_overlap_param_gather,
     test_parity,
     test_stage3,
     test_tensor_parallel,
@@ -144,17 +146,54 @@ def _tensor_parallel(rank: int, world: int) -> list[dict]:
     return rows
 
 
+def _overlap(rank: int, world: int) -> list[dict]:
+    """``overlap_param_gather`` with CUDA events on the communication stream: every reader right after a step (the
+    next forward, state_dict, GatheredParameters, save_16bit_model, load_checkpoint) against the eager publish, and
+    the forward's pre-hooks taking every group that step() left in flight (else the row fails)."""
+    import tempfile
+
+    def rel(a: list[float], b: list[float]) -> float:
+        x, y = torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64)
+        return float((x - y).norm() / y.norm().clamp_min(1e-12))
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        path = [tmp]
+        dist.broadcast_object_list(path, src=0)
+        eager = test_overlap_param_gather._run(rank, world, "eager", path[0])
+        overlap = test_overlap_param_gather._run(rank, world, "overlap", path[0])
+        for key, e in eager.items():
+            o = overlap[key]
+            n = o["groups"]
+            hooks_waited = (o["in_flight_after_step"] == [n] * test_overlap_param_gather.STEPS
+                            and o["forward_waits"] == [{"forward": n, "other": 0}] and not o["pending_seen_by_modules"])
+            w_err = max(rel(o[what][k], e[what][k]) for what in ("block_state_dict", "state_dict", "gathered", "saved") for k in e[what])
+            rows.append({"case": f"{key}, {n} groups", "loss_err": rel(o["losses"] + [o["next_forward"]],
+                                                                         e["losses"] + [e["next_forward"]]),
+                         "w_err": w_err if hooks_waited else float("inf")})
+        dist.barrier()
+    return rows
+
+
 def main() -> int:
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
-    rows = [("stages 0-2", r) for r in test_parity._run_grid(rank, world, test_parity.CASES)]
-    rows += [("stage 3", r) for r in test_stage3._grid(rank, world, test_stage3.CASES)]
-    rows += [("resume", r) for r in _resume(rank, world)]
-    rows += [("compile (inductor)", r) for r in _compiled(rank, world)]
-    rows += [("DeepSpeed API", r) for r in _ds_api(rank, world)]
-    rows += [("offload", r) for r in _offload(rank, world)]
-    rows += [("tensor parallel", r) for r in _tensor_parallel(rank, world)]
+    suites = {
+        "stages 0-2": lambda: test_parity._run_grid(rank, world, test_parity.CASES),
+        "stage 3": lambda: test_stage3._grid(rank, world, test_stage3.CASES),
+        "resume": lambda: _resume(rank, world),
+        "compile (inductor)": lambda: _compiled(rank, world),
+        "DeepSpeed API": lambda: _ds_api(rank, world),
+        "offload": lambda: _offload(rank, world),
+        "tensor parallel": lambda: _tensor_parallel(rank, world),
+        "overlap_param_gather": lambda: _overlap(rank, world),
+    }
+    only = sys.argv[sys.argv.index("--only") + 1].split(",") if "--only" in sys.argv[:-1] else list(suites)
+    unknown = [name for name in only if name not in suites]
+    if unknown:
+        raise SystemExit(f"--only {unknown[0]!r}: not a suite; choose from {', '.join(suites)}")
+    rows = [(name, r) for name in only for r in suites[name]()]
     worst = torch.tensor([max(r["loss_err"], r["w_err"]) for _, r in rows], device="cuda")
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     failed = 0

@@ -232,6 +232,7 @@ class PipelineEngine(ZeroEngine):
         """Every stage's weights in one Hugging Face folder (every rank calls this; global rank 0 writes)."""
         from hf_zero.pipe.consolidated import save_pretrained
 
+        self.wait_params()
         return save_pretrained(self, save_directory, max_shard_size=max_shard_size, dtype=dtype)
 
     def save_16bit_model(self, save_dir: str, save_filename: str = "model.safetensors",

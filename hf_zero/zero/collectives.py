@@ -62,14 +62,18 @@ def reduce_scatter_(
 
 
 def all_gather_(
-    out: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup | None, world_size: int
-) -> None:
-    """Concatenate every rank's ``shard`` into ``out``; ``shard`` may be this rank's chunk of ``out``."""
+    out: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup | None, world_size: int,
+    async_op: bool = False,
+) -> dist.Work | None:
+    """Concatenate every rank's ``shard`` into ``out``; ``shard`` may be this rank's chunk of ``out``.
+
+    ``async_op``: return the collective's work handle instead of waiting (None when there was nothing to wait for).
+    """
     if world_size == 1:
         if out.data_ptr() != shard.data_ptr():
             out.copy_(shard)
-        return
-    _all_gather(out, shard, group=group)
+        return None
+    return _all_gather(out, shard, group=group, async_op=async_op)
 
 
 def broadcast_(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None, world_size: int) -> None:

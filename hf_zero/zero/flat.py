@@ -17,6 +17,8 @@ the gradient norm.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from hf_zero.zero import collectives as C
@@ -65,11 +67,13 @@ class FlatGroup(ShardGroup):
         self.grad_flat: torch.Tensor | None = None
         self._grad_views: dict[int, torch.Tensor] = {}  # id(slot) -> its view of grad_flat, made with the buffer
         self.direct = False  # this backward leaves gradients where autograd puts them (begin_backward)
+        self._pending: torch.cuda.Event | Any = None  # a deferred publish's event or work handle (publish_master)
 
     # ----------------------------------------------------------------- views
 
     def write_back_param(self, slot: ParamSlot) -> None:
         """A parameter was edited in place (identically on every rank): refresh its fp32 master slice."""
+        self.wait()
         if not self.mixed:
             return  # the master is a view of the parameters
         a, b = max(slot.offset, self.shard_lo), min(slot.offset + slot.numel, self.shard_hi)
@@ -178,14 +182,49 @@ class FlatGroup(ShardGroup):
 
     # ------------------------------------------------------------ parameters
 
-    def publish_master(self, stream: torch.cuda.Stream | None) -> None:
-        """After the optimizer step: write the updated shard into the parameters everywhere."""
+    def publish_master(self, stream: torch.cuda.Stream | None, defer: bool = False) -> None:
+        """After the optimizer step: write the updated shard into the parameters everywhere.
+
+        ``defer``: leave the all-gather in flight. On CUDA the caller then does not wait for
+        ``stream``; the group records an event after its gather instead. On CPU (``stream`` None)
+        the gather is started with ``async_op`` and its work handle kept. Either way
+        :meth:`wait` is what makes the parameters usable (``hf_zero/zero/overlap.py`` says who
+        calls it and when).
+        """
+        self.wait()  # a gather still in flight from the last publish writes the same buffer
+        work = None
         with C.on_stream(stream):
             shard = self.param_flat[self.shard_lo : self.shard_hi]
             if self.mixed:
                 shard.copy_(self.master)
             if self.partitioned:
-                C.all_gather_(self.param_flat, shard, self.group, self.world_size)
+                work = C.all_gather_(self.param_flat, shard, self.group, self.world_size,
+                                     async_op=defer and stream is None)
+        if defer and stream is not None:
+            event = torch.cuda.Event()
+            event.record(stream)
+            self._pending = event
+        elif work is not None:
+            self._pending = work
+
+    @property
+    def publish_pending(self) -> bool:
+        """A deferred publish is still to be waited for before the parameters are read."""
+        return self._pending is not None
+
+    def wait(self) -> None:
+        """Make the parameters usable on the current stream after a deferred publish (else a no-op).
+
+        CUDA: the current stream waits for the gather's event (no host sync); CPU: the gather's
+        work handle is waited for.
+        """
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        if isinstance(pending, torch.cuda.Event):
+            torch.cuda.current_stream(self.device).wait_event(pending)
+        else:
+            pending.wait()
 
     def held_tensors(self) -> dict[str, list[torch.Tensor | None]]:
         """The flat parameters; the gradient buffer, the reduced shard and autograd's own gradients of a direct backward."""

@@ -66,6 +66,8 @@ class GatheredParameters:
                 self._was_sharded.append(g.state is ShardState.SHARDED)
                 g.gather(None)
                 g.wait()
+            elif getattr(p, "hf_zero_flat", None) is not None:
+                p.hf_zero_flat.wait()  # a step with overlap_param_gather may have left its all-gather in flight
             elif is_presharded(p) and id(p) not in seen:
                 seen.add(id(p))
                 self._presharded.append(p)

@@ -43,6 +43,7 @@ from hf_zero.zero.offload import (
     state_bytes_per_element,
     use_host_kernels,
 )
+from hf_zero.zero.overlap import DeferredPublish
 from hf_zero.zero.preshard import materialize_
 from hf_zero.zero.stage3 import ShardedParamGroup, Stage3Runtime, Unit, find_units, input_embedding_unit
 
@@ -166,13 +167,17 @@ class ShardedOptimizer:
         offload_pin: bool | None = None,
         master_dtype: torch.dtype = torch.float32,
         param_offload_pin: bool | None = None,
+        overlap_param_gather: bool = False,
     ) -> None:
         """``offload_pin``: None keeps masters and optimizer state on ``device``; a bool moves them to host memory
         (ZeRO-Offload, :mod:`hf_zero.zero.offload`), pinned when True and CUDA is present. ``master_dtype``:
         fp32, or bf16 for bf16 masters (the optimizer's state then follows them into bf16). ``param_offload_pin``
         (stage 3's ``offload_param``): None keeps parameter shards on ``device``; a bool keeps the 16-bit shards
         the gathers read in host memory (frozen groups always; trainable ones when the optimizer is offloaded
-        too, since otherwise their fp32 master is the shard and the optimizer steps it on the device)."""
+        too, since otherwise their fp32 master is the shard and the optimizer steps it on the device).
+        ``overlap_param_gather``: at stages 0-2 without offload, the step returns with the parameters' all-gathers in
+        flight and the next forward waits for each group where it first reads it (:mod:`hf_zero.zero.overlap`);
+        ignored elsewhere (offloaded groups and stage 3 publish as before)."""
         self.optimizer = optimizer
         self.offload_pin = offload_pin
         self.param_offload_pin = param_offload_pin if stage == 3 else None
@@ -233,6 +238,9 @@ class ShardedOptimizer:
                 self._bucket_of[id(s.param)] = (i, s)
                 self._hooks.append(s.param.register_post_accumulate_grad_hook(self._on_grad_ready))
         self._arrived = [0] * len(self.flat_groups)  # gradients of this backward, per bucket
+        self.overlap: DeferredPublish | None = None
+        if overlap_param_gather and stage <= 2 and offload_pin is None and self.flat_groups:
+            self.overlap = DeferredPublish(module, self.flat_groups)
         self._sync = False
         self._next_launch = 0
         self.reduced = False
@@ -292,6 +300,14 @@ class ShardedOptimizer:
         """The fp32 tensors the optimizer steps, one per trainable group."""
         return (g.master for g in self.groups if g.master is not None)
 
+    def wait_params(self) -> None:
+        """Make every parameter usable on the current stream: wait for the gathers a deferred publish left in flight.
+
+        A no-op unless ``overlap_param_gather`` is on and a step has published since the last wait.
+        """
+        if self.overlap is not None:
+            self.overlap.wait_all()
+
     def release_inference(self) -> None:
         """Stage 3: release what no-grad forwards (evaluation, ``generate``) left gathered."""
         if self.runtime is not None:
@@ -319,6 +335,8 @@ class ShardedOptimizer:
         until a synced backward has reduced them too. ``final``: this backward ends the step's
         accumulation (offloaded groups then start copying each reduced shard to the host at once).
         """
+        if self.overlap is not None:  # a backward with no forward since the step (retain_graph) reads the weights
+            self.overlap.wait_all()
         self._sync = sync
         if self.offload_pin is not None:
             for g in self.groups:
@@ -383,10 +401,18 @@ class ShardedOptimizer:
         """
         clock = time.perf_counter
         t0 = clock()
+        if self.overlap is not None:  # a step with no forward since the last: its gathers still write the buffers
+            self.overlap.wait_all()
         for g in self.groups:
             g.before_step()
         if self.offload_pin is None:
             self.optimizer.step()
+            if self.overlap is not None:
+                # No wait here: each group is waited for where it is first read (hf_zero/zero/overlap.py).
+                for g in self.overlap.order:
+                    g.publish_master(self.comm_stream, defer=True)
+                self.overlap.armed()
+                return
             for g in self.groups:
                 g.publish_master(self.comm_stream)
             C.wait_for(self.comm_stream)
