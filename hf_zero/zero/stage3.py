@@ -235,6 +235,16 @@ def input_embedding_unit(
     return name, emb
 
 
+def _recomputing() -> bool:
+    """Whether a module hook runs inside autograd's backward: the forward of a checkpoint being recomputed.
+
+    Both kinds of ``torch.utils.checkpoint`` recompute from within backward (reentrant: in the
+    checkpoint's backward node; non-reentrant: when backward unpacks the first saved tensor), and
+    nothing else runs a module's forward there. ``torch.utils.checkpoint`` itself asks the same question.
+    """
+    return torch._C._current_graph_task_id() != -1
+
+
 def _tensors_requiring_grad(obj: object) -> list[torch.Tensor]:
     if torch.is_tensor(obj):
         return [obj] if obj.requires_grad else []
@@ -301,6 +311,9 @@ class Stage3Runtime:
         self._ahead: dict[bool, tuple[list[Unit], dict[int, int]]] = {}  # _set_order's, by reverse
         self._recording: list[Unit] = []
         self.in_backward: set[int] = set()
+        # Whether the root's forward now running is one that backward will follow (grad mode on when it began):
+        # a unit that then runs without grad is inside a reentrant checkpoint, not an inference forward.
+        self.grad_forward = False
         self.inference_gathered = False
         # False for a model that only ever runs forward (a reference model): each unit is resharded after
         # its forward as in training, since no training forward would ever release what inference kept.
@@ -333,13 +346,15 @@ class Stage3Runtime:
 
     def _root_pre(self, module: torch.nn.Module, args: tuple) -> None:
         self._recording = []
-        if torch.is_grad_enabled():
+        self.grad_forward = torch.is_grad_enabled()
+        if self.grad_forward:
             self.release_inference()
         if self.root_unit is not None:
             self.root_unit.gather(None)
             self.root_unit.wait()
 
     def _root_post(self, module: torch.nn.Module, args: tuple, output: object) -> None:
+        self.grad_forward = False
         if self._recording and (not self.order or len(self._recording) != len(self.order)):
             self._set_order(list(self._recording))
         if self.root_unit is None:
@@ -394,6 +409,14 @@ class Stage3Runtime:
 
     def _make_pre(self, unit: Unit):
         def pre(module: torch.nn.Module, args: tuple) -> None:
+            if _recomputing():
+                # A checkpoint that wraps the unit's __call__ (transformers up to 5.17's gradient checkpointing,
+                # torch.utils.checkpoint(layer, ...) in model code) runs these hooks again in backward. This is
+                # that unit's backward, not a forward: gather it for backward and prefetch in backward order.
+                # Prefetching in forward order here would re-gather the units whose backward is already done,
+                # and nothing would release them before the end of backward.
+                self._pre_backward(unit)
+                return
             unit.gather(None)
             unit.wait()
             self._recording.append(unit)
@@ -403,7 +426,11 @@ class Stage3Runtime:
 
     def _make_post(self, unit: Unit):
         def post(module: torch.nn.Module, args: tuple, output: object) -> None:
-            if not torch.is_grad_enabled() and self.keep_gathered_for_inference:
+            if _recomputing():
+                # The recomputation's backward is about to use these parameters; the unit is released
+                # when its gradients are reduced (_reduce), as in a backward without checkpointing.
+                return
+            if not torch.is_grad_enabled() and self.keep_gathered_for_inference and not self.grad_forward:
                 # Inference (evaluation, generate): keep the unit gathered, so that decoding a thousand
                 # tokens is one gather per unit rather than a thousand, and so that ranks generating
                 # different lengths need no collective in lock-step. Released by the next training forward.
