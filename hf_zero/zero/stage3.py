@@ -257,6 +257,26 @@ def _tensors_requiring_grad(obj: object) -> list[torch.Tensor]:
     return []
 
 
+class _InputsDone(torch.autograd.Function):
+    """The identity on a unit's input tensors; its backward runs once the gradients of all of them are computed.
+
+    It is a node of its own, between the unit and whatever produced its inputs, so it runs as soon as the
+    unit's backward is done, before the hooks of the unit that produced them (which gather that unit and
+    prefetch the next): the release comes before the next gathers, as without frozen parameters. The
+    outputs are detached aliases, not views, so the unit may still modify its inputs in place.
+    """
+
+    @staticmethod
+    def forward(ctx, runtime: Stage3Runtime, unit: Unit, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:  # noqa: ANN001
+        ctx.runtime, ctx.unit = runtime, unit
+        return tuple(t.detach() for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:  # noqa: ANN001
+        ctx.runtime._inputs_done(ctx.unit)
+        return (None, None, *grads)
+
+
 class Unit:
     """A module whose sharded parameter groups are gathered and released together."""
 
@@ -265,6 +285,12 @@ class Unit:
         self.trainable_count = sum(len(g.slots) for g in groups if g.trainable)
         self.numel = sum(g.numel for g in groups)
         self.ready = 0
+        # Frozen groups (a LoRA base layer, frozen norms) are released once the unit's backward is done: its
+        # trainable gradients are reduced (`reduced`) and the gradients of its inputs computed (`pending`: the
+        # calls of the unit whose inputs' gradients are still to come, see Stage3Runtime._watch_inputs).
+        self.has_frozen = any(not g.trainable for g in groups)
+        self.pending = 0
+        self.reduced = False
 
     def gather(self, stream: torch.cuda.Stream | None) -> None:
         for g in self.groups:
@@ -322,7 +348,7 @@ class Stage3Runtime:
         self._unit_of: dict[int, Unit] = {}  # trainable parameter -> its unit
         self.handles = []
         for u in self.units:
-            self.handles.append(u.module.register_forward_pre_hook(self._make_pre(u)))
+            self.handles.append(u.module.register_forward_pre_hook(self._make_pre(u), with_kwargs=True))
             self.handles.append(u.module.register_forward_hook(self._make_post(u)))
         self.handles.append(root.register_forward_pre_hook(self._root_pre))
         self.handles.append(root.register_forward_hook(self._root_post))
@@ -407,8 +433,41 @@ class Stage3Runtime:
                 live += nxt.numel
             ahead += nxt.numel
 
+    def _watch_inputs(self, unit: Unit, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        """Release the unit's frozen groups once its inputs' gradients are computed (and its own are reduced).
+
+        A frozen parameter is read in backward only to compute the gradient of something upstream: an
+        input of the unit, or one of the unit's trainable parameters. When both gradients are there, no
+        op of the unit is left to run. The trainable gradients alone are not enough: under LoRA the
+        adapters' gradients are ready before the base layer has used its frozen weight for the gradient
+        of its input. The unit's input tensors that require grad go through :class:`_InputsDone`;
+        returns the new ``(args, kwargs)``, or None to leave them. A unit without frozen groups needs
+        none of this (_reduce releases it whole); one whose input requiring grad sits inside a
+        container (not replaced here) keeps its frozen groups to the end of backward, as before.
+        """
+        if not unit.has_frozen or not torch.is_grad_enabled():
+            return None
+        at = [i for i, a in enumerate(args) if torch.is_tensor(a) and a.requires_grad]
+        keys = [k for k, v in kwargs.items() if torch.is_tensor(v) and v.requires_grad]
+        if len(at) + len(keys) != len(_tensors_requiring_grad((args, kwargs))):
+            unit.pending += 1  # never counted down: held until finish_backward
+            return None
+        if not at and not keys:
+            return None  # no input gradient to wait for: the unit's own gradients end its backward
+        outs = _InputsDone.apply(self, unit, *(args[i] for i in at), *(kwargs[k] for k in keys))
+        unit.pending += 1
+        new_args = list(args)
+        for i, t in zip(at, outs):
+            new_args[i] = t
+        return tuple(new_args), {**kwargs, **dict(zip(keys, outs[len(at):]))}
+
+    def _inputs_done(self, unit: Unit) -> None:
+        unit.pending -= 1
+        if unit.pending == 0 and (unit.reduced or unit.trainable_count == 0):
+            unit.reshard()
+
     def _make_pre(self, unit: Unit):
-        def pre(module: torch.nn.Module, args: tuple) -> None:
+        def pre(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
             if _recomputing():
                 # A checkpoint that wraps the unit's __call__ (transformers up to 5.17's gradient checkpointing,
                 # torch.utils.checkpoint(layer, ...) in model code) runs these hooks again in backward. This is
@@ -416,11 +475,15 @@ class Stage3Runtime:
                 # Prefetching in forward order here would re-gather the units whose backward is already done,
                 # and nothing would release them before the end of backward.
                 self._pre_backward(unit)
-                return
+                # A reentrant checkpoint's forward ran without grad, so nothing watches the inputs yet: its
+                # backward goes through this recomputation, watch them here. A non-reentrant one's forward
+                # watched them already (the recomputed graph is never backpropagated).
+                return self._watch_inputs(unit, args, kwargs) if unit.pending == 0 else None
             unit.gather(None)
             unit.wait()
             self._recording.append(unit)
             self._prefetch_after(unit, reverse=False)
+            return self._watch_inputs(unit, args, kwargs)
 
         return pre
 
@@ -465,7 +528,9 @@ class Stage3Runtime:
             if g.trainable:
                 g.reduce_grads(self.reduce_stream, self.limit)
         unit.ready = 0
-        unit.reshard(trainable_only=True)
+        unit.reduced = True
+        # frozen groups stay while an op of the unit may still read them to compute an input's gradient
+        unit.reshard(trainable_only=unit.pending > 0)
         self.in_backward.discard(unit.index)
 
     def finish_backward(self) -> None:
@@ -474,6 +539,7 @@ class Stage3Runtime:
             if u.index in self.in_backward or any(g.has_grads() for g in u.groups):
                 self._reduce(u)
             u.reshard()
+            u.pending, u.reduced = 0, False
         if self.root_unit is not None:
             if any(g.has_grads() for g in self.root_unit.groups):
                 self._reduce(self.root_unit)
