@@ -74,10 +74,12 @@ def _checkpoint_calls(model: torch.nn.Module, reentrant: bool) -> None:
 
 def _count_gathered(runtime: object) -> tuple[list[str], dict[str, int]]:
     """Record, after every gather (a unit's own and the prefetches all go through ``Unit.gather``), the most
-    units gathered at once in the phase named by ``phase[0]``."""
-    phase, most = ["forward"], {"forward": 0, "backward": 0}
+    units gathered at once in the phase named by ``phase[0]``, and how often backward gathered the input embedding."""
+    phase, most = ["forward"], {"forward": 0, "backward": 0, "embedding_in_backward": 0}
     for u in runtime.units:
-        def gather_and_count(stream: object, _gather: Callable = u.gather) -> None:
+        def gather_and_count(stream: object, _gather: Callable = u.gather, _unit: object = u) -> None:
+            if phase[0] == "backward" and _unit.name.endswith("embed_tokens") and not _unit.gathered:
+                most["embedding_in_backward"] += 1
             _gather(stream)
             most[phase[0]] = max(most[phase[0]], sum(v.gathered for v in runtime.units))
 
@@ -136,12 +138,16 @@ def test_units_are_released_after_their_backward_with_checkpointing_and_lora() -
     backward was done, and nothing released them before the end of backward, so every layer was gathered
     at the end (1.8 GiB of a 1.1B Llama in bf16). A reentrant checkpoint's forward runs without grad, and the
     units were kept gathered as in inference, every layer by the end of forward. Under LoRA, a layer's frozen
-    parameters (the base weights) were released only at the end of backward, all layers of them by then.
+    parameters (the base weights) were released only at the end of backward, all layers of them by then,
+    and backward's prefetch gathered the frozen input embedding, which no backward uses.
     """
     pytest.importorskip("peft")
     r = spawn(_units_gathered, 2)[0]
     off = r["off"]
     assert off["units"] == 7 and off["forward"] <= 2 and off["backward"] <= 2, off  # 6 layers + the input embedding
+    # a frozen input embedding (LoRA) has no backward: gathering it there only held it to the end of backward
+    assert r["lora-off"]["embedding_in_backward"] == 0, r["lora-off"]
+    assert off["embedding_in_backward"] == 2, off  # trainable: once per step
     for case, got in r.items():
         assert got["forward"] <= off["forward"] and got["backward"] <= off["backward"], (case, got, off)
         same = r["lora-off" if case.startswith("lora") else "off"]["losses"]

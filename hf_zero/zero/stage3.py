@@ -291,6 +291,9 @@ class Unit:
         self.has_frozen = any(not g.trainable for g in groups)
         self.pending = 0
         self.reduced = False
+        # False when the unit's last training forward gave no output that requires grad (a frozen input
+        # embedding under LoRA): no backward comes to it, so backward's prefetch passes it by.
+        self.needs_backward = True
 
     def gather(self, stream: torch.cuda.Stream | None) -> None:
         for g in self.groups:
@@ -422,6 +425,8 @@ class Stage3Runtime:
         ahead = 0
         for j in range(i + 1, len(order)):
             nxt = order[j]
+            if reverse and not nxt.needs_backward:
+                continue  # it would stay gathered, unused, until the end of backward
             if ahead > 0 and ahead + nxt.numel > self.prefetch_numel:
                 break
             if not nxt.gathered:
@@ -500,9 +505,11 @@ class Stage3Runtime:
                 self.inference_gathered = True
                 return
             if not torch.is_grad_enabled():
+                unit.needs_backward = True  # a reentrant checkpoint's forward: its recomputation has a backward
                 unit.reshard()
                 return
             tensors = _tensors_requiring_grad(output)
+            unit.needs_backward = bool(tensors)
             if tensors:
                 torch.autograd.graph.register_multi_grad_hook(tensors, lambda _g: self._pre_backward(unit), mode="any")
             unit.reshard()
