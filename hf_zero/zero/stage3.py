@@ -16,6 +16,12 @@ Life of a unit in one training step::
             --first output gradient (multi-grad hook)--> GATHERED
             --every parameter's gradient accumulated--> reduce-scatter, SHARDED
 
+A unit with frozen parameters (a LoRA layer's base weights) is SHARDED in backward only once its
+inputs' gradients are computed as well: until then an op of the unit may still read a frozen
+weight to compute an input's gradient (:meth:`Stage3Runtime._watch_inputs`). Under activation
+checkpointing that wraps a unit's ``__call__``, the hooks run again in backward for the
+recomputation; there they gather the unit for its backward (:func:`_recomputing`), not for a forward.
+
 While unit i runs, the all-gathers of the units after it are already in flight on a side stream
 (prefetch in forward order, then in reverse order during backward), as many as the
 ``stage3_prefetch_bucket_size`` budget holds (:meth:`Stage3Runtime._prefetch_after`). Gradients are reduce-scattered as soon
