@@ -51,6 +51,9 @@ class ShardedParamGroup(ShardGroup):
 
     partitioned = True
     resident = False
+    # A frozen group whose shard is the whole of its parameters may make them views of that shard (a subclass
+    # that moves the shard elsewhere, to host memory, must not).
+    alias_whole_shard = True
 
     def __init__(self, named_params: list[tuple[str, torch.nn.Parameter]], place: Placement, *, trainable: bool) -> None:
         super().__init__(named_params, place, parts=place.world_size)
@@ -73,12 +76,19 @@ class ShardedParamGroup(ShardGroup):
         # bytes. Every view of it — the parameters, and the views autograd saved in forward
         # (a linear layer saves ``weight.t()``) — shares that storage, so a resharded unit really
         # releases its memory, and the next all-gather refills the same storage in place.
-        self.full = torch.empty(self.padded_numel, dtype=compute_dtype, device=device)
+        # At world size 1 a frozen group's shard is all of its parameters, already in the compute dtype on
+        # the device: the parameters are views of the shard itself, and gathering or releasing the group
+        # moves and frees nothing. A gather would copy it into a second buffer of the same size: on one
+        # GPU, two layers and the LM head of an 8B LoRA's base weights at once, 1.8 GiB for nothing.
+        self.aliased = (self.alias_whole_shard and self.param_shard is not None and self.world_size == 1
+                        and self.padded_numel == self.numel)
+        self.full = self.param_shard if self.aliased else torch.empty(self.padded_numel, dtype=compute_dtype, device=device)
         self._nbytes = self.full.untyped_storage().nbytes()
         for s in self.slots:  # views are made while the storage has its size, then it is emptied
             s.param.data = self.full[s.offset : s.offset + s.numel].view(s.shape)
             s.param.hf_zero_group = self  # lets GatheredParameters find a parameter's shards
-        self.full.untyped_storage().resize_(0)
+        if not self.aliased:
+            self.full.untyped_storage().resize_(0)
         self.state = ShardState.SHARDED
         self._event: torch.cuda.Event | None = None
 
@@ -93,6 +103,9 @@ class ShardedParamGroup(ShardGroup):
     def gather(self, stream: torch.cuda.Stream | None) -> None:
         """Issue the all-gather of the full parameters (on ``stream`` when on GPU)."""
         if self.state is not ShardState.SHARDED:
+            return
+        if self.aliased:
+            self.state = ShardState.GATHERED
             return
         with C.on_stream(stream):
             self.full.untyped_storage().resize_(self._nbytes)
@@ -136,7 +149,8 @@ class ShardedParamGroup(ShardGroup):
             return
         if self.state is ShardState.GATHERING:
             self.wait()
-        self.full.untyped_storage().resize_(0)
+        if not self.aliased:
+            self.full.untyped_storage().resize_(0)
         self.state = ShardState.SHARDED
 
     # ------------------------------------------------------------- grads
