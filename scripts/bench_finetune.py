@@ -30,7 +30,8 @@ Figures (per GPU): steady throughput, the median of the intervals between consec
 ``--warmup`` steps, timed by a TrainerCallback that synchronises the device at step ends only (so the host's own
 work between steps, data loading and logging included, is counted); whole ``train()`` throughput (engine
 construction and warm-up included); peak ``torch.cuda.max_memory_allocated`` since the model was built, max over
-ranks; the loss logged at the first and the last step (``logging_steps=1``, for every engine alike); the
+ranks (each engine's JSON line splits it: ``peak_forward_gib`` inside forwards, ``peak_backward_gib`` from a
+forward's end to the next forward, the optimizer step included, ``at_forward_end_gib`` allocated when backward starts); the loss logged at the first and the last step (``logging_steps=1``, for every engine alike); the
 launch's exit status. ``vs best peer`` divides an hf row by the best DeepSpeed/FSDP2 row. The script exits 1 if
 any engine failed, after printing its table.
 
@@ -202,6 +203,25 @@ def worker(args: argparse.Namespace) -> None:
             kw["fsdp"] = "full_shard auto_wrap"
             kw["fsdp_config"] = {"fsdp_version": 2, "transformer_layer_cls_to_wrap": [layer],
                                  "reshard_after_forward": True}
+    # Where the peak is: the peak since the last reset is folded into the phase that just ended, at every forward's
+    # start and end; the phases tile the run, so their max is the whole run's peak, as without the resets.
+    phases = {"setup": 0.0, "forward": 0.0, "backward": 0.0}  # "backward": a forward's end to the next one's start
+    at_forward_end = [0.0]
+    now = ["setup"]
+
+    def fold(next_phase: str) -> None:
+        if cuda:
+            phases[now[0]] = max(phases[now[0]], torch.cuda.max_memory_allocated() / 2**30)
+            torch.cuda.reset_peak_memory_stats()
+        now[0] = next_phase
+
+    def forward_end(*_: Any) -> None:
+        fold("backward")
+        if cuda:
+            at_forward_end[0] = max(at_forward_end[0], torch.cuda.memory_allocated() / 2**30)
+
+    model.register_forward_pre_hook(lambda *_: fold("forward"))
+    model.register_forward_hook(forward_end)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     trainer = Trainer(model=model, args=Arguments(**kw), train_dataset=Tokens(), callbacks=[Clock()])
@@ -212,16 +232,19 @@ def worker(args: argparse.Namespace) -> None:
         raise SystemExit(f"{engine}: the Trainer ran {len(ends)} optimizer steps, not {total}; check --batch/--accum")
     steps = [b - a for a, b in zip(ends[args.warmup - 1:], ends[args.warmup:])] if args.warmup >= 1 else []
     step = statistics.median(steps) if steps else float("nan")
-    peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
+    fold("backward")
+    mem = [max(phases.values()), phases["forward"], phases["backward"], at_forward_end[0]] if cuda else [float("nan")] * 4
     if dist.is_initialized() and cuda:
-        t = torch.tensor(peak, device="cuda")
+        t = torch.tensor(mem, device="cuda")
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        peak = float(t)
+        mem = t.tolist()
+    peak = mem[0]
     per_step = args.batch * args.accum * (args.seq if is_llama(args.model) else 1)
     if rank == 0:
         print("RESULT " + json.dumps({
             "engine": engine, "world": world, "steady_per_s": per_step / step, "whole_per_s": per_step * total / whole,
-            "step_s": step, "train_s": whole, "peak_gib": peak, "steps": len(ends),
+            "step_s": step, "train_s": whole, "peak_gib": peak, "steps": len(ends), "peak_forward_gib": mem[1],
+            "peak_backward_gib": mem[2], "at_forward_end_gib": mem[3],
             "loss_first": losses[0] if losses else float("nan"), "loss_last": losses[-1] if losses else float("nan"),
         }), flush=True)
     if dist.is_initialized():  # end the group before exit: gloo ranks leaving FSDP2's group alive abort at teardown

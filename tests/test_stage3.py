@@ -194,3 +194,60 @@ def test_an_untied_input_embedding_is_released_between_its_forward_and_its_backw
         assert tied["units"] == ["model.layers.0", "model.layers.1"], tied
         assert tied["forward_end"] >= tied["full"] and tied["backward_start"] >= tied["full"], tied
         assert tied["after_step"] == 0, tied
+
+
+def _lora_world1(rank: int, world: int) -> dict:
+    """A LoRA Llama on one rank: where its frozen weights live while they are used, and the losses, with stage 3
+    and without hf_zero (torch's AdamW over the same peft model)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import hf_zero
+
+    def build() -> torch.nn.Module:
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ))
+        return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM"))
+
+    ids = _data(MICRO)[0]
+    out: dict = {"plain": [], "stage3": [], "shared": []}
+    model = build()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, eps=EPS)
+    for _ in range(STEPS):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        out["plain"].append(loss.item())
+
+    model = build()
+    engine, _, _, _ = hf_zero.initialize(model=model, config={
+        "train_micro_batch_size_per_gpu": MICRO, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "eps": EPS}},
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}, "steps_per_print": 1000})
+    base = model.base_model.model
+    watched = [base.lm_head, base.model.embed_tokens, base.model.layers[1].mlp.down_proj.base_layer]
+
+    def at_use(m: torch.nn.Module, *_: object) -> None:
+        shard = m.weight.hf_zero_group.param_shard
+        out["shared"].append(m.weight.untyped_storage().data_ptr() == shard.untyped_storage().data_ptr())
+
+    for m in watched:
+        m.register_forward_pre_hook(at_use)
+    for _ in range(STEPS):
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+        out["stage3"].append(loss.item())
+    return out
+
+
+def test_frozen_weights_on_one_rank_are_used_where_they_are_stored() -> None:
+    """On one rank a frozen group's shard is the whole of its parameters: they are views of it, not copies
+    gathered into a second buffer of the same size (the LM head, the embedding and each layer's base weights of
+    a LoRA model), and the numbers do not change."""
+    pytest.importorskip("peft")
+    r = spawn(_lora_world1, 1)[0]
+    assert r["shared"] and all(r["shared"]), r["shared"]
+    for a, b in zip(r["stage3"], r["plain"]):
+        assert abs(a - b) / b < 1e-5, (r["stage3"], r["plain"])

@@ -195,6 +195,7 @@ class _HostParamShard(ShardedParamGroup):
 
     shard_on_host = False
     shard_pin = False
+    alias_whole_shard = False  # the shard moves to host memory: the parameters cannot be views of it
 
     def _move_param_shard_to_host(self, pin: bool) -> None:
         assert self.param_shard is not None

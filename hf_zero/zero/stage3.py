@@ -16,6 +16,12 @@ Life of a unit in one training step::
             --first output gradient (multi-grad hook)--> GATHERED
             --every parameter's gradient accumulated--> reduce-scatter, SHARDED
 
+A unit with frozen parameters (a LoRA layer's base weights) is SHARDED in backward only once its
+inputs' gradients are computed as well: until then an op of the unit may still read a frozen
+weight to compute an input's gradient (:meth:`Stage3Runtime._watch_inputs`). Under activation
+checkpointing that wraps a unit's ``__call__``, the hooks run again in backward for the
+recomputation; there they gather the unit for its backward (:func:`_recomputing`), not for a forward.
+
 While unit i runs, the all-gathers of the units after it are already in flight on a side stream
 (prefetch in forward order, then in reverse order during backward), as many as the
 ``stage3_prefetch_bucket_size`` budget holds (:meth:`Stage3Runtime._prefetch_after`). Gradients are reduce-scattered as soon
@@ -45,6 +51,9 @@ class ShardedParamGroup(ShardGroup):
 
     partitioned = True
     resident = False
+    # A frozen group whose shard is the whole of its parameters may make them views of that shard (a subclass
+    # that moves the shard elsewhere, to host memory, must not).
+    alias_whole_shard = True
 
     def __init__(self, named_params: list[tuple[str, torch.nn.Parameter]], place: Placement, *, trainable: bool) -> None:
         super().__init__(named_params, place, parts=place.world_size)
@@ -67,12 +76,19 @@ class ShardedParamGroup(ShardGroup):
         # bytes. Every view of it — the parameters, and the views autograd saved in forward
         # (a linear layer saves ``weight.t()``) — shares that storage, so a resharded unit really
         # releases its memory, and the next all-gather refills the same storage in place.
-        self.full = torch.empty(self.padded_numel, dtype=compute_dtype, device=device)
+        # At world size 1 a frozen group's shard is all of its parameters, already in the compute dtype on
+        # the device: the parameters are views of the shard itself, and gathering or releasing the group
+        # moves and frees nothing. A gather would copy it into a second buffer of the same size: on one
+        # GPU, two layers and the LM head of an 8B LoRA's base weights at once, 1.8 GiB for nothing.
+        self.aliased = (self.alias_whole_shard and self.param_shard is not None and self.world_size == 1
+                        and self.padded_numel == self.numel)
+        self.full = self.param_shard if self.aliased else torch.empty(self.padded_numel, dtype=compute_dtype, device=device)
         self._nbytes = self.full.untyped_storage().nbytes()
         for s in self.slots:  # views are made while the storage has its size, then it is emptied
             s.param.data = self.full[s.offset : s.offset + s.numel].view(s.shape)
             s.param.hf_zero_group = self  # lets GatheredParameters find a parameter's shards
-        self.full.untyped_storage().resize_(0)
+        if not self.aliased:
+            self.full.untyped_storage().resize_(0)
         self.state = ShardState.SHARDED
         self._event: torch.cuda.Event | None = None
 
@@ -87,6 +103,9 @@ class ShardedParamGroup(ShardGroup):
     def gather(self, stream: torch.cuda.Stream | None) -> None:
         """Issue the all-gather of the full parameters (on ``stream`` when on GPU)."""
         if self.state is not ShardState.SHARDED:
+            return
+        if self.aliased:
+            self.state = ShardState.GATHERED
             return
         with C.on_stream(stream):
             self.full.untyped_storage().resize_(self._nbytes)
@@ -130,7 +149,8 @@ class ShardedParamGroup(ShardGroup):
             return
         if self.state is ShardState.GATHERING:
             self.wait()
-        self.full.untyped_storage().resize_(0)
+        if not self.aliased:
+            self.full.untyped_storage().resize_(0)
         self.state = ShardState.SHARDED
 
     # ------------------------------------------------------------- grads
@@ -235,6 +255,16 @@ def input_embedding_unit(
     return name, emb
 
 
+def _recomputing() -> bool:
+    """Whether a module hook runs inside autograd's backward: the forward of a checkpoint being recomputed.
+
+    Both kinds of ``torch.utils.checkpoint`` recompute from within backward (reentrant: in the
+    checkpoint's backward node; non-reentrant: when backward unpacks the first saved tensor), and
+    nothing else runs a module's forward there. ``torch.utils.checkpoint`` itself asks the same question.
+    """
+    return torch._C._current_graph_task_id() != -1
+
+
 def _tensors_requiring_grad(obj: object) -> list[torch.Tensor]:
     if torch.is_tensor(obj):
         return [obj] if obj.requires_grad else []
@@ -247,6 +277,26 @@ def _tensors_requiring_grad(obj: object) -> list[torch.Tensor]:
     return []
 
 
+class _InputsDone(torch.autograd.Function):
+    """The identity on a unit's input tensors; its backward runs once the gradients of all of them are computed.
+
+    It is a node of its own, between the unit and whatever produced its inputs, so it runs as soon as the
+    unit's backward is done, before the hooks of the unit that produced them (which gather that unit and
+    prefetch the next): the release comes before the next gathers, as without frozen parameters. The
+    outputs are detached aliases, not views, so the unit may still modify its inputs in place.
+    """
+
+    @staticmethod
+    def forward(ctx, runtime: Stage3Runtime, unit: Unit, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:  # noqa: ANN001
+        ctx.runtime, ctx.unit = runtime, unit
+        return tuple(t.detach() for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:  # noqa: ANN001
+        ctx.runtime._inputs_done(ctx.unit)
+        return (None, None, *grads)
+
+
 class Unit:
     """A module whose sharded parameter groups are gathered and released together."""
 
@@ -255,6 +305,15 @@ class Unit:
         self.trainable_count = sum(len(g.slots) for g in groups if g.trainable)
         self.numel = sum(g.numel for g in groups)
         self.ready = 0
+        # Frozen groups (a LoRA base layer, frozen norms) are released once the unit's backward is done: its
+        # trainable gradients are reduced (`reduced`) and the gradients of its inputs computed (`pending`: the
+        # calls of the unit whose inputs' gradients are still to come, see Stage3Runtime._watch_inputs).
+        self.has_frozen = any(not g.trainable for g in groups)
+        self.pending = 0
+        self.reduced = False
+        # False when the unit's last training forward gave no output that requires grad (a frozen input
+        # embedding under LoRA): no backward comes to it, so backward's prefetch passes it by.
+        self.needs_backward = True
 
     def gather(self, stream: torch.cuda.Stream | None) -> None:
         for g in self.groups:
@@ -301,6 +360,9 @@ class Stage3Runtime:
         self._ahead: dict[bool, tuple[list[Unit], dict[int, int]]] = {}  # _set_order's, by reverse
         self._recording: list[Unit] = []
         self.in_backward: set[int] = set()
+        # Whether the root's forward now running is one that backward will follow (grad mode on when it began):
+        # a unit that then runs without grad is inside a reentrant checkpoint, not an inference forward.
+        self.grad_forward = False
         self.inference_gathered = False
         # False for a model that only ever runs forward (a reference model): each unit is resharded after
         # its forward as in training, since no training forward would ever release what inference kept.
@@ -309,7 +371,7 @@ class Stage3Runtime:
         self._unit_of: dict[int, Unit] = {}  # trainable parameter -> its unit
         self.handles = []
         for u in self.units:
-            self.handles.append(u.module.register_forward_pre_hook(self._make_pre(u)))
+            self.handles.append(u.module.register_forward_pre_hook(self._make_pre(u), with_kwargs=True))
             self.handles.append(u.module.register_forward_hook(self._make_post(u)))
         self.handles.append(root.register_forward_pre_hook(self._root_pre))
         self.handles.append(root.register_forward_hook(self._root_post))
@@ -333,13 +395,15 @@ class Stage3Runtime:
 
     def _root_pre(self, module: torch.nn.Module, args: tuple) -> None:
         self._recording = []
-        if torch.is_grad_enabled():
+        self.grad_forward = torch.is_grad_enabled()
+        if self.grad_forward:
             self.release_inference()
         if self.root_unit is not None:
             self.root_unit.gather(None)
             self.root_unit.wait()
 
     def _root_post(self, module: torch.nn.Module, args: tuple, output: object) -> None:
+        self.grad_forward = False
         if self._recording and (not self.order or len(self._recording) != len(self.order)):
             self._set_order(list(self._recording))
         if self.root_unit is None:
@@ -381,6 +445,8 @@ class Stage3Runtime:
         ahead = 0
         for j in range(i + 1, len(order)):
             nxt = order[j]
+            if reverse and not nxt.needs_backward:
+                continue  # it would stay gathered, unused, until the end of backward
             if ahead > 0 and ahead + nxt.numel > self.prefetch_numel:
                 break
             if not nxt.gathered:
@@ -392,27 +458,78 @@ class Stage3Runtime:
                 live += nxt.numel
             ahead += nxt.numel
 
+    def _watch_inputs(self, unit: Unit, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        """Release the unit's frozen groups once its inputs' gradients are computed (and its own are reduced).
+
+        A frozen parameter is read in backward only to compute the gradient of something upstream: an
+        input of the unit, or one of the unit's trainable parameters. When both gradients are there, no
+        op of the unit is left to run. The trainable gradients alone are not enough: under LoRA the
+        adapters' gradients are ready before the base layer has used its frozen weight for the gradient
+        of its input. The unit's input tensors that require grad go through :class:`_InputsDone`;
+        returns the new ``(args, kwargs)``, or None to leave them. A unit without frozen groups needs
+        none of this (_reduce releases it whole); one whose input requiring grad sits inside a
+        container (not replaced here) keeps its frozen groups to the end of backward, as before.
+        """
+        if not unit.has_frozen or not torch.is_grad_enabled():
+            return None
+        at = [i for i, a in enumerate(args) if torch.is_tensor(a) and a.requires_grad]
+        keys = [k for k, v in kwargs.items() if torch.is_tensor(v) and v.requires_grad]
+        if len(at) + len(keys) != len(_tensors_requiring_grad((args, kwargs))):
+            unit.pending += 1  # never counted down: held until finish_backward
+            return None
+        if not at and not keys:
+            return None  # no input gradient to wait for: the unit's own gradients end its backward
+        outs = _InputsDone.apply(self, unit, *(args[i] for i in at), *(kwargs[k] for k in keys))
+        unit.pending += 1
+        new_args = list(args)
+        for i, t in zip(at, outs):
+            new_args[i] = t
+        return tuple(new_args), {**kwargs, **dict(zip(keys, outs[len(at):]))}
+
+    def _inputs_done(self, unit: Unit) -> None:
+        unit.pending -= 1
+        if unit.pending == 0 and (unit.reduced or unit.trainable_count == 0):
+            unit.reshard()
+
     def _make_pre(self, unit: Unit):
-        def pre(module: torch.nn.Module, args: tuple) -> None:
+        def pre(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+            if _recomputing():
+                # A checkpoint that wraps the unit's __call__ (transformers up to 5.17's gradient checkpointing,
+                # torch.utils.checkpoint(layer, ...) in model code) runs these hooks again in backward. This is
+                # that unit's backward, not a forward: gather it for backward and prefetch in backward order.
+                # Prefetching in forward order here would re-gather the units whose backward is already done,
+                # and nothing would release them before the end of backward.
+                self._pre_backward(unit)
+                # A reentrant checkpoint's forward ran without grad, so nothing watches the inputs yet: its
+                # backward goes through this recomputation, watch them here. A non-reentrant one's forward
+                # watched them already (the recomputed graph is never backpropagated).
+                return self._watch_inputs(unit, args, kwargs) if unit.pending == 0 else None
             unit.gather(None)
             unit.wait()
             self._recording.append(unit)
             self._prefetch_after(unit, reverse=False)
+            return self._watch_inputs(unit, args, kwargs)
 
         return pre
 
     def _make_post(self, unit: Unit):
         def post(module: torch.nn.Module, args: tuple, output: object) -> None:
-            if not torch.is_grad_enabled() and self.keep_gathered_for_inference:
+            if _recomputing():
+                # The recomputation's backward is about to use these parameters; the unit is released
+                # when its gradients are reduced (_reduce), as in a backward without checkpointing.
+                return
+            if not torch.is_grad_enabled() and self.keep_gathered_for_inference and not self.grad_forward:
                 # Inference (evaluation, generate): keep the unit gathered, so that decoding a thousand
                 # tokens is one gather per unit rather than a thousand, and so that ranks generating
                 # different lengths need no collective in lock-step. Released by the next training forward.
                 self.inference_gathered = True
                 return
             if not torch.is_grad_enabled():
+                unit.needs_backward = True  # a reentrant checkpoint's forward: its recomputation has a backward
                 unit.reshard()
                 return
             tensors = _tensors_requiring_grad(output)
+            unit.needs_backward = bool(tensors)
             if tensors:
                 torch.autograd.graph.register_multi_grad_hook(tensors, lambda _g: self._pre_backward(unit), mode="any")
             unit.reshard()
@@ -438,7 +555,9 @@ class Stage3Runtime:
             if g.trainable:
                 g.reduce_grads(self.reduce_stream, self.limit)
         unit.ready = 0
-        unit.reshard(trainable_only=True)
+        unit.reduced = True
+        # frozen groups stay while an op of the unit may still read them to compute an input's gradient
+        unit.reshard(trainable_only=unit.pending > 0)
         self.in_backward.discard(unit.index)
 
     def finish_backward(self) -> None:
@@ -447,6 +566,7 @@ class Stage3Runtime:
             if u.index in self.in_backward or any(g.has_grads() for g in u.groups):
                 self._reduce(u)
             u.reshard()
+            u.pending, u.reduced = 0, False
         if self.root_unit is not None:
             if any(g.has_grads() for g in self.root_unit.groups):
                 self._reduce(self.root_unit)
