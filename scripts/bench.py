@@ -326,6 +326,11 @@ def memory_peak(name: str, step: Callable, ids: torch.Tensor, top: int = 14) -> 
         return
     trace = snap["device_traces"][torch.cuda.current_device()]
     held, in_step = peak_breakdown(trace, before)
+    print_peak(name, held, in_step, top)
+
+
+def print_peak(name: str, held: int, in_step: dict[str, int], top: int = 14) -> None:
+    """``[memory] NAME:`` lines: the step's peak as held-from-before + allocated-in-it, then the latter by site."""
     gib = 2**30
     print(f"[memory] {name}: step peak {(held + sum(in_step.values())) / gib:.2f} GiB = {held / gib:.2f} GiB held from "
           f"before the step + {sum(in_step.values()) / gib:.2f} GiB allocated in it, by where:", flush=True)
@@ -333,34 +338,67 @@ def memory_peak(name: str, step: Callable, ids: torch.Tensor, top: int = 14) -> 
         print(f"[memory] {name}:   {b / gib:7.3f} GiB  {w}", flush=True)
 
 
-def peak_breakdown(trace: list[dict], before: int) -> tuple[int, dict[str, int]]:
-    """Replay allocator events: (bytes from before the step still held at the peak, live bytes by where)."""
-    mine = ("hf_zero/", "transformers/", "torch/distributed/", "bench.py")
+# where a block was allocated: the innermost frame in one of these (paths as Python reports them), else the innermost
+SITES = ("hf_zero/", "transformers/", "torch/distributed/", "bench.py")
 
-    def where(frames: list[dict]) -> str:
-        for f in frames:
-            if any(m in f["filename"] for m in mine):
-                return f"{f['filename'].split('site-packages/')[-1].split('/work/')[-1]}:{f['line']} {f['name']}"
-        return f"{frames[0]['filename'].rsplit('/', 1)[-1]}:{frames[0]['line']} {frames[0]['name']}" if frames else "?"
 
-    live: dict[int, tuple[int, str]] = {}
-    old_freed = cur = peak = peak_old_freed = 0  # old_freed: bytes from before the step that it freed
-    at_peak: dict[int, tuple[int, str]] = {}
-    for e in trace:
+def alloc_site(frames: list[dict], sites: tuple[str, ...] = SITES) -> str:
+    """``file:line function`` of the innermost frame whose path contains one of ``sites`` (the path from that
+    marker on, so two installs print the same), else of the innermost frame; blocks allocated where no Python
+    frame was on the stack (autograd's backward kernels run on its own thread) share one line."""
+    for f in frames:
+        for m in sites:
+            at = f["filename"].find(m)
+            if at >= 0:
+                path = f["filename"][at:] if m.endswith("/") else f["filename"].rsplit("/", 1)[-1]
+                return f"{path}:{f['line']} {f['name']}"
+    if frames:
+        return f"{frames[0]['filename'].rsplit('/', 1)[-1]}:{frames[0]['line']} {frames[0]['name']}"
+    return "(no Python frame: e.g. autograd's backward kernels)"
+
+
+def replay_peak(trace: list[dict], sites: tuple[str, ...] = SITES,
+                held: dict[int, tuple[int, str]] | None = None) -> tuple[int, dict[str, int], dict[str, int]]:
+    """Replay allocator events in order to the highest point of (bytes allocated in the trace - bytes from
+    before it that it freed): (bytes from before freed by then, live bytes allocated in the trace by site,
+    and, where ``held`` maps the address of each block live before the trace to (size, site), the bytes of
+    those still live at that point by site)."""
+    # first pass: where the peak is (sizes only); second: who is live there (sites, computed for those alone)
+    sizes: dict[int, int] = {}
+    old_freed = cur = peak = peak_at = peak_old_freed = 0  # old_freed: bytes from before the trace that it freed
+    for i, e in enumerate(trace):
         if e["action"] == "alloc":
-            live[e["addr"]] = (e["size"], where(e.get("frames", [])))
+            sizes[e["addr"]] = e["size"]
             cur += e["size"]
             if cur - old_freed > peak:
-                peak, peak_old_freed, at_peak = cur - old_freed, old_freed, dict(live)
+                peak, peak_at, peak_old_freed = cur - old_freed, i + 1, old_freed
         elif e["action"] == "free_completed":
-            if e["addr"] in live:
-                cur -= live.pop(e["addr"])[0]
+            if e["addr"] in sizes:
+                cur -= sizes.pop(e["addr"])
             else:
                 old_freed += e["size"]
-    sums: dict[str, int] = {}
-    for size, w in at_peak.values():
-        sums[w] = sums.get(w, 0) + size
-    return before - peak_old_freed, sums
+    live: dict[int, dict] = {}
+    old = dict(held or {})
+    for e in trace[:peak_at]:
+        if e["action"] == "alloc":
+            live[e["addr"]] = e
+        elif e["action"] == "free_completed" and live.pop(e["addr"], None) is None:
+            old.pop(e["addr"], None)
+    at_peak = {a: (e["size"], alloc_site(e.get("frames", []), sites)) for a, e in live.items()}
+
+    def by_site(blocks: dict[int, tuple[int, str]]) -> dict[str, int]:
+        sums: dict[str, int] = {}
+        for size, w in blocks.values():
+            sums[w] = sums.get(w, 0) + size
+        return sums
+
+    return peak_old_freed, by_site(at_peak), by_site(old) if held is not None else {}
+
+
+def peak_breakdown(trace: list[dict], before: int, sites: tuple[str, ...] = SITES) -> tuple[int, dict[str, int]]:
+    """Replay allocator events: (bytes from before the step still held at the peak, live bytes by where)."""
+    old_freed, in_step, _ = replay_peak(trace, sites)
+    return before - old_freed, in_step
 
 
 def profile_steps(name: str, step: Callable, batch: Callable, trace_dir: str, n: int = 2) -> None:
