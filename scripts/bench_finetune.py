@@ -43,6 +43,17 @@ are "not run" rows), so several calls fit one device command, e.g. on one H200 (
     $B --model 8b --lora --engines hf3,ds3 --budget 140
     $B --model 1.1b --grad-ckpt --engines hf3,ds3,fsdp2,hf2,ds2,ddp --budget 160
 
+``--memory-peak`` (CUDA only; on CPU one line says it is ignored) runs one more step after the timed ones under
+the CUDA allocator's history and has rank 0 print ``[memory] ENGINE:`` lines: that step's peak as the bytes held
+from before it plus the bytes allocated in it, the latter by allocation site (the innermost frame in hf_zero,
+DeepSpeed, transformers, torch.distributed, Accelerate, peft or this script: ``MEMORY_SITES``), then what it held
+from before (a snapshot at its start; stacks are kept for live blocks from before the model is built), by site,
+as still live at the peak. The recorded step is left out of both throughputs, but the others ran with allocation
+stacks kept, so such a call is for memory, not for the tables:
+
+    python3 scripts/bench_finetune.py --gpus 1 --steps 4 --warmup 3 --model 1.1b --grad-ckpt --engines hf3,fsdp2 \
+        --memory-peak --budget 200
+
 ``--modes`` keeps the older measurement: ``scripts/finetune.py`` (the main job, hf_zero's Trainer with
 ``configs/<mode>.json`` or ``ddp``) under ``accelerate launch``, with accuracy before and after.
 """
@@ -63,6 +74,9 @@ import tempfile
 import time
 from typing import Any
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench import alloc_site, print_peak, replay_peak  # noqa: E402
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 LLAMA_SHAPES = {
@@ -79,6 +93,10 @@ ENGINES = ("hf1", "hf2", "hf3", "ds2", "ds3", "fsdp2", "ddp")
 ENGINE_NAMES = {"hf1": "hf_zero ZeRO-1", "hf2": "hf_zero ZeRO-2", "hf3": "hf_zero ZeRO-3",
                 "ds2": "Trainer + DeepSpeed ZeRO-2", "ds3": "Trainer + DeepSpeed ZeRO-3",
                 "fsdp2": "Trainer + FSDP2", "ddp": "Trainer (DDP)"}
+# --memory-peak: a block's site is its innermost frame in one of these (the engines, the libraries they drive, this script)
+MEMORY_SITES = ("hf_zero/", "deepspeed/", "transformers/", "torch/distributed/", "accelerate/", "peft/",
+                "bench_finetune.py")
+MEMORY_MAX_ENTRIES = 2_000_000  # allocator events kept for the recorded step (a ring: more would drop its start)
 # the table's data rows, for whoever parses them (tests/test_bench_finetune.py)
 ROW = re.compile(r"^\| (?P<engine>\w+) \| (?P<status>\S+) \| (?P<steady>[\d,.]+|-) \| (?P<whole>[\d,.]+|-) \| "
                  r"(?P<step>[\d.]+|-) \| (?P<peak>[\d.]+|-) \| (?P<peer>[\d.]+×|) \| (?P<ddp>[\d.]+×|) \| "
@@ -105,6 +123,35 @@ def zero_json(stage: int) -> dict:
 # ---------------------------------------------------------------------------------------------------------------
 # the worker: one Trainer script, run by torchrun once per engine
 # ---------------------------------------------------------------------------------------------------------------
+
+def held_by_address(snapshot: dict, device: int, sites: tuple[str, ...] = MEMORY_SITES) -> dict[int, tuple[int, str]]:
+    """The blocks live in a ``torch.cuda.memory._snapshot()`` on ``device``: address -> (size, site).
+
+    Taken at a step's start, this is what the step inherits (weights, optimizer state, buffers an engine keeps
+    across steps); its sites come from the frames the allocator kept for each block, which is why recording of
+    live blocks' stacks starts before the model is built. A block still in use by another stream counts as live,
+    as ``memory_allocated`` counts it."""
+    blocks: dict[int, tuple[int, str]] = {}
+    for seg in snapshot.get("segments", []):
+        if seg.get("device", device) != device:
+            continue
+        for b in seg.get("blocks", []):
+            if b["state"] != "inactive":
+                blocks[b["address"]] = (b["size"], alloc_site(b.get("frames", []), sites))
+    return blocks
+
+
+def print_held(name: str, at_start: dict[int, tuple[int, str]], at_peak: dict[str, int], allocated: int,
+               top: int = 14) -> None:
+    """``[memory] NAME:`` lines for what the step inherited: its total at the start (beside ``memory_allocated``,
+    a check that the snapshot saw every block), then the part still live at the step's peak, by site."""
+    gib = 2**30
+    print(f"[memory] {name}: held from before the step: {sum(s for s, _ in at_start.values()) / gib:.3f} GiB live at "
+          f"its start in {len(at_start)} blocks (memory_allocated {allocated / gib:.3f} GiB), "
+          f"{sum(at_peak.values()) / gib:.3f} GiB of it still live at the peak, by where:", flush=True)
+    for w, b in sorted(at_peak.items(), key=lambda kv: -kv[1])[:top]:
+        print(f"[memory] {name}:   {b / gib:7.3f} GiB  {w}", flush=True)
+
 
 def build_model(args: argparse.Namespace, cuda: bool) -> tuple[Any, int, str]:
     """The model (same seed on every rank), its vocabulary size and the layer class FSDP2 wraps."""
@@ -154,8 +201,14 @@ def worker(args: argparse.Namespace) -> None:
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     engine = args.engine
+    if args.memory_peak and not cuda:
+        print("--memory-peak needs CUDA (the CUDA allocator's history): ignored on CPU", flush=True)
+        args.memory_peak = False
+    if args.memory_peak:  # every live block keeps its allocation stack from here on, so the held ones have sites
+        torch.cuda.memory._record_memory_history(enabled="state", context="state", stacks="python")
     model, vocab, layer = build_model(args, cuda)
-    total = args.warmup + args.steps
+    # --memory-peak records one more step after the timed ones, so the recording slows none of them
+    total = args.warmup + args.steps + args.memory_peak
     n = args.batch * args.accum * world * total
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, vocab, (n, args.seq), generator=g)
@@ -183,6 +236,40 @@ def worker(args: argparse.Namespace) -> None:
             if logs and "loss" in logs:
                 losses.append(float(logs["loss"]))
 
+    class MemoryPeak(TrainerCallback):
+        """The last step under the allocator's full history: what it inherited (a snapshot at its start) and
+        what it allocated (the event trace to its end), replayed to its peak by scripts/bench.py's replay."""
+
+        def __init__(self, step: int) -> None:
+            self.step, self.before, self.held, self.t0, self.spent = step, 0, {}, 0.0, 0.0
+
+        def on_step_begin(self, a, state, control, **kw):  # noqa: ANN001, ANN003, ANN201
+            if state.global_step != self.step:
+                return
+            torch.cuda.synchronize()
+            self.t0 = time.perf_counter()
+            self.before = torch.cuda.memory_allocated()
+            self.held = held_by_address(torch.cuda.memory._snapshot(), torch.cuda.current_device())
+            torch.cuda.memory._record_memory_history(enabled="all", context="alloc", stacks="python",
+                                                     max_entries=MEMORY_MAX_ENTRIES, clear_history=True)
+
+        def on_step_end(self, a, state, control, **kw):  # noqa: ANN001, ANN003, ANN201
+            if state.global_step != self.step + 1:
+                return
+            torch.cuda.synchronize()
+            snap = torch.cuda.memory._snapshot()
+            torch.cuda.memory._record_memory_history(enabled=None)
+            if rank == 0:
+                trace = snap["device_traces"][torch.cuda.current_device()]
+                if len(trace) >= MEMORY_MAX_ENTRIES:
+                    print(f"[memory] {engine}: the step made over {MEMORY_MAX_ENTRIES:,} allocator events; the "
+                          "trace lost its start, so the lines below are not the step's", flush=True)
+                old_freed, in_step, held_at_peak = replay_peak(trace, MEMORY_SITES, self.held)
+                print_peak(engine, self.before - old_freed, in_step)
+                print_held(engine, self.held, held_at_peak, self.before)
+            self.spent = time.perf_counter() - self.t0
+
+    recorder = MemoryPeak(args.warmup + args.steps) if args.memory_peak else None
     kw: dict[str, Any] = dict(
         output_dir=args.out, per_device_train_batch_size=args.batch, gradient_accumulation_steps=args.accum,
         max_steps=total, learning_rate=args.lr, weight_decay=0.0, lr_scheduler_type="constant", warmup_steps=0,
@@ -224,13 +311,18 @@ def worker(args: argparse.Namespace) -> None:
     model.register_forward_hook(forward_end)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    trainer = Trainer(model=model, args=Arguments(**kw), train_dataset=Tokens(), callbacks=[Clock()])
+    trainer = Trainer(model=model, args=Arguments(**kw), train_dataset=Tokens(),
+                      callbacks=[Clock()] + ([recorder] if recorder else []))
     t0 = time.perf_counter()
     trainer.train()
     whole = time.perf_counter() - t0
     if len(ends) != total:  # a short run would divide the wrong number of steps' work by its time
         raise SystemExit(f"{engine}: the Trainer ran {len(ends)} optimizer steps, not {total}; check --batch/--accum")
-    steps = [b - a for a, b in zip(ends[args.warmup - 1:], ends[args.warmup:])] if args.warmup >= 1 else []
+    timed = ends[:args.warmup + args.steps]  # without the step --memory-peak recorded
+    steps = [b - a for a, b in zip(timed[args.warmup - 1:], timed[args.warmup:])] if args.warmup >= 1 else []
+    if recorder:  # train() as if the recorded step (and its replay) had not run
+        whole -= recorder.spent
+        total -= 1
     step = statistics.median(steps) if steps else float("nan")
     fold("backward")
     mem = [max(phases.values()), phases["forward"], phases["backward"], at_forward_end[0]] if cuda else [float("nan")] * 4
@@ -285,6 +377,7 @@ def launch(args: argparse.Namespace, model: str, engine: str, out: str, timeout:
            "--accum", str(args.accum), "--seq", str(args.seq), "--lr", str(args.lr), "--clip", str(args.clip),
            "--out", os.path.join(out, engine)]
     cmd += ["--lora"] * args.lora + ["--grad-ckpt"] * args.grad_ckpt + ["--cpu"] * args.cpu
+    cmd += ["--memory-peak"] * args.memory_peak
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
     if args.cpu:
         env.setdefault("DS_ACCELERATOR", "cpu")
@@ -302,6 +395,9 @@ def launch(args: argparse.Namespace, model: str, engine: str, out: str, timeout:
         return {"engine": engine, "rc": "timeout", "error": f"timed out after {timeout:.0f} s"}
     finally:
         _RUNNING.remove(proc)
+    for line in stdout.splitlines():  # rank 0's --memory-peak report, which the caller greps for
+        if line.startswith("[memory] "):
+            print(line, flush=True)
     for line in stdout.splitlines():
         if line.startswith("RESULT ") and proc.returncode == 0:
             return {**json.loads(line[len("RESULT "):]), "rc": 0, "launch_s": time.perf_counter() - t0}
@@ -447,6 +543,10 @@ def main() -> int:
     ap.add_argument("--clip", type=float, default=1.0, help="max_grad_norm, the same for every engine")
     ap.add_argument("--ds-python", default=None, help="the interpreter for ds rows (default: this one)")
     ap.add_argument("--cpu", action="store_true", help="run on CPU (gloo) even where CUDA exists")
+    ap.add_argument("--memory-peak", action="store_true",
+                    help="one more step after the timed ones under the CUDA allocator's history: rank 0 prints "
+                         "'[memory] ENGINE:' lines, its peak by allocation site and what it held from before; the "
+                         "run's other timings are taken with allocation stacks kept, so use it for memory only")
     ap.add_argument("--timeout", type=int, default=900, help="seconds per engine launch")
     ap.add_argument("--budget", type=int, default=None, help="seconds for the whole call: a launch is cut to what "
                                                              "is left, and none starts with under 30 s left")
@@ -481,6 +581,9 @@ def main() -> int:
 
     signal.signal(signal.SIGTERM, _stop_launch)
     args.cpu = args.cpu or not torch.cuda.is_available()
+    if args.memory_peak and args.cpu:
+        print("--memory-peak needs CUDA (the CUDA allocator's history): ignored on CPU", flush=True)
+        args.memory_peak = False
     args.steps = args.steps or 10
     out = args.out or tempfile.mkdtemp(prefix="bench_finetune_")
     ds_why = ds_missing(args) if any(e.startswith("ds") for e in engines) else None
