@@ -49,3 +49,29 @@ def make_data(steps: int, global_batch: int, seed: int = 1) -> tuple[torch.Tenso
     ids = torch.randint(0, VOCAB, (steps, global_batch, SEQ), generator=g)
     labels = torch.randint(0, VOCAB, (steps, global_batch, SEQ), generator=g)
     return ids, labels
+
+
+def train_one_process(
+    model: torch.nn.Module, micro_batches: list[list[dict]], *, lr: float, eps: float, clip: float = 0.0
+) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The arithmetic oracle of the engine tests: plain torch AdamW in one process.
+
+    ``micro_batches[t]`` holds step ``t``'s micro-batches (model keyword arguments); each step's
+    loss is the mean of its micro-batches' losses, clipped at ``clip`` (0: no clipping). Returns
+    the per-step losses and the final weights by name.
+    """
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, eps=eps)
+    losses = []
+    for step in micro_batches:
+        total = 0.0
+        for batch in step:
+            loss = model(**batch).loss / len(step)
+            loss.backward()
+            total += loss.item()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}

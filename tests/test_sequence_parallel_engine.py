@@ -18,6 +18,7 @@ import tempfile
 import torch
 
 from tests.distributed import spawn
+from tests.models import train_one_process
 
 STEPS = 3
 MICRO = 2
@@ -59,22 +60,9 @@ def _micro(data: dict, t: int, lo: int, n: int) -> dict:
 
 def _oracle(steps: int, micro: int, per_step: int, clip: float, ragged: bool = True) -> tuple[list[float], dict]:
     """One process: each step's loss is the mean of its micro-batches' losses (transformers' token means)."""
-    model = _llama().train()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
     data = _data(steps, micro * per_step, ragged)
-    losses = []
-    for t in range(steps):
-        total = 0.0
-        for k in range(per_step):
-            loss = model(**_micro(data, t, k * micro, micro)).loss / per_step
-            loss.backward()
-            total += loss.item()
-        if clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        opt.step()
-        opt.zero_grad()
-        losses.append(total)
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+    batches = [[_micro(data, t, k * micro, micro) for k in range(per_step)] for t in range(steps)]
+    return train_one_process(_llama(), batches, lr=LR, eps=EPS, clip=clip)
 
 
 def _full_weights(engine) -> dict:

@@ -18,6 +18,7 @@ import tempfile
 import torch
 
 from tests.distributed import spawn
+from tests.models import train_one_process
 
 STEPS = 3
 MICRO = 2
@@ -47,22 +48,9 @@ def _micro(data: dict, t: int, lo: int, n: int) -> dict:
 
 
 def _oracle(steps: int, micro: int, per_step: int, clip: float) -> tuple[list[float], dict]:
-    model = _llama().train()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
     data = _data(steps, micro * per_step)
-    losses = []
-    for t in range(steps):
-        total = 0.0
-        for k in range(per_step):
-            loss = model(**_micro(data, t, k * micro, micro)).loss / per_step
-            loss.backward()
-            total += loss.item()
-        if clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        opt.step()
-        opt.zero_grad()
-        losses.append(total)
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+    batches = [[_micro(data, t, k * micro, micro) for k in range(per_step)] for t in range(steps)]
+    return train_one_process(_llama(), batches, lr=LR, eps=EPS, clip=clip)
 
 
 def _whole(engine) -> dict:
@@ -238,17 +226,7 @@ def _hf_zero_autotp(rank: int, world: int) -> dict:
     out = {}
     for case in ds.CASES:
         engine = hf_zero.initialize(model=ds.model(), config=ds.config(case))[0]
-        ids = ds.batches(case["gas"])
-        losses = []
-        for t in range(ds.STEPS):
-            total = 0.0
-            for k in range(case["gas"]):
-                loss = engine(input_ids=ids[t, k], labels=ids[t, k]).loss
-                engine.backward(loss)
-                engine.step()
-                total += loss.item() / case["gas"]
-            losses.append(total)
-        out[case["name"]] = losses
+        out[case["name"]] = ds.train(engine, case["gas"])
     return out
 
 
