@@ -152,7 +152,8 @@ def test_stage3_matches_single_process(world: int) -> None:
 
 
 def _embedding_held(rank: int, world: int) -> dict:
-    """Bytes behind the input embedding's weight while the LM head runs and when backward starts."""
+    """Bytes behind the input embedding's weight while the LM head runs and when backward starts, and behind the
+    LM head's while it runs and when the first layer's backward runs (the last of the layers' backwards)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     import hf_zero
@@ -165,7 +166,9 @@ def _embedding_held(rank: int, world: int) -> dict:
         model = LlamaForCausalLM(cfg)
         engine, _, _, _ = hf_zero.initialize(model=model, config={
             "train_micro_batch_size_per_gpu": MICRO, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
-            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}, "steps_per_print": 1000})
+            # no prefetch: backward's would gather the embedding ahead of its turn in a model this small
+            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 0},
+            "steps_per_print": 1000})
         weight = model.model.embed_tokens.weight
         seen: dict = {}
 
@@ -173,7 +176,18 @@ def _embedding_held(rank: int, world: int) -> dict:
             seen["forward_end"] = weight.untyped_storage().nbytes()
             logits.register_hook(lambda g: seen.__setitem__("backward_start", weight.untyped_storage().nbytes()))
 
+        head = model.lm_head.weight
+
+        def at_layer0(_m, _args, out, seen=seen, head=head) -> None:  # noqa: ANN001
+            h = out[0] if isinstance(out, tuple) else out
+            h.register_hook(lambda g: seen.__setitem__("head_at_layer0_backward", head.untyped_storage().nbytes()))
+
+        def head_runs(_m, _args, seen=seen, head=head) -> None:  # noqa: ANN001
+            seen["head_forward"] = head.untyped_storage().nbytes()
+
         model.lm_head.register_forward_hook(at_head)
+        model.lm_head.register_forward_pre_hook(head_runs)
+        model.model.layers[0].register_forward_hook(at_layer0)
         ids = _data(MICRO * world)[0, rank * MICRO : (rank + 1) * MICRO]
         engine.backward(engine(input_ids=ids, labels=ids).loss)
         engine.step()
@@ -184,16 +198,19 @@ def _embedding_held(rank: int, world: int) -> dict:
     return out
 
 
-def test_an_untied_input_embedding_is_released_between_its_forward_and_its_backward() -> None:
-    """Kept in the root unit it stayed gathered all step; as a unit of its own it is gathered only to run."""
+def test_untied_embeddings_are_released_when_nothing_needs_them() -> None:
+    """Kept in the root unit they stayed gathered all step; as units of their own the input embedding is gathered
+    only to run and the LM head from its forward to the end of its backward."""
     for r in spawn(_embedding_held, 2):
         untied, tied = r["untied"], r["tied"]
-        assert untied["units"] == ["model.embed_tokens", "model.layers.0", "model.layers.1"], untied
+        assert untied["units"] == ["model.embed_tokens", "model.layers.0", "model.layers.1", "lm_head"], untied
         assert untied["forward_end"] == untied["backward_start"] == untied["after_step"] == 0, untied
+        # the untied LM head is a unit too: whole while it runs, released once its own backward is done
+        assert untied["head_forward"] >= untied["full"] and untied["head_at_layer0_backward"] == 0, untied
         # tied to the LM head it must be whole whenever either runs: it stays in the root
         assert tied["units"] == ["model.layers.0", "model.layers.1"], tied
         assert tied["forward_end"] >= tied["full"] and tied["backward_start"] >= tied["full"], tied
-        assert tied["after_step"] == 0, tied
+        assert tied["head_at_layer0_backward"] >= tied["full"] and tied["after_step"] == 0, tied
 
 
 def _lora_world1(rank: int, world: int) -> dict:

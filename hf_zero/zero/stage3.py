@@ -5,10 +5,10 @@ whose parameters exist only as this rank's shard between uses), the :class:`Unit
 several of them together, and :class:`Stage3Runtime`, the module hooks that drive them.
 
 A *unit* is a transformer block (for ``transformers`` models, an instance of a class named in
-``_no_split_modules``), otherwise a top-level child; an input embedding no other module shares
-is a unit too. Whatever parameters belong to no unit form the *root* unit (final norm, LM head,
-a tied embedding), which stays gathered for the whole forward+backward of a step — that is
-also what keeps tied embeddings simple.
+``_no_split_modules``), otherwise a top-level child; an input embedding and an LM head that no
+other module shares are units too. Whatever parameters belong to no unit form the *root* unit
+(final norm, an embedding tied to the LM head), which stays gathered for the whole
+forward+backward of a step — that is also what keeps tied embeddings simple.
 
 Life of a unit in one training step::
 
@@ -226,6 +226,32 @@ def find_units(module: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     return [(n, m) for n, m in module.named_children() if any(True for _ in m.parameters())]
 
 
+def _own_unit(
+    module: torch.nn.Module, units: list[tuple[str, torch.nn.Module]], sub: object
+) -> tuple[str, torch.nn.Module] | None:
+    """``sub`` as a unit of its own: a submodule with parameters, outside every unit, whose weights nothing else uses."""
+    if not isinstance(sub, torch.nn.Module) or sub is module:
+        return None
+    name = next((n for n, m in module.named_modules() if m is sub), "")
+    if not name or any(name == u or name.startswith(u + ".") or u.startswith(name + ".") for u, _ in units):
+        return None  # not found, or already a unit (or inside one, or holding one)
+    own = {id(p) for p in sub.parameters()}
+    if not own:
+        return None
+    for n, p in module.named_parameters(remove_duplicate=False):
+        if id(p) in own and not n.startswith(name + "."):
+            return None  # tied: some other module reads this weight
+    return name, sub
+
+
+def _embeddings(module: torch.nn.Module, which: str) -> object:
+    get = getattr(module, which, None)
+    try:
+        return get() if callable(get) else None
+    except (NotImplementedError, AttributeError):
+        return None
+
+
 def input_embedding_unit(
     module: torch.nn.Module, units: list[tuple[str, torch.nn.Module]]
 ) -> tuple[str, torch.nn.Module] | None:
@@ -236,23 +262,24 @@ def input_embedding_unit(
     unit it is released in between, which takes its 16-bit size (0.3 GiB for a 13B Llama) off
     the peak at the start of backward. A weight tied to the LM head (GPT-2) stays in the root.
     """
-    get = getattr(module, "get_input_embeddings", None)
-    try:
-        emb = get() if callable(get) else None
-    except (NotImplementedError, AttributeError):
-        return None
-    if not isinstance(emb, torch.nn.Module) or emb is module:
-        return None
-    name = next((n for n, m in module.named_modules() if m is emb), "")
-    if not name or any(name == u or name.startswith(u + ".") or u.startswith(name + ".") for u, _ in units):
-        return None  # not found, or already a unit (or inside one, or holding one)
-    own = {id(p) for p in emb.parameters()}
-    if not own:
-        return None
-    for n, p in module.named_parameters(remove_duplicate=False):
-        if id(p) in own and not n.startswith(name + "."):
-            return None  # tied: some other module reads this weight
-    return name, emb
+    return _own_unit(module, units, _embeddings(module, "get_input_embeddings"))
+
+
+def output_embedding_unit(
+    module: torch.nn.Module, units: list[tuple[str, torch.nn.Module]]
+) -> tuple[str, torch.nn.Module] | None:
+    """The model's untied LM head (``get_output_embeddings()``, a ``Linear``) as a stage-3 unit of its own.
+
+    In the root unit it stayed gathered to the end of backward, though nothing reads it after its
+    own backward, the first of the step: 65.5M parameters (0.12 GiB in bf16) held through the
+    whole backward of a 1.1B Llama. As a unit it is released once its gradient is reduced (or,
+    frozen under LoRA, once its input's gradient is computed). It is kept gathered from its forward
+    to its backward (:attr:`Unit.keep_for_backward`): backward starts with it. Only a ``Linear``
+    qualifies, since the model calls it as a module (its hooks run) rather than reading its
+    weight; a head tied to the input embedding stays in the root.
+    """
+    head = _embeddings(module, "get_output_embeddings")
+    return _own_unit(module, units, head) if isinstance(head, torch.nn.Linear) else None
 
 
 def _recomputing() -> bool:
@@ -275,6 +302,11 @@ def _tensors_requiring_grad(obj: object) -> list[torch.Tensor]:
     if hasattr(obj, "to_tuple"):  # transformers ModelOutput
         return _tensors_requiring_grad(obj.to_tuple())
     return []
+
+
+def _any_trainable(module: torch.nn.Module) -> bool:
+    """Whether any parameter of ``module`` requires grad (those too small to shard count: a unit holds only the rest)."""
+    return any(p.requires_grad for p in module.parameters())
 
 
 class _InputsDone(torch.autograd.Function):
@@ -314,6 +346,11 @@ class Unit:
         # False when the unit's last training forward gave no output that requires grad (a frozen input
         # embedding under LoRA): no backward comes to it, so backward's prefetch passes it by.
         self.needs_backward = True
+        # The untied LM head (output_embedding_unit): gathered from its training forward to its backward,
+        # which follows at once, rather than released and gathered again.
+        self.keep_for_backward = False
+        # For a unit without trainable groups: whether an input of its last forward required grad.
+        self.inputs_need_grad = True
 
     def gather(self, stream: torch.cuda.Stream | None) -> None:
         for g in self.groups:
@@ -506,6 +543,8 @@ class Stage3Runtime:
                 return self._watch_inputs(unit, args, kwargs) if unit.pending == 0 else None
             unit.gather(None)
             unit.wait()
+            if unit.trainable_count == 0:
+                unit.inputs_need_grad = bool(_tensors_requiring_grad((args, kwargs)))
             self._recording.append(unit)
             self._prefetch_after(unit, reverse=False)
             return self._watch_inputs(unit, args, kwargs)
@@ -529,9 +568,17 @@ class Stage3Runtime:
                 unit.reshard()
                 return
             tensors = _tensors_requiring_grad(output)
+            if tensors and unit.trainable_count == 0 and not unit.inputs_need_grad and not _any_trainable(module):
+                # Every weight frozen and no input needing a gradient: the output requires grad only because a hook
+                # made it (transformers' enable_input_require_grads on the embedding of a LoRA model under
+                # checkpointing), and no op in backward reads the unit's weights. Gathering it there only costs an
+                # all-gather and holds it to the end of backward.
+                tensors = []
             unit.needs_backward = bool(tensors)
             if tensors:
                 torch.autograd.graph.register_multi_grad_hook(tensors, lambda _g: self._pre_backward(unit), mode="any")
+                if unit.keep_for_backward:
+                    return  # released after its backward (_reduce / _inputs_done) or, at the latest, finish_backward
             unit.reshard()
 
         return post
