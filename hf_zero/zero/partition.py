@@ -45,14 +45,7 @@ from hf_zero.zero.offload import (
 )
 from hf_zero.zero.overlap import DeferredPublish
 from hf_zero.zero.preshard import materialize_
-from hf_zero.zero.stage3 import (
-    ShardedParamGroup,
-    Stage3Runtime,
-    Unit,
-    find_units,
-    input_embedding_unit,
-    output_embedding_unit,
-)
+from hf_zero.zero.stage3 import ShardedParamGroup, Stage3Runtime, Unit, find_units, input_embedding_unit
 
 NamedParams = list[tuple[str, torch.nn.Parameter]]
 
@@ -118,23 +111,19 @@ def _trainable_by_param_group(module: torch.nn.Module, optimizer: torch.optim.Op
     return group_named
 
 
-def _assign_units(module: torch.nn.Module) -> tuple[list[tuple[str, torch.nn.Module]], dict[int, int], int]:
-    """Stage 3's units (the input embedding first and the LM head last when they are units), each parameter's
-    unit (-1: the root) and the LM head's unit (-1: none)."""
+def _assign_units(module: torch.nn.Module) -> tuple[list[tuple[str, torch.nn.Module]], dict[int, int]]:
+    """Stage 3's units (the input embedding first when it is one) and each parameter's unit (-1: the root)."""
     unit_mods = find_units(module)
     embedding = input_embedding_unit(module, unit_mods)
-    head = output_embedding_unit(module, unit_mods)
     if embedding is not None:
         unit_mods = [embedding, *unit_mods]
-    if head is not None:
-        unit_mods = [*unit_mods, head]
     unit_of: dict[int, int] = {}
     for ui, (_, m) in enumerate(unit_mods):
         for p in m.parameters():
             # A weight shared by two units (a tied embedding and LM head) must be whole whenever
             # either runs: it joins the root unit, which stays gathered for the whole step.
             unit_of[id(p)] = ui if unit_of.get(id(p), ui) == ui else -1
-    return unit_mods, unit_of, len(unit_mods) - 1 if head is not None else -1
+    return unit_mods, unit_of
 
 
 def _point_optimizer_at(optimizer: torch.optim.Optimizer, group_masters: list[list[torch.Tensor]]) -> None:
@@ -265,7 +254,7 @@ class ShardedOptimizer:
         Units are built one at a time: a model made under ``zero.Init`` arrives as per-parameter
         slices, and only the unit being laid out is gathered whole, so no rank ever holds the model.
         """
-        unit_mods, unit_of, head_index = _assign_units(module)
+        unit_mods, unit_of = _assign_units(module)
         names = dict(module.named_parameters())
         frozen = [(n, p) for n, p in names.items() if not p.requires_grad]
         units: list[Unit] = []
@@ -289,7 +278,6 @@ class ShardedOptimizer:
                     group_masters[gi].append(g.master)
             if ui >= 0:
                 units.append(Unit(ui, unit_mods[ui][0], unit_mods[ui][1], groups, is_root=False))
-                units[-1].keep_for_backward = ui == head_index
             else:
                 units.append(Unit(len(unit_mods), "<root>", module, groups, is_root=True))
         self.runtime = Stage3Runtime(

@@ -5,10 +5,13 @@ whose parameters exist only as this rank's shard between uses), the :class:`Unit
 several of them together, and :class:`Stage3Runtime`, the module hooks that drive them.
 
 A *unit* is a transformer block (for ``transformers`` models, an instance of a class named in
-``_no_split_modules``), otherwise a top-level child; an input embedding and an LM head that no
-other module shares are units too. Whatever parameters belong to no unit form the *root* unit
-(final norm, an embedding tied to the LM head), which stays gathered for the whole
-forward+backward of a step — that is also what keeps tied embeddings simple.
+``_no_split_modules``), otherwise a top-level child; an input embedding no other module shares
+is a unit too. Whatever parameters belong to no unit form the *root* unit (final norm, LM head,
+a tied embedding), which is gathered for the whole forward, since the model's own code (or a
+library's fused loss, reading ``lm_head.weight`` without calling the module) may read it
+anywhere in there, and stays gathered in backward until its trainable groups' gradients are all
+accumulated: right after the LM head's own backward, or at the end for a tied embedding. That
+is also what keeps tied embeddings simple.
 
 Life of a unit in one training step::
 
@@ -226,32 +229,6 @@ def find_units(module: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     return [(n, m) for n, m in module.named_children() if any(True for _ in m.parameters())]
 
 
-def _own_unit(
-    module: torch.nn.Module, units: list[tuple[str, torch.nn.Module]], sub: object
-) -> tuple[str, torch.nn.Module] | None:
-    """``sub`` as a unit of its own: a submodule with parameters, outside every unit, whose weights nothing else uses."""
-    if not isinstance(sub, torch.nn.Module) or sub is module:
-        return None
-    name = next((n for n, m in module.named_modules() if m is sub), "")
-    if not name or any(name == u or name.startswith(u + ".") or u.startswith(name + ".") for u, _ in units):
-        return None  # not found, or already a unit (or inside one, or holding one)
-    own = {id(p) for p in sub.parameters()}
-    if not own:
-        return None
-    for n, p in module.named_parameters(remove_duplicate=False):
-        if id(p) in own and not n.startswith(name + "."):
-            return None  # tied: some other module reads this weight
-    return name, sub
-
-
-def _embeddings(module: torch.nn.Module, which: str) -> object:
-    get = getattr(module, which, None)
-    try:
-        return get() if callable(get) else None
-    except (NotImplementedError, AttributeError):
-        return None
-
-
 def input_embedding_unit(
     module: torch.nn.Module, units: list[tuple[str, torch.nn.Module]]
 ) -> tuple[str, torch.nn.Module] | None:
@@ -262,24 +239,23 @@ def input_embedding_unit(
     unit it is released in between, which takes its 16-bit size (0.3 GiB for a 13B Llama) off
     the peak at the start of backward. A weight tied to the LM head (GPT-2) stays in the root.
     """
-    return _own_unit(module, units, _embeddings(module, "get_input_embeddings"))
-
-
-def output_embedding_unit(
-    module: torch.nn.Module, units: list[tuple[str, torch.nn.Module]]
-) -> tuple[str, torch.nn.Module] | None:
-    """The model's untied LM head (``get_output_embeddings()``, a ``Linear``) as a stage-3 unit of its own.
-
-    In the root unit it stayed gathered to the end of backward, though nothing reads it after its
-    own backward, the first of the step: 65.5M parameters (0.12 GiB in bf16) held through the
-    whole backward of a 1.1B Llama. As a unit it is released once its gradient is reduced (or,
-    frozen under LoRA, once its input's gradient is computed). It is kept gathered from its forward
-    to its backward (:attr:`Unit.keep_for_backward`): backward starts with it. Only a ``Linear``
-    qualifies, since the model calls it as a module (its hooks run) rather than reading its
-    weight; a head tied to the input embedding stays in the root.
-    """
-    head = _embeddings(module, "get_output_embeddings")
-    return _own_unit(module, units, head) if isinstance(head, torch.nn.Linear) else None
+    get = getattr(module, "get_input_embeddings", None)
+    try:
+        emb = get() if callable(get) else None
+    except (NotImplementedError, AttributeError):
+        return None
+    if not isinstance(emb, torch.nn.Module) or emb is module:
+        return None
+    name = next((n for n, m in module.named_modules() if m is emb), "")
+    if not name or any(name == u or name.startswith(u + ".") or u.startswith(name + ".") for u, _ in units):
+        return None  # not found, or already a unit (or inside one, or holding one)
+    own = {id(p) for p in emb.parameters()}
+    if not own:
+        return None
+    for n, p in module.named_parameters(remove_duplicate=False):
+        if id(p) in own and not n.startswith(name + "."):
+            return None  # tied: some other module reads this weight
+    return name, emb
 
 
 def _recomputing() -> bool:
@@ -343,12 +319,13 @@ class Unit:
         self.has_frozen = any(not g.trainable for g in groups)
         self.pending = 0
         self.reduced = False
-        # False when the unit's last training forward gave no output that requires grad (a frozen input
-        # embedding under LoRA): no backward comes to it, so backward's prefetch passes it by.
+        # False when no op in the backward of the unit's last training forward reads its weights (no output
+        # requires grad; or the weights are all frozen and no input needs a gradient; or it is a plain
+        # embedding lookup): backward neither gathers it nor prefetches it.
         self.needs_backward = True
-        # The untied LM head (output_embedding_unit): gathered from its training forward to its backward,
-        # which follows at once, rather than released and gathered again.
-        self.keep_for_backward = False
+        # A plain torch.nn.Embedding (input_embedding_unit): its weight's gradient is a scatter of the output's
+        # gradient by the token ids, and nothing upstream needs a gradient, so its backward never reads the weight.
+        self.lookup_only = type(module) is torch.nn.Embedding
         # For a unit without trainable groups: whether an input of its last forward required grad.
         self.inputs_need_grad = True
 
@@ -568,20 +545,28 @@ class Stage3Runtime:
                 unit.reshard()
                 return
             tensors = _tensors_requiring_grad(output)
-            if tensors and unit.trainable_count == 0 and not unit.inputs_need_grad and not _any_trainable(module):
-                # Every weight frozen and no input needing a gradient: the output requires grad only because a hook
-                # made it (transformers' enable_input_require_grads on the embedding of a LoRA model under
-                # checkpointing), and no op in backward reads the unit's weights. Gathering it there only costs an
-                # all-gather and holds it to the end of backward.
-                tensors = []
+            if tensors and not self._backward_reads_weights(unit):
+                tensors = []  # gathering it in backward would only cost an all-gather and hold it there
             unit.needs_backward = bool(tensors)
             if tensors:
                 torch.autograd.graph.register_multi_grad_hook(tensors, lambda _g: self._pre_backward(unit), mode="any")
-                if unit.keep_for_backward:
-                    return  # released after its backward (_reduce / _inputs_done) or, at the latest, finish_backward
             unit.reshard()
 
         return post
+
+    @staticmethod
+    def _backward_reads_weights(unit: Unit) -> bool:
+        """Whether backward through the unit's last training forward (whose output requires grad) reads its weights.
+
+        Not when it is a plain embedding lookup (its weight's gradient needs only the ids and the output's
+        gradient), nor when every weight is frozen and no input needs a gradient: the output then requires grad
+        only because a hook made it so (transformers' ``enable_input_require_grads``, on the embedding of a LoRA
+        model under checkpointing). Parameters too small to shard count too: a trainable scale times a frozen
+        weight reads the weight for the scale's gradient.
+        """
+        if unit.lookup_only:
+            return False
+        return unit.trainable_count > 0 or unit.inputs_need_grad or _any_trainable(unit.module)
 
     # ------------------------------------------------------------- backward
 
@@ -594,7 +579,7 @@ class Stage3Runtime:
     def _on_grad_ready(self, param: torch.Tensor) -> None:
         unit = self._unit_of[id(param)]
         unit.ready += 1
-        if unit.ready == unit.trainable_count and not unit.is_root:
+        if unit.ready == unit.trainable_count:
             self._reduce(unit)
 
     def _reduce(self, unit: Unit) -> None:
@@ -603,8 +588,10 @@ class Stage3Runtime:
                 g.reduce_grads(self.reduce_stream, self.limit)
         unit.ready = 0
         unit.reduced = True
-        # frozen groups stay while an op of the unit may still read them to compute an input's gradient
-        unit.reshard(trainable_only=unit.pending > 0)
+        # Frozen groups stay while an op of the unit may still read them to compute an input's gradient; the
+        # root's until the end of backward (nothing watches the inputs of the code that reads them). A trainable
+        # group can go: every op reading its weights computed their gradient too, and those are all accumulated.
+        unit.reshard(trainable_only=unit.pending > 0 or unit.is_root)
         self.in_backward.discard(unit.index)
 
     def finish_backward(self) -> None:
