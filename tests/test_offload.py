@@ -127,6 +127,41 @@ def _rel(a: list, b: list) -> float:
 CASES = [[1, 2, 0.0, False], [2, 2, 0.5, False], [3, 2, 0.5, False], [2, 1, 0.0, True], [3, 1, 0.0, True]]
 
 
+def _device_grads_on_one_rank(rank: int, world: int) -> dict:
+    """Stages 1-2 offloaded on one rank: the gradient bytes left on the device after each backward and each step."""
+    import hf_zero
+
+    out = {}
+    for stage in (1, 2):
+        for gas in (1, 2):
+            engine, *_ = hf_zero.initialize(model=_model(), config=_config(stage, True, gas, 0.5))
+            groups = engine.zero_optimizer.flat_groups
+            seen = []
+            for t in range(2):
+                for k in range(gas):
+                    engine.backward(engine(**_batch(t, k, rank)).loss)
+                    after_backward = sum(g.grad_flat.numel() for g in groups if g.grad_flat is not None)
+                    engine.step()
+                    after_step = sum(g.grad_flat.numel() for g in groups if g.grad_flat is not None)
+                    after_step += sum(p.grad.numel() for p in engine.module.parameters() if p.grad is not None)
+                    seen.append((after_backward, after_step))
+            out[f"{stage}-{gas}"] = {"seen": seen, "numel": sum(p.numel() for p in engine.module.parameters())}
+    return out
+
+
+def test_offload_on_one_rank_keeps_no_full_gradient_buffer() -> None:
+    """On one rank the offloaded stages 1-2 kept a flat 16-bit gradient buffer for the whole run (2 bytes per parameter
+    on the GPU that DeepSpeed's ZeRO-2 offload does not hold); it goes once its gradients are reduced, as on more ranks."""
+    r = spawn(_device_grads_on_one_rank, 1)[0]
+    for case, got in r.items():
+        stage, gas = (int(x) for x in case.split("-"))
+        for i, (after_backward, after_step) in enumerate(got["seen"]):
+            if stage == 2 or (i + 1) % gas == 0:  # stage 1 accumulates full gradients until the step's last backward
+                assert after_backward == after_step == 0, (case, got)
+            else:
+                assert after_backward == got["numel"], (case, got)
+
+
 @pytest.mark.parametrize("world", [2, 3])
 def test_offloaded_optimizer_trains_like_the_device_one_and_resumes_across_settings(world: int) -> None:
     cases = CASES if world == 2 else CASES[1:3]
