@@ -12,6 +12,7 @@ the parser refuses.
 
 from __future__ import annotations
 
+import math
 import re
 import tempfile
 
@@ -231,8 +232,68 @@ def test_offload_that_does_not_fit_the_host_stops_every_rank_before_allocating()
         shard = sum((p.numel() + 1) // 2 for p in _model().parameters())
         assert r["error"].startswith(f"HostMemoryError: offload needs {2 * shard * 16 / 2**10:.1f} KiB of host "
                                      "memory on "), r["error"]
-        assert "but 1.0 KiB is available (MemAvailable)" in r["error"] and "\n" not in r["error"]
+        assert "but 1.0 KiB is available (MemAvailable, of which 5% and 2 GiB per rank stay free" in r["error"]
+        assert "\n" not in r["error"]
     assert results[0]["error"] == results[1]["error"]
+
+
+def _streamed_gradients(rank: int, world: int) -> dict:
+    """Host memory one byte short of a gradient copy per group: the step streams the gradients from the device through
+    two shared buffers instead, to the same numbers; far shorter, every rank stops with one sentence."""
+    import logging
+
+    import hf_zero
+    from hf_zero.estimate import offload_host_bytes
+    from hf_zero.zero import offload
+
+    real = offload.available_host_bytes
+    shard = sum((p.numel() + world - 1) // world for p in _model().parameters())
+    needed = world * offload_host_bytes(shard, 8)  # every rank of this machine: fp32 master, gradient copy, moments
+    # MemAvailable at which the plan with a gradient copy misses by one byte (the plan keeps a reserve free)
+    short = math.floor((needed - 1 + world * offload.HOST_RESERVE_PER_RANK) / (1 - offload.HOST_RESERVE_FRACTION))
+    said: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("hf_zero").addHandler(handler)
+    out: dict = {}
+    for stage in (2, 3):
+        runs = {}
+        for mode, available in (("copy", real), ("streamed", lambda: short)):
+            offload.available_host_bytes = available
+            engine, *_ = hf_zero.initialize(model=_model(), config=_config(stage, True, 2, 0.5))
+            losses = _train(engine, range(STEPS), 2, rank)
+            groups = [g for g in engine.zero_optimizer.groups if g.trainable]
+            runs[mode] = {"losses": losses, "weights": _weights(engine), "streamed": engine.zero_optimizer.stream_grads,
+                          "host_grads": sum(g._host_grad is not None for g in groups), "groups": len(groups),
+                          "buffers": len(engine.zero_optimizer._grad_stream_bufs)}
+        out[str(stage)] = runs
+    offload.available_host_bytes = lambda: short - needed // 2
+    try:
+        hf_zero.initialize(model=_model(), config=_config(3, True, 2, 0.5))
+        out["short"] = None
+    except MemoryError as e:
+        out["short"] = f"{type(e).__name__}: {e}"
+    offload.available_host_bytes = real
+    out["said"] = [m for m in said if "streams it to the host" in m]
+    return out
+
+
+def test_offload_streams_the_gradients_when_the_host_cannot_hold_a_copy() -> None:
+    """An 8B full fine-tune on one H200 needs 96 GiB of masters and Adam moments in host memory, and a fp32 gradient copy
+    would add 32 GiB: past the machine's 125 GiB. Without it the gradients wait on the GPU and stream through two
+    buffers; the numbers are those of the copy per group, bit for bit."""
+    results = spawn(_streamed_gradients, 2)
+    for rank, r in enumerate(results):
+        for stage in (2, 3):
+            copy, streamed = r[str(stage)]["copy"], r[str(stage)]["streamed"]
+            assert not copy["streamed"] and copy["host_grads"] == copy["groups"] and copy["buffers"] == 0, (stage, copy)
+            assert streamed["streamed"] and streamed["host_grads"] == 0 and streamed["buffers"] == 2, (stage, streamed)
+            assert streamed["losses"] == copy["losses"], (stage, streamed["losses"], copy["losses"])
+            assert streamed["weights"] == copy["weights"], stage
+        assert r["short"] is not None and r["short"].startswith("HostMemoryError: offload needs "), r["short"]
+        assert "with the gradients streamed from the GPU, but" in r["short"] and "\n" not in r["short"], r["short"]
+        assert len(r["said"]) == (2 if rank == 0 else 0), r["said"]  # once per engine, by rank 0
+    assert results[0]["short"] == results[1]["short"]
 
 
 # ------------------------------------------------------------------ parameter offload (stage 3's offload_param)

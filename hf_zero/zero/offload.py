@@ -21,6 +21,14 @@ master moved to the host. Per step:
    1-2: this rank's range of ``param_flat``, then the all-gather; stage 3: the 16-bit shard the next
    all-gather reads; DeepSpeed keeps that shard on the GPU too).
 
+When the host cannot hold the gradient copy beside the masters and the optimizer state (4 of each rank's
+16 bytes per element with Adam; an 8B full fine-tune on one 125 GiB host is that case),
+:func:`check_host_memory` says so before anything is allocated and every rank takes the *streamed* mode
+instead: step 2's copy is skipped, the fp32 shards wait on the device (4/N bytes per parameter more GPU
+memory) and the step copies them to the host one group at a time through two shared pinned buffers, the
+next group's copy running while the CPU steps the current one
+(:meth:`hf_zero.zero.partition.ShardedOptimizer.step_and_publish`). Same numbers, bit for bit.
+
 GPU bytes per parameter at stage 2: without offload 2 (16-bit weights) + 4/N (fp32 gradient shard) +
 (4 + 8)/N (master, moments); with offload 2 + 4/N, the masters, moments and a gradient copy (16/N) in
 host memory. Stage 3's ``offload_param`` keeps the 16-bit shards the all-gathers read in host memory as
@@ -69,6 +77,9 @@ class _HostMaster(ShardGroup):
     """The master (and so the optimizer state) of a trainable group in host memory; the reduced gradient on the device."""
 
     pin: bool
+    # Set by the optimizer when the host cannot hold a gradient copy per group (see ShardedOptimizer.step_and_publish):
+    # the reduced shard then stays on the device until the step, which streams it through two shared host buffers.
+    stream_grads = False
 
     def _move_master_to_host(self, pin: bool) -> None:
         assert self.master is not None
@@ -119,7 +130,7 @@ class _HostMaster(ShardGroup):
     def _copy_after_reduce(self, stream: torch.cuda.Stream | None) -> None:
         """The last backward of the step reduced this group: start its device-to-host copy on the same stream,
         so it runs while backward goes on (pinned memory makes it asynchronous)."""
-        if not self.copy_after_reduce or self._device_grad is None:
+        if not self.copy_after_reduce or self.stream_grads or self._device_grad is None:
             return
         host, grad = self._host_grad_buffer(), self._device_grad
         with C.on_stream(stream):
@@ -155,8 +166,8 @@ class _HostMaster(ShardGroup):
     def before_step(self) -> None:
         """The reduced gradient shard as the host master's ``.grad`` (None when there is none this step)."""
         assert self.master is not None
-        if self._device_grad is None and self._released is None:
-            self.master.grad = None
+        if self.stream_grads or (self._device_grad is None and self._released is None):
+            self.master.grad = None  # streamed: the step hands each group its gradient in a shared buffer
             return
         if self._in_flight is not None:
             self._wait_for_host_copy()
@@ -283,36 +294,61 @@ def available_host_bytes() -> int:
     raise OSError("/proc/meminfo has no MemAvailable line")
 
 
-def check_host_memory(needed: int, group: dist.ProcessGroup | None) -> None:
+# What a plan may not use of a machine's MemAvailable: a share of it and a little per rank, for what the processes
+# hold beyond the planned buffers (the interpreter, libraries, the CUDA context, the data). An 8B full fine-tune on one
+# H200 planned 128.5 of 131.5 GB and peaked at 130.6 GB of resident memory with 2 GB left: the margin was luck.
+HOST_RESERVE_FRACTION = 0.05
+HOST_RESERVE_PER_RANK = 2 * 2**30
+
+
+def check_host_memory(needed: int, group: dist.ProcessGroup | None, streamed: int | None = None) -> bool:
     """Before any host buffer exists: the ranks of each machine add up what they will pin, and every rank
     stops with the same sentence when that exceeds the machine's available memory.
 
     ``needed`` is this rank's bytes, :func:`hf_zero.estimate.offload_host_bytes` of its shards (the figure
-    ``hf-zero estimate`` prints as host bytes per rank). The ranks exchange (host id, bytes, available
-    bytes) with one all-gather of integers over ``group``.
+    ``hf-zero estimate`` prints as host bytes per rank). ``streamed``, when given, is the same with the
+    gradients streamed through two shared buffers instead of a host copy per group: when ``needed`` does not
+    fit but that does, the answer is True (stream), and every rank gets the same answer. A plan may use
+    MemAvailable less :data:`HOST_RESERVE_FRACTION` of it and :data:`HOST_RESERVE_PER_RANK` per rank of the
+    machine. The ranks exchange
+    (host id, bytes, streamed bytes, available bytes) with one all-gather of integers over ``group``.
     """
     try:
         available = available_host_bytes()
     except OSError:
-        return  # not Linux: nothing to plan with
+        return False  # not Linux: nothing to plan with
     host = zlib.crc32(socket.gethostname().encode())
-    mine = torch.tensor([host, needed, available], dtype=torch.int64)
+    mine = torch.tensor([host, needed, needed if streamed is None else streamed, available], dtype=torch.int64)
     world = dist.get_world_size(group) if dist.is_initialized() else 1
     rows = [mine]
     if world > 1:
         device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
-        out = [torch.empty(3, dtype=torch.int64, device=device) for _ in range(world)]
+        out = [torch.empty(4, dtype=torch.int64, device=device) for _ in range(world)]
         dist.all_gather(out, mine.to(device), group=group)
         rows = [r.cpu() for r in out]
+
+    def usable(h: int) -> int:  # of machine h's MemAvailable, what its ranks' buffers may take
+        ranks = [r for r in rows if int(r[0]) == h]
+        return int(min(int(r[3]) for r in ranks) * (1 - HOST_RESERVE_FRACTION)) - HOST_RESERVE_PER_RANK * len(ranks)
+
+    def fits(column: int) -> bool:  # every machine's ranks together
+        return all(sum(int(r[column]) for r in rows if int(r[0]) == h) <= usable(h) for h in {int(r[0]) for r in rows})
+
+    if fits(1):
+        return False
+    if streamed is not None and fits(2):
+        return True
     same_host = [r for r in rows if int(r[0]) == host]
     total = sum(int(r[1]) for r in same_host)
-    if total > available:
-        raise HostMemoryError(
-            f"offload needs {_size(total)} of host memory on {socket.gethostname()} "
-            f"({len(same_host)} rank(s) x masters, optimizer state and a gradient copy, and offloaded parameter shards) "
-            f"but {_size(available)} is available (MemAvailable); use fewer ranks per machine, a higher ZeRO stage or "
-            "more machines, or turn offload_optimizer / offload_param off"
-        )
+    least = sum(int(r[2]) for r in same_host)
+    also = f", {_size(least)} with the gradients streamed from the GPU," if streamed is not None else ""
+    raise HostMemoryError(
+        f"offload needs {_size(total)} of host memory on {socket.gethostname()} "
+        f"({len(same_host)} rank(s) x masters, optimizer state and a gradient copy, and offloaded parameter shards){also} "
+        f"but {_size(available)} is available (MemAvailable, of which 5% and 2 GiB per rank stay free for the processes "
+        f"themselves); use fewer ranks per machine, a higher ZeRO stage or "
+        "more machines, or turn offload_optimizer / offload_param off"
+    )
 
 
 def _size(n: int) -> str:

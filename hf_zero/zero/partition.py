@@ -22,6 +22,7 @@ whose gradients are complete waits until every earlier bucket has been launched.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections import defaultdict
@@ -40,6 +41,7 @@ from hf_zero.zero.offload import (
     OffloadedFrozenGroup,
     OffloadedShardedParamGroup,
     check_host_memory,
+    host_buffer,
     state_bytes_per_element,
     use_host_kernels,
 )
@@ -48,6 +50,7 @@ from hf_zero.zero.preshard import materialize_
 from hf_zero.zero.stage3 import ShardedParamGroup, Stage3Runtime, Unit, find_units, input_embedding_unit
 
 NamedParams = list[tuple[str, torch.nn.Parameter]]
+logger = logging.getLogger("hf_zero")
 
 
 def _buckets(named: NamedParams, bucket_numel: int) -> list[NamedParams]:
@@ -124,6 +127,26 @@ def _assign_units(module: torch.nn.Module) -> tuple[list[tuple[str, torch.nn.Mod
             # either runs: it joins the root unit, which stays gathered for the whole step.
             unit_of[id(p)] = ui if unit_of.get(id(p), ui) == ui else -1
     return unit_mods, unit_of
+
+
+def _largest_group_bound(module: torch.nn.Module, group_named: list[NamedParams], stage: int, bucket_numel: int,
+                         world: int) -> int:
+    """An upper bound, in elements, on the largest trainable shard group this rank will hold (before they exist).
+
+    Stage 3 groups a unit's parameters (per optimizer param group), stages 1-2 buckets of about ``bucket_numel``
+    elements that hold at least one parameter; each rank holds ``1/world`` of either.
+    """
+    trainable = {id(p) for named in group_named for _, p in named}
+    if stage == 3:
+        unit_mods, unit_of = _assign_units(module)
+        per_unit: dict[int, int] = defaultdict(int)
+        for p in module.parameters():
+            if id(p) in trainable:
+                per_unit[unit_of.get(id(p), -1)] += p.numel()
+        biggest = max(per_unit.values(), default=0)
+    else:
+        biggest = max([bucket_numel, *(p.numel() for named in group_named for _, p in named)])
+    return math.ceil(biggest / world)
 
 
 def _point_optimizer_at(optimizer: torch.optim.Optimizer, group_masters: list[list[torch.Tensor]]) -> None:
@@ -204,10 +227,18 @@ class ShardedOptimizer:
 
             frozen = [(n, p) for n, p in module.named_parameters() if not p.requires_grad]
             params = self.param_offload_pin is not None
-            check_host_memory(offload_host_bytes(
-                sum(shard_of(named) for named in group_named), state_bytes_per_element(optimizer),
-                optimizer=offload_pin is not None, param_bytes=compute_dtype.itemsize if params else 0,
-                frozen_numel=shard_of(frozen) if params else 0), group)
+            trainable = sum(shard_of(named) for named in group_named)
+            needed = offload_host_bytes(trainable, state_bytes_per_element(optimizer), optimizer=offload_pin is not None,
+                                        param_bytes=compute_dtype.itemsize if params else 0,
+                                        frozen_numel=shard_of(frozen) if params else 0)
+            streamed = None
+            if offload_pin is not None:  # no gradient copy per group: two buffers of the largest group instead
+                largest = _largest_group_bound(module, group_named, stage, bucket_numel, self.place.world_size)
+                streamed = needed - 4 * trainable + 2 * 4 * min(largest, trainable)
+            self.stream_grads = check_host_memory(needed, group, streamed)
+        else:
+            self.stream_grads = False
+        self._grad_stream_bufs: list[torch.Tensor] = []  # the two shared host buffers of a streamed step
         group_masters: list[list[torch.Tensor]] = [[] for _ in group_named]
         if stage == 3:
             self._build_stage3(module, group_named, group_masters, persistence_threshold, prefetch_numel, max_live_numel)
@@ -229,6 +260,14 @@ class ShardedOptimizer:
         _point_optimizer_at(optimizer, group_masters)
         if offload_pin is not None:
             use_host_kernels(optimizer)
+            for g in self.groups:
+                if g.trainable:
+                    g.stream_grads = self.stream_grads
+            if self.stream_grads and self.rank == 0:
+                logger.warning(
+                    "offload: host memory cannot hold a copy of every gradient beside the masters and optimizer state; "
+                    "each rank keeps its fp32 gradient shard on the GPU until the step (4 bytes per parameter / %d) and "
+                    "the step streams it to the host group by group through two shared buffers", self.world_size)
 
         self._group_of: dict[int, ShardGroup] = {id(s.param): g for g in self.groups for s in g.slots}
         self._bucket_of: dict[int, tuple[int, ParamSlot]] = {}  # parameter -> (bucket index, its slot)
@@ -418,6 +457,17 @@ class ShardedOptimizer:
             C.wait_for(self.comm_stream)
             return
         t1 = clock()
+        if self.stream_grads:
+            cpu = self._step_streamed(clock)
+            t2 = clock()
+            C.wait_for(self.comm_stream)
+            if timed is not None:
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                timed("step.wait_grads", t1 - t0)
+                timed("step.cpu_optimizer", cpu)
+                timed("step.to_device", (t2 - t1 - cpu) + (clock() - t2))
+            return
         grads = [(g, g.master.grad) for g in self.groups if g.master is not None and g.master.grad is not None]
         for g, _ in grads:
             g.master.grad = None
@@ -439,6 +489,53 @@ class ShardedOptimizer:
             timed("step.wait_grads", t1 - t0)
             timed("step.cpu_optimizer", cpu)
             timed("step.to_device", (t2 - t1 - cpu) + (clock() - t2))
+
+    def _step_streamed(self, clock: Callable[[], float]) -> float:
+        """The offloaded step when host memory holds no gradient copy per group; returns the CPU optimizer's seconds.
+
+        Each group's fp32 gradient shard waited on the device (scaled there by the step policy); group i's
+        is copied into one of two pinned host buffers while the CPU steps group i - 1 from the other, and
+        each group's updated master goes back to the device as in the other mode. Host memory for gradients
+        is two buffers of the largest group instead of one copy per group.
+        """
+        groups = [g for g in self.groups if g.master is not None and g.reduced_grad() is not None]
+        if not groups:
+            return 0.0
+        largest = max(g.master.numel() for g in groups)
+        if not self._grad_stream_bufs or self._grad_stream_bufs[0].numel() < largest:
+            pin = bool(self.offload_pin) and torch.cuda.is_available()
+            self._grad_stream_bufs = [host_buffer(largest, torch.float32, pin=pin) for _ in range(2)]
+        pinned = self._grad_stream_bufs[0].is_pinned()
+
+        def fetch(i: int) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+            g = groups[i]
+            grad = g.reduced_grad()
+            assert grad is not None and g.master is not None
+            dst = self._grad_stream_bufs[i % 2][: g.master.numel()]
+            with C.on_stream(self.comm_stream):
+                dst.copy_(grad, non_blocking=pinned)
+                event = None
+                if self.comm_stream is not None:
+                    event = torch.cuda.Event()
+                    event.record(self.comm_stream)
+            return dst, event
+
+        cpu = 0.0
+        pending = fetch(0)
+        for i, g in enumerate(groups):
+            grad, event = pending
+            if event is not None:
+                event.synchronize()
+            if i + 1 < len(groups):
+                pending = fetch(i + 1)  # into the other buffer, whose group the CPU stepped last round
+            assert g.master is not None
+            g.master.grad = grad
+            start = clock()
+            self.optimizer.step()
+            cpu += clock() - start
+            g.master.grad = None
+            g.publish_master(self.comm_stream)
+        return cpu
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear gradients. Gradient buffers are always reused (or freed under stage 2)."""
