@@ -214,7 +214,10 @@ def estimate_offload_memory(
     it does without offload (see the module docstring). Host: :func:`offload_host_bytes` (master, gradient
     copy, optimizer state). Stage 3's gathered units, like every temporary buffer, are left out.
     With parameter offload (stage 3 only) the wS shard moves from the device column to the host one:
-    the device then holds parameters only while their unit is gathered (left out, as above).
+    the device then holds parameters only while their unit is gathered (left out, as above). Where
+    the machine's host memory cannot hold these figures, the engine streams the gradients instead
+    (``check_host_memory`` in hf_zero/zero/offload.py): host (4 + k)S plus two buffers of the
+    largest shard group, and the device holds the whole 4S until the step.
     """
     if stage not in (1, 2, 3):
         raise ValueError(f"stage: got {stage!r}, expected 1, 2 or 3 (offload_optimizer needs a partitioned optimizer)")
