@@ -121,6 +121,15 @@ def _offload(rank: int, world: int) -> list[dict]:
             w = max(test_offload._rel(row["off"]["weights"][n], row["on"]["weights"][n]) for n in row["on"]["weights"])
             rows.append({"case": f"stage 3 {case[0]}, gas {case[1]}, frozen {case[3]}",
                          "loss_err": test_offload._rel(row["off"]["losses"], row["on"]["losses"]) if ok else 1.0, "w_err": w})
+        # Host memory made short of a gradient copy: the gradients stream from the GPU through two pinned buffers on the
+        # side stream (events, asynchronous copies); errors against the same offload with a copy per group.
+        streamed = test_offload._streamed_gradients(rank, world)
+        for stage in ("2", "3"):
+            copy, got = streamed[stage]["copy"], streamed[stage]["streamed"]
+            ok = got["streamed"] and got["host_grads"] == 0 and got["buffers"] == 2 and not copy["streamed"]
+            w = max(test_offload._rel(got["weights"][n], copy["weights"][n]) for n in copy["weights"])
+            rows.append({"case": f"offload_optimizer stage {stage}, gradients streamed, gas 2, clip 0.5",
+                         "loss_err": test_offload._rel(got["losses"], copy["losses"]) if ok else 1.0, "w_err": w})
         dist.barrier()
     return rows
 
