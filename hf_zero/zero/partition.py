@@ -133,8 +133,9 @@ def _largest_group_bound(module: torch.nn.Module, group_named: list[NamedParams]
                          world: int) -> int:
     """An upper bound, in elements, on the largest trainable shard group this rank will hold (before they exist).
 
-    Stage 3 groups a unit's parameters (per optimizer param group), stages 1-2 buckets of about ``bucket_numel``
-    elements that hold at least one parameter; each rank holds ``1/world`` of either.
+    Stage 3 groups a unit's parameters (per optimizer param group; the small ones stage 3 keeps whole are counted
+    with their unit here, which only raises the bound), stages 1-2 buckets of about ``bucket_numel`` elements that
+    hold at least one parameter; each rank holds ``1/world`` of either.
     """
     trainable = {id(p) for named in group_named for _, p in named}
     if stage == 3:
