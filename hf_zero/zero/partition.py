@@ -130,23 +130,24 @@ def _assign_units(module: torch.nn.Module) -> tuple[list[tuple[str, torch.nn.Mod
 
 
 def _largest_group_bound(module: torch.nn.Module, group_named: list[NamedParams], stage: int, bucket_numel: int,
-                         world: int) -> int:
+                         world: int, threshold: int) -> int:
     """An upper bound, in elements, on the largest trainable shard group this rank will hold (before they exist).
 
-    Stage 3 groups a unit's parameters (per optimizer param group; the small ones stage 3 keeps whole are counted
-    with their unit here, which only raises the bound), stages 1-2 buckets of about ``bucket_numel`` elements that
-    hold at least one parameter; each rank holds ``1/world`` of either.
+    Stages 1-2 (and the parameters below ``threshold`` that stage 3 keeps whole) go in buckets of about
+    ``bucket_numel`` elements that hold at least one parameter; stage 3 groups the rest by unit (per optimizer
+    param group, so a unit's total bounds them). Each rank holds ``1/world`` of either.
     """
-    trainable = {id(p) for named in group_named for _, p in named}
+    params = [p for named in group_named for _, p in named]
+    small = [p for p in params if stage < 3 or p.numel() < threshold]
+    biggest = max([min(bucket_numel, sum(p.numel() for p in small)), *(p.numel() for p in small)], default=0)
     if stage == 3:
-        unit_mods, unit_of = _assign_units(module)
+        trainable = {id(p) for p in params if p.numel() >= threshold}
+        _, unit_of = _assign_units(module)
         per_unit: dict[int, int] = defaultdict(int)
         for p in module.parameters():
             if id(p) in trainable:
                 per_unit[unit_of.get(id(p), -1)] += p.numel()
-        biggest = max(per_unit.values(), default=0)
-    else:
-        biggest = max([bucket_numel, *(p.numel() for named in group_named for _, p in named)])
+        biggest = max([biggest, *per_unit.values()])
     return math.ceil(biggest / world)
 
 
@@ -234,7 +235,8 @@ class ShardedOptimizer:
                                         frozen_numel=shard_of(frozen) if params else 0)
             streamed = None
             if offload_pin is not None:  # no gradient copy per group: two buffers of the largest group instead
-                largest = _largest_group_bound(module, group_named, stage, bucket_numel, self.place.world_size)
+                largest = _largest_group_bound(module, group_named, stage, bucket_numel, self.place.world_size,
+                                               persistence_threshold)
                 streamed = needed - 4 * trainable + 2 * 4 * min(largest, trainable)
             self.stream_grads = check_host_memory(needed, group, streamed)
         else:
