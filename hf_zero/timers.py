@@ -24,7 +24,8 @@ SPANS = {
     "backward": "backward, with the gradient reductions it overlaps",
     "step": "the optimizer step on an accumulation boundary: norm, clipping, update, publishing the weights",
     "step.wait_grads": "offload: waiting for the gradient shards' copies to the host",
-    "step.cpu_optimizer": "offload: the optimizer on the host masters",
+    "step.cpu_optimizer": "offload: the optimizer on the host masters (with overlap_param_gather most of it runs in "
+                          "the next forward and is counted when its last group is stepped)",
     "step.to_device": "offload: copying the updated weights back (and, at stages 1-2, the all-gather) not hidden "
                       "behind the CPU optimizer",
 }

@@ -6,6 +6,7 @@ Run on the GPU machine:
     python scripts/bench.py --gpus 1 --model 2.8b --engines hf2o,hf3o,ds2o,ds3o,fsdp2o --steps 4   # optimizer offload
     python scripts/bench.py --gpus 1 --model 2.8b --engines hf3op,ds3op,fsdp2o --steps 4   # + parameter offload
     python scripts/bench.py --gpus 1 --model 2.8b --engines hf2,hf2o,hf3,hf3o --gas 8 --steps 3   # offload's cost at accumulation 8
+    python scripts/bench.py --gpus 1 --model 2.8b --engines hf2o,hf2og,fsdp2o --bucket 1e8   # the CPU step beside the next forward
     python scripts/bench.py --gpus 1 --model 1.1b --engines hf2,tr2,hf3,tr3   # the Trainer path against the raw engine
     python scripts/bench.py --gpus 2 --model 1.1b --engines hf2,hf2g,fsdp2 --bucket 1e8   # the step's all-gather in the next forward
 
@@ -165,7 +166,8 @@ def run_engine(name: str, args: argparse.Namespace) -> dict:
     torch.cuda.reset_peak_memory_stats()
     # hf2o, hf3o, ds2o, ds3o, fsdp2o: optimizer state on the host; hf3op, ds3op: the parameter shards too
     # (stage 3's offload_param; FSDP2's CPUOffloadPolicy always offloads both)
-    offload = name in ("hf2o", "hf3o", "ds2o", "ds3o", "fsdp2o", "hf3op", "ds3op")
+    # hf1og, hf2og: optimizer offload with overlap_param_gather (each group's CPU step deferred to the next forward)
+    offload = name.removesuffix("g") in ("hf1o", "hf2o", "hf3o", "ds2o", "ds3o", "fsdp2o", "hf3op", "ds3op")
     offload_param = name in ("hf3op", "ds3op")
     param_section = {"offload_param": {"device": "cpu", "pin_memory": True}} if offload_param else {}
     if name.startswith("hf"):

@@ -172,18 +172,22 @@ def _overlap(rank: int, world: int) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         path = [tmp]
         dist.broadcast_object_list(path, src=0)
-        eager = test_overlap_param_gather._run(rank, world, "eager", path[0])
-        overlap = test_overlap_param_gather._run(rank, world, "overlap", path[0])
-        for key, e in eager.items():
-            o = overlap[key]
-            n = o["groups"]
-            hooks_waited = (o["in_flight_after_step"] == [n] * test_overlap_param_gather.STEPS
-                            and o["forward_waits"] == [{"forward": n, "other": 0}] and not o["pending_seen_by_modules"])
-            w_err = max(rel(o[what][k], e[what][k]) for what in ("block_state_dict", "state_dict", "gathered", "saved") for k in e[what])
-            rows.append({"case": f"{key}, {n} groups", "loss_err": rel(o["losses"] + [o["next_forward"]],
-                                                                         e["losses"] + [e["next_forward"]]),
-                         "w_err": w_err if hooks_waited else float("inf")})
-        dist.barrier()
+        # "+offload": the optimizer in pinned host memory, each group's CPU step deferred to the next forward as well;
+        # "+streamed": the same with the gradients streamed from the GPU at the step
+        for variant in ("", "+offload", "+streamed"):
+            eager = test_overlap_param_gather._run(rank, world, "eager" + variant, path[0])
+            overlap = test_overlap_param_gather._run(rank, world, "overlap" + variant, path[0])
+            for key, e in eager.items():
+                o = overlap[key]
+                n = o["groups"]
+                hooks_waited = (o["in_flight_after_step"] == [n] * test_overlap_param_gather.STEPS
+                                and o["forward_waits"] == [{"forward": n, "other": 0}] and not o["pending_seen_by_modules"])
+                w_err = max(rel(o[what][k], e[what][k])
+                            for what in ("block_state_dict", "state_dict", "gathered", "saved") for k in e[what])
+                rows.append({"case": f"{key}{variant}, {n} groups", "loss_err": rel(o["losses"] + [o["next_forward"]],
+                                                                                    e["losses"] + [e["next_forward"]]),
+                             "w_err": w_err if hooks_waited else float("inf")})
+            dist.barrier()
     return rows
 
 

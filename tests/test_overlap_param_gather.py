@@ -56,11 +56,18 @@ def _flat(t: torch.Tensor) -> list[float]:
 
 
 def _run(rank: int, world: int, mode: str, tmp: str) -> dict:
+    """``mode``: eager, overlap, lazy or lazy-no-hooks, optionally with ``+offload`` (the optimizer in host memory, its
+    CPU step deferred as well) or ``+streamed`` (offloaded, the gradients streamed from the device at the step)."""
     from safetensors.torch import load_file
     from transformers import LlamaConfig, LlamaForCausalLM
 
     import hf_zero
+    from hf_zero.zero import partition
 
+    mode, _, offload = mode.partition("+")
+    real_check = partition.check_host_memory
+    if offload == "streamed":  # host memory "too short" for a gradient copy per group (restored on the way out)
+        partition.check_host_memory = lambda needed, group, streamed=None: True
     if mode in ("lazy", "lazy-no-hooks"):
         _lazy_all_gather()
     out: dict = {}
@@ -76,10 +83,22 @@ def _run(rank: int, world: int, mode: str, tmp: str) -> dict:
                "zero_optimization": {"stage": stage, "reduce_bucket_size": 3000,
                                      "overlap_param_gather": mode != "eager"},
                "steps_per_print": 10**6}
+        if offload:
+            cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+            # the lr moves every step: a deferred group must step with its own step's lr, not the next one's
+            cfg["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 5e-3, "warmup_max_lr": 2e-2,
+                                                               "warmup_num_steps": 20, "warmup_type": "linear"}}
         engine, _, _, _ = hf_zero.initialize(model=model, config=cfg)
         zo = engine.zero_optimizer
         overlap = zo.overlap
         assert (overlap is None) == (mode == "eager")
+        assert zo.stream_grads == (offload == "streamed")
+        stepped: list[int] = []  # the torch optimizer's step() calls (offloaded: one per group)
+        def counted(*a: object, real: object = zo.optimizer.step, stepped: list = stepped, **k: object) -> object:
+            stepped.append(1)
+            return real(*a, **k)
+
+        zo.optimizer.step = counted
         if mode == "lazy-no-hooks":
             for h in overlap.forward_hooks:
                 h.remove()
@@ -107,12 +126,14 @@ def _run(rank: int, world: int, mode: str, tmp: str) -> dict:
             if overlap is not None:
                 rec["in_flight_after_step"].append(sum(g.publish_pending for g in zo.flat_groups))
                 before = dict(overlap.waits)
+            rec.setdefault("optimizer_steps_at_return", []).append(len(stepped))
             # each reader right after a step, before any forward
             if step == 0:
                 with torch.no_grad():
                     rec["next_forward"] = engine(input_ids=ids[0], labels=ids[0]).loss.item()
                 if overlap is not None:
                     rec["forward_waits"].append({k: overlap.waits[k] - before[k] for k in before})
+                rec["optimizer_steps_after_forward"] = len(stepped)
                 if mode == "lazy-no-hooks":
                     break  # the control: only the forward that skipped its waits
             if step == 1:  # a block's own state_dict first (its pre-hook waits too), then the model's
@@ -132,34 +153,50 @@ def _run(rank: int, world: int, mode: str, tmp: str) -> dict:
         for h in checks:
             h.remove()
         out[key] = rec
+    partition.check_host_memory = real_check
     return out
+
+
+MODES = ("eager", "overlap", "lazy", "lazy-no-hooks")
+OFFLOAD = ("+offload", "+streamed")
 
 
 @pytest.fixture(scope="module")
 def runs() -> dict:
     with tempfile.TemporaryDirectory() as tmp:
-        return {mode: spawn(_run, 2, mode, tmp)[0] for mode in ("eager", "overlap", "lazy", "lazy-no-hooks")}
+        modes = [*MODES, *(m + o for o in OFFLOAD for m in MODES if m != "lazy-no-hooks"), "lazy-no-hooks+offload"]
+        return {mode: spawn(_run, 2, mode, tmp)[0] for mode in modes}
 
 
-def test_every_reader_after_a_step_sees_the_eager_values(runs: dict) -> None:
-    eager = runs["eager"]
+@pytest.mark.parametrize("offload", ["", *OFFLOAD])
+def test_every_reader_after_a_step_sees_the_eager_values(runs: dict, offload: str) -> None:
+    # offloaded: the optimizer's CPU step of each group runs where the next forward first reads it, with the lr of
+    # the step that deferred it; every reader sees what the eager offloaded step gives, and that equals the
+    # step on the device to the last bit in fp32 (bf16 rounds the weights the same way as well)
+    eager = runs["eager" + offload]
     for mode in ("overlap", "lazy"):
-        for key, rec in runs[mode].items():
+        for key, rec in runs[mode + offload].items():
             ref = eager[key]
             for what in ("losses", "next_forward", "block_state_dict", "state_dict", "gathered", "saved"):
-                assert rec[what] == ref[what], f"{mode} {key}: {what} differs from the eager publish"
+                assert rec[what] == ref[what], f"{mode}{offload} {key}: {what} differs from the eager publish"
+    if offload == "+streamed":
+        for key, rec in eager.items():
+            assert rec["losses"] == runs["eager+offload"][key]["losses"], key
 
 
-def test_the_comparison_catches_a_missing_wait(runs: dict) -> None:
-    eager, blind = runs["eager"], runs["lazy-no-hooks"]
+@pytest.mark.parametrize("offload", ["", "+offload"])
+def test_the_comparison_catches_a_missing_wait(runs: dict, offload: str) -> None:
+    eager, blind = runs["eager" + offload], runs["lazy-no-hooks" + offload]
     for key, rec in blind.items():
-        # the forward after a step read the other rank's half from before the step
+        # the forward after a step read the other rank's half from before the step (offloaded: most groups of
+        # this rank's half were not even stepped yet)
         assert rec["losses"] == eager[key]["losses"][: len(rec["losses"])], key
         assert rec["next_forward"] != eager[key]["next_forward"], key
 
 
-def test_the_forward_hooks_do_the_waiting(runs: dict) -> None:
-    for key, rec in runs["overlap"].items():
+@pytest.mark.parametrize("offload", ["", *OFFLOAD])
+def test_the_forward_hooks_do_the_waiting(runs: dict, offload: str) -> None:
+    for key, rec in runs["overlap" + offload].items():
         n = rec["groups"]
         assert n >= 6, (key, n)
         # every group is still in flight when step() returns ...
@@ -167,6 +204,14 @@ def test_the_forward_hooks_do_the_waiting(runs: dict) -> None:
         # ... and the forward's pre-hooks take every one of them, before any module reads its weights
         assert rec["forward_waits"] == [{"forward": n, "other": 0}], key
         assert rec["pending_seen_by_modules"] == [], key
+        if offload:
+            # the CPU optimizer ran for one group inside step() (the forward's first; a scheduler sees a step
+            # taken) and for every other group inside the next forward, one group per optimizer.step() call
+            assert rec["optimizer_steps_at_return"] == [k * n + 1 for k in range(STEPS)], key
+            assert rec["optimizer_steps_after_forward"] == n, key
+    if offload:
+        for key, rec in runs["eager" + offload].items():  # the eager offloaded step: every group inside step()
+            assert rec["optimizer_steps_at_return"] == [(k + 1) * rec["groups"] for k in range(STEPS)], key
 
 
 def _trainer(rank: int, world: int, cases: list, lazy: bool) -> list:
@@ -177,11 +222,15 @@ def _trainer(rank: int, world: int, cases: list, lazy: bool) -> list:
     return test_trainer._run(rank, world, cases)
 
 
-def test_trainer_train_evaluate_load_best_and_save_match_the_eager_publish(tmp_path: object) -> None:
+@pytest.mark.parametrize("offload", [False, True])
+def test_trainer_train_evaluate_load_best_and_save_match_the_eager_publish(tmp_path: object, offload: bool) -> None:
     # tests/test_trainer.py's run: 6 steps of 2 micro-batches, evaluation and a checkpoint every 3 steps, the best
     # checkpoint loaded at the end, predict, save_model; here at stage 2 with lazy gathers against the eager publish
+    # (offloaded: the CPU step deferred too, under the Trainer's linear-decay scheduler, zero_grad and checkpoints)
     def case(name: str, overlap: bool) -> dict:
-        zero = {"zero_optimization": {"stage": 2, "reduce_bucket_size": 3000, "overlap_param_gather": overlap},
+        section = {"stage": 2, "reduce_bucket_size": 3000, "overlap_param_gather": overlap,
+                   **({"offload_optimizer": {"device": "cpu"}} if offload else {})}
+        zero = {"zero_optimization": section,
                 "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
                 "gradient_clipping": "auto", "bf16": {"enabled": "auto"}}
         return {"dir": os.path.join(str(tmp_path), name), "zero": zero, "best": True, "save_model": True}

@@ -17,6 +17,7 @@ the gradient norm.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -195,8 +196,7 @@ class FlatGroup(ShardGroup):
         work = None
         with C.on_stream(stream):
             shard = self.param_flat[self.shard_lo : self.shard_hi]
-            if self.mixed:
-                shard.copy_(self.master)
+            self._write_shard(shard)
             if self.partitioned:
                 work = C.all_gather_(self.param_flat, shard, self.group, self.world_size,
                                      async_op=defer and stream is None)
@@ -207,6 +207,16 @@ class FlatGroup(ShardGroup):
         elif work is not None:
             self._pending = work
 
+    def _write_shard(self, shard: torch.Tensor) -> None:
+        """The updated master into this rank's range of the parameters (nothing to do when the master is that range)."""
+        if self.mixed:
+            shard.copy_(self.master)
+
+    def defer_step(self, run: Callable[[], None]) -> None:
+        """The optimizer has not stepped this group yet: ``run`` steps and publishes it (``defer=True``), and the
+        first :meth:`wait` calls it (an offloaded step run where the next forward first reads the group)."""
+        self._pending = run
+
     @property
     def publish_pending(self) -> bool:
         """A deferred publish is still to be waited for before the parameters are read."""
@@ -216,9 +226,12 @@ class FlatGroup(ShardGroup):
         """Make the parameters usable on the current stream after a deferred publish (else a no-op).
 
         CUDA: the current stream waits for the gather's event (no host sync); CPU: the gather's
-        work handle is waited for.
+        work handle is waited for. A step still to run (:meth:`defer_step`) runs first.
         """
         pending, self._pending = self._pending, None
+        if callable(pending):  # the step itself is still to run (defer_step): it leaves its publish's event or handle
+            pending()
+            pending, self._pending = self._pending, None
         if pending is None:
             return
         if isinstance(pending, torch.cuda.Event):

@@ -39,8 +39,10 @@ yet: ``sub_group_size`` (each shard group is one sub-group), NVMe, ``ratio`` < 1
 from __future__ import annotations
 
 import socket
+import time
 import weakref
 import zlib
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -196,12 +198,10 @@ class OffloadedFlatGroup(_HostMaster, FlatGroup):
         FlatGroup.reduce_grads(self, stream)
         self._copy_after_reduce(stream)
 
-    def publish_master(self, stream: torch.cuda.Stream | None) -> None:
-        """Host master -> this rank's range of the device parameters (cast to the compute dtype), then the all-gather."""
-        with C.on_stream(stream):
-            _to_device(self.param_flat[self.shard_lo : self.shard_hi], self.master, self.pin)
-            if self.partitioned:
-                C.all_gather_(self.param_flat, self.param_flat[self.shard_lo : self.shard_hi], self.group, self.world_size)
+    def _write_shard(self, shard: torch.Tensor) -> None:
+        """Host master -> this rank's range of the device parameters, cast to the compute dtype on the device
+        (:meth:`FlatGroup.publish_master` then all-gathers it)."""
+        _to_device(shard, self.master, self.pin)
 
 
 class _HostParamShard(ShardedParamGroup):
@@ -272,6 +272,98 @@ class OffloadedShardedParamGroup(_HostMaster, _HostParamShard):
             return
         with C.on_stream(stream):
             _to_device(self.param_shard, self.master, self.pin)
+
+
+class HostStep:
+    """One optimizer step over host masters, one shard group at a time, each group published once it is stepped.
+
+    ``work`` lists ``(group, gradient)`` in the order to step: the gradient is the group's host copy, or, in
+    the streamed mode, its fp32 shard on the device, which is copied into one of the two shared pinned
+    ``streamed`` buffers while the CPU steps the group before it. The optimizer is the one the user or the
+    config made; it sees one group's gradient at a time (torch's optimizers skip a parameter without
+    ``.grad``), so each master is updated once with its own step count, and its state, ``state_dict()`` and
+    any LR scheduler built on it stay as they are.
+
+    Run whole inside ``engine.step()`` (:meth:`finish`), or, with ``overlap_param_gather`` at stages 1-2
+    (``defer``), group by group where the next forward first reads each group: the group's
+    :meth:`~hf_zero.zero.flat.FlatGroup.wait` calls :meth:`through`, which steps every group up to it, so the
+    CPU steps the later blocks' masters while the GPU runs the earlier blocks' forward. The hyperparameters
+    (lr, betas, weight decay) each group steps with are those of the ``engine.step()`` that made this object:
+    a scheduler's ``step()`` right after it must not reach groups stepped later.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, stream: torch.cuda.Stream | None,
+                 work: list[tuple[ShardGroup, torch.Tensor]], *, streamed: list[torch.Tensor] | None = None,
+                 defer: bool = False, on_done: Callable[[float], None] | None = None) -> None:
+        self.optimizer, self.stream, self.defer, self.on_done = optimizer, stream, defer, on_done
+        self.work: list[tuple[ShardGroup, torch.Tensor | None]] = list(work)
+        self._index = {id(g): i for i, (g, _) in enumerate(self.work)}
+        self._hyper = [{k: v for k, v in pg.items() if k != "params"} for pg in optimizer.param_groups]
+        self._streamed = streamed
+        self.next = 0  # groups stepped so far
+        self.cpu_seconds = 0.0  # the optimizer's own time
+        self._fetched = self._fetch(0) if streamed is not None and self.work else None
+
+    @property
+    def done(self) -> bool:
+        return self.next >= len(self.work)
+
+    def _fetch(self, i: int) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """Start copying group ``i``'s device gradient into its shared host buffer (streamed mode)."""
+        assert self._streamed is not None
+        grad = self.work[i][1]
+        assert grad is not None
+        dst = self._streamed[i % 2][: grad.numel()]
+        event = None
+        with C.on_stream(self.stream):
+            dst.copy_(grad, non_blocking=dst.is_pinned())
+            if self.stream is not None:
+                event = torch.cuda.Event()
+                event.record(self.stream)
+        return dst, event
+
+    def through(self, group: ShardGroup) -> None:
+        """Step, in order, every group up to and including ``group`` that is not stepped yet."""
+        last = self._index.get(id(group), -1)
+        while self.next <= last:
+            self._step_one()
+
+    def finish(self) -> None:
+        """Step every group not stepped yet."""
+        while not self.done:
+            self._step_one()
+
+    def _step_one(self) -> None:
+        i = self.next
+        self.next += 1  # first: the publish below may wait on a group whose deferred step points back here
+        g, grad = self.work[i]
+        if self._fetched is not None:
+            grad, event = self._fetched
+            if event is not None:
+                event.synchronize()
+            if i + 1 < len(self.work):
+                self._fetched = self._fetch(i + 1)  # into the other buffer, whose group was stepped last round
+        self.work[i] = (g, None)  # streamed: the device shard may go once its copy has landed
+        assert g.master is not None and grad is not None
+        groups = self.optimizer.param_groups
+        live = [{k: pg[k] for k in hyper} for pg, hyper in zip(groups, self._hyper)] if self.defer else []
+        for pg, hyper in zip(groups, self._hyper if self.defer else []):
+            pg.update(hyper)  # this step's lr etc., whatever a scheduler set since
+        start = time.perf_counter()
+        g.master.grad = grad
+        try:
+            self.optimizer.step()
+        finally:
+            g.master.grad = None
+            self.cpu_seconds += time.perf_counter() - start
+            for pg, values in zip(groups, live):
+                pg.update(values)
+        if self.defer:
+            g.publish_master(self.stream, defer=True)  # type: ignore[call-arg]
+        else:
+            g.publish_master(self.stream)
+        if self.done and self.on_done is not None:
+            self.on_done(self.cpu_seconds)
 
 
 def state_bytes_per_element(optimizer: torch.optim.Optimizer) -> int:

@@ -22,6 +22,7 @@ whose gradients are complete waits until every earlier bucket has been launched.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
@@ -37,6 +38,7 @@ from hf_zero.zero import collectives as C
 from hf_zero.zero.flat import FlatGroup
 from hf_zero.zero.group import ParamSlot, Placement, ShardGroup
 from hf_zero.zero.offload import (
+    HostStep,
     OffloadedFlatGroup,
     OffloadedFrozenGroup,
     OffloadedShardedParamGroup,
@@ -200,9 +202,10 @@ class ShardedOptimizer:
         (stage 3's ``offload_param``): None keeps parameter shards on ``device``; a bool keeps the 16-bit shards
         the gathers read in host memory (frozen groups always; trainable ones when the optimizer is offloaded
         too, since otherwise their fp32 master is the shard and the optimizer steps it on the device).
-        ``overlap_param_gather``: at stages 0-2 without offload, the step returns with the parameters' all-gathers in
-        flight and the next forward waits for each group where it first reads it (:mod:`hf_zero.zero.overlap`);
-        ignored elsewhere (offloaded groups and stage 3 publish as before)."""
+        ``overlap_param_gather``: at stages 0-2, the step returns with the parameters' all-gathers in flight and the
+        next forward waits for each group where it first reads it (:mod:`hf_zero.zero.overlap`); with the optimizer
+        offloaded the CPU step of each group is deferred the same way (:class:`hf_zero.zero.offload.HostStep`), so it
+        runs beside the next forward; ignored at stage 3 (it publishes as before)."""
         self.optimizer = optimizer
         self.offload_pin = offload_pin
         self.param_offload_pin = param_offload_pin if stage == 3 else None
@@ -281,7 +284,7 @@ class ShardedOptimizer:
                 self._hooks.append(s.param.register_post_accumulate_grad_hook(self._on_grad_ready))
         self._arrived = [0] * len(self.flat_groups)  # gradients of this backward, per bucket
         self.overlap: DeferredPublish | None = None
-        if overlap_param_gather and stage <= 2 and offload_pin is None and self.flat_groups:
+        if overlap_param_gather and stage <= 2 and self.flat_groups:
             self.overlap = DeferredPublish(module, self.flat_groups)
         self._sync = False
         self._next_launch = 0
@@ -460,85 +463,45 @@ class ShardedOptimizer:
             C.wait_for(self.comm_stream)
             return
         t1 = clock()
-        if self.stream_grads:
-            cpu = self._step_streamed(clock)
-            t2 = clock()
-            C.wait_for(self.comm_stream)
+        if self.stream_grads:  # each group's fp32 shard waited on the device; the step streams it through two buffers
+            work = [(g, g.reduced_grad()) for g in self.groups if g.master is not None and g.reduced_grad() is not None]
+            largest = max((g.master.numel() for g, _ in work), default=0)
+            if largest and (not self._grad_stream_bufs or self._grad_stream_bufs[0].numel() < largest):
+                pin = bool(self.offload_pin) and torch.cuda.is_available()
+                self._grad_stream_bufs = [host_buffer(largest, torch.float32, pin=pin) for _ in range(2)]
+            streamed: list[torch.Tensor] | None = self._grad_stream_bufs
+        else:  # before_step handed each group its host copy as the master's .grad
+            work = [(g, g.master.grad) for g in self.groups if g.master is not None and g.master.grad is not None]
+            streamed = None
+        for g, _ in work:
+            g.master.grad = None  # the optimizer sees one group's gradient at a time (HostStep)
+        if self.overlap is not None:
+            # No step here beyond the first group: each group steps where the next forward first reads it.
+            rank = {id(g): i for i, g in enumerate(self.overlap.order)}
+            work.sort(key=lambda x: rank[id(x[0])])
             if timed is not None:
-                if self.device.type == "cuda":
-                    torch.cuda.synchronize(self.device)
                 timed("step.wait_grads", t1 - t0)
-                timed("step.cpu_optimizer", cpu)
-                timed("step.to_device", (t2 - t1 - cpu) + (clock() - t2))
+            run = HostStep(self.optimizer, self.comm_stream, work, streamed=streamed, defer=True,
+                           on_done=None if timed is None else (lambda s: timed("step.cpu_optimizer", s)))
+            for g, _ in work:
+                g.defer_step(functools.partial(run.through, g))  # type: ignore[attr-defined]
+            if work:  # at once: the first group the forward reads, and a step a scheduler can see was taken
+                run.through(work[0][0])
+            self.overlap.armed()
             return
-        grads = [(g, g.master.grad) for g in self.groups if g.master is not None and g.master.grad is not None]
-        for g, _ in grads:
-            g.master.grad = None
-        cpu = 0.0
-        for g, grad in grads:
-            g.master.grad = grad
-            start = clock()
-            self.optimizer.step()
-            cpu += clock() - start
-            g.master.grad = None
-            g.publish_master(self.comm_stream)
-        for g, grad in grads:
-            g.master.grad = grad
+        run = HostStep(self.optimizer, self.comm_stream, work, streamed=streamed)
+        run.finish()
+        if streamed is None:
+            for g, grad in work:
+                g.master.grad = grad  # as after a step without offload, until zero_grad
         t2 = clock()
         C.wait_for(self.comm_stream)
         if timed is not None:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             timed("step.wait_grads", t1 - t0)
-            timed("step.cpu_optimizer", cpu)
-            timed("step.to_device", (t2 - t1 - cpu) + (clock() - t2))
-
-    def _step_streamed(self, clock: Callable[[], float]) -> float:
-        """The offloaded step when host memory holds no gradient copy per group; returns the CPU optimizer's seconds.
-
-        Each group's fp32 gradient shard waited on the device (scaled there by the step policy); group i's
-        is copied into one of two pinned host buffers while the CPU steps group i - 1 from the other, and
-        each group's updated master goes back to the device as in the other mode. Host memory for gradients
-        is two buffers of the largest group instead of one copy per group.
-        """
-        groups = [g for g in self.groups if g.master is not None and g.reduced_grad() is not None]
-        if not groups:
-            return 0.0
-        largest = max(g.master.numel() for g in groups)
-        if not self._grad_stream_bufs or self._grad_stream_bufs[0].numel() < largest:
-            pin = bool(self.offload_pin) and torch.cuda.is_available()
-            self._grad_stream_bufs = [host_buffer(largest, torch.float32, pin=pin) for _ in range(2)]
-        pinned = self._grad_stream_bufs[0].is_pinned()
-
-        def fetch(i: int) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-            g = groups[i]
-            grad = g.reduced_grad()
-            assert grad is not None and g.master is not None
-            dst = self._grad_stream_bufs[i % 2][: g.master.numel()]
-            with C.on_stream(self.comm_stream):
-                dst.copy_(grad, non_blocking=pinned)
-                event = None
-                if self.comm_stream is not None:
-                    event = torch.cuda.Event()
-                    event.record(self.comm_stream)
-            return dst, event
-
-        cpu = 0.0
-        pending = fetch(0)
-        for i, g in enumerate(groups):
-            grad, event = pending
-            if event is not None:
-                event.synchronize()
-            if i + 1 < len(groups):
-                pending = fetch(i + 1)  # into the other buffer, whose group the CPU stepped last round
-            assert g.master is not None
-            g.master.grad = grad
-            start = clock()
-            self.optimizer.step()
-            cpu += clock() - start
-            g.master.grad = None
-            g.publish_master(self.comm_stream)
-        return cpu
+            timed("step.cpu_optimizer", run.cpu_seconds)
+            timed("step.to_device", (t2 - t1 - run.cpu_seconds) + (clock() - t2))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear gradients. Gradient buffers are always reused (or freed under stage 2)."""
