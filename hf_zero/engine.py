@@ -297,7 +297,9 @@ class ZeroEngine(torch.nn.Module):
         parameters' all-gathers in flight, and the next forward, ``state_dict()``, the engine's saves
         and loads, ``GatheredParameters`` and the next step or backward wait for them themselves
         (``hf_zero/zero/overlap.py``). Code that reads ``module.parameters()`` directly in between (an
-        EMA of the weights, ``copy.deepcopy(model)``) calls this first. A no-op otherwise.
+        EMA of the weights, ``copy.deepcopy(model)``) calls this first. With ``offload_optimizer`` it also runs
+        what is left of the step's deferred CPU optimizer step, so the masters and optimizer state are current too.
+        A no-op otherwise.
         """
         if self.zero_optimizer is not None:
             self.zero_optimizer.wait_params()

@@ -16,8 +16,9 @@ master moved to the host. Per step:
    masters one shard group at a time (torch's optimizers skip a parameter without ``.grad``, so each
    master is updated once with its own step count; Adam/AdamW use torch's fused CPU kernel), so its
    state, ``state_dict()`` and any LR scheduler built on it are untouched;
-4. :meth:`publish_master` sends each group back as soon as it is stepped, while the CPU steps the
-   next: the fp32 master to a device buffer, cast there into the compute-dtype parameters (stages
+4. :meth:`publish_master` sends each group back as soon as it is stepped (:class:`HostStep`), while the CPU
+   steps the next (with ``overlap_param_gather`` at stages 1-2, inside the next forward: the group's first
+   reader steps it): the fp32 master to a device buffer, cast there into the compute-dtype parameters (stages
    1-2: this rank's range of ``param_flat``, then the all-gather; stage 3: the 16-bit shard the next
    all-gather reads; DeepSpeed keeps that shard on the GPU too).
 

@@ -28,6 +28,11 @@ gathers still in flight and makes each reader wait for exactly the groups it rea
   through none of these and must call ``engine.wait_params()`` first; that is why the mechanism
   is asked for in the config rather than always on.
 
+With the optimizer offloaded (:mod:`hf_zero.zero.offload`) the same waits carry the CPU optimizer step too:
+each group's step is deferred (:meth:`hf_zero.zero.flat.FlatGroup.defer_step`) and its first wait runs
+it, and every group before it in this order, before the copy back and the gather
+(:class:`hf_zero.zero.offload.HostStep`), so the CPU steps the later blocks while the GPU runs the first.
+
 On CUDA a group's wait is its all-gather's event (the compute stream waits for it, no host sync);
 on CPU (gloo) it is the collective's ``async_op`` work handle, so the deferred wait is exercised
 on CPU as well. Nothing changes in what is computed: the same collectives over the same buffers,
