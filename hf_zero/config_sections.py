@@ -121,9 +121,10 @@ class ZeroOptimizationConfig:
     stage3_max_live_parameters: int = 1_000_000_000  # gathered elements alive at once at stage 3
     offload_optimizer: OffloadOptimizerConfig | None = None  # None: the section is absent
     offload_param: OffloadParamConfig | None = None
-    # hf_zero's: stages 0-2 return from the step with the parameters' all-gathers in flight, each waited for where
-    # the next forward first reads it (hf_zero/zero/overlap.py; with offload_optimizer, each group's CPU step too); direct reads of module.parameters() between step()
-    # and the next forward then need engine.wait_params() first, so it is asked for, not on by default
+    # hf_zero's: stages 0-2 return from the step with the parameters' all-gathers in flight (with offload_optimizer,
+    # each group's CPU step too), each waited for where the next forward first reads it (hf_zero/zero/overlap.py);
+    # direct reads of module.parameters() between step() and the next forward then need engine.wait_params() first,
+    # so it is asked for, not on by default
     overlap_param_gather: bool = False
 
 

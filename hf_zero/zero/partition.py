@@ -441,8 +441,10 @@ class ShardedOptimizer:
         Offloaded (host) masters step one shard group at a time: the optimizer sees only that
         group's gradient (torch's optimizers skip parameters without one, so each master is updated
         once, with its own step count), and the group's copy back to the device is issued on the
-        communication stream before the CPU moves on to the next group. ``timed(part, seconds)``,
-        when given, receives the offloaded step's three parts (``hf_zero/timers.py``).
+        communication stream before the CPU moves on to the next group (:class:`HostStep`). With
+        ``overlap_param_gather`` only the group the next forward reads first is stepped here; the others
+        step where the forward first waits for them. ``timed(part, seconds)``, when given, receives the
+        offloaded step's three parts (``hf_zero/timers.py``; deferred: the CPU optimizer's only, once done).
         """
         clock = time.perf_counter
         t0 = clock()
