@@ -339,9 +339,15 @@ def worker(args: argparse.Namespace) -> None:
             "peak_backward_gib": mem[2], "at_forward_end_gib": mem[3],
             "loss_first": losses[0] if losses else float("nan"), "loss_last": losses[-1] if losses else float("nan"),
         }), flush=True)
-    if dist.is_initialized():  # end the group before exit: gloo ranks leaving FSDP2's group alive abort at teardown
+    if dist.is_initialized():
         dist.barrier()
-        dist.destroy_process_group()
+    # Leave here, without Python's teardown: the result is printed and every rank has passed the barrier. Returning
+    # frees this frame's DDP engine, whose Reducer's gloo group destructor joins a gloo thread that waits for the GIL
+    # this thread holds (a hang, 2 of 8 ddp launches on the 2-core machine; py-spy: ~ProcessGroupGloo under the
+    # Reducer's dealloc at worker()'s return), and gloo ranks tearing down FSDP2's group abort now and then.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -557,14 +563,8 @@ def main() -> int:
     args = ap.parse_args()
     if args.worker:
         args.model = args.model[0]
-        worker(args)
-        # Leave without Python's teardown: freeing the DDP engine's Reducer destroys its gloo group, whose
-        # destructor joins a gloo thread that waits for the GIL this thread holds (a hang seen 2 times in 8 ddp
-        # launches on the 2-core machine, main thread in ~ProcessGroupGloo under Reducer's dealloc). The
-        # result is printed and every rank has passed the barrier in worker().
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+        worker(args)  # does not return: it leaves the process itself once its result is out
+        return 0
     if not args.model:
         ap.error("give --model (1.1b, 8b, tiny, bert-large or NAME=PATH)")
     if args.modes:

@@ -255,11 +255,11 @@ def main() -> None:
     for case in cases:
         (run_trainer_case if case.get("trainer") else run_case)(case, out_dir, world, rank)
     dist.barrier()
-
-
-if __name__ == "__main__":
-    main()
     # every rank wrote its results and passed the barrier: leave without gloo's C++ teardown (tests/distributed.py)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
