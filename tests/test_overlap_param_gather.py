@@ -94,6 +94,7 @@ def _run(rank: int, world: int, mode: str, tmp: str) -> dict:
         assert (overlap is None) == (mode == "eager")
         assert zo.stream_grads == (offload == "streamed")
         stepped: list[int] = []  # the torch optimizer's step() calls (offloaded: one per group)
+
         def counted(*a: object, real: object = zo.optimizer.step, stepped: list = stepped, **k: object) -> object:
             stepped.append(1)
             return real(*a, **k)
@@ -171,8 +172,8 @@ def runs() -> dict:
 @pytest.mark.parametrize("offload", ["", *OFFLOAD])
 def test_every_reader_after_a_step_sees_the_eager_values(runs: dict, offload: str) -> None:
     # offloaded: the optimizer's CPU step of each group runs where the next forward first reads it, with the lr of
-    # the step that deferred it; every reader sees what the eager offloaded step gives, and that equals the
-    # step on the device to the last bit in fp32 (bf16 rounds the weights the same way as well)
+    # the step that deferred it; every reader sees what the eager offloaded step gives (streamed gradients: the
+    # same losses as a gradient copy per group as well)
     eager = runs["eager" + offload]
     for mode in ("overlap", "lazy"):
         for key, rec in runs[mode + offload].items():
