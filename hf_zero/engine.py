@@ -29,6 +29,7 @@ from hf_zero.step import NormScope, StepPolicy
 from hf_zero.tensor_parallel import TensorParallelGroups
 from hf_zero.timers import StepTimers
 from hf_zero.tp_split import split_of
+from hf_zero.zero.offload import host_step_threads
 from hf_zero.zero.partition import ShardedOptimizer
 
 logger = logging.getLogger("hf_zero")
@@ -153,13 +154,20 @@ class ZeroEngine(torch.nn.Module):
         offload_pin = bool(off.pin_memory) if off is not None and off.device == "cpu" and not self.inference_only else None
         par = zc.offload_param  # stage 3 only (the config names it as ignored at the others)
         param_offload_pin = bool(par.pin_memory) if par is not None and par.device == "cpu" and zc.stage == 3 else None
+        host_threads = None
+        if offload_pin is not None:
+            host_threads, why = host_step_threads(None, off.cpuadam_cores_perc)
+            if self.timers.enabled:
+                self.timers.note("step.cpu_optimizer", f"{host_threads} threads")
+                if self.global_rank == 0:
+                    logger.info("offload: the host optimizer step runs on %d threads per rank (%s)", host_threads, why)
         return ShardedOptimizer(
             self.module, optimizer, stage=zc.stage, compute_dtype=self.compute_dtype,
             reduce_dtype=reduce_dtype(self.config), bucket_numel=max(1, int(zc.reduce_bucket_size)), group=self.group,
             device=self.device, persistence_threshold=int(zc.stage3_param_persistence_threshold),
             prefetch_numel=int(zc.stage3_prefetch_bucket_size), max_live_numel=int(zc.stage3_max_live_parameters),
             offload_pin=offload_pin, master_dtype=self.config.master_dtype, param_offload_pin=param_offload_pin,
-            overlap_param_gather=zc.overlap_param_gather,
+            overlap_param_gather=zc.overlap_param_gather, host_threads=host_threads,
         )
 
     def compile(self, backend: str | Any = "inductor", compile_kwargs: dict | None = None) -> None:

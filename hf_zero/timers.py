@@ -39,6 +39,11 @@ class StepTimers:
         self.device = device
         self._total: dict[str, float] = {}
         self._count: dict[str, int] = {}
+        self._notes: dict[str, str] = {}
+
+    def note(self, name: str, text: str) -> None:
+        """A fixed remark printed after a span's figure (the offloaded step's thread count)."""
+        self._notes[name] = text
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -81,5 +86,6 @@ class StepTimers:
         """One log line: ``forward 12.3 ms | backward 25.1 ms | step 40.2 ms (wait_grads 1.0, ...)``."""
         means = self.means(reset=reset)
         parts = [f"{name} {ms:.1f} ms" for name, ms in means.items() if "." not in name]
-        sub = [f"{name.split('.', 1)[1]} {ms:.1f}" for name, ms in means.items() if "." in name]
+        sub = [f"{name.split('.', 1)[1]} {ms:.1f}" + (f" on {self._notes[name]}" if name in self._notes else "")
+               for name, ms in means.items() if "." in name]
         return " | ".join(parts) + (f" ({', '.join(sub)} ms)" if sub else "")

@@ -195,6 +195,7 @@ class ShardedOptimizer:
         master_dtype: torch.dtype = torch.float32,
         param_offload_pin: bool | None = None,
         overlap_param_gather: bool = False,
+        host_threads: int | None = None,
     ) -> None:
         """``offload_pin``: None keeps masters and optimizer state on ``device``; a bool moves them to host memory
         (ZeRO-Offload, :mod:`hf_zero.zero.offload`), pinned when True and CUDA is present. ``master_dtype``:
@@ -205,8 +206,10 @@ class ShardedOptimizer:
         ``overlap_param_gather``: at stages 0-2, the step returns with the parameters' all-gathers in flight and the
         next forward waits for each group where it first reads it (:mod:`hf_zero.zero.overlap`); with the optimizer
         offloaded the CPU step of each group is deferred the same way (:class:`hf_zero.zero.offload.HostStep`), so it
-        runs beside the next forward; ignored at stage 3 (it publishes as before)."""
+        runs beside the next forward; ignored at stage 3 (it publishes as before). ``host_threads``: the offloaded
+        step's intra-op threads (:func:`hf_zero.zero.offload.host_step_threads`); None keeps the process's count."""
         self.optimizer = optimizer
+        self.host_threads = host_threads
         self.offload_pin = offload_pin
         self.param_offload_pin = param_offload_pin if stage == 3 else None
         self.stage = stage
@@ -484,14 +487,15 @@ class ShardedOptimizer:
             if timed is not None:
                 timed("step.wait_grads", t1 - t0)
             run = HostStep(self.optimizer, self.comm_stream, work, streamed=streamed, defer=True,
-                           on_done=None if timed is None else (lambda s: timed("step.cpu_optimizer", s)))
+                           on_done=None if timed is None else (lambda s: timed("step.cpu_optimizer", s)),
+                           threads=self.host_threads)
             for g, _ in work:
                 g.defer_step(functools.partial(run.through, g))  # type: ignore[attr-defined]
             if work:  # at once: the first group the forward reads, and a step a scheduler can see was taken
                 run.through(work[0][0])
             self.overlap.armed()
             return
-        run = HostStep(self.optimizer, self.comm_stream, work, streamed=streamed)
+        run = HostStep(self.optimizer, self.comm_stream, work, streamed=streamed, threads=self.host_threads)
         run.finish()
         if streamed is None:
             for g, grad in work:
