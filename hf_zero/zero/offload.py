@@ -353,20 +353,22 @@ class HostStep:
         live = [{k: pg[k] for k in hyper} for pg, hyper in zip(groups, self._hyper)] if self.defer else []
         for pg, hyper in zip(groups, self._hyper if self.defer else []):
             pg.update(hyper)  # this step's lr etc., whatever a scheduler set since
-        start = time.perf_counter()
-        g.master.grad = grad
-        try:
-            with intra_op_threads(self.threads):
+        # The group's host passes (the optimizer, and under offload_param the cast of the master into the 16-bit
+        # shard the gathers read) run on the rank's share of the CPUs, not on the launcher's OMP_NUM_THREADS=1.
+        with intra_op_threads(self.threads):
+            start = time.perf_counter()
+            g.master.grad = grad
+            try:
                 self.optimizer.step()
-        finally:
-            g.master.grad = None
-            self.cpu_seconds += time.perf_counter() - start
-            for pg, values in zip(groups, live):
-                pg.update(values)
-        if self.defer:
-            g.publish_master(self.stream, defer=True)  # type: ignore[call-arg]
-        else:
-            g.publish_master(self.stream)
+            finally:
+                g.master.grad = None
+                self.cpu_seconds += time.perf_counter() - start
+                for pg, values in zip(groups, live):
+                    pg.update(values)
+            if self.defer:
+                g.publish_master(self.stream, defer=True)  # type: ignore[call-arg]
+            else:
+                g.publish_master(self.stream)
         if self.done and self.on_done is not None:
             self.on_done(self.cpu_seconds)
 

@@ -44,6 +44,7 @@ from hf_zero.zero.offload import (
     OffloadedShardedParamGroup,
     check_host_memory,
     host_buffer,
+    intra_op_threads,
     state_bytes_per_element,
     use_host_kernels,
 )
@@ -435,8 +436,9 @@ class ShardedOptimizer:
         if grads:
             torch._foreach_mul_(grads, coef)
         if self.offload_pin is not None:  # the shards already copied to the host (and released) are scaled there
-            for g in self.groups:
-                g.scale_host_copy(coef)
+            with intra_op_threads(self.host_threads):
+                for g in self.groups:
+                    g.scale_host_copy(coef)
 
     def step_and_publish(self, timed: Callable[[str, float], None] | None = None) -> None:
         """Optimizer step on this rank's masters, then publish the new weights to every rank.
