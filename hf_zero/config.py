@@ -8,8 +8,11 @@ into the dataclasses here and in ``config_sections.py``; DeepSpeed keys it accep
 act on are named once in a warning when they ask for something; DeepSpeed features it does not
 have (Apex AMP, ZeRO++, and offload and sequence parallelism for now) are errors, because
 training silently without them would not be the run the user configured; a key DeepSpeed does
-not know either is a "did you mean" error when it is a near-certain misspelling of one, and a
-warning otherwise. The walk itself is ``config_parse.py``.
+not know either is an error inside a section DeepSpeed 0.19.8 closes to unknown keys (``bf16``,
+``zero_optimization``, ...), as DeepSpeed refuses it there, and elsewhere a "did you mean" error
+when it is a near-certain misspelling of one and a warning otherwise; what older DeepSpeed
+accepted and 0.19.8 refuses is accepted with a warning saying so. The walk itself is
+``config_parse.py``.
 
 ``"auto"`` (written by Hugging Face's DeepSpeed configs) means "not given" at this layer: the
 batch keys stay ``None`` and are derived by :meth:`ZeroConfig.resolve_batch_sizes`, other keys

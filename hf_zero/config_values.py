@@ -48,30 +48,36 @@ class Bool:
 
 @dataclass(frozen=True)
 class Int:
-    """An integer >= ``minimum``; integral floats such as ``5e8`` pass, as DeepSpeed configs write them."""
+    """An integer >= ``minimum`` (any integer if None); integral floats such as ``5e8`` pass, as DeepSpeed configs
+    write them."""
 
-    minimum: int = 0
+    minimum: int | None = 0
 
     @property
     def what(self) -> str:
+        if self.minimum is None:
+            return "an integer"
         return "a positive integer" if self.minimum == 1 else f"an integer >= {self.minimum}"
 
     def __call__(self, value: Any, path: str) -> int:
-        if not _is_number(value) or not float(value).is_integer() or value < self.minimum:
+        if (not _is_number(value) or not float(value).is_integer()
+                or (self.minimum is not None and value < self.minimum)):
             raise ConfigError(f"{path}: got {show(value)}, expected {self.what}")
         return int(value)
 
 
 @dataclass(frozen=True)
 class Number:
-    """A finite number >= ``minimum`` (or > it when ``strict``), at most ``maximum`` when one is given."""
+    """A finite number >= ``minimum`` (or > it when ``strict``; any if None), at most ``maximum`` when one is given."""
 
-    minimum: float = 0.0
+    minimum: float | None = 0.0
     strict: bool = False
     maximum: float | None = None
 
     @property
     def what(self) -> str:
+        if self.minimum is None:
+            return "a number"
         if self.maximum is not None:
             return f"a number from {self.minimum:g} to {self.maximum:g}"
         if self.minimum == 0:
@@ -79,7 +85,8 @@ class Number:
         return f"a number {'>' if self.strict else '>='} {self.minimum:g}"
 
     def __call__(self, value: Any, path: str) -> float:
-        if (not _is_number(value) or value < self.minimum or (self.strict and value == self.minimum)
+        low = self.minimum
+        if (not _is_number(value) or (low is not None and (value < low or (self.strict and value == low)))
                 or (self.maximum is not None and value > self.maximum)):
             raise ConfigError(f"{path}: got {show(value)}, expected {self.what}")
         return float(value)
