@@ -8,6 +8,7 @@ argument — every rank reaches the same verdict, so none is left waiting in a c
 from __future__ import annotations
 
 import argparse
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -25,6 +26,16 @@ from hf_zero.pipe.module import PipelineModule
 from hf_zero.sequence.setup import setup_model as setup_sequence_parallel
 from hf_zero.sequence.setup import wrap_loader as wrap_sequence_loader
 from hf_zero.tensor_parallel import setup as setup_tensor_parallel
+
+# The engine initialize built last: what DeepSpeed's module-level groups (deepspeed.utils.groups) describe.
+_latest: list[weakref.ref | None] = [None]
+
+
+def latest_engine() -> ZeroEngine | None:
+    """The engine ``initialize`` returned last, while it lives and is not destroyed (None otherwise)."""
+    ref = _latest[0]
+    engine = ref() if ref is not None else None
+    return None if engine is None or getattr(engine, "_destroyed", False) else engine
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -225,4 +236,5 @@ def initialize(
     loader = _make_dataloader(training_data, collate_fn, cfg, group, place) if training_data is not None else None
     loader = wrap_sequence_loader(loader, sp, model, engine.device) if loader is not None else None
     engine.training_dataloader = loader
+    _latest[0] = weakref.ref(engine)
     return engine, engine.optimizer, loader, sched

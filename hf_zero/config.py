@@ -81,6 +81,7 @@ class ZeroConfig:
     compile: CompileConfig = field(default_factory=CompileConfig)
     nonfinite_loss: str = "skip"  # hf_zero extension: "skip" | "stop" | "off" (config_schema.NONFINITE_LOSS)
     checkpoint_keep_last: int | None = None  # hf_zero extension: checkpoint.keep_last; None keeps every checkpoint
+    checkpoint_tag_validation: str = "Warn"  # checkpoint.tag_validation: "Warn" | "Ignore" | "Fail" (save_checkpoint)
     raw: dict = field(default_factory=dict)  # the user's dict as given (a deep copy)
     auto_keys: set[str] = field(default_factory=set)  # JSON paths whose value was "auto"
 

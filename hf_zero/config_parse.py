@@ -54,6 +54,7 @@ from hf_zero.config_schema import (
     SUPPORTED_SCHEDULERS,
     SWITCH,
     SWITCHES_ACCEPTING_AUTO,
+    TAG_VALIDATION,
     TENSOR_PARALLEL,
     TENSOR_PARALLEL_GROUPS,
     TOP,
@@ -242,6 +243,7 @@ class Parser:
         fields["nonfinite_loss"] = top.get("nonfinite_loss", OneOf(NONFINITE_LOSS), ABSENT)
         checkpoint = self.object(top.raw("checkpoint", '{"keep_last": 3}'), "checkpoint", CHECKPOINT)
         fields["checkpoint_keep_last"] = checkpoint.get("keep_last", Int(1), ABSENT, nullable=True)
+        fields["checkpoint_tag_validation"] = checkpoint.get("tag_validation", OneOf(TAG_VALIDATION), ABSENT)
         fields["optimizer"] = self.named(top, "optimizer", OptimizerConfig, SUPPORTED_OPTIMIZERS, DEEPSPEED_ONLY_OPTIMIZERS)
         fields["scheduler"] = self.named(top, "scheduler", SchedulerConfig, SUPPORTED_SCHEDULERS, DEEPSPEED_ONLY_SCHEDULERS)
         fields["fp16"] = self.fp16(top)

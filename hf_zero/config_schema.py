@@ -83,6 +83,8 @@ COMMUNICATION_DTYPES = ("fp32", "fp16", "bf16")
 # "skip" (the default): the step is skipped and counted in skipped_steps, as fp16 overflows are;
 # "stop": the run raises; "off": no check (DeepSpeed's behaviour, and no host sync per step).
 NONFINITE_LOSS = ("skip", "stop", "off")
+# checkpoint.tag_validation: what save_checkpoint does when ranks pass different tags (DeepSpeed's three modes)
+TAG_VALIDATION = ("Warn", "Ignore", "Fail")
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 PIPELINE_SCHEDULES = ("1f1b", "gpipe")
 COMPILE_KWARGS = ("mode", "fullgraph", "dynamic", "options")
@@ -254,8 +256,9 @@ OFFLOAD_OPTIMIZER = Section(keys=("device", "nvme_path", "buffer_count", "pin_me
 # ---------------------------------------------------------------- the other sections
 
 CHECKPOINT = Section(
-    keys=("keep_last",),  # hf_zero's: save_checkpoint keeps the N newest checkpoints of its folder (null: all)
-    inert={"tag_validation": "Warn", "load_universal": False, "use_node_local_storage": False,
+    # keep_last is hf_zero's: save_checkpoint keeps the N newest checkpoints of its folder (null: all)
+    keys=("keep_last", "tag_validation"),
+    inert={"load_universal": False, "use_node_local_storage": False,
            "checkpoint_serialization": True, "parallel_write": SECTION, "writer": SECTION},
 )
 COMPILE = Section(

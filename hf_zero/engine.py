@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -22,13 +23,14 @@ from hf_zero.checkpoint.ranks import CheckpointLayout
 from hf_zero.checkpointing import checkpoint_blocks
 from hf_zero.config import ZeroConfig
 from hf_zero.data import to_device
-from hf_zero.errors import UsageError
+from hf_zero.errors import CheckpointError, UsageError
 from hf_zero.module_setup import broadcast_module, cast_frozen_params, check_presharded, move_to_device
 from hf_zero.precision import loss_scaler_for, reduce_dtype
 from hf_zero.step import NormScope, StepPolicy
 from hf_zero.tensor_parallel import TensorParallelGroups
 from hf_zero.timers import StepTimers
 from hf_zero.tp_split import split_of
+from hf_zero.zero import attach
 from hf_zero.zero.offload import host_step_threads
 from hf_zero.zero.partition import ShardedOptimizer
 
@@ -120,6 +122,11 @@ class ZeroEngine(torch.nn.Module):
         if self.timers.enabled:
             self.step_policy.timed = self.timers.add
         self.zero_optimizer = self._sharded_optimizer(optimizer) if optimizer is not None else None
+        if self.zero_optimizer is not None:
+            attach.link(self.zero_optimizer)  # deepspeed.utils.safe_get_full_* start from a parameter
+        if stage == 3 and self.zero_optimizer is not None:
+            attach.mark_stage3(model, self.zero_optimizer)  # DeepSpeed's ds_* attributes, for code that reads them
+        self._destroyed = False
         cast_frozen_params(model, self.compute_dtype)
         if config.compile.enabled:  # before checkpointing, so the recomputation runs the compiled blocks too
             self.compile(config.compile.backend, config.compile.kwargs)
@@ -134,8 +141,12 @@ class ZeroEngine(torch.nn.Module):
             torch.cuda.empty_cache()
         if self.inference_only and self.zero_optimizer.runtime is not None:
             self.zero_optimizer.runtime.keep_gathered_for_inference = False
-        self.optimizer = self.zero_optimizer if not self.inference_only else None
         self.basic_optimizer = optimizer if not self.inference_only else None
+        # What initialize returns and DeepSpeed's engine.optimizer is: as in DeepSpeed (_do_optimizer_sanity_check),
+        # the client's (or the config's) optimizer itself where nothing wraps it, stage 0 without fp16/bf16; the
+        # ZeRO wrapper otherwise. Either way the engine steps through zero_optimizer.
+        unwrapped = stage == 0 and self.compute_dtype == torch.float32
+        self.optimizer = self.basic_optimizer if unwrapped else self.zero_optimizer if not self.inference_only else None
         self.lr_scheduler = lr_scheduler
 
     # ------------------------------------------------------------- setup
@@ -318,6 +329,8 @@ class ZeroEngine(torch.nn.Module):
     # ------------------------------------------------------------ step
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._destroyed:
+            raise UsageError("engine.destroy() was called on this engine; build a new one with hf_zero.initialize() to run the model")
         cast = self.compute_dtype if self.compute_dtype != torch.float32 else None
         args = to_device(args, self.device, cast)
         kwargs = to_device(kwargs, self.device, cast)
@@ -423,6 +436,34 @@ class ZeroEngine(torch.nn.Module):
             extra = f", loss_scale={result.loss_scale:g}" if self.loss_scaler is not None else ""
             logger.info("step=%d, skipped=%d, lr=[%s]%s", self.global_steps, self.skipped_steps, lrs, extra)
 
+    def destroy(self) -> None:
+        """DeepSpeed's ``engine.destroy()``: release what the engine holds; a second call does nothing.
+
+        The engine's hooks come off the module and its parameters; gradients, fp32 masters, optimizer
+        state and gathered buffers are released, also where the caller still holds the engine or the
+        optimizer ``initialize`` returned (whose param groups are emptied); the engine drops its
+        process groups. The module stays usable without the engine: at stages 0-2 its parameters are
+        whole, at stage 3 they are ``zero.Init``'s per-rank slices (``GatheredParameters`` gathers them,
+        ``initialize`` shards them again), as DeepSpeed leaves them partitioned. At stage 3 every rank
+        calls it (each group is gathered once to cut the slices; see ``hf_zero/zero/attach.py``).
+        """
+        if self._destroyed:
+            return
+        zo = self.zero_optimizer
+        if zo is not None:
+            if self.world_size == 1:
+                attach.detach(self.module, zo)
+            else:
+                with hz_dist.peer_failure_guard("destroy"):
+                    attach.detach(self.module, zo)
+        self.zero_optimizer = self.optimizer = self.basic_optimizer = None
+        self.step_policy.forget()
+        self._global_grad_norm = None
+        self.group = self.tensor_parallel_groups = None
+        if hasattr(self, "sequence_parallel_groups"):
+            self.sequence_parallel_groups = None
+        self._destroyed = True
+
     def zero_grad(self) -> None:
         """Drop the gradients (and a norm computed from them); the step does this itself."""
         self.step_policy.forget()
@@ -444,6 +485,8 @@ class ZeroEngine(torch.nn.Module):
         """
         from hf_zero.checkpoint.save import save
 
+        if not save_dir:
+            raise UsageError(f"save_checkpoint(save_dir={save_dir!r}): name the folder to save the checkpoint in")
         if exclude_frozen_parameters:
             raise UsageError("save_checkpoint(exclude_frozen_parameters=True) is not supported yet; leave it False")
         if keep_last is None:
@@ -467,10 +510,19 @@ class ZeroEngine(torch.nn.Module):
         """Restore a checkpoint written by ``save_checkpoint`` at any world size and stage.
 
         A DeepSpeed checkpoint folder (ZeRO 0-3) is recognised and read as it is
-        (``checkpoint/deepspeed.py``). Returns ``(path, client_state)`` as DeepSpeed does.
+        (``checkpoint/deepspeed.py``). Returns ``(path, client_state)`` as DeepSpeed does; with no
+        ``tag`` and no ``latest`` file in ``load_dir`` (nothing saved there yet) it warns and returns
+        ``(None, None)`` without touching anything, as DeepSpeed does, so "resume if there is a
+        checkpoint" start-up code runs unchanged.
         """
         from hf_zero.checkpoint import deepspeed as ds_checkpoint
         from hf_zero.checkpoint.load import load
+
+        if tag is None and not self._has_latest(load_dir):
+            logger.warning(
+                "Unable to find latest file at %s, if trying to load latest checkpoint please ensure this file exists "
+                "or pass an explicit checkpoint tag when loading a checkpoint.", os.path.join(load_dir, "latest"))
+            return None, None
 
         if not load_module_strict:
             raise UsageError("load_checkpoint(load_module_strict=False) is not supported yet; the model must match the checkpoint")
@@ -487,6 +539,22 @@ class ZeroEngine(torch.nn.Module):
                 self, load_dir, tag, load_optimizer_states=load_optimizer_states,
                 load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
             )
+
+    def _has_latest(self, load_dir: str) -> bool:
+        """Whether ``load_dir`` names a checkpoint to load without a tag: its ``latest`` file (or the folder is a
+        DeepSpeed checkpoint itself), the same answer on every rank (a rank that sees none while another does,
+        a folder on a disk not shared by all, is refused on every rank rather than left waiting in the load)."""
+        from hf_zero.checkpoint import deepspeed as ds_checkpoint
+
+        lay = self.checkpoint_layout()
+        mine = os.path.isfile(os.path.join(load_dir, "latest")) or ds_checkpoint.is_deepspeed_checkpoint(load_dir, None)
+        every = [v[0] for v in hz_dist.gather_ints([int(mine)], lay.group)] if lay.world > 1 else [int(mine)]
+        if any(every) and not all(every):
+            raise CheckpointError(
+                f"load_checkpoint({load_dir!r}): rank {every.index(1)} finds a 'latest' file there but rank "
+                f"{every.index(0)} does not; put the checkpoint where every rank reads it"
+            )
+        return mine
 
     def checkpoint_layout(self) -> CheckpointLayout:
         """Which ranks write a checkpoint of this engine together: its data-parallel group, each rank the whole model;

@@ -263,7 +263,7 @@ def _count_module(module: Any) -> int:
     for p in module.parameters():
         if p.requires_grad and id(p) not in seen:
             seen.add(id(p))
-            total += p.numel()
+            total += int(p.__dict__.get("ds_numel", p.numel()))  # a zero.Init parameter is 0 elements outside a gather
     return total
 
 

@@ -17,6 +17,7 @@ every rank, removes the half-written folder and leaves the previous checkpoints 
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 from typing import Any
@@ -38,8 +39,10 @@ from hf_zero.checkpoint.format import (
 )
 from hf_zero.checkpoint.ranks import CheckpointLayout, agree, attempt, pool
 from hf_zero.dist import gather_json
-from hf_zero.errors import CheckpointError
+from hf_zero.errors import CheckpointError, CheckpointTagError
 from hf_zero.tp_split import checkpoint_name, stored_names, table_entry
+
+logger = logging.getLogger("hf_zero")
 
 
 def optimizer_table(engine: Any) -> dict[str, Any]:
@@ -71,6 +74,29 @@ def optimizer_table(engine: Any) -> dict[str, Any]:
     }
 
 
+def agreed_tag(tags: list[str], mode: str, rank: int) -> str:
+    """The one tag every rank writes, from every rank's ``tags`` (by rank), as ``checkpoint.tag_validation`` says.
+
+    A checkpoint is one folder that every rank writes into and rank 0 publishes, so ranks cannot each
+    keep a tag of their own as DeepSpeed's ranks do (its ``Warn`` and ``Ignore`` then save under
+    several tags). ``Fail`` refuses different tags on every rank; ``Warn`` (the default) names them and
+    saves under rank 0's; ``Ignore`` saves under rank 0's without a word.
+    """
+    if all(t == tags[0] for t in tags):
+        return tags[0]
+    r = next(r for r, t in enumerate(tags) if t != tags[0])
+    differ = f"rank 0 passed tag {tags[0]!r} and rank {r} passed {tags[r]!r}"
+    if mode == "Fail":
+        raise CheckpointTagError(
+            f"save_checkpoint: the checkpoint tag is not the same on every rank ({differ}) and the config's "
+            'checkpoint.tag_validation is "Fail"; pass one tag on every rank (leave out anything rank-specific)'
+        )
+    if mode == "Warn" and rank == 0:
+        logger.warning("save_checkpoint: the checkpoint tag is not the same on every rank (%s); saving under rank 0's "
+                       "tag %r (set checkpoint.tag_validation to \"Fail\" to refuse instead)", differ, tags[0])
+    return tags[0]
+
+
 def _checked_tag(engine: Any, tag: str | None) -> str:
     """The tag to write (``global_step<N>`` by default), after the checks every rank makes alike."""
     if engine.zero_optimizer is None:
@@ -96,18 +122,23 @@ def save(
     ranks agree on it, so none is left waiting; the half-written folder is removed and the
     previous checkpoints and ``latest`` stay as they were.
     """
-    tag = _checked_tag(engine, tag)
     lay: CheckpointLayout = engine.checkpoint_layout()
     group, rank = lay.group, lay.rank
-    partial = atomic.partial_dir(save_dir, tag)
-    client = to_json(client_state or {}, "client_state")  # every rank checks before anything is written
-    # The optimizer and parameter table (one per stage in a pipeline) is made and checked on
-    # every rank before anything is written, so a state that cannot be stored (a param group
-    # value JSON cannot hold, a scheduler whose state_dict fails) stops every rank with the same
-    # sentence instead of rank 0 alone, after the others are already waiting for it.
-    mine, err = attempt(lambda: optimizer_table(engine) if lay.stage is None or lay.dp_rank == 0 else None)
-    pooled = gather_json({"table": mine if lay.stage is not None else None, "error": err}, group)
+    # The tag, the client state and the optimizer and parameter table (one per stage in a pipeline) are
+    # made and checked on every rank before anything is written, so a state that cannot be stored (a
+    # param group value JSON cannot hold, a scheduler whose state_dict fails) or a tag one rank refuses
+    # stops every rank with the same sentence instead of rank 0 alone, after the others are already waiting.
+    tag, err = attempt(lambda: _checked_tag(engine, tag))
+    client: Any = None
+    if err is None:
+        client, err = attempt(lambda: to_json(client_state or {}, "client_state"))
+    mine = None
+    if err is None:
+        mine, err = attempt(lambda: optimizer_table(engine) if lay.stage is None or lay.dp_rank == 0 else None)
+    pooled = gather_json({"table": mine if lay.stage is not None else None, "error": err, "tag": tag}, group)
     agree([p["error"] for p in pooled], save_dir)
+    tag = agreed_tag([p["tag"] for p in pooled], engine.config.checkpoint_tag_validation, rank)
+    partial = atomic.partial_dir(save_dir, tag)
     stage_tables = [p["table"] for p in pooled if p["table"] is not None]  # rank order is stage order
     table = stage_tables[0] if stage_tables else mine
 

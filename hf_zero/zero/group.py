@@ -191,6 +191,13 @@ class ShardGroup(abc.ABC):
         assert self.master is not None
         self.master.grad = grad
 
+    def grad_values(self, writable: bool = False) -> torch.Tensor | None:
+        """This rank's averaged gradient shard wherever it is now, for reading (or, ``writable``, editing) it
+        between backward and step (``deepspeed.utils.safe_get_full_grad``): :meth:`reduced_grad`, or an
+        offloaded group's host copy once its device shard was released (``writable`` brings it back, so the
+        step's norm sees the edit)."""
+        return self.reduced_grad()
+
     copy_after_reduce = False  # an offloaded group: copy the reduced shard to the host as soon as it is final
 
     def before_step(self) -> None:  # noqa: B027 - a no-op unless the master lives elsewhere, not abstract

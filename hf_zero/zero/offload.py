@@ -109,6 +109,15 @@ class _HostMaster(ShardGroup):
             if self.master is not None:
                 self.master.grad = None  # the host buffer stays for the next step
 
+    def grad_values(self, writable: bool = False) -> torch.Tensor | None:
+        if self._released is not None:
+            if writable:
+                self._unrelease(None)
+                return self._device_grad
+            self._wait_for_host_copy()
+            return self._host_grad
+        return self._device_grad
+
     def grad_sq_sum(self) -> torch.Tensor:
         return self._released[0] if self._released is not None else super().grad_sq_sum()
 

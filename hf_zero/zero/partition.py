@@ -49,6 +49,7 @@ from hf_zero.zero.offload import (
     use_host_kernels,
 )
 from hf_zero.zero.overlap import DeferredPublish
+from hf_zero.zero.param_attrs import full_numel
 from hf_zero.zero.preshard import materialize_
 from hf_zero.zero.stage3 import ShardedParamGroup, Stage3Runtime, Unit, find_units, input_embedding_unit
 
@@ -141,15 +142,15 @@ def _largest_group_bound(module: torch.nn.Module, group_named: list[NamedParams]
     param group, so a unit's total bounds them). Each rank holds ``1/world`` of either.
     """
     params = [p for named in group_named for _, p in named]
-    small = [p for p in params if stage < 3 or p.numel() < threshold]
-    biggest = max([min(bucket_numel, sum(p.numel() for p in small)), *(p.numel() for p in small)], default=0)
+    small = [p for p in params if stage < 3 or full_numel(p) < threshold]
+    biggest = max([min(bucket_numel, sum(full_numel(p) for p in small)), *(full_numel(p) for p in small)], default=0)
     if stage == 3:
-        trainable = {id(p) for p in params if p.numel() >= threshold}
+        trainable = {id(p) for p in params if full_numel(p) >= threshold}
         _, unit_of = _assign_units(module)
         per_unit: dict[int, int] = defaultdict(int)
         for p in module.parameters():
             if id(p) in trainable:
-                per_unit[unit_of.get(id(p), -1)] += p.numel()
+                per_unit[unit_of.get(id(p), -1)] += full_numel(p)
         biggest = max([biggest, *per_unit.values()])
     return math.ceil(biggest / world)
 
@@ -232,7 +233,7 @@ class ShardedOptimizer:
         if offload_pin is not None or self.param_offload_pin is not None:
             # planned before any host buffer exists: fp32 master + gradient copy + state, offloaded 16-bit shards
             def shard_of(named: list) -> int:
-                return sum(math.ceil(p.numel() / self.place.world_size) for _, p in named)
+                return sum(math.ceil(full_numel(p) / self.place.world_size) for _, p in named)  # zero.Init's: 0 elements
 
             frozen = [(n, p) for n, p in module.named_parameters() if not p.requires_grad]
             params = self.param_offload_pin is not None

@@ -41,12 +41,18 @@ import torch
 
 from hf_zero.zero import collectives as C
 from hf_zero.zero.group import Placement, ShardGroup, pack_grads
+from hf_zero.zero.param_attrs import ZeroParamStatus, set_status
 
 
 class ShardState(enum.Enum):
     SHARDED = "sharded"
     GATHERING = "gathering"  # all-gather issued on the side stream, not yet waited on
     GATHERED = "gathered"
+
+
+# DeepSpeed's ds_status of a parameter in each state of its group
+DS_STATUS = {ShardState.SHARDED: ZeroParamStatus.NOT_AVAILABLE, ShardState.GATHERING: ZeroParamStatus.INFLIGHT,
+              ShardState.GATHERED: ZeroParamStatus.AVAILABLE}
 
 
 class ShardedParamGroup(ShardGroup):
@@ -94,6 +100,16 @@ class ShardedParamGroup(ShardGroup):
             self.full.untyped_storage().resize_(0)
         self.state = ShardState.SHARDED
         self._event: torch.cuda.Event | None = None
+
+    @property
+    def state(self) -> ShardState:
+        return self._state
+
+    @state.setter
+    def state(self, state: ShardState) -> None:
+        # DeepSpeed's ds_status of the parameters follows (hf_zero/zero/param_attrs.py), for code that asks it
+        self._state = state
+        set_status((s.param for s in self.slots), DS_STATUS[state])
 
     def owned_values(self) -> torch.Tensor:
         """The fp32 master shard, or a frozen group's shard in the compute dtype."""
