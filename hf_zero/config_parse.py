@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import warnings
 from collections.abc import Iterable
 from typing import Any
@@ -234,7 +235,9 @@ class Parser:
         fields["communication_data_type"] = top.get("communication_data_type", OneOf(COMMUNICATION_DTYPES), ABSENT,
                                                     nullable=True)
         top.get("gradient_predivide_factor", Number(0.0, strict=True), ABSENT)  # inert, but a value must make sense
-        fields["steps_per_print"] = top.get("steps_per_print", Int(1), ABSENT, nullable=True)
+        # inf (DeepSpeed takes it: no step count is a multiple of it) is what Accelerate's DeepSpeedPlugin writes for "never"
+        spp = top.values.get("steps_per_print")
+        fields["steps_per_print"] = None if spp == math.inf else top.get("steps_per_print", Int(1), ABSENT, nullable=True)
         fields["wall_clock_breakdown"] = top.get("wall_clock_breakdown", Bool(), ABSENT)
         fields["seed"] = top.get("seed", Int(0), ABSENT, nullable=True)
         fields["sequence_parallel_size"] = top.get("sequence_parallel_size", Int(1), ABSENT)

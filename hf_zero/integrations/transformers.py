@@ -27,6 +27,7 @@ import transformers
 
 from hf_zero import dist as hz_dist
 from hf_zero.errors import ConfigError, UsageError
+from hf_zero.integrations import deepspeed_plugin as ds_plugin
 from hf_zero.integrations.accelerate import Accelerator, launched_without_gpus
 from hf_zero.integrations.autofill import (
     fill_auto,
@@ -52,7 +53,9 @@ class TrainingArguments(transformers.TrainingArguments):
     The config is checked when the arguments are built, on every rank, before any model is loaded:
     hf_zero's parser (a misspelt key, a feature hf_zero lacks) and its contradictions with these
     arguments. Launched as several processes on a machine without GPUs, the run uses the CPU over
-    gloo (``use_cpu``) so the data is sharded and only rank 0 logs and saves.
+    gloo (``use_cpu``) so the data is sharded and only rank 0 logs and saves. Started by ``hf-zero launch
+    --config_file`` with a ``distributed_type: DEEPSPEED`` Accelerate YAML and no ``zero_config``, the
+    YAML's DeepSpeed config is the ``zero_config`` (as transformers takes it from ``accelerate launch``).
     """
 
     zero_config: dict | str | None = field(
@@ -67,6 +70,11 @@ class TrainingArguments(transformers.TrainingArguments):
                 raise ValueError("TrainingArguments: got both zero_config and deepspeed, which are one setting in "
                                  "hf_zero; pass only one of them")
             self.zero_config, self.deepspeed = self.deepspeed, None
+        if self.zero_config is None and ds_plugin.launched_with_deepspeed_yaml():
+            # hf-zero launch --config_file: the YAML's DeepSpeed config, as transformers takes Accelerate's plugin
+            # under ACCELERATE_USE_DEEPSPEED, in the run's precision (--fp16/--bf16, else the YAML's mixed_precision)
+            mixed = "fp16" if self.fp16 else "bf16" if self.bf16 else os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
+            self.zero_config = ds_plugin.zero_config_of(ds_plugin.plugin_from_environment(), mixed)
         config = load_zero_config(self.zero_config) if self.zero_config is not None else None
         if config is not None and not torch.cuda.is_available():
             if self.ddp_backend == "nccl":
