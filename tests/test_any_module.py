@@ -263,7 +263,7 @@ def _data(kind: str, global_batch: int) -> list[dict]:
             ids = torch.randint(0, VOCAB, (global_batch, SEQ), generator=g)
             steps.append({"ids": ids, "labels": torch.randint(0, VOCAB, (global_batch, SEQ), generator=g)})
         elif kind in ("resnet", "vit"):
-            size = 64 if kind == "resnet" else 8
+            size = 48 if kind == "resnet" else 8
             steps.append({"x": torch.randn(global_batch, 3, size, size, generator=g),
                           "labels": torch.randint(0, 7, (global_batch,), generator=g)})
         else:
