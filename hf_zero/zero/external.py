@@ -12,7 +12,9 @@ weight. Three things here deal with that:
   *pins* that unit: gathers it on the spot (every rank runs the same code, so the collective matches)
   and from then on treats it as it treats the root unit, whole from the root's pre-forward until its
   gradients are reduced. Only the first forwards are watched: a mode sees every op of the step, which
-  costs milliseconds a step on a GPU (a 7B forward is about a thousand ops).
+  costs milliseconds a step on a GPU (a 7B forward is about a thousand ops). A ``torch.compile``-d block
+  runs unwatched (:func:`outside_reads_paused`, ``hf_zero/compile.py``): traced under the mode, dynamo
+  would compile it twice; a weight of another unit read inside compiled code is therefore not found.
 - :func:`register_external_parameter` and :func:`unregister_external_parameter`, DeepSpeed's names
   (``deepspeed.zero.register_external_parameter``), for what the first forwards cannot see: a code path
   that first runs later. DeepSpeed gathers such a parameter with the module that registered it; here
@@ -27,6 +29,7 @@ weight. Three things here deal with that:
 
 from __future__ import annotations
 
+import contextlib
 import re
 import traceback
 from collections.abc import Callable, Iterable, Iterator
@@ -34,7 +37,10 @@ from collections.abc import Callable, Iterable, Iterator
 import torch
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["OutsideReads", "explain_unallocated", "register_external_parameter", "unregister_external_parameter"]
+__all__ = [
+    "OutsideReads", "explain_unallocated", "outside_reads_paused", "register_external_parameter",
+    "unregister_external_parameter",
+]
 
 # Reading these tells nothing about a tensor's values: a forward that asks a weight's shape (nanoGPT's
 # LayerNorm passes ``self.weight.shape``) or dtype outside its unit has not read it.
@@ -91,6 +97,13 @@ class OutsideReads(TorchFunctionMode):
                     if id(p) in self.watched:
                         self.on_read(p)
         return func(*args, **kwargs)
+
+
+def outside_reads_paused() -> contextlib.AbstractContextManager:
+    """Run a block unwatched when :class:`OutsideReads` is the innermost mode (a ``torch.compile``-d block's code)."""
+    if torch._C._len_torch_function_stack() and isinstance(torch.overrides._get_current_function_mode(), OutsideReads):
+        return torch.overrides._pop_mode_temporarily()
+    return contextlib.nullcontext()
 
 
 # ------------------------------------------------------------------ DeepSpeed's external parameters

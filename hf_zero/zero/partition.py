@@ -127,11 +127,23 @@ def _assign_units(module: torch.nn.Module) -> tuple[list[tuple[str, torch.nn.Mod
     embedding = input_embedding_unit(module, unit_mods)
     if embedding is not None:
         unit_mods = [embedding, *unit_mods]
-    prefixes = [n + "." for n, _ in unit_mods]
     owner: dict[int, int] = {}
-    for name, p in module.named_parameters(remove_duplicate=False):
-        ui = next((i for i, pre in enumerate(prefixes) if name.startswith(pre)), -1)
-        owner[id(p)] = ui if owner.get(id(p), ui) == ui else -1
+    for ui, (_, m) in enumerate(unit_mods):
+        for p in m.parameters():
+            owner[id(p)] = ui if owner.get(id(p), ui) == ui else -1
+    # what the root reaches without passing through a unit (the same module object repeated in a ModuleList,
+    # ALBERT's shared layer, is one unit called many times, not a way around it)
+    units = {id(m) for _, m in unit_mods}
+    stack, seen = [module], set()
+    while stack:
+        m = stack.pop()
+        if id(m) in seen or id(m) in units:
+            continue
+        seen.add(id(m))
+        for p in m._parameters.values():
+            if p is not None:
+                owner[id(p)] = -1
+        stack.extend(c for c in m._modules.values() if c is not None)
     kept = sorted({ui for ui in owner.values() if ui >= 0})
     renumber = {old: new for new, old in enumerate(kept)}
     unit_of = {pid: renumber.get(ui, -1) for pid, ui in owner.items() if ui >= 0}
