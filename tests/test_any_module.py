@@ -11,9 +11,9 @@ micro-batch under any data parallelism (DDP's numbers): its oracle is one proces
 micro-batches one after the other, as gradient accumulation over ``world`` micro-batches.
 
 Then the reads stage 3 cannot hook (:mod:`hf_zero.zero.external`), each at stage 3 against one process: a
-block called twice per forward, ``F.linear(x, self.head.weight)`` in the root's forward, a module used
-through a method other than its ``forward``, a block reading the next block's weight (which prefetch has
-already gathered when it reads it), a first read in a no-grad forward, ``register_external_parameter``
+block called twice per forward, the same layer object three times in a ModuleList, ``F.linear(x,
+self.head.weight)`` in the root's forward, a module used through a method other than its ``forward``, a
+block reading the next block's weight, a first read in a no-grad forward, ``register_external_parameter``
 before and after ``initialize`` for a read that first happens at step 2, and the one-sentence error for
 such a read left unregistered.
 """
@@ -185,7 +185,12 @@ class ByMethod(torch.nn.Module):
 
 
 class CrossRead(torch.nn.Module):
-    """Block 0 reads block 1's weight inside its own forward (prefetch has gathered block 1 by then)."""
+    """Block 0 reads block 1's weight inside its own forward, while block 1 is not running.
+
+    From the second step on prefetch has gathered block 1 when block 0 runs, so a watch asking "is it gathered?"
+    rather than "is its unit running?" would miss it on a first no-grad forward after training; and block 0's
+    backward, which comes after block 1's, reads it again.
+    """
 
     def __init__(self) -> None:
         super().__init__()

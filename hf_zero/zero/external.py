@@ -180,8 +180,8 @@ def explain_unallocated(
 
     ``sharded`` maps ``id(param)`` of every sharded parameter to ``(parameter name, unit name)``. The
     parameter is named when it can be told: of those whose storage is empty now, the ones held by the
-    module whose code raised (the innermost frame's ``self``), narrowed by the shape in PyTorch's message;
-    the line of code is named always.
+    module whose code raised (the innermost frame's ``self``; else any), narrowed by the names on the line
+    of code and by the shape in PyTorch's message; the line of code is named always.
     """
     text = str(error)
     if not isinstance(error, RuntimeError) or not any(s in text for s in _UNALLOCATED):
@@ -203,11 +203,13 @@ def explain_unallocated(
         shape = tuple(int(x) for x in m.group(1).replace(" ", "").split(",") if x)
     line = (user[-1].line or "") if user else ""
     candidates = []
-    for name, p in (owner or root).named_parameters():
-        info = sharded.get(id(p))
-        if info is None or p.untyped_storage().nbytes() > 0:
-            continue
-        candidates.append((info, p, name))
+    for scope in [owner, root] if owner is not None and owner is not root else [root]:
+        for name, p in scope.named_parameters():
+            info = sharded.get(id(p))
+            if info is not None and p.untyped_storage().nbytes() == 0:
+                candidates.append((info, p, name))
+        if candidates:  # the module's own first; else another module's weight it was handed
+            break
     # narrowed by what the line of code names (`self.aux.weight`), then by the shape PyTorch's message gives
     if len(candidates) > 1:
         candidates = [c for c in candidates if re.search(rf"\b{re.escape(c[2])}\b", line)] or candidates
