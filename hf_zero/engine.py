@@ -334,11 +334,26 @@ class ZeroEngine(torch.nn.Module):
         cast = self.compute_dtype if self.compute_dtype != torch.float32 else None
         args = to_device(args, self.device, cast)
         kwargs = to_device(kwargs, self.device, cast)
+        runtime = self.zero_optimizer.runtime if self.zero_optimizer is not None else None
         with self.autocast(), self.timers.span("forward"):
-            if self.world_size == 1:
-                return self.module(*args, **kwargs)
-            with hz_dist.peer_failure_guard("forward"):  # stage 3 gathers parameters here
-                return self.module(*args, **kwargs)
+            if runtime is None:
+                return self._call_module(args, kwargs)
+            # Stage 3: the first forwards find parameters read outside their unit's forward (hf_zero/zero/external.py);
+            # a later such read, on a path they did not take, fails in PyTorch: say what it was and what to do.
+            try:
+                with runtime.watch():
+                    return self._call_module(args, kwargs)
+            except RuntimeError as e:
+                sentence = runtime.explain(e)
+                if sentence is None:
+                    raise
+                raise UsageError(sentence) from e
+
+    def _call_module(self, args: tuple, kwargs: dict) -> Any:
+        if self.world_size == 1:
+            return self.module(*args, **kwargs)
+        with hz_dist.peer_failure_guard("forward"):  # stage 3 gathers parameters here
+            return self.module(*args, **kwargs)
 
     def autocast(self) -> contextlib.AbstractContextManager:
         """The config's ``torch_autocast`` around a forward (DeepSpeed's); a no-op context when it is off.

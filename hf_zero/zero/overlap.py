@@ -54,7 +54,7 @@ def blocks_of(module: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     """The outermost modules of the model's ``_no_split_modules`` classes, in registration order (none: [])."""
     names = set(getattr(module, "_no_split_modules", None) or [])
     if not names or not any(type(m).__name__ in names for m in module.modules() if m is not module):
-        return []  # find_units would fall back to top-level children, which a parent may read directly
+        return []  # find_units would walk the tree for units instead, whose weights a parent may read directly
     return find_units(module)
 
 

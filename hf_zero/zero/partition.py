@@ -119,18 +119,37 @@ def _trainable_by_param_group(module: torch.nn.Module, optimizer: torch.optim.Op
 
 
 def _assign_units(module: torch.nn.Module) -> tuple[list[tuple[str, torch.nn.Module]], dict[int, int]]:
-    """Stage 3's units (the input embedding first when it is one) and each parameter's unit (-1: the root)."""
+    """Stage 3's units (the input embedding first when it is one) and each parameter's unit (-1: the root).
+
+    A parameter reachable under two units, or under a unit and outside every unit (a tied embedding and LM
+    head, a weight a parent module also holds), must be whole whenever any of them runs: it joins the root
+    unit, which stays gathered for the whole step. A unit left with no parameter of its own is dropped.
+    """
     unit_mods = find_units(module)
     embedding = input_embedding_unit(module, unit_mods)
     if embedding is not None:
         unit_mods = [embedding, *unit_mods]
-    unit_of: dict[int, int] = {}
+    owner: dict[int, int] = {}
     for ui, (_, m) in enumerate(unit_mods):
         for p in m.parameters():
-            # A weight shared by two units (a tied embedding and LM head) must be whole whenever
-            # either runs: it joins the root unit, which stays gathered for the whole step.
-            unit_of[id(p)] = ui if unit_of.get(id(p), ui) == ui else -1
-    return unit_mods, unit_of
+            owner[id(p)] = ui if owner.get(id(p), ui) == ui else -1
+    # what the root reaches without passing through a unit (the same module object repeated in a ModuleList,
+    # ALBERT's shared layer, is one unit called many times, not a way around it)
+    units = {id(m) for _, m in unit_mods}
+    stack, seen = [module], set()
+    while stack:
+        m = stack.pop()
+        if id(m) in seen or id(m) in units:
+            continue
+        seen.add(id(m))
+        for p in m._parameters.values():
+            if p is not None:
+                owner[id(p)] = -1
+        stack.extend(c for c in m._modules.values() if c is not None)
+    kept = sorted({ui for ui in owner.values() if ui >= 0})
+    renumber = {old: new for new, old in enumerate(kept)}
+    unit_of = {pid: renumber.get(ui, -1) for pid, ui in owner.items() if ui >= 0}
+    return [unit_mods[ui] for ui in kept], unit_of
 
 
 def _largest_group_bound(module: torch.nn.Module, group_named: list[NamedParams], stage: int, bucket_numel: int,
