@@ -68,6 +68,10 @@ COMMUNICATION_DTYPES = ("fp32", "fp16", "bf16")
 # "skip" (the default): the step is skipped and counted in skipped_steps, as fp16 overflows are;
 # "stop": the run raises; "off": no check (DeepSpeed's behaviour, and no host sync per step).
 NONFINITE_LOSS = ("skip", "stop", "off")
+# checkpoint.save_on_signal: the signals a scheduler announces the end of a job with, all catchable: SIGTERM
+# (SLURM, Kubernetes, PBS, spot instances), SIGUSR1/SIGUSR2 (SLURM's --signal, LSF), SIGINT, SIGHUP, SIGQUIT,
+# and SIGXCPU (a CPU-time soft limit, Grid Engine).
+CATCHABLE_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT", "SIGHUP", "SIGQUIT", "SIGXCPU")
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 PIPELINE_SCHEDULES = ("1f1b", "gpipe")
 COMPILE_KWARGS = ("mode", "fullgraph", "dynamic", "options")
@@ -212,7 +216,10 @@ OFFLOAD_OPTIMIZER = Section(keys=("device", "nvme_path", "buffer_count", "pin_me
 # ---------------------------------------------------------------- the other sections
 
 CHECKPOINT = Section(
-    keys=("keep_last",),  # hf_zero's: save_checkpoint keeps the N newest checkpoints of its folder (null: all)
+    # hf_zero's: keep_last (save_checkpoint keeps the N newest checkpoints of its folder; null: all);
+    # save_on_signal, save_dir, grace_seconds (a preemption's resume checkpoint, hf_zero/preemption.py);
+    # async_save (checkpoints written by a background thread, hf_zero/checkpoint/background.py)
+    keys=("keep_last", "save_on_signal", "save_dir", "grace_seconds", "async_save"),
     inert={"tag_validation": "Warn", "load_universal": False, "use_node_local_storage": False,
            "checkpoint_serialization": True, "parallel_write": SECTION, "writer": SECTION},
 )
