@@ -174,6 +174,20 @@ class _Watch:
             self.thread.start()
         return True
 
+    def release(self) -> None:
+        """The run is failing (a peer died): the signals act as before hf_zero watched them, so torchrun's SIGTERM
+        to the survivors stops them as it did; one that already arrived is delivered again now."""
+        if self.users == 0 or threading.current_thread() is not threading.main_thread():
+            return
+        for s in list(self.signals):
+            if signal.getsignal(s) == self._handler:
+                signal.signal(s, self.previous.get(s, signal.SIG_DFL))
+        if self._wakeup_is_ours():
+            signal.set_wakeup_fd(-1)
+        first, self.first, self.done = self.first, None, True
+        if first is not None:
+            signal.raise_signal(first[0])
+
     def stop(self) -> None:
         """One user fewer; the last one puts the previous handlers back."""
         with self.lock:
@@ -233,6 +247,12 @@ def received() -> int | None:
 def watching() -> bool:
     """Whether any engine of this process watches signals now."""
     return _WATCH.users > 0
+
+
+def release() -> None:
+    """A peer failed or the script is dying of an exception: no preemption save can happen any more, so the
+    watched signals get their previous handlers back (see :meth:`_Watch.release`)."""
+    _WATCH.release()
 
 
 def acting() -> None:

@@ -86,7 +86,9 @@ class BackgroundWriter:
 
     def __init__(self, pin: bool) -> None:
         self.pin = pin
-        self.buffers: dict[str, torch.Tensor] = {}
+        # key -> (the flat host buffer, its view in the tensor's shape): the flat one is kept because its pages
+        # stay registered with CUDA (pinned) for as long as that tensor object lives (zero/offload.py host_buffer)
+        self.buffers: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self.group: Any = None
         self.group_of: Any = object()  # the training group the writers' group was made for
         self.job: WriteJob | None = None
@@ -163,8 +165,8 @@ class BackgroundWriter:
         return [None] * len(rows)
 
     def _reusable(self, key: str, view: torch.Tensor, dtype: torch.dtype) -> bool:
-        buf = self.buffers.get(key)
-        return buf is not None and buf.dtype == dtype and buf.shape == view.shape
+        held = self.buffers.get(key)
+        return held is not None and held[1].dtype == dtype and held[1].shape == view.shape
 
     def copy(self, plan: dict[str, tuple[torch.Tensor, torch.dtype]]) -> tuple[dict[str, torch.Tensor], Any]:
         """This rank's share in its host buffers (allocated at the first save, reused after), and the event to wait for."""
@@ -172,8 +174,9 @@ class BackgroundWriter:
         on_gpu = False
         for key, (view, dtype) in plan.items():
             if not self._reusable(key, view, dtype):
-                self.buffers[key] = host_buffer(view.numel(), dtype, self.pin).view(view.shape)
-            buf = self.buffers[key]
+                flat = host_buffer(view.numel(), dtype, self.pin)
+                self.buffers[key] = (flat, flat.view(view.shape))
+            buf = self.buffers[key][1]
             on_gpu = on_gpu or view.device.type == "cuda"
             buf.copy_(view, non_blocking=self.pin and view.device.type == "cuda")
             out[key] = buf
