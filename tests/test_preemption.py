@@ -70,6 +70,9 @@ def _slow_saves(out: Path, rank: int) -> None:
 
 
 def engine_main(out: Path, rank: int) -> None:
+    import random
+
+    import numpy as np
     import torch
 
     import hf_zero
@@ -78,6 +81,8 @@ def engine_main(out: Path, rank: int) -> None:
     if os.environ.get("HFZ_TEST_FILESTORE"):
         hf_zero.init_distributed(init_method="file://" + os.environ["HFZ_TEST_FILESTORE"])
     world = int(os.environ["WORLD_SIZE"])
+    random.seed(rank)  # the checkpoint stores Python's and NumPy's streams too: the same in every run
+    np.random.seed(rank)
     checkpoint = {"save_on_signal": ["SIGTERM", "SIGUSR1"], **json.loads(os.environ.get("HFZ_TEST_CHECKPOINT", "{}"))}
     cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": GAS, "steps_per_print": None,
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "checkpoint": checkpoint,
@@ -227,10 +232,11 @@ def _same_weights(a: Path, b: Path) -> None:
 
 @pytest.fixture(scope="module")
 def engine_reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A run never interrupted: its final weights, and its checkpoints of steps 2, 4, 6 and 8 in ``ckpt``."""
     out = tmp_path_factory.mktemp("engine_ref")
     for code, text in _finish(_by_hand(out, HFZ_TEST_MODE="engine")):
         assert code == 0, text[-3000:]
-    return out / "final"
+    return out
 
 
 def test_sigterm_to_torchrun_between_micro_steps_saves_exits_143_and_resumes_to_the_same_weights(
@@ -254,14 +260,16 @@ def test_sigterm_to_torchrun_between_micro_steps_saves_exits_143_and_resumes_to_
                                HFZ_TEST_CHECKPOINT=json.dumps({"save_dir": str(tmp_path / "preempt")})))
     assert [c for c, _ in resumed] == [0, 0], resumed[0][1][-3000:]
     assert (tmp_path / "resumed_rank1").read_text() == "global_step5"
-    _same_weights(tmp_path / "final", engine_reference)
+    _same_weights(tmp_path / "final", engine_reference / "final")
 
 
-def test_sigterm_to_one_rank_during_a_save_stops_both_and_resumes_to_the_same_weights(
+def test_sigterm_to_one_rank_during_a_save_stops_both_with_the_uninterrupted_runs_checkpoint(
     tmp_path: Path, engine_reference: Path
 ) -> None:
     """Only rank 1 is signalled, while the checkpoint of step 4 is being written: that save completes, the
-    all-reduce of step 5 carries rank 1's flag to rank 0, and both save global_step6 and exit 143."""
+    all-reduce of step 5 carries rank 1's flag to rank 0, and both save global_step6 and exit 143. That
+    checkpoint is byte for byte the one the uninterrupted run wrote at step 6 (which resumes exactly, as the
+    torchrun case shows)."""
     procs = _by_hand(tmp_path, HFZ_TEST_MODE="engine", HFZ_TEST_SLOW_SAVE="regular:2")
     _wait_for(tmp_path / "saving_rank1")
     os.kill(procs[1].pid, signal.SIGTERM)
@@ -270,9 +278,10 @@ def test_sigterm_to_one_rank_during_a_save_stops_both_and_resumes_to_the_same_we
     ckpt = tmp_path / "ckpt"
     assert (ckpt / "latest").read_text() == "global_step6"
     assert sorted(p.name for p in ckpt.iterdir()) == ["global_step2", "global_step4", "global_step6", "latest"]
-    resumed = _finish(_by_hand(tmp_path, HFZ_TEST_MODE="engine"))
-    assert [c for c, _ in resumed] == [0, 0], resumed[0][1][-3000:]
-    _same_weights(tmp_path / "final", engine_reference)
+    mine, ref = ckpt / "global_step6", engine_reference / "ckpt" / "global_step6"
+    assert sorted(p.name for p in mine.iterdir()) == sorted(p.name for p in ref.iterdir())
+    for f in ref.iterdir():
+        assert (mine / f.name).read_bytes() == f.read_bytes(), f.name
 
 
 def test_a_second_signal_exits_at_once_and_publishes_nothing(tmp_path: Path) -> None:
@@ -291,6 +300,7 @@ def test_a_second_signal_exits_at_once_and_publishes_nothing(tmp_path: Path) -> 
     assert [c for c, _ in results] == [138, 138], results[0][1][-3000:]
     assert "received SIGUSR1 again" in results[0][1] and "exiting at once with status 138" in results[0][1]
     assert seconds < 20, seconds  # not the 60 s the save would have taken
+    print(f"\nboth ranks exited 138 {seconds:.2f} s after the second signal")
     ckpt = tmp_path / "ckpt"
     assert (ckpt / "latest").read_text() == "global_step4"
     assert not (ckpt / "global_step5").exists() and (ckpt / ".global_step5.partial").is_dir()
@@ -308,6 +318,7 @@ def test_the_grace_period_running_out_exits_at_once(tmp_path: Path) -> None:
     assert code == 143, text[-3000:]
     assert "checkpoint.grace_seconds (2 s) ran out after SIGTERM: exiting at once with status 143" in text, text[-3000:]
     assert 1.5 < seconds < 20, seconds
+    print(f"\nexited 143 {seconds:.2f} s after SIGTERM (grace_seconds 2)")
     ckpt = tmp_path / "ckpt"
     assert (ckpt / "latest").read_text() == "global_step2" and not (ckpt / "global_step4").exists()
 
@@ -337,6 +348,34 @@ def test_trainer_sigterm_during_evaluation_saves_checkpoint_and_resumes_to_the_s
 
 
 # ------------------------------------------------------------------ the signal watch itself, in this process
+
+
+def test_checkpoint_keys_are_checked_with_their_json_path() -> None:
+    from hf_zero.config import ZeroConfig
+    from hf_zero.errors import ConfigError
+
+    ok = ZeroConfig.load({"checkpoint": {"save_on_signal": ["sigterm", "SIGUSR1", "SIGTERM"], "save_dir": "/ckpt",
+                                         "grace_seconds": 20, "async_save": True}})
+    assert ok.checkpoint_save_on_signal == ("SIGTERM", "SIGUSR1") and ok.checkpoint_save_dir == "/ckpt"
+    assert ok.checkpoint_grace_seconds == 20.0 and ok.checkpoint_async_save is True
+    assert ZeroConfig.load({}).checkpoint_save_on_signal is None  # not given: the Trainer's default applies
+    allowed = "SIGTERM, SIGUSR1, SIGUSR2, SIGINT, SIGHUP, SIGQUIT, SIGXCPU"
+    refused = {
+        '"SIGTERM"': ({"save_on_signal": "SIGTERM"}, "checkpoint.save_on_signal: got 'SIGTERM', expected a list of signal "
+                      f'names such as ["SIGTERM", "SIGUSR1"] (any of {allowed})'),
+        "TERM": ({"save_on_signal": ["TERM"]}, "checkpoint.save_on_signal[0]: got 'TERM', expected a signal's full name "
+                 "such as 'SIGTERM'"),
+        "SIGKILL": ({"save_on_signal": ["SIGUSR1", "SIGKILL"]}, "checkpoint.save_on_signal[1]: got 'SIGKILL', which no "
+                    f"process can catch; expected one of {allowed}"),
+        "SIGFOO": ({"save_on_signal": ["SIGFOO"]}, f"checkpoint.save_on_signal[0]: got 'SIGFOO', expected one of {allowed}"),
+        "save_dir": ({"save_dir": ""}, "checkpoint.save_dir: got '', expected a folder path (a non-empty string)"),
+        "grace": ({"grace_seconds": 0}, "checkpoint.grace_seconds: got 0, expected a positive number"),
+        "async": ({"async_save": "yes"}, "checkpoint.async_save: got 'yes', expected true or false"),
+    }
+    for name, (section, sentence) in refused.items():
+        with pytest.raises(ConfigError) as e:
+            ZeroConfig.load({"checkpoint": section})
+        assert str(e.value) == sentence, name
 
 
 def test_one_delivery_twice_is_one_request_a_different_signal_exits_and_forked_children_keep_sigterm() -> None:
