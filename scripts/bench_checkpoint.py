@@ -14,7 +14,8 @@ A CPU smoke test (one process, every engine in it, fp32)::
 
 What is timed, per engine (every figure is the slowest rank's):
 
-- ``step_s``: the median training step (forward, backward, optimizer) without saving;
+- ``step_s``: the median training step (forward, backward, optimizer) without saving; ``step_watch_s`` (hf) the
+  same with ``checkpoint.save_on_signal``'s agreement on (one all-reduce per step, read a step later);
 - ``save_s``: a synchronous save, call to return (hf_zero ``save_checkpoint``, ``dcp.save``, DeepSpeed's);
 - ``blocked_s``: what one save costs the training loop: the save call plus, over the ``--steps`` steps that
   follow it, their time beyond ``step_s`` (a background write competes for the CPU, PCIe and the disk);
@@ -34,6 +35,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -159,6 +161,13 @@ def run_hf(args: argparse.Namespace, out: str) -> dict:
     _timed_steps(step, args.warmup, args)
     base = statistics.median(_timed_steps(step, args.steps, args))
     row: dict[str, Any] = {"step_s": _slowest(base, args)}
+    # checkpoint.save_on_signal's agreement (one all-reduce per step, read a step later): what it costs a step
+    from hf_zero import preemption
+
+    engine._preemption = preemption.Agreement([int(signal.SIGUSR2)], None)
+    row["step_watch_s"] = _slowest(statistics.median(_timed_steps(step, args.steps, args)), args)
+    engine._preemption.close()
+    engine._preemption = None
     sync_dir, async_dir = os.path.join(out, "hf_sync"), os.path.join(out, "hf_async")
     call, blocked, _ = _blocked(lambda: engine.save_checkpoint(sync_dir), step, base, args)
     row["save_s"], row["blocked_s"] = _slowest(call, args), _slowest(blocked, args)
@@ -289,7 +298,7 @@ def child(args: argparse.Namespace) -> None:
 
 
 def table(rows: list[dict]) -> list[str]:
-    head = (f"{'engine':<7} {'GB':>8} {'step s':>7} {'save s':>8} {'blocked s':>9} {'async call s':>12} "
+    head = (f"{'engine':<7} {'GB':>8} {'step s':>7} {'watch s':>7} {'save s':>8} {'blocked s':>9} {'async call s':>12} "
             f"{'blocked async s':>15} {'drain s':>8} {'load s':>8} {'GB/s write':>10} {'dd GB/s':>8}")
     lines = [head]
     for r in rows:
@@ -303,7 +312,7 @@ def table(rows: list[dict]) -> list[str]:
             return f"{v:>{width}.3f}" if isinstance(v, (int, float)) else f"{'-':>{width}}"
 
         dd = f"{gb / r['dd_s']:>8.2f}" if r.get("dd_s") else f"{'-':>8}"
-        lines.append(f"{r['engine']:<7} {gb:>8.3f} {f('step_s', 7)} {f('save_s', 8)} {f('blocked_s', 9)} "
+        lines.append(f"{r['engine']:<7} {gb:>8.3f} {f('step_s', 7)} {f('step_watch_s', 7)} {f('save_s', 8)} {f('blocked_s', 9)} "
                      f"{f('call_async_s', 12)} {f('blocked_async_s', 15)} {f('drain_s', 8)} {f('load_s', 8)} "
                      f"{gb / r['save_s']:>10.2f} {dd}")
     return lines

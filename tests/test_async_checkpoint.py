@@ -154,6 +154,50 @@ def _cases(rank: int, world: int, root: str) -> dict:
         background.available_host_bytes = real_available
     dist.barrier()
     out["nomem_listing"] = sorted(os.listdir(root_p / "nomem"))
+    out["pipeline"] = _pipeline(rank, root_p / "pipe")
+    return out
+
+
+def _pipeline(rank: int, d: Path) -> dict:
+    """A 2-stage pipeline: a background save equals a synchronous one; a signal to stage 1 alone stops both stages."""
+    import torch
+    import torch.distributed as dist
+
+    import hf_zero
+    from hf_zero.pipe import split_causal_lm
+    from tests.test_pipe import MODELS
+
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "steps_per_print": None,
+           "optimizer": ADAMW, "pipeline": {"schedule": "1f1b"}, "zero_optimization": {"stage": 0},
+           "checkpoint": {"async_save": True, "save_on_signal": ["SIGUSR1"]}}
+    engine = hf_zero.initialize(model=split_causal_lm(MODELS["llama2"](), 2), config=cfg)[0]
+    ids = torch.randint(0, 32, (20, 4, 6), generator=torch.Generator().manual_seed(3))
+
+    def train_batch(t: int) -> None:
+        engine.train_batch(iter([(ids[t, 2 * i : 2 * i + 2], ids[t, 2 * i : 2 * i + 2]) for i in range(2)]))
+
+    out: dict = {}
+    train_batch(0)
+    engine.config.checkpoint_async_save = False
+    engine.save_checkpoint(str(d / "sync"))
+    engine.config.checkpoint_async_save = True
+    engine.save_checkpoint(str(d / "async"))
+    engine.wait_for_checkpoint()
+    dist.barrier()
+    out["differ"] = _same_files(d / "sync" / "global_step1", d / "async" / "global_step1")
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGUSR1)
+        time.sleep(0.2)  # the watcher thread records it
+    try:
+        for t in range(1, 10):
+            train_batch(t)
+        out["exit"] = None
+    except SystemExit as e:
+        out["exit"] = e.code
+    out["steps"] = engine.global_steps
+    engine.destroy()
+    dist.barrier()
+    out["latest"] = (d / "async" / "latest").read_text()
     return out
 
 
@@ -170,6 +214,14 @@ def test_a_background_save_writes_the_same_bytes_as_a_synchronous_one(two_ranks)
             assert r[f"waited{stage}"] == "global_step2" and r[f"listing{stage}"] == ["global_step2", "latest"], r
         # the estimate's ceil(Ψ/N) against the elements this rank owns: at most one more or less per flat buffer
         assert abs(r["trainable_bytes"] - r["estimate_bytes"]) <= 12 * r["buffers"], r
+
+
+def test_a_pipeline_saves_in_the_background_and_stops_on_a_signal_to_one_stage(two_ranks) -> None:  # noqa: ANN001
+    """The signal reaches stage 1 before step 2's boundary: the all-reduce of step 2 carries it, step 3 decides."""
+    for r in two_ranks[1]:
+        p = r["pipeline"]
+        assert p["differ"] == [], p
+        assert p["exit"] == 128 + signal.SIGUSR1 and p["steps"] == 3 and p["latest"] == "global_step3", p
 
 
 def test_one_save_in_flight_training_goes_on_and_failures_reach_every_rank(two_ranks) -> None:  # noqa: ANN001
