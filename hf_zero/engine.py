@@ -524,7 +524,9 @@ class ZeroEngine(torch.nn.Module):
         The checkpoint loads at any world size and ZeRO stage; its format is :mod:`hf_zero.checkpoint.format`.
         ``keep_last=N`` (default: the config's ``checkpoint.keep_last``; None keeps all) deletes
         all but the N newest checkpoints in ``save_dir`` once this one is complete and ``latest``
-        points at it; the one ``latest`` names is never deleted.
+        points at it; the one ``latest`` names is never deleted. With ``checkpoint.async_save`` it
+        returns once this rank's share is in host memory, and the returned path exists once every
+        rank's background write is done (:meth:`wait_for_checkpoint`).
         """
 
         if exclude_frozen_parameters:

@@ -11,9 +11,10 @@ or as two processes by hand), driven by environment variables the way a real job
   step): each rank writes its pid to ``pid_rank<r>`` and waits there until it has received a signal or the
   file ``signalled`` exists (only on the first start, never on a resumed one). The test signals meanwhile,
   so the signal lands at a known point: between two micro-steps, or during evaluation;
-- ``HFZ_TEST_SLOW_SAVE``: ``regular:S`` sleeps S seconds in the first file write of the checkpoint at step 4
-  (the signal then lands during a save) and ``preempt:S`` in the preemption save (for a second signal or the
-  grace period to cut short), after writing ``saving_rank<r>``. Only this script slows down; hf_zero is as shipped;
+- ``HFZ_TEST_SLOW_SAVE``: ``global_step4:S`` sleeps S seconds in the first file write of that checkpoint (the
+  signal then lands during a save; with ``async_save``, the write is still going when the script ends) and
+  ``preempt:S`` in the preemption save (for a second signal or the grace period to cut short), after writing
+  ``saving_rank<r>``. Only this script slows down; hf_zero is as shipped;
 - ``HFZ_TEST_CHECKPOINT``: JSON merged into the config's ``checkpoint`` section.
 
 Each rank writes ``exit_rank<r>`` (the status it exits with) when ``SystemExit`` leaves the script.
@@ -59,7 +60,7 @@ def _slow_saves(out: Path, rank: int) -> None:
     real, done = safetensors.torch.save_file, []
 
     def slow(tensors, path, metadata=None):  # noqa: ANN001, ANN202
-        hit = (when == "regular" and ".global_step4." in path) or (when == "preempt" and preemption._WATCH.done)
+        hit = f".{when}." in path or (when == "preempt" and preemption._WATCH.done)
         if hit and not done:
             done.append(path)
             (out / f"saving_rank{rank}").write_text(path)
@@ -110,6 +111,8 @@ def engine_main(out: Path, rank: int) -> None:
             engine.save_checkpoint(str(ckpt))
     engine.save_pretrained(str(out / "final"))
     torch.distributed.barrier()
+    writing = engine._background is not None and engine._background.in_flight and engine._background.job.thread.is_alive()
+    (out / f"writing_at_end_rank{rank}").write_text(str(writing))
 
 
 def trainer_main(out: Path, rank: int) -> None:
@@ -232,10 +235,17 @@ def _same_weights(a: Path, b: Path) -> None:
 
 @pytest.fixture(scope="module")
 def engine_reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A run never interrupted: its final weights, and its checkpoints of steps 2, 4, 6 and 8 in ``ckpt``."""
+    """A run never interrupted: its final weights, and its checkpoints of steps 2, 4, 6 and 8 in ``ckpt``.
+
+    Written in the background (``async_save``); the script ends without waiting for the last one, which the
+    process's end does (the writer thread is joined before hf_zero.dist's exit barrier)."""
     out = tmp_path_factory.mktemp("engine_ref")
-    for code, text in _finish(_by_hand(out, HFZ_TEST_MODE="engine")):
+    for code, text in _finish(_by_hand(out, HFZ_TEST_MODE="engine", HFZ_TEST_SLOW_SAVE="global_step8:1",
+                                       HFZ_TEST_CHECKPOINT=json.dumps({"async_save": True}))):
         assert code == 0, text[-3000:]
+    assert [(out / f"writing_at_end_rank{r}").read_text() for r in (0, 1)] == ["True", "True"]
+    assert (out / "ckpt" / "latest").read_text() == "global_step8"
+    assert sorted(p.name for p in (out / "ckpt").iterdir()) == [f"global_step{s}" for s in (2, 4, 6, 8)] + ["latest"]
     return out
 
 
@@ -268,9 +278,9 @@ def test_sigterm_to_one_rank_during_a_save_stops_both_with_the_uninterrupted_run
 ) -> None:
     """Only rank 1 is signalled, while the checkpoint of step 4 is being written: that save completes, the
     all-reduce of step 5 carries rank 1's flag to rank 0, and both save global_step6 and exit 143. That
-    checkpoint is byte for byte the one the uninterrupted run wrote at step 6 (which resumes exactly, as the
-    torchrun case shows)."""
-    procs = _by_hand(tmp_path, HFZ_TEST_MODE="engine", HFZ_TEST_SLOW_SAVE="regular:2")
+    checkpoint is byte for byte the one the uninterrupted run wrote (in the background) at step 6, which
+    resumes exactly, as the torchrun case shows."""
+    procs = _by_hand(tmp_path, HFZ_TEST_MODE="engine", HFZ_TEST_SLOW_SAVE="global_step4:2")
     _wait_for(tmp_path / "saving_rank1")
     os.kill(procs[1].pid, signal.SIGTERM)
     results = _finish(procs)

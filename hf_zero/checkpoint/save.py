@@ -13,6 +13,11 @@ The order of one save (every rank calls :func:`save`):
 
 The format is :mod:`hf_zero.checkpoint.format`'s; a failure anywhere raises the same sentence on
 every rank, removes the half-written folder and leaves the previous checkpoints as they were.
+
+With ``checkpoint.async_save`` steps 1 and 2 are the same; step 3 copies each rank's share into host
+buffers kept between saves, and a thread does the writing and step 4
+(:mod:`hf_zero.checkpoint.background`). A share is planned as views of what the rank stores
+(:func:`plan_share`) before it is copied, so both paths store the same bytes.
 """
 
 from __future__ import annotations
