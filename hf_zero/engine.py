@@ -528,7 +528,6 @@ class ZeroEngine(torch.nn.Module):
         returns once this rank's share is in host memory, and the returned path exists once every
         rank's background write is done (:meth:`wait_for_checkpoint`).
         """
-
         if exclude_frozen_parameters:
             raise UsageError("save_checkpoint(exclude_frozen_parameters=True) is not supported yet; leave it False")
         if keep_last is None:
