@@ -33,6 +33,7 @@ from hf_zero.config_schema import (
     ACTIVATION_CHECKPOINTING,
     AUTO,
     BF16,
+    CATCHABLE_SIGNALS,
     CHECKPOINT,
     CLOSED_WHOLE,
     COMMUNICATION_DTYPES,
@@ -77,7 +78,17 @@ from hf_zero.config_sections import (
     TorchAutocastConfig,
     ZeroOptimizationConfig,
 )
-from hf_zero.config_values import Bool, Int, Number, OneOf, Text, asks_for, check_quiet_type, show
+from hf_zero.config_values import (
+    Bool,
+    Int,
+    Number,
+    OneOf,
+    SignalNames,
+    Text,
+    asks_for,
+    check_quiet_type,
+    show,
+)
 
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 ABSENT = object()  # "not given": the field keeps its dataclass default
@@ -247,6 +258,14 @@ class Parser:
         checkpoint = self.object(top.raw("checkpoint", '{"keep_last": 3}'), "checkpoint", CHECKPOINT)
         fields["checkpoint_keep_last"] = checkpoint.get("keep_last", Int(1), ABSENT, nullable=True)
         fields["checkpoint_tag_validation"] = checkpoint.get("tag_validation", OneOf(TAG_VALIDATION), ABSENT)
+        fields["checkpoint_save_on_signal"] = checkpoint.get("save_on_signal", SignalNames(CATCHABLE_SIGNALS), ABSENT,
+                                                             nullable=True)
+        fields["checkpoint_save_dir"] = checkpoint.get("save_dir", Text("a folder path (a non-empty string)"), ABSENT,
+                                                       nullable=True)
+        if fields["checkpoint_save_dir"] == "":
+            raise ConfigError(f"{checkpoint.where('save_dir')}: got '', expected a folder path (a non-empty string)")
+        fields["checkpoint_grace_seconds"] = checkpoint.get("grace_seconds", Number(0.0, strict=True), ABSENT, nullable=True)
+        fields["checkpoint_async_save"] = checkpoint.get("async_save", Bool(), ABSENT)
         fields["optimizer"] = self.named(top, "optimizer", OptimizerConfig, SUPPORTED_OPTIMIZERS, DEEPSPEED_ONLY_OPTIMIZERS)
         fields["scheduler"] = self.named(top, "scheduler", SchedulerConfig, SUPPORTED_SCHEDULERS, DEEPSPEED_ONLY_SCHEDULERS)
         fields["fp16"] = self.fp16(top)

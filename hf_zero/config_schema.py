@@ -85,6 +85,10 @@ COMMUNICATION_DTYPES = ("fp32", "fp16", "bf16")
 NONFINITE_LOSS = ("skip", "stop", "off")
 # checkpoint.tag_validation: what save_checkpoint does when ranks pass different tags (DeepSpeed's three modes)
 TAG_VALIDATION = ("Warn", "Ignore", "Fail")
+# checkpoint.save_on_signal: the signals a scheduler announces the end of a job with, all catchable: SIGTERM
+# (SLURM, Kubernetes, PBS, spot instances), SIGUSR1/SIGUSR2 (SLURM's --signal, LSF), SIGINT, SIGHUP, SIGQUIT,
+# and SIGXCPU (a CPU-time soft limit, Grid Engine).
+CATCHABLE_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT", "SIGHUP", "SIGQUIT", "SIGXCPU")
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 PIPELINE_SCHEDULES = ("1f1b", "gpipe")
 COMPILE_KWARGS = ("mode", "fullgraph", "dynamic", "options")
@@ -256,8 +260,11 @@ OFFLOAD_OPTIMIZER = Section(keys=("device", "nvme_path", "buffer_count", "pin_me
 # ---------------------------------------------------------------- the other sections
 
 CHECKPOINT = Section(
-    # keep_last is hf_zero's: save_checkpoint keeps the N newest checkpoints of its folder (null: all)
-    keys=("keep_last", "tag_validation"),
+    # hf_zero's: keep_last (save_checkpoint keeps the N newest checkpoints of its folder; null: all);
+    # save_on_signal, save_dir, grace_seconds (a preemption's resume checkpoint, hf_zero/preemption.py);
+    # async_save (checkpoints written by a background thread, hf_zero/checkpoint/background.py).
+    # tag_validation is DeepSpeed's (Warn / Ignore / Fail across ranks).
+    keys=("keep_last", "tag_validation", "save_on_signal", "save_dir", "grace_seconds", "async_save"),
     inert={"load_universal": False, "use_node_local_storage": False,
            "checkpoint_serialization": True, "parallel_write": SECTION, "writer": SECTION},
 )

@@ -123,6 +123,33 @@ class OneOf:
         raise ConfigError(f"{path}: got {show(value)}, expected {self.what}")
 
 
+@dataclass(frozen=True)
+class SignalNames:
+    """A JSON array of signal names a process can catch (``["SIGTERM", "SIGUSR1"]``); [] turns the watch off."""
+
+    options: tuple[str, ...]
+
+    @property
+    def what(self) -> str:
+        return 'a list of signal names such as ["SIGTERM", "SIGUSR1"] (any of ' + ", ".join(self.options) + ")"
+
+    def __call__(self, value: Any, path: str) -> tuple[str, ...]:
+        if not isinstance(value, list):
+            raise ConfigError(f"{path}: got {show(value)}, expected {self.what}")
+        names = []
+        for i, item in enumerate(value):
+            name = item.upper() if isinstance(item, str) else item
+            if isinstance(name, str) and not name.startswith("SIG") and "SIG" + name in self.options:
+                raise ConfigError(f"{path}[{i}]: got {show(item)}, expected a signal's full name such as 'SIG{name}'")
+            if name in ("SIGKILL", "SIGSTOP"):
+                raise ConfigError(f"{path}[{i}]: got {show(item)}, which no process can catch; expected one of "
+                                  + ", ".join(self.options))
+            if name not in self.options:
+                raise ConfigError(f"{path}[{i}]: got {show(item)}, expected one of " + ", ".join(self.options))
+            names.append(name)
+        return tuple(dict.fromkeys(names))
+
+
 def asks_for(value: Any, quiet: Any) -> bool:
     """Does ``value`` ask for a feature, given the value (or section kind) that asks for nothing?"""
     if quiet is SWITCH:

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from hf_zero import dist as hz_dist
+from hf_zero import preemption as hz_preemption
 from hf_zero.checkpoint.ranks import CheckpointLayout
 from hf_zero.checkpointing import checkpoint_blocks
 from hf_zero.config import ZeroConfig
@@ -148,6 +149,23 @@ class ZeroEngine(torch.nn.Module):
         unwrapped = stage == 0 and self.compute_dtype == torch.float32
         self.optimizer = self.basic_optimizer if unwrapped else self.zero_optimizer if not self.inference_only else None
         self.lr_scheduler = lr_scheduler
+        self._init_long_runs()
+
+    def _init_long_runs(self) -> None:
+        """Preemption (``checkpoint.save_on_signal``, hf_zero/preemption.py) and background saves (``async_save``).
+
+        ``save_on_preemption``: the engine saves a resume checkpoint and exits itself once the ranks agree
+        on a signal; an owner that saves its own way (hf_zero's Trainer) sets it False and reads
+        :meth:`preemption_signal` instead.
+        """
+        self.save_on_preemption = True
+        self._last_save_dir: str | None = None
+        self._background: Any = None  # hf_zero.checkpoint.background.BackgroundWriter, made at the first async save
+        self._preemption: hz_preemption.Agreement | None = None
+        self._preemption_group: Any = ()
+        signals = hz_preemption.signal_numbers(self.config.checkpoint_save_on_signal or ())
+        if signals and self.zero_optimizer is not None and not self.inference_only:
+            self._preemption = hz_preemption.Agreement(signals, self.config.checkpoint_grace_seconds)
 
     # ------------------------------------------------------------- setup
 
@@ -417,6 +435,8 @@ class ZeroEngine(torch.nn.Module):
         self.micro_steps += 1
         self.global_samples += self.train_micro_batch_size_per_gpu() * self.dp_world_size
         self._boundary_override = None
+        if boundary:
+            self._check_preemption()
 
     def _take_model_step(self) -> None:
         """The optimizer step of an accumulation boundary: the step policy decides, the engine counts.
@@ -460,10 +480,17 @@ class ZeroEngine(torch.nn.Module):
         process groups. The module stays usable without the engine: at stages 0-2 its parameters are
         whole, at stage 3 they are ``zero.Init``'s per-rank slices (``GatheredParameters`` gathers them,
         ``initialize`` shards them again), as DeepSpeed leaves them partitioned. At stage 3 every rank
-        calls it (each group is gathered once to cut the slices; see ``hf_zero/zero/attach.py``).
+        calls it (each group is gathered once to cut the slices; see ``hf_zero/zero/attach.py``). A background
+        checkpoint write is waited for first, and ``checkpoint.save_on_signal``'s handlers are put back.
         """
         if self._destroyed:
             return
+        try:
+            self.wait_for_checkpoint()  # a background write in flight finishes first (its error is raised)
+        finally:
+            if self._preemption is not None:
+                self._preemption.close()  # the signal handlers of checkpoint.save_on_signal: the previous ones come back
+                self._preemption = None
         zo = self.zero_optimizer
         if zo is not None:
             if self.world_size == 1:
@@ -485,6 +512,60 @@ class ZeroEngine(torch.nn.Module):
         if self.zero_optimizer is not None:
             self.zero_optimizer.zero_grad()
 
+    # ------------------------------------------------------ preemption
+
+    def _check_preemption(self) -> None:
+        """On an accumulation boundary, once counted: has every rank agreed on a signal? Then save and exit."""
+        p = self._preemption
+        if p is None or p.decided is not None:
+            return
+        if self._preemption_group == ():
+            self._preemption_group = self.checkpoint_layout().group  # the ranks that save (and so stop) together
+        with hz_dist.peer_failure_guard(f"the preemption check of step {self.global_steps}"):
+            signum = p.poll(self._preemption_group, self.device)
+        if signum is not None and self.save_on_preemption:
+            self._save_and_exit(signum)
+
+    def preemption_signal(self) -> int | None:
+        """The signal every rank agreed to stop on (``checkpoint.save_on_signal``), or None.
+
+        Set by the accumulation-boundary ``step()`` at which the ranks decided, the same step on every
+        rank. With ``save_on_preemption`` left True the engine has already saved and exited by then;
+        an owner that saves its own way (hf_zero's Trainer) reads it after each step.
+        """
+        return self._preemption.decided if self._preemption is not None else None
+
+    def _save_and_exit(self, signum: int) -> None:
+        """Save a resume checkpoint into ``checkpoint.save_dir`` (or the last save's folder) and exit with 128 + signum."""
+        assert self._preemption is not None
+        hz_preemption.acting()
+        status, name = hz_preemption.exit_status(signum), hz_preemption.signal_name(signum)
+        try:
+            self.wait_for_checkpoint()
+        except CheckpointError as e:  # that save is lost; the one below is what the restart needs
+            logger.error("%s", e)
+        save_dir = self.config.checkpoint_save_dir or self._last_save_dir
+        if save_dir is None:
+            if self.global_rank == 0:
+                logger.warning("%s: no folder to save a resume checkpoint into (set checkpoint.save_dir, or call "
+                               "save_checkpoint once); exiting with status %d without saving", name, status)
+        else:
+            path = self._save(save_dir, keep_last=self.config.checkpoint_keep_last, background=False)
+            if self.global_rank == 0:
+                logger.warning("%s: every rank stopped after step %d and saved the resume checkpoint %s; exiting with "
+                               "status %d", name, self.global_steps, path, status)
+        raise SystemExit(status)
+
+    def wait_for_checkpoint(self) -> str | None:
+        """Wait for the checkpoint being written in the background (``checkpoint.async_save``).
+
+        Returns its path, or None when none was in flight; its error, if the write failed on any rank,
+        is raised here on every rank (every rank calls this at the same point). ``save_checkpoint``,
+        ``load_checkpoint``, ``destroy()`` and a preemption wait on their own; the process's end waits
+        for it too.
+        """
+        return self._background.wait() if self._background is not None else None
+
     # ------------------------------------------------------ checkpoints
 
     def save_checkpoint(
@@ -496,10 +577,10 @@ class ZeroEngine(torch.nn.Module):
         The checkpoint loads at any world size and ZeRO stage; its format is :mod:`hf_zero.checkpoint.format`.
         ``keep_last=N`` (default: the config's ``checkpoint.keep_last``; None keeps all) deletes
         all but the N newest checkpoints in ``save_dir`` once this one is complete and ``latest``
-        points at it; the one ``latest`` names is never deleted.
+        points at it; the one ``latest`` names is never deleted. With ``checkpoint.async_save`` it
+        returns once this rank's share is in host memory, and the returned path exists once every
+        rank's background write is done (:meth:`wait_for_checkpoint`).
         """
-        from hf_zero.checkpoint.save import save
-
         if not save_dir:
             raise UsageError(f"save_checkpoint(save_dir={save_dir!r}): name the folder to save the checkpoint in")
         if exclude_frozen_parameters:
@@ -508,9 +589,25 @@ class ZeroEngine(torch.nn.Module):
             keep_last = self.config.checkpoint_keep_last
         if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
             raise UsageError(f"save_checkpoint(keep_last=...): got {keep_last!r}, expected an integer >= 1 (or None to keep all)")
+        return self._save(save_dir, tag, client_state, save_latest, keep_last, background=self.config.checkpoint_async_save)
+
+    def _save(self, save_dir: str, tag: str | None = None, client_state: dict | None = None, save_latest: bool = True,
+              keep_last: int | None = None, background: bool = False) -> str:
+        """``save_checkpoint`` once its arguments are checked; ``background``: return once the share is in host memory."""
+        from hf_zero.checkpoint.background import BackgroundWriter
+        from hf_zero.checkpoint.save import save
+
+        self.wait_for_checkpoint()  # at most one save in flight; its host buffers are the ones reused
         self.wait_params()
+        writer = None
+        if background:
+            if self._background is None:
+                self._background = BackgroundWriter(pin=self.device.type == "cuda")
+            writer = self._background
         with hz_dist.peer_failure_guard("save_checkpoint"):
-            return save(self, save_dir, tag, client_state, save_latest=save_latest, keep_last=keep_last)
+            path = save(self, save_dir, tag, client_state, save_latest=save_latest, keep_last=keep_last, background=writer)
+        self._last_save_dir = save_dir
+        return path
 
     def load_checkpoint(
         self,
@@ -543,6 +640,7 @@ class ZeroEngine(torch.nn.Module):
             raise UsageError("load_checkpoint(load_module_strict=False) is not supported yet; the model must match the checkpoint")
         if custom_load_fn is not None:
             raise UsageError("load_checkpoint(custom_load_fn=...) is not supported; checkpoints are read as safetensors")
+        self.wait_for_checkpoint()  # (async_save) the checkpoint being written may be the one asked for
         self.wait_params()  # the load writes the masters, which in fp32 are the gathered buffers
         with hz_dist.peer_failure_guard("load_checkpoint"):
             if ds_checkpoint.is_deepspeed_checkpoint(load_dir, tag):

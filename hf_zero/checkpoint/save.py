@@ -13,6 +13,11 @@ The order of one save (every rank calls :func:`save`):
 
 The format is :mod:`hf_zero.checkpoint.format`'s; a failure anywhere raises the same sentence on
 every rank, removes the half-written folder and leaves the previous checkpoints as they were.
+
+With ``checkpoint.async_save`` steps 1 and 2 are the same; step 3 copies each rank's share into host
+buffers kept between saves, and a thread does the writing and step 4
+(:mod:`hf_zero.checkpoint.background`). A share is planned as views of what the rank stores
+(:func:`plan_share`) before it is copied, so both paths store the same bytes.
 """
 
 from __future__ import annotations
@@ -20,12 +25,14 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from hf_zero.checkpoint import atomic, consolidated
+from hf_zero.checkpoint.background import BackgroundWriter, WriteJob
 from hf_zero.checkpoint.format import (
     FORMAT,
     LATEST,
@@ -114,13 +121,16 @@ def _checked_tag(engine: Any, tag: str | None) -> str:
 
 def save(
     engine: Any, save_dir: str, tag: str | None, client_state: dict | None, save_latest: bool = True,
-    keep_last: int | None = None,
+    keep_last: int | None = None, background: BackgroundWriter | None = None,
 ) -> str:
     """Write a resume checkpoint of ``engine``; collective (every rank calls it). Returns its path.
 
     A failure on any rank (a full disk, a state JSON cannot hold) raises on every rank after the
     ranks agree on it, so none is left waiting; the half-written folder is removed and the
-    previous checkpoints and ``latest`` stay as they were.
+    previous checkpoints and ``latest`` stay as they were. With ``background`` (whose previous save
+    the caller has waited for) every check and the copy to host memory happen here and a thread
+    writes and publishes (:mod:`hf_zero.checkpoint.background`); the path is then where the
+    checkpoint will be once that is done.
     """
     lay: CheckpointLayout = engine.checkpoint_layout()
     group, rank = lay.group, lay.rank
@@ -144,6 +154,10 @@ def save(
 
     err = attempt(lambda: _start(save_dir, partial))[1] if rank == 0 else None
     agree(pool(err, group), save_dir)
+    if background is not None:
+        _launch(engine, lay, background, save_dir, tag, lambda: checkpoint_meta(engine, lay, table, stage_tables, client),
+                save_latest, keep_last)
+        return os.path.join(save_dir, tag)
     errors = pool(attempt(lambda: write_share(engine, lay, partial))[1], group)
     if any(errors):  # a full disk on one rank must not leave the others waiting
         if rank == 0:  # free the space the half-written checkpoint took, before anyone returns
@@ -160,6 +174,46 @@ def save(
     return os.path.join(save_dir, tag)
 
 
+def _launch(
+    engine: Any, lay: CheckpointLayout, background: BackgroundWriter, save_dir: str, tag: str,
+    meta: Callable[[], dict], save_latest: bool, keep_last: int | None,
+) -> None:
+    """A background save, once the partial folder exists: plan, check host memory, copy, then hand over to the thread."""
+    group, rank, partial = lay.group, lay.rank, atomic.partial_dir(save_dir, tag)
+
+    def refuse(errors: list[str | None]) -> None:
+        if rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+        if lay.world > 1:
+            dist.barrier(group)
+        agree(errors, save_dir)
+
+    share, err = attempt(lambda: plan_share(engine, lay))
+    plan = share.pop("tensors") if share is not None else {}
+    errors = background.prepare(plan, err, group, lay.world, rank)
+    if any(errors):
+        refuse(errors)
+    assert share is not None
+
+    def copy() -> tuple:
+        tensors, event = background.copy(plan)
+        rng_tensors, rng_meta = rng_state(engine.device)  # this step's streams, as a synchronous save takes them
+        tensors = {**tensors, **rng_tensors}
+        return tensors, event, rank_index(engine, lay, share, rng_meta), meta() if rank == 0 else None
+
+    copied, err = attempt(copy)
+    errors = pool(err, group)
+    if any(errors):
+        refuse(errors)
+    assert copied is not None
+    tensors, event, rank_meta, checkpoint_json = copied
+    background.start(WriteJob(
+        tensors=tensors, rank_meta=rank_meta, event=event, path=os.path.join(save_dir, tag), save_dir=save_dir,
+        partial=partial, rank=rank, write=lambda: write_rank(tensors, rank_meta, partial, rank),
+        finish=(lambda: _finish(engine, checkpoint_json, save_dir, tag, save_latest, keep_last)) if rank == 0 else None,
+    ))
+
+
 def _start(save_dir: str, partial: str) -> None:
     """Rank 0: the folder, cleared of crashed earlier saves (at this tag or any other), and an empty partial."""
     os.makedirs(save_dir, exist_ok=True)
@@ -168,6 +222,12 @@ def _start(save_dir: str, partial: str) -> None:
 
 
 # ------------------------------------------------------------------- one rank's share
+#
+# A share is planned first as views of what this rank stores (device or host tensors, with the dtype
+# each is stored in) and copied out after: a synchronous save copies each view into a fresh host
+# tensor, a background one (hf_zero/checkpoint/background.py) into host buffers it keeps between saves.
+
+Plan = dict[str, tuple[torch.Tensor, torch.dtype]]
 
 
 def _group_tensors(g: Any, opt_state: dict, lay: CheckpointLayout, out: dict[str, Any]) -> None:
@@ -181,14 +241,15 @@ def _group_tensors(g: Any, opt_state: dict, lay: CheckpointLayout, out: dict[str
             continue  # a tied weight: the first stage holding it stores it
         n = b - a
         if g.master is None:  # a frozen stage-3 group: its shard holds the values
-            tensors[f"frozen|{name}"] = values.detach()[m : m + n].to("cpu", copy=True)
+            view = values.detach()[m : m + n]
+            tensors[f"frozen|{name}"] = (view, view.dtype)
             ranges[f"frozen|{name}"] = [name, a, b]
             continue
-        tensors[f"master|{name}"] = values.detach()[m : m + n].to("cpu", torch.float32, copy=True)
+        tensors[f"master|{name}"] = (values.detach()[m : m + n], torch.float32)
         ranges[f"master|{name}"] = [name, a, b]
         for k, v in state.items():
             if torch.is_tensor(v) and v.numel() == values.numel() and v.numel() > 1:
-                tensors[f"optim.{k}|{name}"] = v.detach()[m : m + n].to("cpu", copy=True)
+                tensors[f"optim.{k}|{name}"] = (v.detach()[m : m + n], v.dtype)
                 ranges[f"optim.{k}|{name}"] = [name, a, b]
             elif torch.is_tensor(v) and v.numel() <= 1:
                 scalars.setdefault(name, {})[k] = {"value": v.item(), "dtype": str(v.dtype).removeprefix("torch.")}
@@ -196,8 +257,8 @@ def _group_tensors(g: Any, opt_state: dict, lay: CheckpointLayout, out: dict[str
                 scalars.setdefault(name, {})[k] = {"value": to_json(v, f"optimizer state '{k}'")}
 
 
-def _share(engine: Any, lay: CheckpointLayout) -> dict[str, Any]:
-    """Host copies (one per tensor: a device-to-host copy on GPU, a clone on CPU) of what this rank stores."""
+def plan_share(engine: Any, lay: CheckpointLayout) -> dict[str, Any]:
+    """What this rank stores, as views (``tensors``: key -> (view, stored dtype)), with its ranges and scalar state."""
     zo = engine.zero_optimizer
     out: dict[str, Any] = {"tensors": {}, "ranges": {}, "scalars": {}}
     for g in zo.groups:
@@ -208,12 +269,17 @@ def _share(engine: Any, lay: CheckpointLayout) -> dict[str, Any]:
         for name, p in engine.module.named_parameters():
             if id(p) not in grouped:  # frozen and whole on every rank (of the stage)
                 key = checkpoint_name(name, p)
-                out["tensors"][f"frozen|{key}"] = p.detach().reshape(-1).to("cpu", copy=True)
+                out["tensors"][f"frozen|{key}"] = (p.detach().reshape(-1), p.dtype)
                 out["ranges"][f"frozen|{key}"] = [key, 0, p.numel()]
         for name, b in engine.module.state_dict(keep_vars=True).items() if lay.tp_rank == 0 else ():
             if not isinstance(b, torch.nn.Parameter) and torch.is_tensor(b):
-                out["tensors"][f"buffer|{name}"] = b.detach().to("cpu", copy=True)
+                out["tensors"][f"buffer|{name}"] = (b.detach(), b.dtype)
     return out
+
+
+def plan_bytes(plan: Plan) -> int:
+    """Host bytes the copy of a planned share takes."""
+    return sum(v.numel() * torch.empty((), dtype=d).element_size() for v, d in plan.values())
 
 
 def _write_files(tensors: dict[str, torch.Tensor], partial: str, rank: int) -> tuple[dict[str, str], dict[str, str]]:
@@ -245,16 +311,10 @@ def _write_files(tensors: dict[str, torch.Tensor], partial: str, rank: int) -> t
     return files, digests
 
 
-def write_share(engine: Any, lay: CheckpointLayout, partial: str) -> None:
-    """This rank's part of a checkpoint: its shards, optimizer state and RNG in safetensors, and its index."""
-    share = _share(engine, lay)
-    rng_tensors, rng_meta = rng_state(engine.device)
-    share["tensors"].update(rng_tensors)
-    files, digests = _write_files(share.pop("tensors"), partial, lay.rank)
+def rank_index(engine: Any, lay: CheckpointLayout, share: dict[str, Any], rng_meta: dict) -> dict[str, Any]:
+    """This rank's JSON index, less the files and their digests (known once they are written)."""
     sampler = getattr(getattr(engine, "training_dataloader", None), "sampler", None)
     rank_meta = {
-        "files": files,
-        "sha256": digests,
         "ranges": share["ranges"],
         "scalars": share["scalars"],
         "rng": rng_meta,
@@ -262,7 +322,22 @@ def write_share(engine: Any, lay: CheckpointLayout, partial: str) -> None:
     }
     if lay.stage is not None:
         rank_meta["stage"] = lay.stage
-    atomic.write_json(os.path.join(partial, rank_meta_name(lay.rank)), rank_meta)
+    return rank_meta
+
+
+def write_rank(tensors: dict[str, torch.Tensor], rank_meta: dict[str, Any], partial: str, rank: int) -> None:
+    """Write one rank's host tensors and then its index (the index names the files and their sha256)."""
+    files, digests = _write_files(tensors, partial, rank)
+    atomic.write_json(os.path.join(partial, rank_meta_name(rank)), {"files": files, "sha256": digests, **rank_meta})
+
+
+def write_share(engine: Any, lay: CheckpointLayout, partial: str) -> None:
+    """This rank's part of a checkpoint: its shards, optimizer state and RNG in safetensors, and its index."""
+    share = plan_share(engine, lay)
+    tensors = {k: v.to("cpu", d, copy=True) for k, (v, d) in share.pop("tensors").items()}
+    rng_tensors, rng_meta = rng_state(engine.device)
+    tensors.update(rng_tensors)
+    write_rank(tensors, rank_index(engine, lay, share, rng_meta), partial, lay.rank)
 
 
 # ----------------------------------------------------------------------- publishing

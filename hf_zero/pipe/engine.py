@@ -175,7 +175,9 @@ class PipelineEngine(ZeroEngine):
         self._execute(S.build(self.schedule_name, self.num_stages, self.stage_id, m), run)
         self.micro_steps += m
         self.global_samples += self.train_micro_batch_size_per_gpu() * m * self.dp_world_size
-        return self._mean_loss(run)
+        loss = self._mean_loss(run)
+        self._check_preemption()  # checkpoint.save_on_signal: every stage decides at the same train_batch
+        return loss
 
     def eval_batch(self, data_iter: Any, return_logits: bool = False, compute_loss: bool = True,
                    reduce_output: str = "avg", bcast_loss: bool = True, num_micro_batches: int | None = None) -> Any:
