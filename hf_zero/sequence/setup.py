@@ -89,6 +89,61 @@ def sp_size_of(parallelism_config: Any) -> int:
     return sp
 
 
+def config_sp_size(config: dict | None) -> tuple[int, str]:
+    """The sequence-parallel degree a zero_config asks for, and where it says so (1 and "" when it does not).
+
+    Either spelling counts: DeepSpeed's top-level ``sequence_parallel_size`` or LLaMA-Factory's
+    ``sequence_parallel`` section (``size`` / ``ulysses.degree``); :func:`hf_zero.sequence.config.parse`
+    has already refused the two disagreeing. ``"auto"`` asks for nothing (the ParallelismConfig fills it).
+    """
+    from hf_zero.sequence.config import SECTION, parse
+
+    if not config:
+        return 1, ""
+    data = {k: v for k, v in config.items() if not (k == "sequence_parallel_size" and v == "auto")}
+    size = parse(data).size
+    if size <= 1:
+        return 1, ""
+    return size, "sequence_parallel_size" if data.get("sequence_parallel_size") is not None else f"its {SECTION} section"
+
+
+def resolve_sp_size(parallelism_config: Any, config: dict | None) -> int:
+    """The run's sequence-parallel degree, from the ParallelismConfig or the zero_config, whichever gives one.
+
+    A Trainer user with a DeepSpeed config that carries ``sequence_parallel_size`` (LLaMA-Factory's ALST
+    configs) has no ParallelismConfig and no loader of the engine's; the degree must still reach the
+    Trainer, which splits batches only when Accelerate's state has an ``sp_size``. Both given and different
+    is refused: neither can be assumed to be the one meant.
+    """
+    sp = sp_size_of(parallelism_config)
+    own, where = config_sp_size(config)
+    if sp > 1 and own > 1 and sp != own:
+        raise SequenceParallelError(
+            f"zero_config asks for sequence-parallel degree {own} ({where}) but the ParallelismConfig has sp_size={sp}; "
+            "give the degree in one place, or the same value in both"
+        )
+    return max(sp, own)
+
+
+def parallelism_config_for(parallelism_config: Any, sp: int) -> Any:
+    """An Accelerate ``ParallelismConfig`` with ``sp_size=sp`` (ALST's backend): the given one when it already says so."""
+    if sp <= 1 or sp_size_of(parallelism_config) == sp:
+        return parallelism_config
+    from accelerate.parallelism_config import ParallelismConfig
+
+    if parallelism_config is None:
+        return ParallelismConfig(sp_size=sp, sp_backend="deepspeed")
+    import copy
+
+    out = copy.copy(parallelism_config)  # the user's other settings kept; sp_size was 1 (resolve_sp_size said so)
+    out.sp_size, out.sp_backend = sp, "deepspeed"
+    if getattr(out, "sp_handler", "absent") is None:
+        from accelerate.utils.dataclasses import DeepSpeedSequenceParallelConfig
+
+        out.sp_handler = DeepSpeedSequenceParallelConfig()
+    return out
+
+
 def merge_sp_size(config: dict, sp: int) -> dict:
     """``config`` with ``sequence_parallel_size`` from the ParallelismConfig (an explicit, different one is refused)."""
     if sp <= 1:
