@@ -26,9 +26,12 @@ from hf_zero.config import ZeroConfig
 from hf_zero.data import to_device
 from hf_zero.errors import CheckpointError, UsageError
 from hf_zero.module_setup import broadcast_module, cast_frozen_params, check_presharded, move_to_device
+from hf_zero.parallel import GridShape, ParallelGrid, grid_for
 from hf_zero.precision import loss_scaler_for, reduce_dtype
+from hf_zero.sequence.groups import view_of as sequence_view_of
 from hf_zero.step import NormScope, StepPolicy
 from hf_zero.tensor_parallel import TensorParallelGroups
+from hf_zero.tensor_parallel import view_of as tensor_view_of
 from hf_zero.timers import StepTimers
 from hf_zero.tp_split import split_of
 from hf_zero.zero import attach
@@ -73,20 +76,21 @@ class ZeroEngine(torch.nn.Module):
         config: ZeroConfig,
         optimizer: torch.optim.Optimizer | None,
         lr_scheduler: Any = None,
-        group: dist.ProcessGroup | None = None,
-        tensor_parallel: TensorParallelGroups | None = None,
+        grid: ParallelGrid | None = None,
     ) -> None:
-        """``group``: the ranks ZeRO shards over (None: the world). Under tensor parallelism
-        (``tensor_parallel``, the model already split by ``hf_zero/tensor_parallel.py``) it is the
-        data-parallel group of this rank's slices, and the norm and checkpoints span the whole grid."""
+        """``grid``: the run's parallel grid (``hf_zero/parallel/grid.py``; None: plain data parallelism over the
+        world). ZeRO shards over its ZeRO group, the norm and checkpoints span the whole grid; under tensor
+        parallelism the model has already been split by ``hf_zero/tensor_parallel.py``."""
         super().__init__()
         _ensure_log_handler()
         self.module = model
         self.config = config
-        self.group = group
-        self.world_size = dist.get_world_size(group)
-        self.dp_world_size = self.world_size
-        self.tensor_parallel_groups = tensor_parallel
+        hz_dist.init_distributed()
+        self.grid = grid if grid is not None else grid_for(GridShape.fill(dist.get_world_size()), hz_dist.get_device().type)
+        self.group = self.grid.zero_group
+        self.world_size = self.grid.zero_size  # the ranks ZeRO shards over
+        self._sp_view = sequence_view_of(self.grid)
+        self._tp_view = tensor_view_of(self.grid)
         self.global_rank = dist.get_rank()
         self.local_rank = hz_dist.local_rank()
         self.device = hz_dist.get_device()
@@ -111,18 +115,18 @@ class ZeroEngine(torch.nn.Module):
         # A zero.Init model stays as slices only where stage 3 with an optimizer lays out its shards.
         built_presharded = check_presharded(model, self.world_size, self.device, gather=stage != 3 or optimizer is None)
         move_to_device(model, self.device)
-        broadcast_module(model, group)
+        broadcast_module(model, self.group)
         self.loss_scaler = loss_scaler_for(config)
         self.timers = StepTimers(config.wall_clock_breakdown, self.device)
-        # Clip, loss scale, the non-finite rule and the global norm (over this engine's group; a
-        # pipeline widens the scope to its stages): one policy for every engine (hf_zero/step.py).
+        self.zero_optimizer = self._sharded_optimizer(optimizer) if optimizer is not None else None
+        # Clip, loss scale, the non-finite rule and the global norm (over the whole grid, _norm_scope): one policy
+        # for every engine (hf_zero/step.py), made once the shard groups exist (a pipeline leaves out its tied copies).
         self.step_policy = StepPolicy(
             scaler=self.loss_scaler, nonfinite=config.nonfinite_loss, device=self.device,
             scope=self._norm_scope(),
         )
         if self.timers.enabled:
             self.step_policy.timed = self.timers.add
-        self.zero_optimizer = self._sharded_optimizer(optimizer) if optimizer is not None else None
         if self.zero_optimizer is not None:
             attach.link(self.zero_optimizer)  # deepspeed.utils.safe_get_full_* start from a parameter
         if stage == 3 and self.zero_optimizer is not None:
@@ -170,11 +174,31 @@ class ZeroEngine(torch.nn.Module):
     # ------------------------------------------------------------- setup
 
     def _norm_scope(self) -> NormScope:
-        """The ranks the global norm sums over: this engine's group, or under tensor parallelism the whole grid."""
-        tp = self.tensor_parallel_groups
-        if tp is None:
-            return NormScope(self.group, self.world_size, replicas=self.world_size)
-        return NormScope(tp.parent, tp.dp_size * tp.tp_size, replicas=tp.dp_size, tp=tp.tp_size)
+        """The ranks the global norm sums over: the whole grid. The ZeRO group's ranks hold each unpartitioned
+        group's gradient alike (it counts once); a tensor-parallel group's ranks hold whole parameters alike."""
+        g = self.grid
+        return NormScope(None, g.size(), replicas=g.zero_size, tp=g.size("tp"), exclude=self._norm_excluded())
+
+    def _norm_excluded(self) -> frozenset[int]:
+        """Shard groups another rank counts in the norm (a pipeline's tied weights at their later stages)."""
+        return frozenset()
+
+    # The grid's views, as DeepSpeed-shaped scripts and hf_zero's integrations read them.
+
+    @property
+    def dp_world_size(self) -> int:
+        """The data-parallel degree: what batch sizes and samplers count (the grid's ``dp_replicate x dp_shard``)."""
+        return self.grid.dp_size if self.grid is not None else 1
+
+    @property
+    def sequence_parallel_groups(self) -> Any:
+        """The grid's ``sp`` axis (``hf_zero/sequence/groups.py``), None without sequence parallelism."""
+        return self._sp_view
+
+    @property
+    def tensor_parallel_groups(self) -> TensorParallelGroups | None:
+        """The grid's ``tp`` axis (``hf_zero/tensor_parallel.py``), None without tensor parallelism."""
+        return self._tp_view
 
     def _sharded_optimizer(self, optimizer: torch.optim.Optimizer) -> ShardedOptimizer:
         """The ZeRO stage of the config over ``optimizer``, sharded over this engine's group; every knob from the config."""
@@ -304,8 +328,8 @@ class ZeroEngine(torch.nn.Module):
 
     @property
     def mp_world_size(self) -> int:
-        """Model (tensor) parallel degree: hf_zero has none, so 1, as DeepSpeed reports without an mpu."""
-        return 1
+        """The model-parallel (tensor-parallel) degree: the grid's ``tp`` axis, 1 without tensor parallelism."""
+        return self.grid.size("tp") if self.grid is not None else 1
 
     def empty_partition_cache(self) -> None:
         """Stage 3: release the blocks that no-grad forwards (evaluation, ``generate``) left gathered."""
@@ -501,9 +525,7 @@ class ZeroEngine(torch.nn.Module):
         self.zero_optimizer = self.optimizer = self.basic_optimizer = None
         self.step_policy.forget()
         self._global_grad_norm = None
-        self.group = self.tensor_parallel_groups = None
-        if hasattr(self, "sequence_parallel_groups"):
-            self.sequence_parallel_groups = None
+        self.group = self.grid = self._sp_view = self._tp_view = None
         self._destroyed = True
 
     def zero_grad(self) -> None:
@@ -670,14 +692,20 @@ class ZeroEngine(torch.nn.Module):
         return mine
 
     def checkpoint_layout(self) -> CheckpointLayout:
-        """Which ranks write a checkpoint of this engine together: its data-parallel group, each rank the whole model;
-        under tensor parallelism the whole grid, each tensor-parallel rank storing its own slices."""
-        tp = self.tensor_parallel_groups
-        if tp is None:
-            return CheckpointLayout.data_parallel(self.group)
-        whole = {id(p) for p in self.module.parameters() if split_of(p) is None}
-        return CheckpointLayout(tp.parent, dist.get_rank(tp.parent), tp.dp_size * tp.tp_size, tp.dp_rank, dp=tp.dp_size,
-                                tp_rank=tp.tp_rank, others=whole if tp.tp_rank else set())
+        """Which ranks write a checkpoint of this engine together: the whole grid. The ZeRO group's ranks store their
+        shards (its first, what is replicated); a tensor-parallel rank its own slices and, at ``tp`` rank 0, the
+        whole parameters; a pipeline stage its layers, a tied weight at its first stage only."""
+        g = self.grid
+        others = set(self._stored_elsewhere())
+        if g.rank("tp"):
+            others |= {id(p) for p in self.module.parameters() if split_of(p) is None}
+        pp = g.size("pp")
+        return CheckpointLayout(None, g.global_rank, g.size(), g.zero_rank, g.pipe_stage if pp > 1 else None,
+                                pp if pp > 1 else None, dp=g.zero_size, others=others, tp_rank=g.rank("tp"))
+
+    def _stored_elsewhere(self) -> set[int]:
+        """Parameters (by id) another rank of the grid stores in checkpoints (a pipeline's tied weights at later stages)."""
+        return set()
 
     def save_pretrained(
         self, save_directory: str, max_shard_size: int | str = "5GB", dtype: torch.dtype | None = None,

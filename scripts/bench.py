@@ -500,7 +500,7 @@ def run_pipeline(name: str, args: argparse.Namespace) -> dict:
     mine = torch.tensor([statistics.median(bubbles)], device="cuda")
     every = [torch.zeros_like(mine) for _ in range(world)]
     dist.all_gather(every, mine)
-    per_stage = [statistics.mean(float(every[pipe.topology.rank(s, d)]) for d in range(dp)) for s in range(stages)]
+    per_stage = [statistics.mean(float(every[pipe.grid.rank_at(pp=s, dp_shard=d)]) for d in range(dp)) for s in range(stages)]
     peak = torch.tensor(torch.cuda.max_memory_allocated() / 2**30, device="cuda")
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     return {

@@ -2,8 +2,9 @@
 
 :func:`setup_model` reads the config's ``sequence_parallel`` settings, refuses what cannot be
 combined, makes the ``dp x sp`` groups and prepares the model (:func:`.model.prepare_model`).
-The engine then runs ZeRO over the whole group as usual (see :mod:`.groups` for why that is
-right); only the batch arithmetic, the sampler and the loader see the data-parallel degree.
+The grid (``hf_zero/parallel/grid.py``) has the ``sp`` axis; the engine runs ZeRO over the grid's ZeRO group,
+which holds the ``sp`` ranks too (see :mod:`.groups` for why that is right); only the batch arithmetic, the
+sampler and the loader see the data-parallel degree.
 """
 
 from __future__ import annotations
@@ -14,17 +15,19 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hf_zero.parallel import ParallelGrid
 from hf_zero.sequence.batch import SequenceParallelLoader
-from hf_zero.sequence.groups import SequenceParallelError, SequenceParallelGroups, make_groups
+from hf_zero.sequence.groups import SequenceParallelError, SequenceParallelGroups, view_of
 from hf_zero.sequence.model import LongSequenceOptions, causal_lm_of, prepare_model
 
 logger = logging.getLogger("hf_zero")
 
 
-def setup_model(model: torch.nn.Module, config: Any, group: dist.ProcessGroup | None, pipeline: bool) -> SequenceParallelGroups | None:
-    """Groups and model preparation for ``config.sequence_parallel`` (a :class:`.config.SequenceParallelConfig`).
+def setup_model(model: torch.nn.Module, config: Any, grid: ParallelGrid, pipeline: bool) -> SequenceParallelGroups | None:
+    """Model preparation for ``config.sequence_parallel`` (a :class:`.config.SequenceParallelConfig`) on the grid's
+    ``sp`` axis.
 
-    Returns the groups when the sequence-parallel degree is above 1, else None (the tiling
+    Returns the grid's sequence-parallel view when the degree is above 1, else None (the tiling
     switches may still have prepared the model).
     """
     sp, size = config.sequence_parallel, config.sequence_parallel_size
@@ -41,7 +44,7 @@ def setup_model(model: torch.nn.Module, config: Any, group: dist.ProcessGroup | 
             "compile cannot be combined with sequence parallelism yet (the all-to-alls run inside attention); set "
             '"compile": {"enabled": false} or sequence_parallel_size to 1'
         )
-    groups = make_groups(size, group) if size > 1 else None
+    groups = view_of(grid)
     options = LongSequenceOptions(
         tiled_loss=sp.tiled_loss, loss_tile_tokens=sp.loss_tile_tokens, tiled_mlp=sp.tiled_mlp, mlp_tile_tokens=sp.mlp_tile_tokens,
     )
@@ -49,7 +52,7 @@ def setup_model(model: torch.nn.Module, config: Any, group: dist.ProcessGroup | 
     if dist.get_rank() == 0:
         logger.info(
             "sequence parallelism: degree %d (data-parallel %d), attention %s, tiled loss %s, tiled MLPs %d",
-            size, groups.dp_size if groups else dist.get_world_size(group), done["attention"] or "unchanged",
+            size, grid.dp_size, done["attention"] or "unchanged",
             "on" if done["fused_loss"] else "off", done["tiled_mlps"],
         )
     return groups

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from hf_zero.api import latest_engine
 from hf_zero.errors import UsageError
-from hf_zero.tensor_parallel import _alone as _alone_group  # made once per process, by this rank alone
+from hf_zero.parallel import DATA_AXES
 
 __all__ = [
     "get_data_parallel_group", "get_data_parallel_rank", "get_data_parallel_world_size", "get_model_parallel_group",
@@ -45,6 +45,12 @@ def _world(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
     return group if group is not None else dist.group.WORLD
 
 
+def _grid() -> Any:
+    """The grid (``hf_zero/parallel/grid.py``) of the engine built last, or None before any."""
+    engine = latest_engine()
+    return getattr(engine, "grid", None) if engine is not None else None
+
+
 def _sp() -> Any:
     engine = latest_engine()
     sp = getattr(engine, "sequence_parallel_groups", None) if engine is not None else None
@@ -60,48 +66,28 @@ def _tp() -> Any:
 
 
 def _get_data_parallel_group() -> dist.ProcessGroup:
-    """The group of ranks that see different samples."""
+    """The group of ranks that see different samples: the grid's data-parallel axes."""
     _need_dist()
-    sp, tp = _sp(), _tp()
-    if sp is not None:
-        return _world(sp.dp_group) if sp.dp_size > 1 else _alone()
-    if tp is not None:
-        return tp.dp_group
-    engine = latest_engine()
-    return _world(engine.group if engine is not None else None)
-
-
-def _alone() -> dist.ProcessGroup:
-    """A group of this rank only (hf_zero keeps None for a data-parallel degree of 1 under sequence parallelism)."""
-    return _alone_group() if dist.get_world_size() > 1 else dist.group.WORLD
+    grid = _grid()
+    return _world(grid.group(*DATA_AXES) if grid is not None else None)
 
 
 def _get_data_parallel_world_size() -> int:
     _need_dist()
-    sp, tp = _sp(), _tp()
-    if sp is not None:
-        return sp.dp_size
-    if tp is not None:
-        return tp.dp_size
-    return dist.get_world_size(_get_data_parallel_group())
+    grid = _grid()
+    return grid.dp_size if grid is not None else dist.get_world_size()
 
 
 def _get_data_parallel_rank() -> int:
     _need_dist()
-    sp, tp = _sp(), _tp()
-    if sp is not None:
-        return sp.dp_rank
-    if tp is not None:
-        return tp.dp_rank
-    return dist.get_rank(_get_data_parallel_group())
+    grid = _grid()
+    return grid.dp_rank if grid is not None else dist.get_rank()
 
 
 def _get_data_parallel_group_ranks() -> list[int]:
     _need_dist()
-    sp = _sp()
-    if sp is not None:
-        return list(sp.dp_ranks)
-    return dist.get_process_group_ranks(_get_data_parallel_group())
+    grid = _grid()
+    return list(grid.ranks(*DATA_AXES)) if grid is not None else list(range(dist.get_world_size()))
 
 
 get_data_parallel_group = _get_data_parallel_group
@@ -131,12 +117,10 @@ def _get_sequence_parallel_rank() -> int:
 
 
 def _get_sequence_data_parallel_group() -> dist.ProcessGroup:
-    """The ranks ZeRO shards over: dp x sp."""
+    """The ranks ZeRO shards over: the grid's ZeRO group (dp x sp)."""
     _need_dist()
-    sp = _sp()
-    if sp is not None:
-        return _world(sp.zero_group)
-    return _get_data_parallel_group()
+    grid = _grid()
+    return _world(grid.zero_group if grid is not None else None)
 
 
 def _get_sequence_data_parallel_world_size() -> int:
