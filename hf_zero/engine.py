@@ -21,6 +21,7 @@ import torch.distributed as dist
 from hf_zero import dist as hz_dist
 from hf_zero import preemption as hz_preemption
 from hf_zero.checkpoint.ranks import CheckpointLayout
+from hf_zero.checkpoint.state import Progress, TrainState
 from hf_zero.checkpointing import checkpoint_blocks
 from hf_zero.config import ZeroConfig
 from hf_zero.data import to_device
@@ -153,6 +154,7 @@ class ZeroEngine(torch.nn.Module):
         unwrapped = stage == 0 and self.compute_dtype == torch.float32
         self.optimizer = self.basic_optimizer if unwrapped else self.zero_optimizer if not self.inference_only else None
         self.lr_scheduler = lr_scheduler
+        self.training_dataloader: Any = None  # initialize's loader, when it made one (its sampler is the data position)
         self._init_long_runs()
 
     def _init_long_runs(self) -> None:
@@ -627,7 +629,8 @@ class ZeroEngine(torch.nn.Module):
                 self._background = BackgroundWriter(pin=self.device.type == "cuda")
             writer = self._background
         with hz_dist.peer_failure_guard("save_checkpoint"):
-            path = save(self, save_dir, tag, client_state, save_latest=save_latest, keep_last=keep_last, background=writer)
+            path = save(self.train_state(), save_dir, tag, client_state, save_latest=save_latest, keep_last=keep_last,
+                        background=writer)
         self._last_save_dir = save_dir
         return path
 
@@ -665,15 +668,13 @@ class ZeroEngine(torch.nn.Module):
         self.wait_for_checkpoint()  # (async_save) the checkpoint being written may be the one asked for
         self.wait_params()  # the load writes the masters, which in fp32 are the gathered buffers
         with hz_dist.peer_failure_guard("load_checkpoint"):
-            if ds_checkpoint.is_deepspeed_checkpoint(load_dir, tag):
-                return ds_checkpoint.load(
-                    self, load_dir, tag, load_optimizer_states=load_optimizer_states,
-                    load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
-                )
-            return load(
-                self, load_dir, tag, load_optimizer_states=load_optimizer_states,
+            reader = ds_checkpoint.load if ds_checkpoint.is_deepspeed_checkpoint(load_dir, tag) else load
+            path, client, progress = reader(
+                self.train_state(), load_dir, tag, load_optimizer_states=load_optimizer_states,
                 load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
             )
+        self.restore_progress(progress)
+        return path, client
 
     def _has_latest(self, load_dir: str) -> bool:
         """Whether ``load_dir`` names a checkpoint to load without a tag: its ``latest`` file (or the folder is a
@@ -691,6 +692,31 @@ class ZeroEngine(torch.nn.Module):
             )
         return mine
 
+    def train_state(self) -> TrainState:
+        """What checkpoints, consolidated weights and the model card read of this engine, as of now.
+
+        The objects are the engine's own (a load restores into them in place); the counters are a copy,
+        which a load hands back as a :class:`Progress` for :meth:`restore_progress` (``hf_zero/checkpoint/state.py``).
+        """
+        if self._destroyed:
+            raise UsageError("engine.destroy() was called on this engine; save before destroying it")
+        return TrainState(
+            layout=self.checkpoint_layout(), module=self.module, optimizer=self.zero_optimizer,
+            lr_scheduler=self.lr_scheduler, loss_scaler=self.loss_scaler, config=self.config,
+            progress=Progress(self.global_steps, self.micro_steps, self.global_samples, self.skipped_steps),
+            gradient_accumulation_steps=self.gradient_accumulation_steps(), train_batch_size=self.train_batch_size(),
+            micro_batch_size=self.train_micro_batch_size_per_gpu(), gradient_clipping=self.gradient_clipping(),
+            zero_stage=self.zero_optimization_stage(), device=self.device, compute_dtype=self.compute_dtype,
+            group=self.group, world_size=self.world_size,
+            sampler=getattr(self.training_dataloader, "sampler", None), tensor_parallel=self.tensor_parallel_groups,
+        )
+
+    def restore_progress(self, progress: Progress | None) -> None:
+        """Take the counters a checkpoint load read (None: a load of the module only, which leaves them)."""
+        if progress is not None:
+            self.global_steps, self.micro_steps = progress.global_steps, progress.micro_steps
+            self.global_samples, self.skipped_steps = progress.global_samples, progress.skipped_steps
+
     def checkpoint_layout(self) -> CheckpointLayout:
         """Which ranks write a checkpoint of this engine together: the whole grid. The ZeRO group's ranks store their
         shards (its first, what is replicated); a tensor-parallel rank its own slices and, at ``tp`` rank 0, the
@@ -700,8 +726,8 @@ class ZeroEngine(torch.nn.Module):
         if g.rank("tp"):
             others |= {id(p) for p in self.module.parameters() if split_of(p) is None}
         pp = g.size("pp")
-        return CheckpointLayout(None, g.global_rank, g.size(), g.zero_rank, g.pipe_stage if pp > 1 else None,
-                                pp if pp > 1 else None, dp=g.zero_size, others=others, tp_rank=g.rank("tp"))
+        return CheckpointLayout(None, g.global_rank, g.size(), g.zero_rank, pipe_stage=g.pipe_stage if pp > 1 else None,
+                                num_stages=pp if pp > 1 else None, dp=g.zero_size, others=others, tp_rank=g.rank("tp"))
 
     def _stored_elsewhere(self) -> set[int]:
         """Parameters (by id) another rank of the grid stores in checkpoints (a pipeline's tied weights at later stages)."""
@@ -724,15 +750,16 @@ class ZeroEngine(torch.nn.Module):
         from hf_zero.model_cards import record
 
         self.wait_params()
+        state = self.train_state()
         if merge_adapters:
-            files = hz_peft.save_merged(self, save_directory, max_shard_size=max_shard_size, dtype=dtype)
+            files = hz_peft.save_merged(state, save_directory, max_shard_size=max_shard_size, dtype=dtype)
         elif hz_peft.is_peft_model(self.module):
-            files = hz_peft.save_adapters(self, save_directory, dtype=dtype)
+            files = hz_peft.save_adapters(state, save_directory, dtype=dtype)
         else:
             from hf_zero.checkpoint import consolidated
 
-            files = consolidated.save_pretrained(self, save_directory, max_shard_size=max_shard_size, dtype=dtype)
-        record.write_engine_record(self, save_directory, merged=merge_adapters)
+            files = consolidated.save_pretrained(state, save_directory, max_shard_size=max_shard_size, dtype=dtype)
+        record.write_engine_record(state, save_directory, merged=merge_adapters)
         return files
 
     def save_16bit_model(
@@ -753,7 +780,7 @@ class ZeroEngine(torch.nn.Module):
                 "can run code when loaded); pass a name ending in .safetensors, such as 'model.safetensors'"
             )
         self.wait_params()
-        consolidated.save_single_file(self, save_dir, save_filename, exclude_frozen=exclude_frozen_parameters)
+        consolidated.save_single_file(self.train_state(), save_dir, save_filename, exclude_frozen=exclude_frozen_parameters)
         return True
 
     save_fp16_model = save_16bit_model

@@ -78,7 +78,7 @@ def _cases(rank: int, world: int, root: str) -> dict:
     # 2. the host copy against the estimate: fp32 master and Adam's two moments of ceil(Ψ/N) trainable elements
     engine = _engine(2)
     _step(engine, 0)
-    share = save_module.plan_share(engine, engine.checkpoint_layout())
+    share = save_module.plan_share(engine.train_state())
     trainable = sum(p.numel() for p in engine.module.parameters() if p.requires_grad)
     out["trainable_bytes"] = save_module.plan_bytes({k: v for k, v in share["tensors"].items() if not k.startswith("frozen|")})
     out["estimate_bytes"] = estimate.async_save_host_bytes(trainable, world, 2, "adamw")

@@ -56,7 +56,7 @@ def _oracle(steps: int, micro: int, per_step: int, clip: float) -> tuple[list[fl
 def _whole(engine) -> dict:
     from hf_zero.checkpoint.consolidated import OneUnitAtATime
 
-    units = OneUnitAtATime(engine)
+    units = OneUnitAtATime(engine.train_state())
     with torch.no_grad():
         return {n: units.full(p).detach().clone() for n, p in engine.module.named_parameters()}
 

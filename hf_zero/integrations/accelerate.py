@@ -453,7 +453,7 @@ class Accelerator(accelerate.Accelerator):
             return super().get_state_dict(model, unwrap=unwrap)
         from hf_zero.checkpoint.consolidated import OneUnitAtATime
 
-        units = OneUnitAtATime(engine)
+        units = OneUnitAtATime(engine.train_state())
         with torch.no_grad():
             out = {name: units.full(t).detach().to("cpu", copy=True) for name, t in engine.module.state_dict(keep_vars=True).items()}
         units.release()

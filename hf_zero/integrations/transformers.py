@@ -342,7 +342,8 @@ class Trainer(transformers.Trainer):
                 self.processing_class.save_pretrained(output_dir)
             with open(os.path.join(output_dir, "training_args.json"), "w") as f:
                 f.write(self.args.to_json_string())
-            record.update_record(output_dir, record.trainer_record(self, merged=merge_adapters), keep=record.TRAINER_FILLS_ONLY)
+            record.update_record(output_dir, record.trainer_record(self, self.engine.train_state(), merged=merge_adapters),
+                                 keep=record.TRAINER_FILLS_ONLY)
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
@@ -372,7 +373,8 @@ class Trainer(transformers.Trainer):
 
         folder = self.args.output_dir
         merged = bool(record.read_record(folder).get("merged_adapters"))  # as save_model left the folder
-        record.update_record(folder, record.trainer_record(self, merged=merged), keep=record.TRAINER_FILLS_ONLY)
+        state = self.engine.train_state() if self.engine is not None else None
+        record.update_record(folder, record.trainer_record(self, state, merged=merged), keep=record.TRAINER_FILLS_ONLY)
         extra: dict[str, Any] = {"tags": [tags] if isinstance(tags, str) else list(tags or [])}
         if language is not None:
             extra["language"] = language
@@ -452,7 +454,9 @@ class Trainer(transformers.Trainer):
         if _saved_by_deepspeed(checkpoint):
             from hf_zero.checkpoint import deepspeed as ds_checkpoint
 
-            return ds_checkpoint.resume_trainer(self, checkpoint)
+            progress = ds_checkpoint.resume_trainer(self.engine.train_state(), self.lr_scheduler, checkpoint)
+            self.engine.restore_progress(progress)
+            return None
         _, client = self.engine.load_checkpoint(checkpoint, tag=ZERO_STATE_TAG)
         if self.lr_scheduler is not None and client.get("lr_scheduler") is not None:
             self.lr_scheduler.load_state_dict(client["lr_scheduler"])

@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
+    from hf_zero.checkpoint.state import TrainState
+
 RECORD_FILE = "hf_zero_training.json"
 FORMAT = 1
 
@@ -68,14 +70,14 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
-def engine_values(engine: Any) -> dict[str, Any]:
+def engine_values(state: TrainState) -> dict[str, Any]:
     """Every value the engine resolved, by the JSON path of the config key it answers (aliases included)."""
-    cfg = engine.config
+    cfg = state.config
     values: dict[str, Any] = {
-        "train_batch_size": engine.train_batch_size(),
-        "train_micro_batch_size_per_gpu": engine.train_micro_batch_size_per_gpu(),
-        "gradient_accumulation_steps": engine.gradient_accumulation_steps(),
-        "gradient_clipping": engine.gradient_clipping(),
+        "train_batch_size": state.train_batch_size,
+        "train_micro_batch_size_per_gpu": state.micro_batch_size,
+        "gradient_accumulation_steps": state.gradient_accumulation_steps,
+        "gradient_clipping": state.gradient_clipping,
         "bf16.enabled": bool(cfg.bf16.enabled),
         "bfloat16.enabled": bool(cfg.bf16.enabled),
         "fp16.enabled": bool(cfg.fp16.enabled),
@@ -85,11 +87,11 @@ def engine_values(engine: Any) -> dict[str, Any]:
             values[f"zero_optimization.{key}"] = value
             if key.startswith("stage3_"):  # DeepSpeed's own field names are the aliases without the prefix
                 values[f"zero_optimization.{key.removeprefix('stage3_')}"] = value
-    opt = getattr(engine, "basic_optimizer", None)
+    opt = state.torch_optimizer
     if opt is not None and opt.param_groups:
         values.update(optimizer_values(opt))
-    if getattr(engine, "lr_scheduler", None) is not None:
-        values.update(scheduler_values(engine.lr_scheduler))
+    if state.lr_scheduler is not None:
+        values.update(scheduler_values(state.lr_scheduler))
     return values
 
 
@@ -204,50 +206,50 @@ def model_fields(module: Any, merged: bool = False) -> dict[str, Any]:
     return out
 
 
-def engine_record(engine: Any, merged: bool = False) -> dict[str, Any]:
+def engine_record(state: TrainState, merged: bool = False) -> dict[str, Any]:
     """The engine's part of the record (collective: every rank's device name is gathered)."""
     import torch.distributed as dist
 
     from hf_zero import dist as hz_dist
 
-    names = [local_device_name(engine.device)]
-    group, world = _ranks_of(engine)
+    names = [local_device_name(state.device)]
+    group, world = _ranks_of(state)
     if world > 1:
         names = hz_dist.gather_json(names[0], group)
-    tp = getattr(engine, "tensor_parallel_groups", None)
+    tp = state.tensor_parallel
     return {
         "format": FORMAT,
-        **model_fields(engine.module, merged),
+        **model_fields(state.module, merged),
         "merged_adapters": bool(merged),
-        "zero_config": resolve_autos(engine.config.raw or {}, engine_values(engine)),
-        "zero_stage": engine.zero_optimization_stage(),
+        "zero_config": resolve_autos(state.config.raw or {}, engine_values(state)),
+        "zero_stage": state.zero_stage,
         "world_size": world,
         **({"tensor_parallel_size": tp.tp_size} if tp is not None else {}),
-        "backend": dist.get_backend(engine.group),
+        "backend": dist.get_backend(state.group),
         "devices": dict(collections.Counter(names)),
-        "compute_dtype": str(engine.compute_dtype).removeprefix("torch."),
-        "global_steps": int(engine.global_steps),
+        "compute_dtype": str(state.compute_dtype).removeprefix("torch."),
+        "global_steps": int(state.progress.global_steps),
         "framework_versions": framework_versions(),
     }
 
 
-def write_engine_record(engine: Any, folder: str, merged: bool = False) -> None:
+def write_engine_record(state: TrainState, folder: str, merged: bool = False) -> None:
     """Write (or refresh) the engine's part of ``folder``'s record, keeping what a Trainer added (collective)."""
     import torch.distributed as dist
 
-    fields = engine_record(engine, merged)
-    group, _ = _ranks_of(engine)
+    fields = engine_record(state, merged)
+    group, _ = _ranks_of(state)
     if dist.get_rank(group) == 0:
         update_record(folder, fields)
 
 
-def _ranks_of(engine: Any) -> tuple[Any, int]:
-    """The ranks that trained the model together: the engine's group, or under tensor parallelism the whole grid."""
+def _ranks_of(state: TrainState) -> tuple[Any, int]:
+    """The ranks that trained the model together: the ZeRO group, or under tensor parallelism the whole grid."""
     import torch.distributed as dist
 
-    tp = getattr(engine, "tensor_parallel_groups", None)
+    tp = state.tensor_parallel
     if tp is None:
-        return engine.group, engine.world_size
+        return state.group, state.world_size
     return tp.parent, dist.get_world_size(tp.parent)
 
 
@@ -367,14 +369,14 @@ def hyperparameters(trainer: Any, zero_config: Mapping[str, Any]) -> dict[str, A
     return {k: _jsonable(v) for k, v in hp.items()}
 
 
-def trainer_record(trainer: Any, merged: bool = False) -> dict[str, Any]:
+def trainer_record(trainer: Any, state: TrainState | None, merged: bool = False) -> dict[str, Any]:
     """The Trainer's part of the record; no collectives (``create_model_card`` runs on rank 0 alone).
 
-    ``merged``: the folder holds the model with its PEFT adapters merged in, not the adapters.
+    ``state``: the Trainer's engine's (None before it exists). ``merged``: the folder holds the model
+    with its PEFT adapters merged in, not the adapters.
     """
-    engine = getattr(trainer, "engine", None)
-    user = getattr(trainer.args, "zero_config_dict", None) or (engine.config.raw if engine is not None else None) or {}
-    values = engine_values(engine) if engine is not None else {}
+    user = getattr(trainer.args, "zero_config_dict", None) or (state.config.raw if state is not None else None) or {}
+    values = engine_values(state) if state is not None else {}
     values.update(trainer_values(trainer))
     zero_config = resolve_autos(user, values)
     model = getattr(trainer, "model", None)
@@ -397,11 +399,11 @@ def trainer_record(trainer: Any, merged: bool = False) -> dict[str, Any]:
     # Only where the engine's save recorded nothing (a card written before any save): its record
     # has every rank's device; this rank's device times the world size is the best guess here.
     out["framework_versions"] = framework_versions()
-    if engine is not None:
+    if state is not None:
         import torch.distributed as dist
 
-        out["devices"] = {local_device_name(engine.device): int(trainer.args.world_size)}
-        out["backend"] = dist.get_backend(engine.group) if dist.is_initialized() else None
+        out["devices"] = {local_device_name(state.device): int(trainer.args.world_size)}
+        out["backend"] = dist.get_backend(state.group) if dist.is_initialized() else None
     return out
 
 

@@ -234,7 +234,7 @@ class PipelineEngine(ZeroEngine):
         from hf_zero.pipe.consolidated import save_pretrained
 
         self.wait_params()
-        return save_pretrained(self, save_directory, max_shard_size=max_shard_size, dtype=dtype)
+        return save_pretrained(self.train_state(), save_directory, max_shard_size=max_shard_size, dtype=dtype)
 
     def save_16bit_model(self, save_dir: str, save_filename: str = "model.safetensors",
                          exclude_frozen_parameters: bool = False) -> bool:
