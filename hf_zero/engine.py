@@ -37,7 +37,7 @@ from hf_zero.tp_split import split_of
 from hf_zero.zero import attach
 from hf_zero.zero.group import Placement
 from hf_zero.zero.offload import OffloadPolicy, host_step_threads
-from hf_zero.zero.partition import ShardedOptimizer, ZeroPolicy
+from hf_zero.zero.optimizer import ShardedOptimizer, ZeroPolicy
 
 logger = logging.getLogger("hf_zero")
 
@@ -66,7 +66,7 @@ class _NoOptimizer:
 class ZeroEngine(torch.nn.Module):
     """Training engine for ZeRO stages 0-3 with DeepSpeed's method names and semantics.
 
-    The stages are policies of one ``ShardedOptimizer`` (``hf_zero/zero/partition.py``) over shard
+    The stages are policies of one ``ShardedOptimizer`` (``hf_zero/zero/optimizer.py``) over shard
     groups; one step policy (``hf_zero/step.py``) decides each optimizer step; checkpoints are
     ``hf_zero/checkpoint``'s. A ``PipelineEngine`` is this engine over one pipeline stage.
     """

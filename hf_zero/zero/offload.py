@@ -72,7 +72,7 @@ class OffloadPolicy:
     """What of a rank's ZeRO state lives in host memory: decided once from the config, read, never changed.
 
     FSDP2's ``CPUOffloadPolicy`` is the model: the engine builds it from ``zero_optimization.offload_optimizer``
-    and ``offload_param``, and :class:`hf_zero.zero.partition.ShardedOptimizer` builds its groups and picks its step
+    and ``offload_param``, and :class:`hf_zero.zero.optimizer.ShardedOptimizer` builds its groups and picks its step
     runner from it. The default offloads nothing.
 
     - ``optimizer`` (``offload_optimizer.device: "cpu"``): the fp32 masters, a copy of their gradients and the

@@ -1,6 +1,6 @@
 """Step runners: the optimizer step and the publish of the new weights, one way of taking them per class.
 
-:class:`hf_zero.zero.partition.ShardedOptimizer` builds the shard groups and the hooks; how its step runs
+:class:`hf_zero.zero.optimizer.ShardedOptimizer` builds the shard groups and the hooks; how its step runs
 follows from choices made once, at build time (is the optimizer offloaded, is the post-step all-gather
 deferred to the next forward), so the runner is picked then (:func:`pick_runner`) and the step is a
 method call on it (``ShardedOptimizer.step_and_publish`` -> ``runner.step(timed)``), with no branch
