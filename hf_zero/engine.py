@@ -36,8 +36,9 @@ from hf_zero.tensor_parallel import view_of as tensor_view_of
 from hf_zero.timers import StepTimers
 from hf_zero.tp_split import split_of
 from hf_zero.zero import attach
-from hf_zero.zero.offload import host_step_threads
-from hf_zero.zero.partition import ShardedOptimizer
+from hf_zero.zero.group import Placement
+from hf_zero.zero.offload import OffloadPolicy, host_step_threads
+from hf_zero.zero.optimizer import ShardedOptimizer, ZeroPolicy
 
 logger = logging.getLogger("hf_zero")
 
@@ -66,7 +67,7 @@ class _NoOptimizer:
 class ZeroEngine(torch.nn.Module):
     """Training engine for ZeRO stages 0-3 with DeepSpeed's method names and semantics.
 
-    The stages are policies of one ``ShardedOptimizer`` (``hf_zero/zero/partition.py``) over shard
+    The stages are policies of one ``ShardedOptimizer`` (``hf_zero/zero/optimizer.py``) over shard
     groups; one step policy (``hf_zero/step.py``) decides each optimizer step; checkpoints are
     ``hf_zero/checkpoint``'s. A ``PipelineEngine`` is this engine over one pipeline stage.
     """
@@ -203,27 +204,33 @@ class ZeroEngine(torch.nn.Module):
         return self._tp_view
 
     def _sharded_optimizer(self, optimizer: torch.optim.Optimizer) -> ShardedOptimizer:
-        """The ZeRO stage of the config over ``optimizer``, sharded over this engine's group; every knob from the config."""
+        """The ZeRO stage of the config over ``optimizer``, sharded over this engine's group: the config read once
+        into the optimizer's three frozen inputs (where and in which dtypes, the stage's knobs, what is offloaded)."""
         zc = self.config.zero_optimization
-        off = zc.offload_optimizer
-        offload_pin = bool(off.pin_memory) if off is not None and off.device == "cpu" and not self.inference_only else None
-        par = zc.offload_param  # stage 3 only (the config names it as ignored at the others)
-        param_offload_pin = bool(par.pin_memory) if par is not None and par.device == "cpu" and zc.stage == 3 else None
+        place = Placement.over(self.group, self.device, self.compute_dtype, reduce_dtype(self.config),
+                               self.config.master_dtype)
+        zero = ZeroPolicy(
+            stage=zc.stage, bucket_numel=max(1, int(zc.reduce_bucket_size)),
+            persistence_threshold=int(zc.stage3_param_persistence_threshold),
+            prefetch_numel=int(zc.stage3_prefetch_bucket_size), max_live_numel=int(zc.stage3_max_live_parameters),
+            overlap_param_gather=zc.overlap_param_gather,
+        )
+        off, par = zc.offload_optimizer, zc.offload_param  # offload_param: stage 3 only (the config says it is ignored elsewhere)
+        offload_optimizer = off is not None and off.device == "cpu" and not self.inference_only
         host_threads = None
-        if offload_pin is not None:
+        if offload_optimizer:
             host_threads, why = host_step_threads(None, off.cpuadam_cores_perc)
             if self.timers.enabled:
                 self.timers.note("step.cpu_optimizer", f"{host_threads} threads")
                 if self.global_rank == 0:
                     logger.info("offload: the host optimizer step runs on %d threads per rank (%s)", host_threads, why)
-        return ShardedOptimizer(
-            self.module, optimizer, stage=zc.stage, compute_dtype=self.compute_dtype,
-            reduce_dtype=reduce_dtype(self.config), bucket_numel=max(1, int(zc.reduce_bucket_size)), group=self.group,
-            device=self.device, persistence_threshold=int(zc.stage3_param_persistence_threshold),
-            prefetch_numel=int(zc.stage3_prefetch_bucket_size), max_live_numel=int(zc.stage3_max_live_parameters),
-            offload_pin=offload_pin, master_dtype=self.config.master_dtype, param_offload_pin=param_offload_pin,
-            overlap_param_gather=zc.overlap_param_gather, host_threads=host_threads,
+        offload = OffloadPolicy(
+            optimizer=offload_optimizer, pin_memory=bool(off.pin_memory) if off is not None else True,
+            host_threads=host_threads,
+            params=par is not None and par.device == "cpu" and zc.stage == 3,
+            params_pin_memory=bool(par.pin_memory) if par is not None else True,
         )
+        return ShardedOptimizer(self.module, optimizer, place=place, zero=zero, offload=offload)
 
     def compile(self, backend: str | Any = "inductor", compile_kwargs: dict | None = None) -> None:
         """DeepSpeed's ``engine.compile``: ``torch.compile`` each block of the model (see :mod:`hf_zero.compile`).

@@ -62,12 +62,12 @@ def _run(rank: int, world: int, mode: str, tmp: str) -> dict:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     import hf_zero
-    from hf_zero.zero import partition
+    from hf_zero.zero import offload as zero_offload
 
     mode, _, offload = mode.partition("+")
-    real_check = partition.check_host_memory
+    real_check = zero_offload.check_host_memory
     if offload == "streamed":  # host memory "too short" for a gradient copy per group (restored on the way out)
-        partition.check_host_memory = lambda needed, group, streamed=None: True
+        zero_offload.check_host_memory = lambda needed, group, streamed=None: True
     if mode in ("lazy", "lazy-no-hooks"):
         _lazy_all_gather()
     out: dict = {}
@@ -154,7 +154,7 @@ def _run(rank: int, world: int, mode: str, tmp: str) -> dict:
         for h in checks:
             h.remove()
         out[key] = rec
-    partition.check_host_memory = real_check
+    zero_offload.check_host_memory = real_check
     return out
 
 

@@ -2,7 +2,7 @@
 
 DeepSpeed's ZeRO optimizers derive from ``ZeROOptimizer`` (itself a ``DeepSpeedOptimizer``), and its
 tests and scripts ask ``isinstance(engine.optimizer, ZeROOptimizer)``. hf_zero has one wrapper for
-every stage (:class:`hf_zero.zero.partition.ShardedOptimizer`), so these classes answer by its stage:
+every stage (:class:`hf_zero.zero.optimizer.ShardedOptimizer`), so these classes answer by its stage:
 
 - ``DeepSpeedOptimizer``: any hf_zero wrapper (DeepSpeed wraps stage 0 under fp16/bf16 too);
 - ``ZeROOptimizer``: a wrapper at ZeRO stage 1, 2 or 3;
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hf_zero.zero.partition import ShardedOptimizer
+from hf_zero.zero.optimizer import ShardedOptimizer
 
 __all__ = ["DeepSpeedOptimizer", "ZeROOptimizer"]
 

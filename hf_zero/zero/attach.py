@@ -92,4 +92,4 @@ def detach(module: torch.nn.Module, zo: Any) -> None:
         pg["params"] = []
     zo.flat_groups, zo.stage3_groups = [], []
     zo._group_of, zo._bucket_of = {}, {}
-    zo._grad_stream_bufs = []
+    zo.runner.release()  # the step runner's hold on the groups, and a streamed step's pinned host buffers
