@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from hf_zero.config import ZeroConfig
     from hf_zero.precision import LossScaler
     from hf_zero.tensor_parallel import TensorParallelGroups
-    from hf_zero.zero.partition import ShardedOptimizer
+    from hf_zero.zero.optimizer import ShardedOptimizer
 
 
 @dataclass(frozen=True)
