@@ -1,4 +1,4 @@
-"""``scripts/bench_checkpoint.py`` on CPU: one process saves, saves in the background and loads a tiny Llama with
+"""``benchmarks/bench_checkpoint.py`` on CPU: one process saves, saves in the background and loads a tiny Llama with
 hf_zero and with torch DCP (FSDP2); every row has its figures and the table prints. The GPU figures come from the
 same script under torchrun (BENCHMARKS.md)."""
 
@@ -17,7 +17,7 @@ def test_tiny_llama_on_cpu(tmp_path: Path) -> None:
     env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
                PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run(
-        [sys.executable, "scripts/bench_checkpoint.py", "--device", "cpu", "--model", "tiny", "--gpus", "1",
+        [sys.executable, "benchmarks/bench_checkpoint.py", "--device", "cpu", "--model", "tiny", "--gpus", "1",
          "--engines", "hf,dcp", "--steps", "2", "--warmup", "1", "--out", str(tmp_path)],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
     )

@@ -114,7 +114,7 @@ def _run(rank: int, world: int, mode: str, tmp: str) -> dict:
 
         checks = [m.register_forward_pre_hook(check) for m in model.modules()] if mode == "overlap" else []
         ids = torch.randint(0, 64, (STEPS * gas * world * 2, 8), generator=torch.Generator().manual_seed(3))
-        ids = ids.reshape(STEPS * gas, world, 2, 8)[:, rank]  # (scripts/gpu_check.py runs this on any number of GPUs)
+        ids = ids.reshape(STEPS * gas, world, 2, 8)[:, rank]  # (tests/gpu/gpu_check.py runs this on any number of GPUs)
         rec: dict = {"losses": [], "in_flight_after_step": [], "forward_waits": [], "groups": len(zo.flat_groups)}
         ckpt = os.path.join(tmp, f"{mode}-{key}-ckpt")
         for step in range(STEPS):

@@ -75,7 +75,7 @@ def _train(engine, data: dict, steps: range, gas: int) -> list[float]:
     tp = engine.tensor_parallel_groups
     losses = []
     for t in steps:
-        total = torch.zeros((), device=engine.device)  # the device NCCL reduces on (scripts/gpu_check.py)
+        total = torch.zeros((), device=engine.device)  # the device NCCL reduces on (tests/gpu/gpu_check.py)
         for k in range(gas):
             loss = engine(**_micro(data, t, (tp.dp_rank * gas + k) * MICRO, MICRO)).loss
             engine.backward(loss)

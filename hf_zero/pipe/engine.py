@@ -109,7 +109,7 @@ class PipelineEngine(ZeroEngine):
         self.training_dataloader = None
         self._data_iter: Iterator | None = None
         # Set to True to time this stage's forwards and backwards (CUDA events on GPU): the bubble
-        # is then what the step spends outside them (scripts/bench.py reports it).
+        # is then what the step spends outside them (benchmarks/bench.py reports it).
         self.measure_compute = False
         self._compute_marks: list[Any] = []
 

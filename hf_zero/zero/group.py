@@ -114,7 +114,7 @@ def pack_grads(
     grads = [s.param.grad for s in slots]
     if slots and all(g is not None for g in grads):
         # Every parameter has its gradient: one cat (one kernel, cast included) into the buffer, instead of
-        # a slice, a reshape and a copy per parameter (scripts/bench_host_overhead.py measures the difference).
+        # a slice, a reshape and a copy per parameter (benchmarks/bench_host_overhead.py measures the difference).
         torch.cat([g.reshape(-1) for g in grads], out=src[:end])
         if padded_numel > end:
             src[end:].zero_()

@@ -5,12 +5,12 @@ bytes to the same disk.
 
 On the GPU machine (each engine in its own torchrun, one process per GPU)::
 
-    python scripts/bench_checkpoint.py --gpus 8 --model 8b --out /local_disk/ckpt_bench
-    python scripts/bench_checkpoint.py --gpus 8 --model 8b --engines hf,dcp --stage 2 --out /local_disk/ckpt_bench
+    python benchmarks/bench_checkpoint.py --gpus 8 --model 8b --out /local_disk/ckpt_bench
+    python benchmarks/bench_checkpoint.py --gpus 8 --model 8b --engines hf,dcp --stage 2 --out /local_disk/ckpt_bench
 
 A CPU smoke test (one process, every engine in it, fp32)::
 
-    python scripts/bench_checkpoint.py --device cpu --model tiny --gpus 1 --out /tmp/ckpt_bench
+    python benchmarks/bench_checkpoint.py --device cpu --model tiny --gpus 1 --out /tmp/ckpt_bench
 
 What is timed, per engine (every figure is the slowest rank's):
 

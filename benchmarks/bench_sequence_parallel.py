@@ -2,10 +2,10 @@
 
 Run on the GPU machine (issue 18's measurement; numbers go to BENCHMARKS.md):
 
-    python scripts/bench_sequence_parallel.py --gpus 2 --engines hf,ds,fsdp_cp --seqs 4096,32768,131072
-    python scripts/bench_sequence_parallel.py --gpus 2 --engines hf,ds --max_seq 65536
-    python scripts/bench_sequence_parallel.py --gpus 2 --engines hf --sp 1,2 --seqs 4096   # SP's cost at 4k
-    python scripts/bench_sequence_parallel.py --gpus 2 --engines hf --sp 2 --batch 2 --seqs 4096   # sp 2 at sp 1's tokens per GPU
+    python benchmarks/bench_sequence_parallel.py --gpus 2 --engines hf,ds,fsdp_cp --seqs 4096,32768,131072
+    python benchmarks/bench_sequence_parallel.py --gpus 2 --engines hf,ds --max_seq 65536
+    python benchmarks/bench_sequence_parallel.py --gpus 2 --engines hf --sp 1,2 --seqs 4096   # SP's cost at 4k
+    python benchmarks/bench_sequence_parallel.py --gpus 2 --engines hf --sp 2 --batch 2 --seqs 4096   # sp 2 at sp 1's tokens per GPU
 
 Every engine trains Llama-3-8B's shape (random weights, bf16, AdamW, ZeRO-3 or FSDP2) on ``--batch`` random
 sequences (default one) per sequence-parallel group, each run in its own torchrun (one process per GPU) so no
