@@ -85,9 +85,35 @@ def deepspeed_python() -> Path:
     return _cached["python"]
 
 
+def extensions_dir() -> Path:
+    """Where DeepSpeed's JIT-built CPU ops (cpu_adam) go: inside its environment, not torch's shared cache.
+
+    torch guards a build with a ``lock`` file and waits, without limit, for it to go; a build killed half-way
+    (a timed-out test, a cancelled run) leaves it behind in ``~/.cache/torch_extensions`` for every later run on
+    the machine. A folder of the environment's own lives and dies with it; :func:`clear_stale_lock` handles the rest.
+    """
+    return _env_dir() / "torch_extensions"
+
+
+def clear_stale_lock(op: str, *, older_than_s: float = 1200) -> None:
+    """Remove ``op``'s build lock when no build can hold it: its library exists, or it is older than any build."""
+    import time
+
+    for lock in extensions_dir().glob(f"*/{op}/lock"):
+        built = any(lock.parent.glob(f"{op}*.so"))
+        if built or time.time() - lock.stat().st_mtime > older_than_s:
+            lock.unlink(missing_ok=True)
+
+
+def op_built(op: str) -> bool:
+    """Whether DeepSpeed's CPU op ``op`` is already compiled in :func:`extensions_dir`."""
+    return any(extensions_dir().glob(f"*/{op}/{op}*.so"))
+
+
 def ds_environ(**extra: str) -> dict[str, str]:
-    """Environment for DeepSpeed on the CPU: its CPU accelerator, no CUDA, no compiled ops."""
+    """Environment for DeepSpeed on the CPU: its CPU accelerator, no CUDA, ops JIT-built into its own folder."""
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "DS_BUILD_OPS": "0", "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(extensions_dir()))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")]))
     env.update(extra)
     return env
@@ -142,8 +168,22 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-if __name__ == "__main__":  # .ci/run: python -m tests.dsenv (prints where it is, or why not)
+def build_op(op: str = "cpu_adam", *, timeout: float = 1800) -> None:
+    """JIT-compile DeepSpeed's CPU op ``op`` (a few minutes on two cores: -O3 over torch's headers) into its folder."""
+    python = build()
+    clear_stale_lock(op)
+    builder = {"cpu_adam": "CPUAdamBuilder"}[op]
+    done = subprocess.run([str(python), "-c", f"from deepspeed.ops.op_builder import {builder}; {builder}().load()"],
+                          env=ds_environ(), capture_output=True, text=True, timeout=timeout)
+    if done.returncode != 0 or not op_built(op):
+        raise RuntimeError(f"DeepSpeed's {op} op did not build: {done.stderr.strip()[-800:]}")
+
+
+if __name__ == "__main__":  # .ci/run: python -m tests.dsenv (prints where it is, or why not); --ops cpu_adam too
     try:
         print(f"DeepSpeed {DEEPSPEED_VERSION} oracle: {build()}")
+        if "--ops" in sys.argv:
+            build_op("cpu_adam")
+            print(f"DeepSpeed's cpu_adam op: built in {extensions_dir()}")
     except Exception as e:
         print(f"DeepSpeed {DEEPSPEED_VERSION} oracle unavailable, its tests will skip: {e}", file=sys.stderr)

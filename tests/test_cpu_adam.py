@@ -385,11 +385,20 @@ _DS_CASES = {
 
 
 def test_equals_deepspeeds_own_cpu_adam(tmp_path: Path) -> None:
+    """DeepSpeed's compiled ``DeepSpeedCPUAdam`` kernel is the oracle, once it is built.
+
+    Compiling it takes minutes on two cores, a quarter of CI's test budget, so CI does not: the test runs where
+    ``python -m tests.dsenv --ops`` built it (or ``HF_ZERO_DS_OPS=1`` asks the test to build it). Last run: see
+    BENCHMARKS.md (5.8e-7 apart); the torch oracles above run everywhere.
+    """
     from tests import dsenv
 
     python = dsenv.deepspeed_python()
+    if not (dsenv.op_built("cpu_adam") or os.environ.get("HF_ZERO_DS_OPS") == "1"):
+        pytest.skip("DeepSpeed's cpu_adam op is not built: run `python -m tests.dsenv --ops` (minutes) or set HF_ZERO_DS_OPS=1")
     if not (shutil.which("ninja") or (python.parent / "ninja").exists()):
         pytest.skip("DeepSpeed's cpu_adam op JIT-builds with ninja, which its environment lacks (pip install ninja there)")
+    dsenv.clear_stale_lock("cpu_adam")
     data = {f"p{i}": p.detach() for i, p in enumerate(_params())}
     data.update({f"g{t}_{i}": g for t in range(STEPS) for i, g in enumerate(_grads(t)) if g is not None})
     cases = {k: {"dtype": "float32", **v} for k, v in _DS_CASES.items()}
