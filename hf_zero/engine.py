@@ -22,13 +22,13 @@ from hf_zero import dist as hz_dist
 from hf_zero import preemption as hz_preemption
 from hf_zero.checkpoint.ranks import CheckpointLayout
 from hf_zero.checkpoint.state import Progress, TrainState
-from hf_zero.checkpointing import checkpoint_blocks
 from hf_zero.config import ZeroConfig
 from hf_zero.data import to_device
 from hf_zero.errors import CheckpointError, UsageError
 from hf_zero.module_setup import broadcast_module, cast_frozen_params, check_presharded, move_to_device
 from hf_zero.parallel import GridShape, ParallelGrid, grid_for
 from hf_zero.precision import loss_scaler_for, reduce_dtype
+from hf_zero.recompute import checkpoint_blocks
 from hf_zero.sequence.groups import view_of as sequence_view_of
 from hf_zero.step import NormScope, StepPolicy
 from hf_zero.tensor_parallel import TensorParallelGroups

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch.optim.lr_scheduler import LRScheduler
 
-from hf_zero.config_schema import SUPPORTED_OPTIMIZERS, SUPPORTED_SCHEDULERS
+from hf_zero.config.schema import SUPPORTED_OPTIMIZERS, SUPPORTED_SCHEDULERS
 from hf_zero.errors import OptimizerConfigError
 
 __all__ = ["SUPPORTED_OPTIMIZERS", "SUPPORTED_SCHEDULERS", "OptimizerConfigError", "WarmupCosineLR", "WarmupDecayLR",

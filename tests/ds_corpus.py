@@ -217,8 +217,8 @@ class Verdict:
 
 def verdict(config: dict | str) -> Verdict:
     """Parse as a fresh process would (every warning shown), and sort what came out."""
-    from hf_zero import config_parse
     from hf_zero.config import ConfigError, ZeroConfig
+    from hf_zero.config import parse as config_parse
 
     saved = set(config_parse._WARNED)
     config_parse._WARNED.clear()

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_zero import config_parse
 from hf_zero.config import ConfigError, FP16Config, ZeroConfig, ZeroOptimizationConfig
+from hf_zero.config import parse as config_parse
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"  # the tutorial's scripts, verbatim
 MB = {"train_micro_batch_size_per_gpu": 2}

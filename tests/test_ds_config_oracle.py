@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from hf_zero.config_schema import CLOSED_WHOLE, SECTIONS, TOP, ZERO, classify
+from hf_zero.config.schema import CLOSED_WHOLE, SECTIONS, TOP, ZERO, classify
 from tests import dsenv
 from tests.ds_corpus import CORPUS, DEEPSPEED_REFUSES, fill_autos, refused_for, verdict
 

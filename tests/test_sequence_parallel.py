@@ -15,14 +15,14 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from hf_zero.config_schema import ConfigError
+from hf_zero.config import sequence as spc
+from hf_zero.config.schema import ConfigError
 from hf_zero.sequence import (
     SequenceParallelError,
     checkpoint_offloaded,
     fused_linear_cross_entropy,
     shard_batch,
 )
-from hf_zero.sequence import config as spc
 from hf_zero.sequence.attention import check_heads
 from hf_zero.sequence.loss import cross_entropy_sum
 from hf_zero.sequence.model import LongSequenceOptions, prepare_model

@@ -1,7 +1,7 @@
 """Coming from DeepSpeed: its checkpoints as hf_zero checkpoints, and resumed as they are.
 
 A DeepSpeed checkpoint (ZeRO 0-3, fp32/bf16/fp16) is rewritten in hf_zero's own resume format
-(``checkpoint/sharded.py``: safetensors + JSON, every tensor "elements [a, b) of parameter
+(``checkpoint/format.py``: safetensors + JSON, every tensor "elements [a, b) of parameter
 ``name``"): one hf_zero rank file per DeepSpeed rank, holding that rank's fp32 masters, its
 optimizer moments and step counts, its frozen slices, and on rank 0 the buffers;
 ``checkpoint.json`` carries the counters, the scheduler, the loss scaler and the client state.
@@ -10,7 +10,7 @@ files runs no code from them (``deepspeed_read.py``); mapping its flat partition
 is ``deepspeed_map.py``.
 
 Why a converted folder on disk rather than an in-memory reader handed to the loader: the on-disk
-format is the one contract between this module and the loader (``sharded.load`` verifies,
+format is the one contract between this module and the loader (``checkpoint/load.py`` verifies,
 plans and reads it), so the conversion cannot drift from what a real hf_zero checkpoint is, and
 ``hf-zero convert-deepspeed`` and ``engine.load_checkpoint`` share every line. The price is one
 temporary copy of the fp32 state, written in parallel (each rank converts every world-th
@@ -36,9 +36,8 @@ import torch
 from hf_zero.checkpoint.atomic import write_json as _write_json
 from hf_zero.checkpoint.deepspeed_map import DS_KEYS, Plan, plan, read_share
 from hf_zero.checkpoint.deepspeed_read import DeepSpeedCheckpointError, is_deepspeed_checkpoint, load_pickle
+from hf_zero.checkpoint.format import FORMAT, LATEST, MAX_FILE_BYTES, to_json
 from hf_zero.checkpoint.format import sha256 as _sha256
-from hf_zero.checkpoint.format import to_json
-from hf_zero.checkpoint.sharded import FORMAT, LATEST, MAX_FILE_BYTES
 from hf_zero.errors import CheckpointError
 
 if TYPE_CHECKING:
@@ -315,8 +314,6 @@ def consolidate(src: str, out_dir: str, tag: str | None = None, max_shard_size: 
 
 
 def _reason(e: BaseException) -> str:
-    from hf_zero.checkpoint.sharded import CheckpointError
-
     return str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"
 
 
@@ -364,7 +361,7 @@ def _load(
 ) -> tuple[str, dict, Plan, Progress | None]:
     import torch.distributed as dist
 
-    from hf_zero.checkpoint import sharded
+    from hf_zero.checkpoint.load import load as load_sharded
     from hf_zero.dist import gather_json
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -400,7 +397,7 @@ def _load(
         _agree(gather_json(err))
         snap = _rng_snapshot()  # DeepSpeed saved no RNG state: this process's streams stay as they are
         try:
-            path, _, progress = sharded.load(
+            path, _, progress = load_sharded(
                 state, root, hidden, load_optimizer_states=load_optimizer_states,
                 load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
             )

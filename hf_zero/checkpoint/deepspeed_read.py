@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from hf_zero.checkpoint.sharded import CheckpointError
+from hf_zero.errors import CheckpointError
 
 LATEST = "latest"
 

@@ -96,10 +96,10 @@ def config_sp_size(config: dict | None) -> tuple[int, str]:
     """The sequence-parallel degree a zero_config asks for, and where it says so (1 and "" when it does not).
 
     Either spelling counts: DeepSpeed's top-level ``sequence_parallel_size`` or LLaMA-Factory's
-    ``sequence_parallel`` section (``size`` / ``ulysses.degree``); :func:`hf_zero.sequence.config.parse`
+    ``sequence_parallel`` section (``size`` / ``ulysses.degree``); :func:`hf_zero.config.sequence.parse`
     has already refused the two disagreeing. ``"auto"`` asks for nothing (the ParallelismConfig fills it).
     """
-    from hf_zero.sequence.config import SECTION, parse
+    from hf_zero.config.sequence import SECTION, parse
 
     if not config:
         return 1, ""

@@ -5,7 +5,7 @@ Every key of every JSON object in a DeepSpeed config falls in one of three group
 without reading the parser:
 
 - ``keys``: hf_zero acts on them; they are parsed into the typed dataclasses of
-  ``config_sections.py`` / ``config.py``;
+  ``config/sections.py`` / ``config.py``;
 - ``inert``: accepted and ignored. Each maps to the value that asks for nothing (in most cases
   DeepSpeed's default, or what hf_zero always does). Given that value the key is silent; any
   other value is named in the one "accepts but ignores" warning, because the user asked for
@@ -44,7 +44,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from hf_zero.errors import ConfigError  # noqa: F401 - its old path: config.py and config_values.py import it from here
+from hf_zero.errors import ConfigError  # noqa: F401 - its old path: config/__init__.py and values.py import it from here
 
 AUTO = "auto"
 SWITCH = "<a section with an 'enabled' flag>"
@@ -102,7 +102,7 @@ TOP = Section(
         "optimizer", "scheduler", "fp16", "bf16", "zero_optimization", "communication_data_type",
         "steps_per_print", "activation_checkpointing", "checkpoint", "pipeline", "compile",
         "torch_autocast",  # DeepSpeed's: forward under torch.autocast (hf_zero/engine.py)
-        "sequence_parallel_size",  # DeepSpeed's (ALST): the Ulysses degree (hf_zero/sequence/config.py)
+        "sequence_parallel_size",  # DeepSpeed's (ALST): the Ulysses degree (hf_zero/config/sequence.py)
         "sequence_parallel",  # hf_zero's tiling switches; LLaMA-Factory's keys of the section are read too
         "wall_clock_breakdown",  # DeepSpeed's: time forward, backward and step (hf_zero/timers.py)
         "seed",  # hf_zero's: the seed of the distributed sampler's shuffle
@@ -251,7 +251,7 @@ ZERO = Section(
     legacy={"mics_shard_size": "MiCS, removed from DeepSpeed", "mics_hierarchical_params_gather": "MiCS, removed from "
              "DeepSpeed", "zeropp_loco_param": "LoCo-Zero++, removed from DeepSpeed"},
 )
-# Both offload sections are parsed in full (config_sections.OffloadParamConfig, OffloadOptimizerConfig).
+# Both offload sections are parsed in full (sections.OffloadParamConfig, OffloadOptimizerConfig).
 OFFLOAD_PARAM = Section(keys=("device", "nvme_path", "buffer_count", "buffer_size", "max_in_cpu", "pin_memory"),
                         closed=True)
 OFFLOAD_OPTIMIZER = Section(keys=("device", "nvme_path", "buffer_count", "pin_memory", "pipeline_read", "pipeline_write",

@@ -2,8 +2,8 @@
 
 Every check raises one :class:`ConfigError` sentence in the form the whole parser uses,
 ``path: got X, expected Y``, so a user sees the JSON path, what they wrote and what would do.
-The parser (``config_parse.py``) calls these; the tables of which key takes which check are in
-``config_schema.py``.
+The parser (``config/parse.py``) calls these; the tables of which key takes which check are in
+``config/schema.py``.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from hf_zero.config_schema import ANY, AUTO, SECTION, SWITCH, ConfigError
+from hf_zero.config.schema import ANY, AUTO, SECTION, SWITCH, ConfigError
 
 
 def show(value: Any) -> str:

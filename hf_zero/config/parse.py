@@ -2,7 +2,7 @@
 
 For every JSON object the walk visits, :meth:`Parser.object` first folds DeepSpeed's other
 spellings of a key into the name hf_zero uses (refusing two spellings of one key, as DeepSpeed
-does), then sorts each key by ``config_schema``'s tables: acted on (read later with a typed
+does), then sorts each key by ``schema``'s tables: acted on (read later with a typed
 check), inert (named in one warning if it asks for anything), refused (one sentence naming the
 missing feature), or unknown. An unknown key inside a section DeepSpeed 0.19.8 closes (its
 pydantic model forbids extra keys: ``bf16``, ``fp16``, ``zero_optimization`` and its offload
@@ -29,7 +29,7 @@ import warnings
 from collections.abc import Iterable
 from typing import Any
 
-from hf_zero.config_schema import (
+from hf_zero.config.schema import (
     ACTIVATION_CHECKPOINTING,
     AUTO,
     BF16,
@@ -66,7 +66,7 @@ from hf_zero.config_schema import (
     ConfigError,
     Section,
 )
-from hf_zero.config_sections import (
+from hf_zero.config.sections import (
     BF16Config,
     CompileConfig,
     FP16Config,
@@ -78,7 +78,7 @@ from hf_zero.config_sections import (
     TorchAutocastConfig,
     ZeroOptimizationConfig,
 )
-from hf_zero.config_values import (
+from hf_zero.config.values import (
     Bool,
     Int,
     Number,
@@ -538,7 +538,7 @@ def refuse_missing_features(cfg: Any) -> list[str]:
 
     ``cfg`` is the parsed ZeroConfig. Optimizer offload and stage 3's parameter offload to the CPU run
     (hf_zero/zero/offload.py); their NVMe and partial forms do not yet. (Sequence parallelism:
-    ``cfg.sequence_parallel``, read by hf_zero/sequence/config.py.)
+    ``cfg.sequence_parallel``, read by hf_zero/config/sequence.py.)
     """
     zo = cfg.zero_optimization
     opt = zo.offload_optimizer

@@ -3,8 +3,8 @@
 A run that will fail should fail here, on every rank alike, before a process group or a
 model exists. So every problem is one ``ConfigError`` sentence with the JSON path, what was
 given and what is allowed (``zero_optimization.stage: got 4, expected one of 0, 1, 2, 3``).
-What happens to each key is tabulated in ``config_schema.py``: keys hf_zero acts on are parsed
-into the dataclasses here and in ``config_sections.py``; DeepSpeed keys it accepts but does not
+What happens to each key is tabulated in ``config/schema.py``: keys hf_zero acts on are parsed
+into the dataclasses here and in ``config/sections.py``; DeepSpeed keys it accepts but does not
 act on are named once in a warning when they ask for something; DeepSpeed features it does not
 have (Apex AMP, ZeRO++, and offload and sequence parallelism for now) are errors, because
 training silently without them would not be the run the user configured; a key DeepSpeed does
@@ -12,7 +12,7 @@ not know either is an error inside a section DeepSpeed 0.19.8 closes to unknown 
 ``zero_optimization``, ...), as DeepSpeed refuses it there, and elsewhere a "did you mean" error
 when it is a near-certain misspelling of one and a warning otherwise; what older DeepSpeed
 accepted and 0.19.8 refuses is accepted with a warning saying so. The walk itself is
-``config_parse.py``.
+``config/parse.py``.
 
 ``"auto"`` (written by Hugging Face's DeepSpeed configs) means "not given" at this layer: the
 batch keys stay ``None`` and are derived by :meth:`ZeroConfig.resolve_batch_sizes`, other keys
@@ -31,9 +31,9 @@ from typing import Any
 
 import torch
 
-from hf_zero.config_parse import BATCH_KEYS, Parser, refuse_missing_features
-from hf_zero.config_schema import AUTO, ConfigError
-from hf_zero.config_sections import (
+from hf_zero.config.parse import BATCH_KEYS, Parser, refuse_missing_features
+from hf_zero.config.schema import AUTO, ConfigError
+from hf_zero.config.sections import (
     BF16Config,
     CompileConfig,
     FP16Config,
@@ -45,9 +45,9 @@ from hf_zero.config_sections import (
     TorchAutocastConfig,
     ZeroOptimizationConfig,
 )
-from hf_zero.config_values import Int, json_kind
-from hf_zero.sequence.config import SequenceParallelConfig
-from hf_zero.sequence.config import parse as parse_sequence_parallel
+from hf_zero.config.sequence import SequenceParallelConfig
+from hf_zero.config.sequence import parse as parse_sequence_parallel
+from hf_zero.config.values import Int, json_kind
 
 __all__ = [
     "AUTO", "BF16Config", "CompileConfig", "ConfigError", "FP16Config", "OffloadOptimizerConfig", "OffloadParamConfig",
@@ -79,7 +79,7 @@ class ZeroConfig:
     activation_checkpointing: dict = field(default_factory=dict)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     compile: CompileConfig = field(default_factory=CompileConfig)
-    nonfinite_loss: str = "skip"  # hf_zero extension: "skip" | "stop" | "off" (config_schema.NONFINITE_LOSS)
+    nonfinite_loss: str = "skip"  # hf_zero extension: "skip" | "stop" | "off" (schema.NONFINITE_LOSS)
     checkpoint_keep_last: int | None = None  # hf_zero extension: checkpoint.keep_last; None keeps every checkpoint
     checkpoint_tag_validation: str = "Warn"  # checkpoint.tag_validation: "Warn" | "Ignore" | "Fail" (save_checkpoint)
     # hf_zero extensions for long runs (hf_zero/preemption.py, hf_zero/checkpoint/background.py):

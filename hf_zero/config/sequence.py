@@ -27,8 +27,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from hf_zero.config_schema import AUTO, ConfigError
-from hf_zero.config_values import show
+from hf_zero.config.schema import AUTO, ConfigError
+from hf_zero.config.values import show
 
 SECTION = "sequence_parallel"
 OWN_KEYS = ("tiled_loss", "loss_tile_tokens", "tiled_mlp", "mlp_tile_tokens")

@@ -3,7 +3,7 @@
 Each dataclass holds only the keys hf_zero acts on, under DeepSpeed's names and with
 DeepSpeed's defaults; these defaults are the one source of them (the parser reads them from
 here, and the engine takes its values from the parsed config). Keys hf_zero accepts without
-acting on them are not fields: they are tabulated in ``config_schema.py`` and named in the
+acting on them are not fields: they are tabulated in ``config/schema.py`` and named in the
 "accepts but ignores" warning when they ask for something.
 """
 
@@ -75,7 +75,7 @@ class OffloadParamConfig:
     """``zero_optimization.offload_param``, DeepSpeed's fields and defaults (parameters in host memory or NVMe).
 
     Parsed in full; "cpu" runs at stage 3 (hf_zero/zero/offload.py), "nvme" is refused by
-    ``config_parse.refuse_missing_features`` (so are its fields' uses: nvme_path, buffer_count,
+    ``parse.refuse_missing_features`` (so are its fields' uses: nvme_path, buffer_count,
     buffer_size and max_in_cpu configure NVMe only).
     """
 
