@@ -48,6 +48,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+# the repository root first, so that hf_zero and tests import without an install (the device machine has none)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 SHAPES = {
     "tiny": dict(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                  vocab_size=512),

@@ -47,6 +47,9 @@ from pathlib import Path
 
 import torch
 
+# the repository root first, so that hf_zero and tests import without an install (the device machine has none)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 WIDTH = 16
 ENGINES = ("ddp", "hf0", "hf1", "hf2", "hf3", "trainer2", "trainer3")
 # not in the default list: hf1g / hf2g are hf1 / hf2 with zero_optimization.overlap_param_gather (the forward's wait hooks)

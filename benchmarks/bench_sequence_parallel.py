@@ -35,6 +35,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+# the repository root first, so that hf_zero and tests import without an install (the device machine has none)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 SHAPES = {
     "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
                vocab_size=128256, rope_theta=500000.0),

@@ -27,6 +27,9 @@ from typing import Any
 
 import torch
 
+# the repository root first, so that hf_zero and tests import without an install (the device machine has none)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 SHAPES = {
     "1.1b": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
                  num_key_value_heads=4, vocab_size=32000),
