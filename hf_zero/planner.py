@@ -724,12 +724,12 @@ def format_plan(p: Plan, facts: ModelFacts, machines: Machines, source: str) -> 
               f"  total          {_gib(mem.total):>12}  of {machines.memory_gib - machines.reserve_gib:.1f} usable: "
               + ("fits" if p.fits else "DOES NOT FIT")]
     lines += ["", "communication per GPU per step (GB = 1e9 bytes)",
-              f"  {'kind':<32} {'group':<28} {'calls':>6} {'payload GB':>11} {'intra GB':>10} {'inter GB':>10} {'time s':>8}"]
+              f"  {'kind':<32} {'group':<40} {'calls':>6} {'payload GB':>11} {'intra GB':>10} {'inter GB':>10} {'time s':>8}"]
     for tr in p.traffic:
         group = f"{'x'.join(a for a in tr.axes if getattr(p.shape, a) > 1)} {tr.group} on {tr.nodes} node(s)"
-        lines.append(f"  {tr.kind:<32} {group:<28} {tr.calls:>6} {_gb(tr.payload):>11} {_gb(tr.intra):>10} "
+        lines.append(f"  {tr.kind:<32} {group:<40} {tr.calls:>6} {_gb(tr.payload):>11} {_gb(tr.intra):>10} "
                      f"{_gb(tr.inter):>10} {tr.seconds:>8.3f}")
-    lines.append(f"  {'total':<32} {'':<28} {'':>6} {_gb(sum(x.payload for x in p.traffic)):>11} {_gb(p.intra):>10} "
+    lines.append(f"  {'total':<32} {'':<40} {'':>6} {_gb(sum(x.payload for x in p.traffic)):>11} {_gb(p.intra):>10} "
                  f"{_gb(p.inter):>10} {p.seconds:>8.3f}")
     lines += ["", *notes()]
     return "\n".join(lines)
@@ -752,10 +752,10 @@ def format_ranking(plans: list[Plan], facts: ModelFacts, machines: Machines, tra
     what = "implied communication time" if by == "comm" else "implied step time (step s)"
     lines += ["", f"{len(plans)} of {considered} layouts fit in memory at a global batch of {global_batch} sequences per step; "
               f"the {min(top, len(plans))} with the least {what} (GB = 1e9 bytes, GiB = 2^30):",
-              f"  {'#':>3} {'layout':<36} {'micro':>5} {'mem GiB':>8} {'intra GB':>9} {'inter GB':>9} {'comm s':>7} "
+              f"  {'#':>3} {'layout':<42} {'micro':>5} {'mem GiB':>8} {'intra GB':>9} {'inter GB':>9} {'comm s':>7} "
               f"{'bubble':>6} {'step s':>7}  hf_zero"]
     for i, p in enumerate(plans[:top], 1):
-        lines.append(f"  {i:>3} {describe(p.shape, p.training.zero_stage):<36} {p.training.grad_accum:>5} "
+        lines.append(f"  {i:>3} {describe(p.shape, p.training.zero_stage):<42} {p.training.grad_accum:>5} "
                      f"{_gib(p.memory.total):>8} {_gb(p.intra):>9} "
                      f"{_gb(p.inter):>9} {p.seconds:>7.3f} {p.bubble:>6.0%} {p.step:>7.2f}  "
                      + (f"not runnable yet: {p.refused}" if p.refused else "runnable"))
