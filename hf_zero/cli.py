@@ -338,6 +338,113 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
     return 0
 
 
+# -------------------------------------------------------------------------------- plan
+
+
+def _add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
+    from hf_zero.planner import GPUS, PRESETS
+
+    p = subparsers.add_parser(
+        "plan",
+        help="per-GPU memory and communication of a layout on many machines; with no layout, rank the layouts that fit",
+        description="Print one layout's memory per GPU (weights, gradients, optimizer state, activations) and the bytes "
+        "each collective moves per step inside and across nodes, with the time they imply; with no --tp/--pp/--sp/"
+        "--dp-replicate/--dp-shard, rank every layout that fits in memory by that time.",
+        allow_abbrev=False,
+    )
+    p.add_argument("--model", required=True,
+                   help=f"a preset ({', '.join(PRESETS)}), a model directory or a config.json")
+    p.add_argument("--nodes", type=int, default=1, help="nodes (default 1)")
+    p.add_argument("--gpus-per-node", "--gpus_per_node", dest="gpus_per_node", type=int, default=8, help="GPUs per node (default 8)")
+    p.add_argument("--gpu", default="h100", choices=sorted(GPUS), help="defaults for memory and bandwidths (default h100)")
+    p.add_argument("--gpu-memory", "--gpu_memory", dest="gpu_memory", type=float, default=None,
+                   help="GiB per GPU (h100: 79.6, h200: 140.4, what the driver reports)")
+    p.add_argument("--reserve", type=float, default=4.0, help="GiB per GPU kept out of the plan (CUDA context, NCCL, "
+                   "fragmentation; default 4)")
+    p.add_argument("--intra-bw", "--intra_bw", dest="intra_bw", type=float, default=None,
+                   help="GB/s per GPU each way inside a node (default 450: NVLink 4, 900 GB/s both ways)")
+    p.add_argument("--inter-bw", "--inter_bw", dest="inter_bw", type=float, default=None,
+                   help="GB/s per GPU each way across nodes (default 50: one 400 Gb/s InfiniBand adapter per GPU)")
+    p.add_argument("--micro-batch", "--micro_batch", dest="micro_batch", type=int, default=1, help="sequences per micro-step per data-parallel rank")
+    p.add_argument("--seq", type=int, default=4096, help="tokens per sequence (default 4096)")
+    p.add_argument("--grad-accum", "--grad_accum", dest="grad_accum", type=int, default=1,
+                   help="micro-steps per optimizer step (default 1)")
+    p.add_argument("--global-batch", "--global_batch", dest="global_batch", type=int, default=None,
+                   help="sequences per optimizer step that every ranked layout trains (default: GPUs x micro-batch x "
+                   "grad-accum, flat data parallelism's); each layout runs the micro-steps that takes")
+    p.add_argument("--zero-stage", "--zero_stage", dest="zero_stage", type=int, choices=[0, 1, 2, 3], default=None,
+                   help="ZeRO stage (with a layout: default 3; without one: rank every stage unless given)")
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"], help="compute dtype (16-bit: fp32 masters)")
+    p.add_argument("--optimizer", default="adam", choices=["adam", "adamw", "sgd", "sgd_momentum"])
+    p.add_argument("--recompute", default="full", choices=["full", "none"],
+                   help="activation checkpointing of every block (default full)")
+    p.add_argument("--attention", default="flash", choices=["flash", "eager"],
+                   help="flash/SDPA keeps no seq x seq scores; eager does (default flash)")
+    p.add_argument("--persistence-threshold", "--persistence_threshold", dest="persistence_threshold", type=int, default=100_000,
+                   help="stage3_param_persistence_threshold (default 100000, hf_zero's)")
+    for axis, what in (("tp", "tensor-parallel degree"), ("pp", "pipeline stages"), ("sp", "Ulysses sequence-parallel degree"),
+                       ("dp-replicate", "replicas of hybrid sharding (shard inside groups, replicate across)"),
+                       ("dp-shard", "ranks ZeRO shards over (default: the GPUs the other degrees leave)")):
+        p.add_argument(f"--{axis}", f"--{axis.replace('-', '_')}", dest=axis.replace("-", "_"), type=int, default=None, help=what)
+    p.add_argument("--top", type=int, default=15, help="rows of the ranking (default 15)")
+    p.add_argument("--rank-by", "--rank_by", dest="rank_by", default="comm", choices=["comm", "step"],
+                   help="order of the ranking: implied communication time (default), or step time (arithmetic at --tflops "
+                   "stretched by the pipeline bubble, plus communication)")
+    p.add_argument("--tflops", type=float, default=400.0,
+                   help="dense 16-bit TFLOP/s a GPU achieves in training, for the step column (default 400)")
+    p.set_defaults(handler=_cmd_plan)
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from hf_zero import planner
+    from hf_zero.parallel import GridShape
+
+    for name in ("nodes", "gpus_per_node", "micro_batch", "seq", "grad_accum", "top"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')}: got {getattr(args, name)}, expected an integer >= 1")
+    gpu = planner.GPUS[args.gpu]
+    machines = planner.Machines(
+        nodes=args.nodes, gpus_per_node=args.gpus_per_node,
+        memory_gib=args.gpu_memory if args.gpu_memory is not None else gpu["memory_gib"],
+        intra_gbs=args.intra_bw if args.intra_bw is not None else gpu["intra_gbs"],
+        inter_gbs=args.inter_bw if args.inter_bw is not None else gpu["inter_gbs"], reserve_gib=args.reserve,
+        tflops=args.tflops,
+    )
+    if machines.memory_gib <= 0 or machines.intra_gbs <= 0 or machines.inter_gbs <= 0 or machines.tflops <= 0:
+        raise ValueError("--gpu-memory, --intra-bw, --inter-bw and --tflops must be positive")
+    training = planner.Training(
+        micro_batch=args.micro_batch, seq=args.seq, zero_stage=3 if args.zero_stage is None else args.zero_stage,
+        grad_accum=args.grad_accum, dtype=args.dtype, optimizer=args.optimizer, recompute=args.recompute,
+        attention=args.attention, persistence_threshold=args.persistence_threshold,
+    )
+    config, source = planner.load_config(args.model)
+    facts = planner.model_facts(config, source)
+    degrees = {a: getattr(args, a) for a in ("tp", "pp", "sp", "dp_replicate", "dp_shard")}
+    if any(v is not None for v in degrees.values()):
+        for a, v in degrees.items():
+            if v is not None and v < 1:
+                raise ValueError(f"--{a.replace('_', '-')}: got {v}, expected an integer >= 1")
+        shape = GridShape.fill(machines.world, pp=degrees["pp"] or 1, sp=degrees["sp"] or 1, tp=degrees["tp"] or 1,
+                               dp_replicate=degrees["dp_replicate"] or 1)
+        if degrees["dp_shard"] is not None and degrees["dp_shard"] != shape.dp_shard:
+            raise ValueError(f"--dp-shard: got {degrees['dp_shard']}, but the {machines.world} GPUs leave {shape.dp_shard} "
+                             "for it after the other degrees; drop --dp-shard or make the product the number of GPUs")
+        why = planner.unfit(facts, shape)
+        if why:
+            raise ValueError(f"the layout {shape.describe()} cannot cut this model: {why}")
+        print(_printable(planner.format_plan(planner.plan(facts, shape, machines, training), facts, machines, source)))
+        return 0
+    stages = (0, 1, 2, 3) if args.zero_stage is None else (args.zero_stage,)
+    global_batch = args.global_batch or machines.world * args.micro_batch * args.grad_accum
+    if global_batch < 1:
+        raise ValueError(f"--global-batch: got {global_batch}, expected an integer >= 1")
+    considered = planner.layouts(facts, machines, stages)
+    ranked = planner.rank_layouts(facts, machines, training, global_batch, stages, by=args.rank_by)
+    print(_printable(planner.format_ranking(ranked, facts, machines, training, source, args.top, len(considered),
+                                            global_batch, by=args.rank_by)))
+    return 0
+
+
 # ------------------------------------------------------------------------- consolidate
 
 
@@ -538,10 +645,11 @@ def build_parser() -> argparse.ArgumentParser:
         "weights to and from the Hub.",
     )
     subparsers = parser.add_subparsers(
-        dest="command", metavar="{launch,estimate,consolidate,convert-deepspeed,push,pull}", required=True
+        dest="command", metavar="{launch,estimate,plan,consolidate,convert-deepspeed,push,pull}", required=True
     )
     _add_launch_parser(subparsers)
     _add_estimate_parser(subparsers)
+    _add_plan_parser(subparsers)
     _add_consolidate_parser(subparsers)
     _add_convert_deepspeed_parser(subparsers)
     _add_push_parser(subparsers)

@@ -174,6 +174,19 @@ def _plan_of(model: torch.nn.Module, tp: int) -> tuple[torch.nn.Module, dict[str
     return base, plan
 
 
+def planned_layers(base: torch.nn.Module, plan: dict[str, str]) -> list[tuple[str, torch.nn.Module, str, str]]:
+    """``(module name, module, plan key, style)`` of every module of ``base`` that a key of ``plan`` names, first key
+    that matches; what :func:`apply` splits, and what ``hf-zero plan`` counts the tensor-parallel all-reduces of."""
+    matchers = [(_pattern(k), k, style) for k, style in plan.items()]
+    picked: list[tuple[str, torch.nn.Module, str, str]] = []
+    for name, mod in base.named_modules():
+        for rx, key, style in matchers:
+            if rx.match(name):
+                picked.append((name, mod, key, style))
+                break
+    return picked
+
+
 def apply(model: torch.nn.Module, groups: TensorParallelGroups, device: torch.device) -> int:
     """Split ``model``'s linear layers by its plan, in place; returns how many were split.
 
@@ -184,13 +197,7 @@ def apply(model: torch.nn.Module, groups: TensorParallelGroups, device: torch.de
     """
     tp, r = groups.tp_size, groups.tp_rank
     base, plan = _plan_of(model, tp)
-    matchers = [(_pattern(k), k, style) for k, style in plan.items()]
-    picked: list[tuple[str, torch.nn.Module, str, str]] = []
-    for name, mod in base.named_modules():
-        for rx, key, style in matchers:
-            if rx.match(name):
-                picked.append((name, mod, key, style))
-                break
+    picked = planned_layers(base, plan)
     for name, mod, key, style in picked:
         if style not in SPLIT_STYLES:
             raise UsageError(f"tensor_parallel.autotp_size: {type(model).__name__}'s plan splits '{key}' as '{style}', "
