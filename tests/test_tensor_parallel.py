@@ -1,7 +1,7 @@
 """Tensor parallelism (DeepSpeed's AutoTP, ``"tensor_parallel": {"autotp_size": 2}``) equals one process.
 
 A transformers Llama split by its own ``base_model_tp_plan`` over 2 ranks (tp 2, dp 1) and over 4
-(tp 2 x dp 2) trains with ZeRO stages 0-2, gradient accumulation and clipping to the losses and
+(tp 2 x dp 2) trains with ZeRO stages 0-3 (each rank's slices sharded over its data-parallel group), gradient accumulation and clipping to the losses and
 weights of one process running plain torch AdamW on the same samples (fp32, rel. 1e-5). The same
 spawn checks the engine's own loader (the ranks of a tp group draw the same batch), a resume
 checkpoint saved at tp 2 and resumed at tp 2 at another stage, ``save_pretrained`` and offline
@@ -99,9 +99,14 @@ def _grid(rank: int, world: int, cases: list, tmp: str) -> list:
         q = engine.module.model.layers[0].self_attn.q_proj
         losses = _train(engine, _data(STEPS, MICRO * gas * tp.dp_size), range(STEPS), gas)
         ref_losses, ref_w = _oracle(STEPS, MICRO, gas * tp.dp_size, clip)
+        local = sum(p.numel() for p in engine.module.parameters())  # this rank's tensor-parallel slices
+        owned = sum(r.hi - r.lo for g in engine.zero_optimizer.groups for r in g.owned())
         out.append({"case": [stage, gas, clip], "loss_err": max(abs(a - b) / b for a, b in zip(losses, ref_losses)),
                     "w_err": _rel(_whole(engine), ref_w), "q_shape": list(q.weight.shape), "q_bias": list(q.bias.shape),
-                    "dp": tp.dp_size, "zero_world": engine.world_size})
+                    "dp": tp.dp_size, "zero_world": engine.world_size, "owned_share": owned / local})
+        engine.destroy()
+    if world == 4:
+        out.append(_zero3_resume_and_save(rank, world, tmp))
     if world == 2:
         out.append(_loader_resume_and_save(rank, world, tmp))
         out.append(_refusals(tmp))
@@ -144,6 +149,44 @@ def _loader_resume_and_save(rank: int, world: int, tmp: str) -> dict:
     files = sorted(os.listdir(os.path.join(tmp, "tp2")))
     return {"resume_loss_err": abs(last[0] - ref_losses[2]) / ref_losses[2], "resume_w_err": _rel(_whole(resumed), ref_w),
             "saved_err": _rel(loaded, ref_w), "offline_err": _rel(offline, after_two), "files": files}
+
+
+def _zero3_resume_and_save(rank: int, world: int, tmp: str) -> dict:
+    """tp 2 x ZeRO-3 dp 2: its checkpoint resumed at the same layout and at ZeRO-1; save_pretrained and consolidate."""
+    import torch.distributed as dist
+
+    import hf_zero
+    from hf_zero.checkpoint.consolidated import consolidate
+
+    steps, clip = 3, 0.5
+    adamw = {"optimizer": {"type": "AdamW", "params": {"lr": LR, "eps": EPS, "weight_decay": 0.01}}}  # torch's AdamW default
+    data = _data(steps, MICRO * 2)
+    engine = hf_zero.initialize(model=_llama(), config={**_config(3, 1, clip), **adamw})[0]
+    _train(engine, data, range(2), 1)
+    engine.save_checkpoint(tmp, tag="tp2z3")
+    engine.destroy()
+    ref_losses, ref_w = _oracle(steps, MICRO, 2, clip)
+    out = {}
+    for stage in (3, 1):
+        resumed = hf_zero.initialize(model=_llama(), config={**_config(stage, 1, clip), **adamw})[0]
+        resumed.load_checkpoint(tmp, tag="tp2z3")
+        last = _train(resumed, data, range(2, 3), 1)
+        out[f"resume{stage}_loss_err"] = abs(last[0] - ref_losses[2]) / ref_losses[2]
+        out[f"resume{stage}_w_err"] = _rel(_whole(resumed), ref_w)
+        if stage == 3:
+            resumed.save_pretrained(os.path.join(tmp, "final_z3"))
+        resumed.destroy()
+    if rank == 0:
+        consolidate(tmp, os.path.join(tmp, "offline_z3"), tag="tp2z3", progress=False)
+    dist.barrier()
+    from transformers import LlamaForCausalLM
+
+    def weights(folder: str) -> dict:
+        return {n: p.detach() for n, p in LlamaForCausalLM.from_pretrained(os.path.join(tmp, folder)).named_parameters()}
+
+    out["saved_err"] = _rel(weights("final_z3"), ref_w)
+    out["offline_err"] = _rel(weights("offline_z3"), _oracle(2, MICRO, 2, clip)[1])  # the step-2 masters
+    return out
 
 
 def _refusals(tmp: str) -> dict:
@@ -190,10 +233,12 @@ def _check(results: list, cases: list) -> None:
             assert r["w_err"] < 1e-5, r
             assert r["q_shape"] == [16, 32] and r["q_bias"] == [16], r  # 4 heads of 8: two per rank
             assert r["zero_world"] == r["dp"], r
+            if r["case"][0] >= 1:  # ZeRO shards each tensor-parallel slice over the data-parallel ranks (padding aside)
+                assert abs(r["owned_share"] - 1 / r["dp"]) < 0.02, r
 
 
-CASES_2 = [[0, 1, 0.0], [1, 2, 0.5], [2, 1, 0.5], [2, 2, 0.0]]
-CASES_4 = [[1, 1, 0.5], [2, 2, 0.5]]
+CASES_2 = [[0, 1, 0.0], [1, 2, 0.5], [2, 1, 0.5], [2, 2, 0.0], [3, 1, 0.5]]
+CASES_4 = [[1, 1, 0.5], [2, 2, 0.5], [3, 1, 0.5], [3, 2, 0.0]]
 
 
 def test_tp2_on_two_ranks_equals_one_process() -> None:
@@ -215,7 +260,10 @@ def test_tp2_times_dp2_on_four_ranks_equals_one_process() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         results = spawn(_grid, 4, CASES_4, tmp)
     _check(results, CASES_4)
-    assert all(r["dp"] == 2 for per_rank in results for r in per_rank), results
+    assert all(r["dp"] == 2 for per_rank in results for r in per_rank[: len(CASES_4)]), results
+    for per_rank in results:  # tp 2 x ZeRO-3 dp 2 resumed exactly, at ZeRO-3 and at ZeRO-1, and written whole
+        z3 = per_rank[len(CASES_4)]
+        assert all(v < 1e-5 for v in z3.values()), z3
 
 
 def _hf_zero_autotp(rank: int, world: int) -> dict:
