@@ -237,13 +237,11 @@ def model_facts(config: Any, name: str = "") -> ModelFacts:
 def refusal(shape: GridShape, zero_stage: int) -> str | None:
     """Why hf_zero cannot run this layout today (one sentence, the engine's own refusal), or None.
 
-    Mirrors the refusals of hf_zero/config/parse.py (tensor parallelism with sequence or pipeline parallelism), hf_zero/pipe/engine.py (a pipeline with ZeRO-3) and hf_zero/sequence/setup.py (sequence
+    Mirrors the refusals of hf_zero/config/parse.py (tensor parallelism with a pipeline), hf_zero/pipe/engine.py (a pipeline with ZeRO-3) and hf_zero/sequence/setup.py (sequence
     parallelism with a pipeline); tests/test_planner.py checks the config ones against the parser. Hybrid sharding
     (``dp_replicate``) is taken as runnable at ZeRO 1-3 alone (issue 31 item 1), not yet with another axis.
     """
     tp, pp, sp, rep = shape.tp, shape.pp, shape.sp, shape.dp_replicate
-    if tp > 1 and sp > 1:
-        return "tp x sp is refused"
     if tp > 1 and pp > 1:
         return "tp x pp is refused"
     if pp > 1 and zero_stage == 3:

@@ -67,7 +67,9 @@ def _rel(a: dict, b: dict) -> float:
 
 def _config(stage: int, gas: int, clip: float, **extra) -> dict:
     return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": gas, "gradient_clipping": clip,
-            "zero_optimization": {"stage": stage, "reduce_bucket_size": 3000}, "tensor_parallel": {"autotp_size": 2},
+            # a threshold under the matrices' sizes: at stage 3 they are sharded per unit, gathered per forward
+            "zero_optimization": {"stage": stage, "reduce_bucket_size": 3000, "stage3_param_persistence_threshold": 64},
+            "tensor_parallel": {"autotp_size": 2},
             "steps_per_print": 1000, **extra}
 
 
@@ -107,6 +109,7 @@ def _grid(rank: int, world: int, cases: list, tmp: str) -> list:
         engine.destroy()
     if world == 4:
         out.append(_zero3_resume_and_save(rank, world, tmp))
+        out.append(_tp_times_sp(rank, world))
     if world == 2:
         out.append(_loader_resume_and_save(rank, world, tmp))
         out.append(_refusals(tmp))
@@ -189,6 +192,41 @@ def _zero3_resume_and_save(rank: int, world: int, tmp: str) -> dict:
     return out
 
 
+TP_SP_CASES = [[1, 1, 0.5], [2, 2, 0.0], [3, 1, 0.5], [3, 2, 0.5]]
+
+
+def _tp_times_sp(rank: int, world: int) -> dict:
+    """tp 2 x Ulysses sp 2 on 4 ranks (8 heads: 4 per tensor-parallel rank, 2 per sequence-parallel rank) at ZeRO 1-3
+    against one process: tests/test_sequence_parallel_engine.py's ragged, prompt-masked batches and oracle."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import hf_zero
+    from tests import test_sequence_parallel_engine as S
+
+    def llama() -> LlamaForCausalLM:
+        torch.manual_seed(0)
+        return LlamaForCausalLM(LlamaConfig(vocab_size=S.VOCAB, hidden_size=32, intermediate_size=56, num_hidden_layers=2,
+                                            num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=128))
+
+    S._llama = llama  # the oracle builds the same model (this rank's process only)
+    out = {}
+    for stage, gas, clip in TP_SP_CASES:
+        cfg = {"train_micro_batch_size_per_gpu": S.MICRO, "gradient_accumulation_steps": gas, "gradient_clipping": clip,
+               "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 64, "reduce_bucket_size": 3000},
+               "sequence_parallel_size": 2, "tensor_parallel": {"autotp_size": 2}, "steps_per_print": 1000}
+        engine = hf_zero.initialize(model=llama(), config=cfg,
+                                    optimizer=lambda ps: torch.optim.AdamW(ps, lr=S.LR, eps=S.EPS))[0]
+        g = engine.sequence_parallel_groups
+        data = S._data(S.STEPS, S.MICRO * gas * g.dp_size)
+        losses = S._train(engine, data, range(S.STEPS), S.MICRO, gas)
+        ref_losses, ref_w = S._oracle(S.STEPS, S.MICRO, gas * g.dp_size, clip)
+        out[str([stage, gas, clip])] = {"loss_err": max(abs(a - b) / b for a, b in zip(losses, ref_losses)),
+                                        "w_err": S._rel(_whole(engine), ref_w), "sp": g.sp_size,
+                                        "tp": engine.tensor_parallel_groups.tp_size}
+        engine.destroy()
+    return out
+
+
 def _refusals(tmp: str) -> dict:
     import hf_zero
 
@@ -264,6 +302,9 @@ def test_tp2_times_dp2_on_four_ranks_equals_one_process() -> None:
     for per_rank in results:  # tp 2 x ZeRO-3 dp 2 resumed exactly, at ZeRO-3 and at ZeRO-1, and written whole
         z3 = per_rank[len(CASES_4)]
         assert all(v < 1e-5 for v in z3.values()), z3
+        tp_sp = per_rank[len(CASES_4) + 1]  # tp 2 x sp 2 at ZeRO 1-3, with clipping and accumulation
+        assert len(tp_sp) == len(TP_SP_CASES) and all(r["tp"] == r["sp"] == 2 for r in tp_sp.values()), tp_sp
+        assert all(r["loss_err"] < 1e-5 and r["w_err"] < 1e-5 for r in tp_sp.values()), tp_sp
 
 
 def _hf_zero_autotp(rank: int, world: int) -> dict:

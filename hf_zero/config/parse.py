@@ -579,9 +579,6 @@ def refuse_missing_features(cfg: Any) -> list[str]:
                           'keep the parameter shards in host memory, or "none"')
     tp = cfg.tensor_parallel_size
     if tp > 1:
-        if cfg.sequence_parallel_size > 1:
-            raise ConfigError(f"tensor_parallel.autotp_size: got {tp} with sequence_parallel_size "
-                              f"{cfg.sequence_parallel_size}, but the two cannot be combined yet; keep one of them")
         if cfg.compile.enabled:
             raise ConfigError(f"tensor_parallel.autotp_size: got {tp} with compile enabled, but compiled blocks cannot "
                               'hold the tensor-parallel all-reduces yet; set "compile": {"enabled": false} or autotp_size 1')

@@ -331,19 +331,22 @@ class ShardedOptimizer:
             groups: list[ShardedParamGroup] = []
             for gi, named in [*enumerate(group_named), (-1, frozen)]:
                 picked = [x for x in named if unit_of.get(id(x[1]), -1) == ui and x[1].numel() >= threshold]
-                if not picked:
-                    continue
-                if gi < 0 and offload.params:
-                    g = OffloadedFrozenGroup(picked, self.place, pin=offload.params_pin_memory)
-                elif not offload.optimizer or gi < 0:
-                    g = ShardedParamGroup(picked, self.place, trainable=gi >= 0)
-                else:
-                    g = OffloadedShardedParamGroup(picked, self.place, trainable=True, pin=offload.pin_memory,
-                                                   params_on_host=offload.params, stream_grads=self.stream_grads)
-                groups.append(g)
-                self.stage3_groups.append(g)
-                if g.master is not None:
-                    group_masters[gi].append(g.master)
+                # tensor-parallel slices and whole parameters in groups of their own, as the flat buckets keep
+                # them (_buckets_by_split): the global norm counts the two kinds differently (hf_zero/step.py)
+                kinds = [[x for x in picked if split_of(x[1])], [x for x in picked if not split_of(x[1])]]
+                for part in (k for k in kinds if k):
+                    if gi < 0 and offload.params:
+                        g = OffloadedFrozenGroup(part, self.place, pin=offload.params_pin_memory)
+                    elif not offload.optimizer or gi < 0:
+                        g = ShardedParamGroup(part, self.place, trainable=gi >= 0)
+                    else:
+                        g = OffloadedShardedParamGroup(part, self.place, trainable=True, pin=offload.pin_memory,
+                                                       params_on_host=offload.params, stream_grads=self.stream_grads)
+                    g.tp_split = split_of(part[0][1]) is not None
+                    groups.append(g)
+                    self.stage3_groups.append(g)
+                    if g.master is not None:
+                        group_masters[gi].append(g.master)
             if ui >= 0:
                 units.append(Unit(ui, unit_mods[ui][0], unit_mods[ui][1], groups, is_root=False))
             else:
