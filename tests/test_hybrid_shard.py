@@ -157,6 +157,16 @@ def _world4(rank: int, world: int, tmp: str) -> dict:
     _train(into_hybrid, rank, world, ids, range(2, 4))
     out["flat_to_hybrid"] = _weights(into_hybrid)
 
+    # GatheredParameters(modifier_rank=0) under hybrid sharding: rank 0's edit reaches the other replica's shards too
+    import hf_zero
+
+    edited = _engine("llama", 3, 2, 2)
+    head = edited.module.lm_head.weight
+    with hf_zero.zero.GatheredParameters([head], modifier_rank=0), torch.no_grad():
+        head.fill_(float(rank + 1))
+    with hf_zero.zero.GatheredParameters([head]):
+        out["modified"] = sorted({float(v) for v in head.reshape(-1).tolist()})
+
     # refusals: the same sentence on every rank, nobody left waiting
     for mics, stage in ((3, 3), (2, 0)):
         try:
@@ -327,6 +337,11 @@ def test_trainer_and_accelerator_with_a_parallelism_config_equal_the_flat_run(ru
                 assert _rel(hybrid["losses"], flat["losses"]) < 1e-5, (flat["losses"], hybrid["losses"])
     for what in ("trainer", "accelerator"):
         assert _max_rel(four[0][what]["hybrid"]["w"], four[0][what]["flat"]["w"]) < 1e-5, what
+
+
+def test_gathered_parameters_modifier_rank_reaches_every_replica(runs: tuple) -> None:
+    four, _, _ = runs
+    assert [rank["modified"] for rank in four] == [[1.0]] * WORLD, [rank["modified"] for rank in four]
 
 
 def test_refusals_are_one_sentence_on_every_rank(runs: tuple) -> None:
