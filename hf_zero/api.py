@@ -21,7 +21,7 @@ from hf_zero.data import ResumableDistributedSampler
 from hf_zero.engine import ZeroEngine
 from hf_zero.errors import UsageError
 from hf_zero.optim import build_optimizer, build_scheduler
-from hf_zero.parallel import GridShape, grid_for
+from hf_zero.parallel import GridShape, grid_for, replicas_for
 from hf_zero.pipe.engine import PipelineEngine
 from hf_zero.pipe.module import PipelineModule
 from hf_zero.sequence.setup import setup_model as setup_sequence_parallel
@@ -215,8 +215,13 @@ def initialize(
         raise UsageError("tensor_parallel.autotp_size cannot be combined with a PipelineModule yet; train the model "
                          "unsplit (a plain transformers model) or set autotp_size to 1")
     # The one grid of the run: a PipelineModule cut it when it was built (its stage had to be known then).
+    # Hybrid sharding (mics_shard_size) is its dp_replicate axis; what it does not compose with is refused here.
+    world = dist.get_world_size()
+    replicas = replicas_for(world, cfg.zero_optimization.mics_shard_size, zero_stage=cfg.zero_optimization.stage,
+                            pp=model.grid.size("pp") if pipeline else 1, sp=cfg.sequence_parallel_size,
+                            tp=cfg.tensor_parallel_size)
     grid = model.grid if pipeline else grid_for(
-        GridShape.fill(dist.get_world_size(), sp=cfg.sequence_parallel_size, tp=cfg.tensor_parallel_size),
+        GridShape.fill(world, sp=cfg.sequence_parallel_size, tp=cfg.tensor_parallel_size, dp_replicate=replicas),
         hz_dist.get_device().type)
     sp = setup_sequence_parallel(model, cfg, grid, pipeline)  # None unless sequence_parallel_size > 1
     setup_tensor_parallel(model, cfg, grid, hz_dist.get_device())  # splits the model when autotp_size > 1

@@ -24,7 +24,7 @@ from hf_zero.checkpoint.ranks import CheckpointLayout
 from hf_zero.checkpoint.state import Progress, TrainState
 from hf_zero.config import ZeroConfig
 from hf_zero.data import to_device
-from hf_zero.errors import CheckpointError, UsageError
+from hf_zero.errors import CheckpointError, ConfigError, UsageError
 from hf_zero.module_setup import broadcast_module, cast_frozen_params, check_presharded, move_to_device
 from hf_zero.parallel import GridShape, ParallelGrid, grid_for
 from hf_zero.precision import loss_scaler_for, reduce_dtype
@@ -89,8 +89,11 @@ class ZeroEngine(torch.nn.Module):
         self.config = config
         hz_dist.init_distributed()
         self.grid = grid if grid is not None else grid_for(GridShape.fill(dist.get_world_size()), hz_dist.get_device().type)
+        # The ZeRO group: the ranks holding the same parameters (what is broadcast at the start, what a zero.Init
+        # model was sliced over). Under hybrid sharding ZeRO partitions over the grid's shard group only and
+        # replicates across its replicate group (_sharded_optimizer's Placement).
         self.group = self.grid.zero_group
-        self.world_size = self.grid.zero_size  # the ranks ZeRO shards over
+        self.world_size = self.grid.zero_size
         self._sp_view = sequence_view_of(self.grid)
         self._tp_view = tensor_view_of(self.grid)
         self.global_rank = dist.get_rank()
@@ -108,6 +111,9 @@ class ZeroEngine(torch.nn.Module):
         self._compiled = False
 
         stage = config.zero_optimization.stage
+        if self.grid.hybrid and stage == 0:
+            raise ConfigError(f"the grid replicates across dp_replicate {self.grid.replicate_size} (hybrid sharding) "
+                              "and ZeRO stage 0 shards nothing; set zero_optimization.stage to 1, 2 or 3")
         hz_dist.register_process()  # so that, should a peer die, the survivors can name it
         # A stage-3 model with nothing to train (a reference model, a teacher) is sharded all the same:
         # its layout is built over an optimizer with no parameter groups, and it only runs forward.
@@ -180,7 +186,8 @@ class ZeroEngine(torch.nn.Module):
         """The ranks the global norm sums over: the whole grid. The ZeRO group's ranks hold each unpartitioned
         group's gradient alike (it counts once); a tensor-parallel group's ranks hold whole parameters alike."""
         g = self.grid
-        return NormScope(None, g.size(), replicas=g.zero_size, tp=g.size("tp"), exclude=self._norm_excluded())
+        return NormScope(None, g.size(), replicas=g.zero_size, tp=g.size("tp"), exclude=self._norm_excluded(),
+                         shard_replicas=g.replicate_size)
 
     def _norm_excluded(self) -> frozenset[int]:
         """Shard groups another rank counts in the norm (a pipeline's tied weights at their later stages)."""
@@ -207,8 +214,9 @@ class ZeroEngine(torch.nn.Module):
         """The ZeRO stage of the config over ``optimizer``, sharded over this engine's group: the config read once
         into the optimizer's three frozen inputs (where and in which dtypes, the stage's knobs, what is offloaded)."""
         zc = self.config.zero_optimization
-        place = Placement.over(self.group, self.device, self.compute_dtype, reduce_dtype(self.config),
-                               self.config.master_dtype)
+        g = self.grid
+        place = Placement.over(g.shard_group, self.device, self.compute_dtype, reduce_dtype(self.config),
+                               self.config.master_dtype, replicate=g.replicate_group if g.hybrid else None)
         zero = ZeroPolicy(
             stage=zc.stage, bucket_numel=max(1, int(zc.reduce_bucket_size)),
             persistence_threshold=int(zc.stage3_param_persistence_threshold),
@@ -726,7 +734,7 @@ class ZeroEngine(torch.nn.Module):
 
     def checkpoint_layout(self) -> CheckpointLayout:
         """Which ranks write a checkpoint of this engine together: the whole grid. The ZeRO group's ranks store their
-        shards (its first, what is replicated); a tensor-parallel rank its own slices and, at ``tp`` rank 0, the
+        shards (its first, what is replicated; under hybrid sharding the first replica's ranks only); a tensor-parallel rank its own slices and, at ``tp`` rank 0, the
         whole parameters; a pipeline stage its layers, a tied weight at its first stage only."""
         g = self.grid
         others = set(self._stored_elsewhere())
@@ -734,7 +742,8 @@ class ZeroEngine(torch.nn.Module):
             others |= {id(p) for p in self.module.parameters() if split_of(p) is None}
         pp = g.size("pp")
         return CheckpointLayout(None, g.global_rank, g.size(), g.zero_rank, pipe_stage=g.pipe_stage if pp > 1 else None,
-                                num_stages=pp if pp > 1 else None, dp=g.zero_size, others=others, tp_rank=g.rank("tp"))
+                                num_stages=pp if pp > 1 else None, dp=g.zero_size, others=others, tp_rank=g.rank("tp"),
+                                replica=g.replicate_rank)
 
     def _stored_elsewhere(self) -> set[int]:
         """Parameters (by id) another rank of the grid stores in checkpoints (a pipeline's tied weights at later stages)."""

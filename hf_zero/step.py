@@ -41,7 +41,8 @@ class NormScope:
     are in ``exclude`` are counted by another rank (a tied weight's later stages). Under tensor
     parallelism the scope is the whole grid: groups of slices (``tp_split``) differ from rank to rank
     of a tensor-parallel group, groups of whole parameters are the same on its ``tp`` ranks and count
-    ``1/tp`` each.
+    ``1/tp`` each. Under hybrid sharding ``shard_replicas`` ranks (one per shard group) hold each partitioned
+    group's shard alike, so the partitioned sum is divided by it: each shard counts once, not once per replica.
     """
 
     group: dist.ProcessGroup | None
@@ -49,6 +50,7 @@ class NormScope:
     replicas: int
     exclude: frozenset[int] = field(default_factory=frozenset)
     tp: int = 1  # tensor parallelism: a group of whole parameters (not ``tp_split``) is held alike by ``tp`` ranks
+    shard_replicas: int = 1  # hybrid sharding: a partitioned group's shard is held alike by ``dp_replicate`` ranks
 
 
 def grad_stats(
@@ -77,6 +79,8 @@ def grad_stats(
         C.all_reduce_(stats, scope.group, scope.world)
         if scope.replicas > 1:
             stats[1] = stats[1] / scope.replicas
+        if scope.shard_replicas > 1:
+            stats[0] = stats[0] / scope.shard_replicas
     return (stats[0] + stats[1]).sqrt(), stats[2] if need_flag else zero
 
 

@@ -255,7 +255,8 @@ LEGACY = "hf_zero accepts these keys, which older DeepSpeed accepted but DeepSpe
     ({"compile": {"disable": False, "backend": "inductor"}},  # axolotl's torch_compile configs
      "compile.disable (not a field of its compile section; DeepSpeed 0.14.4-0.16.5 read no compile section at all)"),
     ({"amp": {"enabled": "auto", "opt_level": "auto"}}, "amp (Apex AMP, removed from DeepSpeed)"),
-    ({"zero_optimization": {"mics_shard_size": -1}}, "zero_optimization.mics_shard_size (MiCS, removed from DeepSpeed)"),
+    ({"zero_optimization": {"mics_shard_size": -1}}, "zero_optimization.mics_shard_size (MiCS, removed from DeepSpeed; hf_zero runs it as "
+     "hybrid sharding)"),
 ])
 def test_what_older_deepspeed_accepted_is_accepted_and_named(given: dict, named: str) -> None:
     cfg, said = load({**MB, **given})

@@ -14,7 +14,9 @@ values filled as the Trainer fills them. Then:
   of removed keys is hf_zero's table of legacy keys;
 - both directions on hand-made configs (:data:`CASES`): where DeepSpeed refuses, hf_zero refuses too or
   names the key in the warning saying DeepSpeed 0.19.8 refuses it (a typo in every closed section, a
-  fractional ``fp16.min_loss_scale``, the legacy ``curriculum_learning`` and every removed key); where
+  fractional ``fp16.min_loss_scale``, the legacy ``curriculum_learning`` and every removed key). One removed
+  key hf_zero accepts even where it asks for its feature, knowingly: MiCS's ``mics_shard_size`` (older
+  DeepSpeed configs carry it), which hf_zero runs as hybrid sharding (``hf_zero/parallel/grid.py``); where
   DeepSpeed accepts (keys that look odd: "auto" in a closed section, fp16 knobs dynamic scaling does
   not read, unknown keys where DeepSpeed reads key by key), hf_zero accepts. hf_zero's own keys in
   closed sections are the one listed exception (:data:`HF_ZERO_OWN`).
@@ -69,6 +71,9 @@ CASES: list[tuple[str, dict, bool]] = [
         ("progressive_layer_drop", {"enabled": False}))],
     *[(f"removed zero_optimization.{k}", {**MB, "zero_optimization": {"stage": 3, k: v}}, True) for k, v in (
         ("mics_shard_size", -1), ("mics_hierarchical_params_gather", False), ("zeropp_loco_param", None))],
+    # MiCS asked for: DeepSpeed 0.19.8 refuses the key; hf_zero runs it (hybrid sharding) and names it in the warning
+    ("removed zero_optimization.mics_shard_size 2 (hybrid sharding)",
+     {**MB, "zero_optimization": {"stage": 3, "mics_shard_size": 2, "mics_hierarchical_params_gather": True}}, True),
     ("removed nebula, enabled", {**MB, "nebula": {"enabled": True}}, True),
     *[(f"hf_zero's {p}.{k}", {**MB, **_nest(p, {k: v})}, True) for p, k, v in (
         ("zero_optimization", "overlap_param_gather", True), ("compile", "enabled", True),

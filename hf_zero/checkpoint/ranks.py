@@ -35,7 +35,9 @@ class CheckpointLayout:
     and ``others`` holds the whole parameters, which only ``tp_rank`` 0 stores. In a pipeline (``pipe_stage`` set:
     this rank's pipeline stage, not a ZeRO stage) the group is the whole world, each
     stage holds other parameters, and the tied parameters whose ids are in ``others`` are stored
-    by the first stage holding them, not this one.
+    by the first stage holding them, not this one. Under hybrid sharding the ranks of replica 0 (``replica``, the
+    grid's ``dp_replicate`` coordinate) store the shards and the others store only their RNG streams and index:
+    one copy of every element, written once.
     """
 
     group: dist.ProcessGroup | None
@@ -47,6 +49,12 @@ class CheckpointLayout:
     dp: int = 1
     others: set[int] = field(default_factory=set)
     tp_rank: int = 0  # under tensor parallelism: this rank's place in its group (buffers are stored by tp_rank 0)
+    replica: int = 0  # under hybrid sharding: this rank's replica of its shard (dp_replicate); only replica 0 stores
+
+    @property
+    def stores_shards(self) -> bool:
+        """Whether this rank stores the shards it owns: under hybrid sharding the other replicas hold the same ones."""
+        return self.replica == 0
 
     @classmethod
     def data_parallel(cls, group: dist.ProcessGroup | None) -> CheckpointLayout:

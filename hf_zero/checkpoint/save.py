@@ -267,7 +267,8 @@ def plan_share(state: TrainState) -> dict[str, Any]:
     assert zo is not None
     out: dict[str, Any] = {"tensors": {}, "ranges": {}, "scalars": {}}
     for g in zo.groups:
-        if g.partitioned or lay.dp_rank == 0:  # stage 0: every rank holds the same values; the first stores them
+        # stage 0: every rank holds the same values, the first stores them; hybrid sharding: replica 0's ranks store
+        if (g.partitioned and lay.stores_shards) or lay.dp_rank == 0:
             _group_tensors(g, zo.optimizer.state, lay, out)
     grouped = {id(s.param) for g in zo.groups for s in g.slots} | lay.others
     if lay.dp_rank == 0:

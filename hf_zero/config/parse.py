@@ -327,6 +327,8 @@ class Parser:
                     where, given = (f"{full}.enabled", True) if quiet is SWITCH else (full, value)
                     raise ConfigError(f"{where}: got {show(given)}, but {section.unsupported[name][1]}")
                 self.ignored.append(full)
+        elif name in section.legacy and name in section.keys:  # a key hf_zero acts on that DeepSpeed 0.19.8 refuses (MiCS's mics_shard_size)
+            self.legacy.append(f"{full} ({section.legacy[name]})")
         elif name not in section.keys:
             dropped = isinstance(value, str) and value == AUTO  # DeepSpeed drops "auto" values before validating
             if section.closed and not dropped:
@@ -516,6 +518,7 @@ class Parser:
             offload_optimizer=self.offload(obj, "offload_optimizer", OffloadOptimizerConfig),
             offload_param=self.offload(obj, "offload_param", OffloadParamConfig),
             overlap_param_gather=obj.get("overlap_param_gather", Bool(), d.overlap_param_gather),
+            mics_shard_size=obj.get("mics_shard_size", Int(None), d.mics_shard_size),
         )
 
     def offload(self, zero: _Object, key: str, cls: type) -> Any:

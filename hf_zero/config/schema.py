@@ -198,6 +198,9 @@ ZERO = Section(
         "stage", "reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold",
         "stage3_max_live_parameters", "offload_optimizer", "offload_param",
         "overlap_param_gather",  # hf_zero's: the step's parameter all-gather waited for in the next forward
+        # MiCS's (DeepSpeed before 0.19.8): shard inside groups of N consecutive data-parallel ranks, replicate across
+        # them; hf_zero runs it as hybrid sharding at stages 1-3 (hf_zero/parallel/grid.py, the dp_replicate axis)
+        "mics_shard_size",
     ),
     # DeepSpeed's field names beside their stage3_* aliases, and the deprecated fp16 spelling
     aliases={
@@ -232,6 +235,10 @@ ZERO = Section(
         "save_muon_momentum_buffer_in_memory": False,
         "cpu_offload_use_pin_memory": None, "leaf_module": SECTION,
         "compute_grad_norm": True, "parameter_alignment": False,
+        # MiCS's two-hop gather of the parameters (across nodes, then inside one): hf_zero's hybrid sharding gathers
+        # inside the shard group only, which is inside a node when mics_shard_size divides its GPUs, so there is no
+        # cross-node gather left to split in two
+        "mics_hierarchical_params_gather": False,
     },
     unsupported={
         "cpu_offload": (False, 'this is DeepSpeed\'s deprecated spelling; write "offload_optimizer": {"device": "cpu"} instead'),
@@ -239,17 +246,18 @@ ZERO = Section(
         "zero_quantized_weights": (False, "ZeRO++ quantized weights are not supported yet"),
         "zero_quantized_nontrainable_weights": (False, "ZeRO++ quantized weights are not supported yet"),
         "zero_quantized_gradients": (False, "ZeRO++ quantized gradients are not supported yet"),
-        "zero_hpz_partition_size": (1, "ZeRO++ hierarchical partitioning is not supported yet"),
-        "mics_shard_size": (-1, "MiCS sharding is not supported, and DeepSpeed 0.19.8 has removed it too"),
-        "mics_hierarchical_params_gather": (False, "MiCS sharding is not supported, and DeepSpeed 0.19.8 has removed it "
-                                                   "too; remove the key"),
+        "zero_hpz_partition_size": (1, "ZeRO++ hierarchical partitioning (a second, node-local copy of the parameters) "
+                                       "is not supported; to shard inside a node and replicate across nodes use "
+                                       "zero_optimization.mics_shard_size or ParallelismConfig(dp_replicate_size=...) "
+                                       "instead"),
         "zeropp_loco_param": (None, "LoCo-Zero++ is not supported, and DeepSpeed 0.19.8 has removed it too; remove the key"),
         "zenflow": (SECTION, "ZenFlow is not supported yet; remove the section"),
     },
     closed=True,
     # DeepSpeed 0.19.8's _REMOVED_ZERO_CONFIG_KEYS
-    legacy={"mics_shard_size": "MiCS, removed from DeepSpeed", "mics_hierarchical_params_gather": "MiCS, removed from "
-             "DeepSpeed", "zeropp_loco_param": "LoCo-Zero++, removed from DeepSpeed"},
+    legacy={"mics_shard_size": "MiCS, removed from DeepSpeed; hf_zero runs it as hybrid sharding",
+            "mics_hierarchical_params_gather": "MiCS, removed from DeepSpeed",
+            "zeropp_loco_param": "LoCo-Zero++, removed from DeepSpeed"},
 )
 # Both offload sections are parsed in full (sections.OffloadParamConfig, OffloadOptimizerConfig).
 OFFLOAD_PARAM = Section(keys=("device", "nvme_path", "buffer_count", "buffer_size", "max_in_cpu", "pin_memory"),

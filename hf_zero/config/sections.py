@@ -128,6 +128,9 @@ class ZeroOptimizationConfig:
     # direct reads of module.parameters() between step() and the next forward then need engine.wait_params() first,
     # so it is asked for, not on by default
     overlap_param_gather: bool = False
+    # MiCS's key (DeepSpeed before 0.19.8): above 0, hybrid sharding with shard groups of this many consecutive
+    # data-parallel ranks, replicated across the rest (hf_zero/parallel/grid.py); -1 (DeepSpeed's default) or 0: off
+    mics_shard_size: int = -1
 
 
 @dataclass

@@ -51,6 +51,7 @@ from accelerate.utils.deepspeed import DummyOptim, DummyScheduler  # importable 
 
 from hf_zero.engine import UsageError, ZeroEngine
 from hf_zero.integrations import deepspeed_plugin as ds_plugin
+from hf_zero.integrations import parallelism as hz_parallelism
 from hf_zero.integrations.autofill import (  # noqa: F401 - MIN_AUTO_REDUCE_BUCKET and ENV_VAR are public here too
     ENV_VAR,
     MIN_AUTO_REDUCE_BUCKET,
@@ -127,11 +128,16 @@ class Accelerator(accelerate.Accelerator):
             kwargs["cpu"] = True
         # Accelerate accepts sp_size only for its DeepSpeed and multi-GPU types; hf_zero's engine runs it
         # everywhere (gloo included), so the config is attached after Accelerate's own checks.
-        sp = sp_size_of(kwargs.get("parallelism_config")) if config is not None or plugin is not None else 1
-        pc = kwargs.pop("parallelism_config") if sp > 1 else None
+        # The same for dp_replicate_size / dp_shard_size: hybrid sharding is hf_zero's grid, not Accelerate's mesh.
+        ours = config is not None or plugin is not None
+        sp = sp_size_of(kwargs.get("parallelism_config")) if ours else 1
+        take = ours and (sp > 1 or hz_parallelism.asks_for_data_parallel_layout(kwargs.get("parallelism_config")))
+        pc = kwargs.pop("parallelism_config") if take else None
         super().__init__(*args, **kwargs)
         if pc is not None:
             self.state.parallelism_config = pc
+            if config is not None:  # the sizes against the world, said before any model exists
+                hz_parallelism.shard_size_of(pc, self.state.num_processes, sp, degree_of(config))
         self._deepspeed_plugin = plugin
         if plugin is not None:  # checked here as a zero_config is, before any model exists
             config = load_zero_config(ds_plugin.zero_config_of(plugin, str(self.state.mixed_precision)))
@@ -350,7 +356,7 @@ class Accelerator(accelerate.Accelerator):
         import hf_zero
 
         resolved = self._engine_config(loaders, model, optimizer, dummy_sched)
-        cfg = parse_once(resolved)
+        cfg = hz_parallelism.apply_to(parse_once(resolved), self.parallelism_config, self.state.num_processes)
         plugin = getattr(self, "_deepspeed_plugin", None)
         if plugin is not None:  # as Accelerate's prepare leaves it: "auto" resolved in the plugin's own config
             plugin.deepspeed_config.update(copy.deepcopy(resolved))
@@ -400,7 +406,8 @@ class Accelerator(accelerate.Accelerator):
         for key in ("optimizer", "scheduler"):
             cfg.pop(key, None)
         model.requires_grad_(False)
-        engine = hf_zero.initialize(model=model, config=parse_once(cfg))[0]
+        parsed = hz_parallelism.apply_to(parse_once(cfg), self.parallelism_config, self.state.num_processes)
+        engine = hf_zero.initialize(model=model, config=parsed)[0]
         engine.eval()
         self._eval_engines.append(engine)
         return engine

@@ -30,6 +30,7 @@ from hf_zero import dist as hz_dist
 from hf_zero import preemption as hz_preemption
 from hf_zero.errors import ConfigError, UsageError
 from hf_zero.integrations import deepspeed_plugin as ds_plugin
+from hf_zero.integrations import parallelism as hz_parallelism
 from hf_zero.integrations.accelerate import Accelerator, launched_without_gpus
 from hf_zero.integrations.autofill import (
     fill_auto,
@@ -135,17 +136,20 @@ class Trainer(transformers.Trainer):
         pc = getattr(self.args, "parallelism_config", None)
         sp = resolve_sp_size(pc, self.args.zero_config_dict) if self.zero_enabled else 1
         given, pc = pc, parallelism_config_for(pc, sp)
-        if sp > 1:  # attached after Accelerate's checks, which accept sp_size only for its own DeepSpeed / multi-GPU
+        # Attached after Accelerate's checks, which accept sp_size only for its own DeepSpeed / multi-GPU, and would
+        # build their own mesh for dp_replicate_size / dp_shard_size (hybrid sharding is the engine's grid here).
+        ours = self.zero_enabled and (sp > 1 or hz_parallelism.asks_for_data_parallel_layout(pc))
+        if ours:
             self.args.parallelism_config = None
         try:
             super().create_accelerator_and_postprocess()
         finally:
-            if sp > 1:
+            if ours:
                 self.args.parallelism_config = given
         if not self.zero_enabled:
             return
         acc = self.accelerator
-        if sp > 1:
+        if ours:
             acc.state.parallelism_config = pc
         if type(acc) is not accelerate.Accelerator:
             raise UsageError(f"hf_zero's Trainer expected Accelerate's Accelerator, found {type(acc).__name__}")

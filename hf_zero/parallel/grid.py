@@ -12,6 +12,11 @@ Vocabulary (used across hf_zero):
 - **ZeRO shards over** the sub-grid of :data:`ZERO_AXES` (``dp_replicate`` x ``dp_shard`` x ``sp``): every rank
   there holds the same parameters (sequence parallelism shards tokens, not weights; DeepSpeed calls this the
   sequence-data-parallel group). The ``pp`` and ``tp`` coordinates pick which parameters a rank holds at all.
+- **hybrid sharding** (``dp_replicate`` > 1): the parameters, gradients and optimizer state are sharded over the
+  **shard group** (:data:`SHARD_AXES`, ``dp_shard`` x ``sp``) only, and each shard is replicated over the
+  **replicate group** (``dp_replicate``): gradients are reduce-scattered inside the shard group, then all-reduced
+  across the replicate group; stage 3 gathers inside the shard group. Without ``dp_replicate`` the shard group is
+  the ZeRO group.
 
 Ranks are laid out row-major in :data:`AXES` order, ``tp`` innermost: the ranks of a tensor- or
 sequence-parallel group are consecutive, so with one process per GPU their per-layer collectives stay inside a
@@ -45,6 +50,9 @@ AXES: tuple[str, ...] = ("pp", "dp_replicate", "dp_shard", "sp", "tp")
 ZERO_AXES: tuple[str, ...] = ("dp_replicate", "dp_shard", "sp")
 #: The data-parallel axes: ranks seeing different samples.
 DATA_AXES: tuple[str, ...] = ("dp_replicate", "dp_shard")
+#: The axes of one shard group under hybrid sharding: ZeRO's axes less ``dp_replicate``, across which each shard is
+#: replicated (HSDP's 2-D mesh, DeepSpeed's MiCS). Without ``dp_replicate`` it is the whole ZeRO group.
+SHARD_AXES: tuple[str, ...] = ("dp_shard", "sp")
 
 
 @dataclass(frozen=True)
@@ -82,6 +90,41 @@ class GridShape:
         """``pp 2 x dp_shard 2 x tp 2``: the axes above 1 (``dp_shard 1`` for a world of one)."""
         parts = [f"{f.name} {getattr(self, f.name)}" for f in fields(self) if getattr(self, f.name) > 1]
         return " x ".join(parts) or "dp_shard 1"
+
+
+MICS_KEY = "zero_optimization.mics_shard_size"
+
+
+def replicas_for(world: int, shard_size: int, *, zero_stage: int, pp: int = 1, sp: int = 1, tp: int = 1,
+                 where: str | None = None) -> int:
+    """The ``dp_replicate`` degree of hybrid sharding with shard groups of ``shard_size`` consecutive data-parallel
+    ranks (``zero_optimization.mics_shard_size``; 0 or below: off, 1 returned). ``where`` names the setting in the
+    one-sentence refusals (default: ``zero_optimization.mics_shard_size N``): a size that does not divide the
+    data-parallel ranks, ZeRO stage 0, and the parallelisms hybrid sharding does not compose with yet. Every rank
+    computes the same answer from the same config (no collective)."""
+    if isinstance(shard_size, bool) or not isinstance(shard_size, int):
+        raise ConfigError(f"{MICS_KEY}: got {shard_size!r}, expected an integer (the data-parallel ranks of one shard group)")
+    where = where or f"{MICS_KEY} {shard_size}"
+    others = pp * sp * tp
+    if shard_size <= 0 or world % others:
+        return 1  # off; or a layout GridShape.fill refuses in its own sentence
+    dp = world // others
+    if shard_size == dp:
+        return 1  # one shard group: flat ZeRO
+    if dp % shard_size:
+        raise ConfigError(
+            f"{where} does not divide the {dp} data-parallel ranks of this run; give a divisor of {dp} "
+            "(the ranks of one shard group, each replicated across the others), or leave it out for flat ZeRO"
+        )
+    for what, n in (("a pipeline", pp), ("tensor parallelism (tensor_parallel.autotp_size)", tp),
+                    ("sequence parallelism (sequence_parallel_size)", sp)):
+        if n > 1:
+            raise ConfigError(f"{where} (hybrid sharding) cannot be combined with {what} yet; leave one "
+                              "of the two out")
+    if zero_stage == 0:
+        raise ConfigError(f"{where} shards inside groups of ranks and ZeRO stage 0 shards nothing; set "
+                          "zero_optimization.stage to 1, 2 or 3, or leave it out")
+    return dp // shard_size
 
 
 class ParallelGrid:
@@ -169,6 +212,33 @@ class ParallelGrid:
     @property
     def zero_rank(self) -> int:
         return self.rank(*ZERO_AXES)
+
+    @property
+    def shard_group(self) -> dist.ProcessGroup | None:
+        """The group ZeRO partitions over: the ZeRO group under flat sharding, :data:`SHARD_AXES` under hybrid sharding."""
+        return self.group(*SHARD_AXES) if self.hybrid else self.zero_group
+
+    @property
+    def shard_size(self) -> int:
+        return self.size(*SHARD_AXES) if self.hybrid else self.zero_size
+
+    @property
+    def replicate_group(self) -> dist.ProcessGroup | None:
+        """The group each shard is replicated over (``dp_replicate``); a group of this rank alone without hybrid sharding."""
+        return self.group("dp_replicate")
+
+    @property
+    def replicate_size(self) -> int:
+        return self.shape.dp_replicate
+
+    @property
+    def replicate_rank(self) -> int:
+        return self.coords["dp_replicate"]
+
+    @property
+    def hybrid(self) -> bool:
+        """Whether ZeRO shards inside groups and replicates across them (``dp_replicate`` > 1)."""
+        return self.shape.dp_replicate > 1
 
     @property
     def dp_size(self) -> int:

@@ -74,17 +74,19 @@ def sp_size_of(parallelism_config: Any) -> int:
     """The sequence-parallel degree of an Accelerate ``ParallelismConfig`` that hf_zero can run (1 without one).
 
     hf_zero takes ``sp_size`` (with ``sp_backend="deepspeed"``, the name Accelerate and transformers
-    give ALST); the other dimensions belong to engines hf_zero replaces and are refused.
+    give ALST) and the data-parallel sizes (hybrid sharding, ``hf_zero/integrations/parallelism.py``); tensor
+    and context parallelism from a ParallelismConfig are refused.
     """
     if parallelism_config is None:
         return 1
     sp = int(getattr(parallelism_config, "sp_size", None) or 1)
-    others = {k: int(getattr(parallelism_config, f"{k}_size", None) or 1) for k in ("tp", "cp", "dp_shard")}
+    others = {k: int(getattr(parallelism_config, f"{k}_size", None) or 1) for k in ("tp", "cp")}
     given = [f"{k}_size={v}" for k, v in others.items() if v > 1]
     if given:
         raise SequenceParallelError(
-            f"ParallelismConfig({', '.join(given)}) asks for tensor/context/FSDP parallelism, which hf_zero does not run; "
-            "with zero_config keep sp_size (Ulysses sequence parallelism) and leave the others at 1"
+            f"ParallelismConfig({', '.join(given)}) asks for tensor or context parallelism, which hf_zero does not take "
+            "from a ParallelismConfig; give tensor parallelism as the zero_config's tensor_parallel.autotp_size and "
+            "leave tp_size and cp_size at 1"
         )
     backend = getattr(parallelism_config, "sp_backend", "deepspeed")
     if sp > 1 and backend not in (None, "deepspeed"):

@@ -146,9 +146,10 @@ class FlatGroup(ShardGroup):
             else:
                 out = torch.empty(self.shard_numel, dtype=self.reduce_dtype, device=self.device)
                 C.reduce_scatter_(out, src, self.group, self.world_size)
+            self._sum_over_replicas(out)  # hybrid sharding: the shard only, across the replicate group
             if out.dtype != torch.float32:
                 out = out.float()
-            out.div_(self.world_size)
+            out.div_(self.place.averaged_over)
             if out.dtype != self.master_dtype:  # bf16 masters take bf16 gradients, averaged in fp32 first
                 out = out.to(self.master_dtype)
             prev = self.reduced_grad()

@@ -28,6 +28,22 @@ def src_rank(group: dist.ProcessGroup | None, rank_in_group: int) -> int:
     return dist.get_global_rank(group, rank_in_group) if group is not None else rank_in_group
 
 
+def broadcast_from(tensor: torch.Tensor, r: int, group: dist.ProcessGroup | None, world_size: int,
+                   place: object = None) -> None:
+    """Overwrite ``tensor`` with rank ``r``'s copy, ``r`` counted in the ranks holding the parameter whole.
+
+    Under hybrid sharding (``place.replicas`` > 1) those are the shard group times its replicas, numbered as the
+    grid numbers its ZeRO group (replica-major): rank ``r`` is shard rank ``r % world_size`` of replica
+    ``r // world_size``, so the value goes round the shard group first, then across the replicate group.
+    """
+    replicas = getattr(place, "replicas", 1)
+    shard_r, replica_r = (r % world_size, r // world_size) if replicas > 1 else (r, 0)
+    C.broadcast_(tensor, src_rank(group, shard_r), group, world_size)
+    if replicas > 1:
+        replicate = place.replicate  # type: ignore[attr-defined]
+        C.broadcast_(tensor, src_rank(replicate, replica_r), replicate, replicas)
+
+
 class GatheredParameters:
     """Full parameters inside the block, even under ZeRO stage 3 or ``zero.Init``.
 
@@ -97,15 +113,15 @@ class GatheredParameters:
         if r is not None and exc_type is None and dist.is_initialized():
             # As DeepSpeed: ``modifier_rank`` is a rank of each parameter's own process group.
             for g in self._groups:
-                C.broadcast_(g.full, src_rank(g.group, r), g.group, g.world_size)
+                broadcast_from(g.full, r, g.group, g.world_size, g.place)
                 g.write_back_from_full()
             for p in self.params:
                 if getattr(p, "hf_zero_group", None) is not None:
                     continue
                 group = self._process_group(p)
-                with torch.no_grad():
-                    C.broadcast_(p.data, src_rank(group, r), group, dist.get_world_size(group))
                 fg = getattr(p, "hf_zero_flat", None)
+                with torch.no_grad():
+                    broadcast_from(p.data, r, group, dist.get_world_size(group), fg.place if fg is not None else None)
                 if fg is not None:
                     fg.write_back_param(next(s for s in fg.slots if s.param is p))
         for g, was in zip(self._groups, self._was_sharded):

@@ -40,6 +40,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from hf_zero.zero import collectives as C
+
 
 @dataclass
 class ParamSlot:
@@ -58,6 +60,10 @@ class Placement:
 
     ``group`` is explicit (None: the default world) and ``rank`` / ``world_size`` are this rank's
     index in it and its size, so a group can shard over a data-parallel sub-group of the world.
+    ``replicate`` (``replicas`` ranks) is hybrid sharding's replicate group: the ranks holding this rank's
+    very shard in the other shard groups. Gradients reduce-scattered (or, unpartitioned, all-reduced) over
+    ``group`` are then all-reduced over it, on the shard only, and averaged over ``world_size * replicas``;
+    ``replicas`` 1 (the default) is flat ZeRO and ``replicate`` is then never used.
     ``compute_dtype`` is what the parameters are held in, ``reduce_dtype`` what gradients are
     averaged in, ``master_dtype`` what the masters and their reduced gradients are kept in (fp32,
     or bf16 under ``bf16.bf16_master_weights_and_grads``: then a bf16 master is the parameters'
@@ -71,13 +77,22 @@ class Placement:
     compute_dtype: torch.dtype
     reduce_dtype: torch.dtype
     master_dtype: torch.dtype = torch.float32
+    replicate: dist.ProcessGroup | None = None
+    replicas: int = 1
 
     @classmethod
     def over(cls, group: dist.ProcessGroup | None, device: torch.device, compute_dtype: torch.dtype,
-             reduce_dtype: torch.dtype, master_dtype: torch.dtype = torch.float32) -> Placement:
-        """This rank's placement in ``group``."""
+             reduce_dtype: torch.dtype, master_dtype: torch.dtype = torch.float32, *,
+             replicate: dist.ProcessGroup | None = None) -> Placement:
+        """This rank's placement in ``group`` (and, under hybrid sharding, across ``replicate``)."""
+        replicas = dist.get_world_size(replicate) if replicate is not None else 1
         return cls(group, dist.get_rank(group), dist.get_world_size(group), device, compute_dtype, reduce_dtype,
-                   master_dtype)
+                   master_dtype, replicate if replicas > 1 else None, replicas)
+
+    @property
+    def averaged_over(self) -> int:
+        """How many ranks' gradients one reduced gradient averages: the shard group times its replicas."""
+        return self.world_size * self.replicas
 
 
 @dataclass(frozen=True)
@@ -174,6 +189,12 @@ class ShardGroup(abc.ABC):
         return self.master
 
     # ------------------------------------------------------------- gradients
+
+    def _sum_over_replicas(self, reduced: torch.Tensor) -> None:
+        """Hybrid sharding: add the same shard's sums of the other shard groups (in the reduce dtype, in place),
+        so that the reduced gradient sums every rank's; a no-op under flat ZeRO."""
+        if self.place.replicas > 1:
+            C.all_reduce_(reduced, self.place.replicate, self.place.replicas)
 
     @abc.abstractmethod
     def reduce_grads(self, stream: torch.cuda.Stream | None) -> None:

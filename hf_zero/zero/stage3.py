@@ -213,7 +213,8 @@ class ShardedParamGroup(ShardGroup):
             src, held = pack_grads(self.slots, self.padded_numel, self.reduce_dtype, self.device)
             out = torch.empty(self.shard_numel, dtype=self.reduce_dtype, device=self.device)
             C.reduce_scatter_(out, src, self.group, self.world_size)
-            out = out.float().div_(self.world_size)
+            self._sum_over_replicas(out)  # hybrid sharding: the shard only, across the replicate group
+            out = out.float().div_(self.place.averaged_over)
             if out.dtype != self.master_dtype:  # bf16 masters take bf16 gradients, averaged in fp32 first
                 out = out.to(self.master_dtype)
             prev = self.reduced_grad()
