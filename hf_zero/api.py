@@ -19,9 +19,10 @@ from hf_zero.config import ConfigError, ZeroConfig
 from hf_zero.data import ResumableDistributedSampler
 from hf_zero.engine import ZeroEngine
 from hf_zero.errors import UsageError
-from hf_zero.optim import build_optimizer, build_scheduler
+from hf_zero.optim import build_optimizer
 from hf_zero.pipe.engine import PipelineEngine
 from hf_zero.pipe.module import PipelineModule
+from hf_zero.schedules import build_scheduler
 from hf_zero.sequence.setup import setup_model as setup_sequence_parallel
 from hf_zero.sequence.setup import wrap_loader as wrap_sequence_loader
 from hf_zero.tensor_parallel import setup as setup_tensor_parallel

@@ -62,8 +62,8 @@ SUPPORTED_OPTIMIZERS: tuple[str, ...] = ("Adam", "AdamW", "SGD")
 DEEPSPEED_ONLY_OPTIMIZERS = (
     "Adagrad", "Lamb", "OneBitAdam", "ZeroOneAdam", "OneBitLamb", "MuAdam", "MuAdamW", "MuSGD", "Lion", "Muon",
 )
-SUPPORTED_SCHEDULERS: tuple[str, ...] = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
-DEEPSPEED_ONLY_SCHEDULERS = ("LRRangeTest", "OneCycle")
+SUPPORTED_SCHEDULERS: tuple[str, ...] = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest")
+DEEPSPEED_ONLY_SCHEDULERS: tuple[str, ...] = ()
 COMMUNICATION_DTYPES = ("fp32", "fp16", "bf16")
 # "skip" (the default): the step is skipped and counted in skipped_steps, as fp16 overflows are;
 # "stop": the run raises; "off": no check (DeepSpeed's behaviour, and no host sync per step).

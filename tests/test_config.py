@@ -102,8 +102,8 @@ MALFORMED = [
     ({**MB, "optimizer": {"params": {"lr": 1}}}, None, ["optimizer.type: missing", "Adam, AdamW, SGD"]),
     ({**MB, "optimizer": "adam"}, None, ["optimizer: got 'adam'", "expected an object"]),
     ({**MB, "optimizer": {"type": "SGD", "params": [0.1]}}, None, ["optimizer.params: got [0.1]"]),
-    ({**MB, "scheduler": {"type": "OneCycle", "params": {}}}, None, ["scheduler.type: got 'OneCycle'", "not support yet", "WarmupLR"]),
-    ({**MB, "scheduler": {"type": "LRRangeTest"}}, None, ["scheduler.type: got 'LRRangeTest'", "WarmupCosineLR"]),
+    ({**MB, "scheduler": {"type": "OneCycl", "params": {}}}, None, ["scheduler.type: got 'OneCycl'", "did you mean 'OneCycle'"]),
+    ({**MB, "scheduler": {"type": "Cyclic"}}, None, ["scheduler.type: got 'Cyclic'", "WarmupCosineLR, OneCycle, LRRangeTest"]),
     ({**MB, "scheduler": {"type": "WarmupLR", "params": 3}}, None, ["scheduler.params: got 3", "warmup_num_steps"]),
     # DeepSpeed features hf_zero does not have are errors, not silent no-ops
     ({**MB, "amp": {"enabled": True, "opt_level": "O1"}}, None, ["amp.enabled: got True", "Apex AMP is not supported", "bf16"]),
