@@ -27,9 +27,9 @@ from typing import Any
 import torch
 
 from hf_zero.config_schema import SUPPORTED_OPTIMIZERS
-from hf_zero.errors import OptimizerConfigError
+from hf_zero.errors import OptimizerConfigError, UsageError
 
-__all__ = ["SUPPORTED_OPTIMIZERS", "OptimizerConfigError", "build_optimizer"]
+__all__ = ["SUPPORTED_OPTIMIZERS", "FusedAdam", "OptimizerConfigError", "build_optimizer"]
 
 
 # ------------------------------------------------------------------ checks (one sentence each)
@@ -134,6 +134,32 @@ def _adam_kernel(groups: list[Any]) -> dict[str, Any]:
     return {}
 
 
+class FusedAdam(torch.optim.Adam):
+    """DeepSpeed's ``FusedAdam(params, lr, bias_correction, betas, eps, adam_w_mode, weight_decay, amsgrad, set_grad_none)``."""
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        bias_correction: bool = True,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        adam_w_mode: bool = True,
+        weight_decay: float = 0.0,
+        amsgrad: bool = False,
+        set_grad_none: bool = True,
+    ) -> None:
+        if amsgrad:
+            raise UsageError("FusedAdam(amsgrad=True): FusedAdam has no AMSGrad variant (DeepSpeed's neither); use torch.optim.Adam(amsgrad=True)")
+        if not bias_correction:
+            raise UsageError("FusedAdam(bias_correction=False) is not supported by hf_zero; leave it True")
+        groups = _materialise(params)
+        super().__init__(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                         decoupled_weight_decay=adam_w_mode, **_adam_kernel(groups))
+        self.set_grad_none = set_grad_none
+        self.hf_zero_fuse_on_device = True  # the engine turns the fused kernel on once the shards are on the GPU
+
+
 def build_optimizer(
     opt_type: str, params: dict[str, Any] | None, param_groups: list[dict] | Iterable[torch.Tensor]
 ) -> torch.optim.Optimizer:
@@ -173,16 +199,16 @@ def build_optimizer(
     if not _flag(f"{path}.bias_correction", p.get("bias_correction", True)):
         raise OptimizerConfigError(f"{path}.bias_correction: got false, which hf_zero does not support; remove it")
     _flag(f"{path}.set_grad_none", p.get("set_grad_none", True))  # accepted: the engine owns the gradients
+    values = dict(lr=_number(f"{path}.lr", p.get("lr", 1e-3)), betas=_betas(p.get("betas", (0.9, 0.999))),
+                  eps=_number(f"{path}.eps", p.get("eps", 1e-8)),
+                  weight_decay=_number(f"{path}.weight_decay", p.get("weight_decay", default_wd)))
+    amsgrad = _flag(f"{path}.amsgrad", p.get("amsgrad", False))
+    if not torch_adam and not amsgrad:
+        # DeepSpeed builds its FusedAdam unless torch_adam asks for torch's class, and scripts check
+        # isinstance(optimizer, deepspeed.ops.adam.FusedAdam); the same arithmetic as torch's Adam/AdamW.
+        return FusedAdam(groups, adam_w_mode=decoupled, **values)
     cls = torch.optim.AdamW if decoupled else torch.optim.Adam
-    opt = cls(
-        groups,
-        lr=_number(f"{path}.lr", p.get("lr", 1e-3)),
-        betas=_betas(p.get("betas", (0.9, 0.999))),
-        eps=_number(f"{path}.eps", p.get("eps", 1e-8)),
-        weight_decay=_number(f"{path}.weight_decay", p.get("weight_decay", default_wd)),
-        amsgrad=_flag(f"{path}.amsgrad", p.get("amsgrad", False)),
-        **_adam_kernel(groups),
-    )
+    opt = cls(groups, amsgrad=amsgrad, **values, **_adam_kernel(groups))
     # Parameters built under zero.Init are on meta, where torch refuses fused=True; the engine
     # switches the fused kernel on once the groups point at the masters on the GPU.
     opt.hf_zero_fuse_on_device = True  # type: ignore[attr-defined]

@@ -15,7 +15,7 @@ import warnings
 import pytest
 import torch
 
-from hf_zero.optim import SUPPORTED_OPTIMIZERS, OptimizerConfigError, build_optimizer
+from hf_zero.optim import SUPPORTED_OPTIMIZERS, FusedAdam, OptimizerConfigError, build_optimizer
 from hf_zero.schedules import SUPPORTED_SCHEDULERS, WarmupCosineLR, WarmupDecayLR, WarmupLR, build_scheduler
 
 # ----------------------------------------------------------------------------- reference formulas
@@ -263,16 +263,19 @@ def test_adam_w_mode_false_is_l2_adam_and_adamw_type_ignores_it():
     ref = train(lambda ps: torch.optim.Adam(ps, lr=0.01, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1))
     assert_same(ours, ref)
     opt = build_optimizer("AdamW", params, [torch.zeros(2)])
-    assert type(opt) is torch.optim.AdamW  # DeepSpeed: type AdamW forces decoupled decay
+    assert opt.param_groups[0]["decoupled_weight_decay"]  # DeepSpeed: type AdamW forces decoupled decay
 
 
 def test_adam_defaults_are_deepspeeds():
     opt = build_optimizer("adam", {}, [torch.zeros(2)])
     g = opt.param_groups[0]
-    assert type(opt) is torch.optim.AdamW
+    # DeepSpeed builds its FusedAdam (adam_w_mode on); torch's classes only with torch_adam or amsgrad
+    assert type(opt) is FusedAdam and g["decoupled_weight_decay"]
+    assert type(build_optimizer("Adam", {"amsgrad": True}, [torch.zeros(2)])) is torch.optim.AdamW
     assert (g["lr"], g["betas"], g["eps"], g["weight_decay"], g["amsgrad"]) == (1e-3, (0.9, 0.999), 1e-8, 0.0, False)
     # torch_adam hands the params to torch.optim.AdamW, whose weight-decay default is 0.01
-    assert build_optimizer("Adam", {"torch_adam": True}, [torch.zeros(2)]).param_groups[0]["weight_decay"] == 0.01
+    torch_adamw = build_optimizer("Adam", {"torch_adam": True}, [torch.zeros(2)])
+    assert type(torch_adamw) is torch.optim.AdamW and torch_adamw.param_groups[0]["weight_decay"] == 0.01
     l2 = build_optimizer("Adam", {"torch_adam": True, "adam_w_mode": False}, [torch.zeros(2)])
     assert type(l2) is torch.optim.Adam and l2.param_groups[0]["weight_decay"] == 0.0
 
