@@ -365,7 +365,8 @@ class ZeroEngine(torch.nn.Module):
         zo.prepare_backward(sync, final=boundary)
         scaled.reshape(()).backward(retain_graph=retain_graph)
         self.zero_optimizer.finish_backward()
-        return loss
+        # DeepSpeed returns the loss divided by the accumulation steps (without the fp16 scale)
+        return loss / self.gradient_accumulation_steps() if scale_wrt_gas else loss
 
     def step(self, lr_kwargs: dict | None = None) -> None:
         """Called after every micro-batch; applies the optimizer on accumulation boundaries."""

@@ -1,0 +1,85 @@
+"""Smaller pieces of DeepSpeed's public surface that its own unit tests (tests/conformance) showed missing:
+``engine.backward``'s return value, HJSON config files, ``deepspeed.moe.utils``' parameter-group helper,
+``runtime.utils.see_memory_usage`` and the package's version attributes. One process each."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hf_zero
+from hf_zero import ConfigError, UsageError, ZeroConfig
+from tests.models import make_data, make_model
+
+
+def test_backward_returns_the_loss_over_the_accumulation_steps() -> None:
+    """DeepSpeed's ``engine.backward(loss)`` returns ``loss / gradient_accumulation_steps`` (``loss`` itself with
+    ``scale_wrt_gas=False``), not scaled by fp16's loss scale; scripts log it."""
+    engine, *_ = hf_zero.initialize(model=make_model(), config={
+        "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}})
+    ids, labels = make_data(2, 2)
+    loss = engine(ids[0], labels[0])
+    returned = engine.backward(loss)
+    assert torch.equal(returned.detach(), (loss / 4).detach())
+    loss = engine(ids[1], labels[1])
+    assert torch.equal(engine.backward(loss, scale_wrt_gas=False).detach(), loss.detach())
+
+
+def test_hjson_config_files_load_as_deepspeed_reads_them(tmp_path) -> None:
+    """DeepSpeed reads a config path with hjson: comments, unquoted keys and trailing commas are fine."""
+    path = tmp_path / "ds_config.json"
+    path.write_text("{\n  // the batch\n  train_micro_batch_size_per_gpu: 2,\n  gradient_accumulation_steps: 3,\n"
+                    '  "zero_optimization": {"stage": 2,},  # ZeRO-2\n}\n')
+    cfg = ZeroConfig.load(str(path))
+    assert cfg.train_micro_batch_size_per_gpu == 2 and cfg.gradient_accumulation_steps == 3
+    assert cfg.zero_optimization.stage == 2
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"train_batch_size": 8,\n  "zero": }')
+    with pytest.raises(ConfigError, match=r"bad.json' is not valid JSON \(Expecting value at line 2, column 11\), "
+                                          r"nor HJSON"):
+        ZeroConfig.load(str(bad))
+
+
+def test_moe_param_groups_pass_through_without_experts() -> None:
+    """``split_params_into_different_moe_groups_for_optimizer``: DeepSpeed returns a model's groups as a list of
+    dicts with list ``params`` when it has no expert parameters; an expert parameter is refused here."""
+    from hf_zero.moe.utils import is_moe_param
+    from hf_zero.moe.utils import split_params_into_different_moe_groups_for_optimizer as split
+
+    model = make_model()
+    group = {"params": model.parameters(), "name": "parameters", "lr": 0.1}
+    out = split(group)
+    assert out == [group] and out[0]["params"] == list(model.parameters()) and out[0]["name"] == "parameters"
+    pair = ({"params": [torch.nn.Parameter(torch.zeros(2))], "name": "a"}, {"params": [], "name": "b"})
+    assert [g["name"] for g in split(pair)] == ["a", "b"]
+    expert = torch.nn.Parameter(torch.zeros(2))
+    expert.allreduce = False
+    assert is_moe_param(expert) and not is_moe_param(pair[0]["params"][0])
+    with pytest.raises(UsageError, match="parameter group 'experts': parameter 1 is an expert parameter"):
+        split([{"params": [pair[0]["params"][0], expert], "name": "experts"}])
+    engine, *_ = hf_zero.initialize(model=model, model_parameters=split({"params": model.parameters(), "name": "p"}),
+                                    config={"train_batch_size": 2, "optimizer": {"type": "Adam"}})
+    before = model.fc1.weight.detach().clone()  # the groups, with their extra "name" key, train
+    ids, labels = make_data(1, 2)
+    engine.backward(engine(ids[0], labels[0]))
+    engine.step()
+    assert len(engine.optimizer.param_groups) == 1 and not torch.equal(model.fc1.weight, before)
+
+
+def test_see_memory_usage_prints_only_when_forced(capsys: pytest.CaptureFixture[str]) -> None:
+    from hf_zero.runtime.utils import see_memory_usage
+
+    see_memory_usage("quiet")
+    assert capsys.readouterr().out == ""
+    see_memory_usage("after init", force=True)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "after init" and lines[1].startswith("MA 0.0 GB") and "Max_CA" in lines[1]
+    assert lines[2].startswith("CPU Virtual Memory:  used = ")
+
+
+def test_version_attributes() -> None:
+    """DeepSpeed's package carries its version split in three and git build info ("unknown" in its wheels)."""
+    parts = tuple(int(v) for v in hf_zero.__version__.split("."))
+    assert (hf_zero.__version_major__, hf_zero.__version_minor__, hf_zero.__version_patch__) == parts
+    assert hf_zero.__git_hash__ == hf_zero.__git_branch__ == "unknown"
