@@ -83,3 +83,20 @@ def test_version_attributes() -> None:
     parts = tuple(int(v) for v in hf_zero.__version__.split("."))
     assert (hf_zero.__version_major__, hf_zero.__version_minor__, hf_zero.__version_patch__) == parts
     assert hf_zero.__git_hash__ == hf_zero.__git_branch__ == "unknown"
+
+
+def test_resumed_optimizer_groups_keep_tuple_hyper_parameters(tmp_path) -> None:
+    """A checkpoint is JSON, which has no tuples; Adam's ``betas`` come back as the tuple the optimizer holds, so
+    the resumed ``optimizer.state_dict()`` equals the saved one (DeepSpeed's own checkpoint tests compare them)."""
+    cfg = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 1},
+           "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "betas": [0.8, 0.9]}}}
+    engine, *_ = hf_zero.initialize(model=make_model(), config=cfg)
+    ids, labels = make_data(1, 2)
+    engine.backward(engine(ids[0], labels[0]))
+    engine.step()
+    engine.save_checkpoint(str(tmp_path))
+    again, *_ = hf_zero.initialize(model=make_model(), config=cfg)
+    again.load_checkpoint(str(tmp_path))
+    saved, loaded = engine.optimizer.param_groups[0], again.optimizer.param_groups[0]
+    assert loaded["betas"] == (0.8, 0.9) and type(loaded["betas"]) is tuple
+    assert {k: v for k, v in loaded.items() if k != "params"} == {k: v for k, v in saved.items() if k != "params"}
