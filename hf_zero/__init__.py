@@ -18,6 +18,7 @@ __git_hash__ = __git_branch__ = "unknown"
 __all__ = [
     "pipe", "zero", "Accelerator", "Trainer", "TrainingArguments", "Seq2SeqTrainer", "Seq2SeqTrainingArguments", "zero_trainer", "zero_args", "DummyOptim", "DummyScheduler", "ConfigError", "UsageError", "ZeroConfig", "ZeroEngine", "init_distributed", "initialize",
     "add_config_arguments", "comm", "accelerator", "checkpointing", "ops", "utils", "runtime", "__version__",
+    "DeepSpeedEngine", "DeepSpeedConfigError",
 ]
 
 _LAZY = {
@@ -32,6 +33,9 @@ _LAZY = {
     # exports them from accelerate.utils only when the deepspeed package is installed.
     "DummyOptim": "hf_zero.integrations.accelerate",
     "DummyScheduler": "hf_zero.integrations.accelerate",
+    # DeepSpeed's names for isinstance and except: hf_zero's engine class and config error
+    "DeepSpeedEngine": "hf_zero.runtime.engine",
+    "DeepSpeedConfigError": "hf_zero.runtime.config",
 }
 
 

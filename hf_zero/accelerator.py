@@ -9,11 +9,28 @@ uses. A call of DeepSpeed's accelerator interface that is not here raises an Att
 
 from __future__ import annotations
 
+import os
+import subprocess
 from typing import Any
 
 import torch
 
 __all__ = ["get_accelerator"]
+
+
+def _numa_nodes() -> int:
+    """NUMA nodes with cores, from ``numactl --hardware`` as DeepSpeed reads them; 1 without numactl."""
+    try:
+        out = subprocess.run(["numactl", "--hardware"], capture_output=True, text=True, timeout=10, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return 1
+    cores = [line.split(":", 1)[1].split() for line in out.splitlines()
+             if line.startswith("node ") and " cpus:" in line]
+    count, prev = 0, None
+    for c in cores:  # DeepSpeed skips nodes without cores (HBM in flat mode) and repeats of the previous list
+        if c and c != prev:
+            count, prev = count + 1, c
+    return max(count, 1)
 
 
 class DeviceAccelerator:
@@ -49,7 +66,15 @@ class DeviceAccelerator:
         return f"cuda:{torch.cuda.current_device()}" if self._cuda else "cpu"
 
     def device_count(self) -> int:
-        return torch.cuda.device_count() if self._cuda else 1
+        """GPUs; on the CPU, as DeepSpeed's CPU accelerator counts: ``LOCAL_SIZE`` when set (DeepSpeed's launcher and
+        test harness set it to the processes per node), else the NUMA nodes ``numactl --hardware`` lists, else 1."""
+        if self._cuda:
+            return torch.cuda.device_count()
+        try:
+            local = int(os.environ.get("LOCAL_SIZE", 0))
+        except ValueError:
+            local = 0
+        return local if local > 0 else _numa_nodes()
 
     def is_available(self) -> bool:
         return torch.cuda.is_available() if self._cuda else True

@@ -8,6 +8,7 @@ argument — every rank reaches the same verdict, so none is left waiting in a c
 from __future__ import annotations
 
 import argparse
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -20,12 +21,23 @@ from hf_zero.data import ResumableDistributedSampler
 from hf_zero.engine import ZeroEngine
 from hf_zero.errors import UsageError
 from hf_zero.optim import build_optimizer
+from hf_zero.parallel import GridShape, grid_for
 from hf_zero.pipe.engine import PipelineEngine
 from hf_zero.pipe.module import PipelineModule
 from hf_zero.schedules import build_scheduler
 from hf_zero.sequence.setup import setup_model as setup_sequence_parallel
 from hf_zero.sequence.setup import wrap_loader as wrap_sequence_loader
 from hf_zero.tensor_parallel import setup as setup_tensor_parallel
+
+# The engine initialize built last: what DeepSpeed's module-level groups (deepspeed.utils.groups) describe.
+_latest: list[weakref.ref | None] = [None]
+
+
+def latest_engine() -> ZeroEngine | None:
+    """The engine ``initialize`` returned last, while it lives and is not destroyed (None otherwise)."""
+    ref = _latest[0]
+    engine = ref() if ref is not None else None
+    return None if engine is None or getattr(engine, "_destroyed", False) else engine
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -75,20 +87,21 @@ def _param_groups(model: torch.nn.Module, model_parameters: Any) -> list[dict] |
     return params
 
 
-def _resolve_batch_sizes_on_every_rank(cfg: ZeroConfig, group: Any, data_parallel_size: int | None = None) -> None:
-    """Resolve the batch triple and check that every rank got the same one (one sentence on every rank).
+def _resolve_batch_sizes_on_every_rank(cfg: ZeroConfig, data_parallel_size: int) -> None:
+    """Resolve the batch triple and check that every rank of the run got the same one (one sentence on every rank).
 
     Ranks started with different configs would otherwise train on different global batches, or
-    hang in a collective; a rank whose config is refused makes the others refuse too. Under
-    sequence parallelism the batch multiplies by the data-parallel degree, not the world size.
+    hang in a collective; a rank whose config is refused makes the others refuse too. The batch
+    multiplies by the grid's data-parallel degree, not the world size (sequence- and tensor-parallel
+    ranks share their samples, a pipeline's stages pass them along).
     """
     error: ConfigError | None = None
     try:
-        cfg.resolve_batch_sizes(data_parallel_size or dist.get_world_size(group))
+        cfg.resolve_batch_sizes(data_parallel_size)
         mine = [1, cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps]
     except ConfigError as e:
         error, mine = e, [0, 0, 0, 0]
-    every = hz_dist.gather_ints(mine, group)
+    every = hz_dist.gather_ints(mine, None)
     if error is not None:
         raise error
     refused = [r for r, v in enumerate(every) if not v[0]]
@@ -100,14 +113,14 @@ def _resolve_batch_sizes_on_every_rank(cfg: ZeroConfig, group: Any, data_paralle
         raise ConfigError(f"batch sizes differ across ranks: rank 0 has {show(every[0])} but rank {r} has {show(every[r])}; every rank must run the same config")
 
 
-def _make_dataloader(training_data: Any, collate_fn: Callable | None, cfg: ZeroConfig, group: Any,
-                     place: tuple[int, int] | None = None) -> torch.utils.data.DataLoader:
+def _make_dataloader(training_data: Any, collate_fn: Callable | None, cfg: ZeroConfig,
+                     place: tuple[int, int]) -> torch.utils.data.DataLoader:
     """A loader that gives each data-parallel rank its own micro-batches, shuffled with the config seed.
 
-    ``place`` is this rank's ``(dp_rank, dp_size)`` when the data-parallel ranks are fewer than the
-    ranks: under sequence parallelism the ranks of an sp group draw the same micro-batches (the caller
-    wraps the loader so that each keeps its shard of the sequence), under tensor parallelism the ranks
-    of a tp group do (they compute parts of one result).
+    ``place`` is this rank's ``(dp_rank, dp_size)`` on the grid: under sequence parallelism the ranks
+    of an sp group draw the same micro-batches (the caller wraps the loader so that each keeps its
+    shard of the sequence), under tensor parallelism the ranks of a tp group do (they compute parts of
+    one result), and a pipeline's stages of one replica do.
     """
     if not isinstance(training_data, torch.utils.data.Dataset) and not hasattr(training_data, "__getitem__"):
         raise UsageError(
@@ -115,8 +128,8 @@ def _make_dataloader(training_data: Any, collate_fn: Callable | None, cfg: ZeroC
         )
     sampler = ResumableDistributedSampler(
         training_data,
-        num_replicas=place[1] if place else dist.get_world_size(group),
-        rank=place[0] if place else dist.get_rank(group),
+        num_replicas=place[1],
+        rank=place[0],
         shuffle=True,
         seed=cfg.seed if cfg.seed is not None else 0,
     )
@@ -199,31 +212,28 @@ def initialize(
     cfg = ZeroConfig.load(_config_from(args, config, config_params))
     hz_dist.init_distributed(distributed_port=distributed_port)
     pipeline = isinstance(model, PipelineModule)
-    # A pipeline's batch sizes, optimizer shards and data loader are per data-parallel replica of its stage.
-    group = model.dp_group if pipeline else None
-    sp = setup_sequence_parallel(model, cfg, group, pipeline)  # None unless sequence_parallel_size > 1
     if pipeline and cfg.tensor_parallel_size > 1:
         raise UsageError("tensor_parallel.autotp_size cannot be combined with a PipelineModule yet; train the model "
                          "unsplit (a plain transformers model) or set autotp_size to 1")
-    tp = setup_tensor_parallel(model, cfg, group, hz_dist.get_device())  # None unless autotp_size > 1
-    dp_size = sp.dp_size if sp else tp.dp_size if tp else None
-    _resolve_batch_sizes_on_every_rank(cfg, group, dp_size)
+    # The one grid of the run: a PipelineModule cut it when it was built (its stage had to be known then).
+    grid = model.grid if pipeline else grid_for(
+        GridShape.fill(dist.get_world_size(), sp=cfg.sequence_parallel_size, tp=cfg.tensor_parallel_size),
+        hz_dist.get_device().type)
+    sp = setup_sequence_parallel(model, cfg, grid, pipeline)  # None unless sequence_parallel_size > 1
+    setup_tensor_parallel(model, cfg, grid, hz_dist.get_device())  # splits the model when autotp_size > 1
+    _resolve_batch_sizes_on_every_rank(cfg, grid.dp_size)
 
     torch_opt = _optimizer(optimizer, cfg, _param_groups(model, model_parameters))
     if pipeline:
-        engine = PipelineEngine(model, cfg, torch_opt)  # a ZeroEngine over the stage, group = its data-parallel group
+        engine = PipelineEngine(model, cfg, torch_opt)  # a ZeroEngine over the stage, on the module's grid
     else:
-        # ZeRO over all ranks, sp ones included; under tensor parallelism over the ranks holding the same slices
-        engine = ZeroEngine(model, cfg, torch_opt, group=tp.dp_group if tp else group, tensor_parallel=tp)
-    engine.sequence_parallel_groups = sp  # None without sequence parallelism
-    if dp_size is not None:
-        engine.dp_world_size = dp_size
+        engine = ZeroEngine(model, cfg, torch_opt, grid=grid)
 
     sched = _scheduler(lr_scheduler, cfg, torch_opt)
     engine.lr_scheduler = sched
 
-    place = (sp.dp_rank, sp.dp_size) if sp else (tp.dp_rank, tp.dp_size) if tp else None
-    loader = _make_dataloader(training_data, collate_fn, cfg, group, place) if training_data is not None else None
+    loader = _make_dataloader(training_data, collate_fn, cfg, (grid.dp_rank, grid.dp_size)) if training_data is not None else None
     loader = wrap_sequence_loader(loader, sp, model, engine.device) if loader is not None else None
     engine.training_dataloader = loader
+    _latest[0] = weakref.ref(engine)
     return engine, engine.optimizer, loader, sched

@@ -23,6 +23,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from hf_zero.errors import LaunchError
+from hf_zero.integrations import accelerate_launch
 
 DEFAULT_MASTER_PORT = 29500  # DeepSpeed's (and torch's) default rendezvous port
 
@@ -79,9 +80,7 @@ def _add_launch_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--num_nodes", type=int, default=1, help="number of nodes (default 1)")
     p.add_argument("--node_rank", type=int, default=None, help="this node's index in [0, num_nodes)")
     p.add_argument("--master_addr", default=None, help="address of node 0 (default 127.0.0.1 on one node)")
-    p.add_argument(
-        "--master_port", type=int, default=DEFAULT_MASTER_PORT, help="rendezvous port (default 29500)"
-    )
+    p.add_argument("--master_port", type=int, default=None, help="rendezvous port (default 29500)")
     p.add_argument(
         "--max_restarts", type=int, default=0, help="torchrun restarts of the whole group on failure"
     )
@@ -108,6 +107,7 @@ def _add_launch_parser(subparsers: argparse._SubParsersAction) -> None:
             p.add_argument(*flags, dest=name, default=None, help=argparse.SUPPRESS)
         else:
             p.add_argument(*flags, dest=name, action="store_true", default=None, help=argparse.SUPPRESS)
+    accelerate_launch.add_arguments(p)
     p.add_argument("script", help="the training script (or module with --module, program with --no_python)")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script, passed untouched")
     p.set_defaults(handler=_cmd_launch)
@@ -163,8 +163,19 @@ def _select_devices(include: str, exclude: str, available: list[str]) -> list[st
 def plan_launch(args: argparse.Namespace, environ: Mapping[str, str], gpu_count: int) -> LaunchPlan:
     """Translate parsed ``hf-zero launch`` flags into a torchrun command; pure, so it is unit-testable.
 
-    ``gpu_count`` is what ``torch.cuda.device_count()`` reports (0 on a CPU machine).
+    ``gpu_count`` is what ``torch.cuda.device_count()`` reports (0 on a CPU machine). With
+    ``--config_file`` (an Accelerate YAML of ``distributed_type: DEEPSPEED``) the YAML and Accelerate's
+    flags are translated first (:mod:`hf_zero.integrations.accelerate_launch`) into these same flags.
     """
+    if getattr(args, "config_file", None) is not None:
+        launch, env, notice = accelerate_launch.translate(args, environ)
+        plan = plan_launch(launch, environ, gpu_count)
+        return LaunchPlan(argv=plan.argv, env_updates={**plan.env_updates, **env},
+                          notice="; ".join(filter(None, [notice, plan.notice])))
+    given = accelerate_launch.accelerate_flags_given(args)
+    if given:
+        raise LaunchError(f"{given[0]} is an accelerate launch flag, read with --config_file (an Accelerate YAML); "
+                          "without one use DeepSpeed's flags (--num_gpus, --num_nodes, --node_rank, --master_addr).")
     for name in _SSH_FLAGS:
         if getattr(args, name) is not None:
             raise LaunchError(
@@ -223,6 +234,8 @@ def plan_launch(args: argparse.Namespace, environ: Mapping[str, str], gpu_count:
     if args.max_restarts < 0:
         raise LaunchError(f"--max_restarts: got {args.max_restarts}, expected an integer >= 0.")
 
+    addr = args.master_addr or "127.0.0.1"
+    port = DEFAULT_MASTER_PORT if args.master_port is None else args.master_port
     argv = [
         sys.executable,
         "-m",
@@ -230,10 +243,13 @@ def plan_launch(args: argparse.Namespace, environ: Mapping[str, str], gpu_count:
         f"--nnodes={args.num_nodes}",
         f"--nproc-per-node={nproc}",
         f"--node-rank={node_rank}",
-        f"--master-addr={args.master_addr or '127.0.0.1'}",
-        f"--master-port={args.master_port}",
+        f"--master-addr={addr}",
+        f"--master-port={port}",
         f"--max-restarts={args.max_restarts}",
     ]
+    rdzv = getattr(args, "rdzv_backend", None)
+    if rdzv not in (None, "static"):  # an Accelerate YAML's (c10d, etcd): its endpoint is the main process's address
+        argv += [f"--rdzv-backend={rdzv}", f"--rdzv-endpoint={addr}:{port}"]
     if args.module:
         argv.append("--module")
     if args.no_python:

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from hf_zero.zero.external import outside_reads_paused
 from hf_zero.zero.stage3 import find_units
 
 
@@ -29,7 +30,15 @@ def compile_blocks(module: torch.nn.Module, backend: str | Any = "inductor", kwa
         if getattr(block.forward, "_hf_zero_compiled", False):
             continue
         compiled = torch.compile(block.forward, backend=backend, **options)
-        compiled._hf_zero_compiled = True  # type: ignore[attr-defined]
-        block.forward = compiled
+
+        def forward(*args: Any, _compiled: Any = compiled, **kw: Any) -> Any:
+            # Stage 3 watches the first forwards for weights read outside their block (hf_zero/zero/external.py).
+            # Traced under that TorchFunctionMode, dynamo would capture the block again once the watch is over
+            # (4 graphs where 1 does): the compiled code runs unwatched, the code around the blocks watched.
+            with outside_reads_paused():
+                return _compiled(*args, **kw)
+
+        forward._hf_zero_compiled = True  # type: ignore[attr-defined]
+        block.forward = forward
         count += 1
     return count

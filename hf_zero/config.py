@@ -8,8 +8,11 @@ into the dataclasses here and in ``config_sections.py``; DeepSpeed keys it accep
 act on are named once in a warning when they ask for something; DeepSpeed features it does not
 have (Apex AMP, ZeRO++, and offload and sequence parallelism for now) are errors, because
 training silently without them would not be the run the user configured; a key DeepSpeed does
-not know either is a "did you mean" error when it is a near-certain misspelling of one, and a
-warning otherwise. The walk itself is ``config_parse.py``.
+not know either is an error inside a section DeepSpeed 0.19.8 closes to unknown keys (``bf16``,
+``zero_optimization``, ...), as DeepSpeed refuses it there, and elsewhere a "did you mean" error
+when it is a near-certain misspelling of one and a warning otherwise; what older DeepSpeed
+accepted and 0.19.8 refuses is accepted with a warning saying so. The walk itself is
+``config_parse.py``.
 
 ``"auto"`` (written by Hugging Face's DeepSpeed configs) means "not given" at this layer: the
 batch keys stay ``None`` and are derived by :meth:`ZeroConfig.resolve_batch_sizes`, other keys
@@ -78,6 +81,12 @@ class ZeroConfig:
     compile: CompileConfig = field(default_factory=CompileConfig)
     nonfinite_loss: str = "skip"  # hf_zero extension: "skip" | "stop" | "off" (config_schema.NONFINITE_LOSS)
     checkpoint_keep_last: int | None = None  # hf_zero extension: checkpoint.keep_last; None keeps every checkpoint
+    checkpoint_tag_validation: str = "Warn"  # checkpoint.tag_validation: "Warn" | "Ignore" | "Fail" (save_checkpoint)
+    # hf_zero extensions for long runs (hf_zero/preemption.py, hf_zero/checkpoint/background.py):
+    checkpoint_save_on_signal: tuple[str, ...] | None = None  # None: not given (the engine watches none, the Trainer
+    checkpoint_save_dir: str | None = None  # SIGTERM and SIGUSR1); save_dir None: the last save_checkpoint's folder
+    checkpoint_grace_seconds: float | None = None  # after the first signal, exit at once when this has passed
+    checkpoint_async_save: bool = False  # save_checkpoint copies to host memory and returns; a thread writes
     raw: dict = field(default_factory=dict)  # the user's dict as given (a deep copy)
     auto_keys: set[str] = field(default_factory=set)  # JSON paths whose value was "auto"
 

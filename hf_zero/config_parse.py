@@ -4,11 +4,17 @@ For every JSON object the walk visits, :meth:`Parser.object` first folds DeepSpe
 spellings of a key into the name hf_zero uses (refusing two spellings of one key, as DeepSpeed
 does), then sorts each key by ``config_schema``'s tables: acted on (read later with a typed
 check), inert (named in one warning if it asks for anything), refused (one sentence naming the
-missing feature), or unknown. An unknown key that is a near-certain misspelling of a known one
-(see :func:`near_miss`) stops the run with "did you mean"; any other unknown key is named in a
-warning as ignored, because DeepSpeed ignores keys it does not read and real configs carry keys
-of their own tools. Each warning names a key once per process: the Trainer parses the config
-when ``TrainingArguments`` is built and the engine parses it again.
+missing feature), or unknown. An unknown key inside a section DeepSpeed 0.19.8 closes (its
+pydantic model forbids extra keys: ``bf16``, ``fp16``, ``zero_optimization`` and its offload
+sections, ``compile``, the monitors, ...) stops the run, as it stops DeepSpeed, with "did you
+mean" where a known key is close (see :func:`suggest`). Elsewhere DeepSpeed ignores keys it does
+not read and real configs carry keys of their own tools, so an unknown key stops the run only
+when it is a near-certain misspelling of a known one (see :func:`near_miss`), and is otherwise
+named in a warning as ignored. Keys DeepSpeed 0.19.8 refuses that older DeepSpeed accepted (the
+sections' ``legacy`` tables, and a fractional ``fp16.min_loss_scale``) are accepted where hf_zero
+can run them, and named in a third warning that says DeepSpeed 0.19.8 refuses them. Each warning
+names a key once per process: the Trainer parses the config when ``TrainingArguments`` is built
+and the engine parses it again.
 
 The parser returns the fields of :class:`hf_zero.config.ZeroConfig` as a dict, so that this
 module needs nothing from ``config.py``.
@@ -18,6 +24,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import warnings
 from collections.abc import Iterable
 from typing import Any
@@ -26,7 +33,9 @@ from hf_zero.config_schema import (
     ACTIVATION_CHECKPOINTING,
     AUTO,
     BF16,
+    CATCHABLE_SIGNALS,
     CHECKPOINT,
+    CLOSED_WHOLE,
     COMMUNICATION_DTYPES,
     COMPILE,
     COMPILE_KWARGS,
@@ -47,6 +56,7 @@ from hf_zero.config_schema import (
     SUPPORTED_SCHEDULERS,
     SWITCH,
     SWITCHES_ACCEPTING_AUTO,
+    TAG_VALIDATION,
     TENSOR_PARALLEL,
     TENSOR_PARALLEL_GROUPS,
     TOP,
@@ -68,7 +78,17 @@ from hf_zero.config_sections import (
     TorchAutocastConfig,
     ZeroOptimizationConfig,
 )
-from hf_zero.config_values import Bool, Int, Number, OneOf, Text, asks_for, check_quiet_type, show
+from hf_zero.config_values import (
+    Bool,
+    Int,
+    Number,
+    OneOf,
+    SignalNames,
+    Text,
+    asks_for,
+    check_quiet_type,
+    show,
+)
 
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 ABSENT = object()  # "not given": the field keeps its dataclass default
@@ -118,12 +138,58 @@ def near_miss(key: str, names: Iterable[str]) -> str | None:
     return name if edits <= (1 if len(plain) <= 5 else 2) else None
 
 
+def suggest(key: str, names: Iterable[str]) -> str | None:
+    """The known key to name in "did you mean" where an unknown key is refused anyway (a closed section).
+
+    Wider than :func:`near_miss`, which decides whether to stop a run at all: the closest name when
+    it is within a third of the key's length in edits and closer than any other, or else the one
+    name that contains the key (``min_loss`` -> ``min_loss_scale``), or the one the key contains.
+    """
+    names = list(names)
+    close = near_miss(key, names)
+    if close is not None:
+        return close
+    plain = key.lower().replace("-", "_").replace(" ", "_")
+    scored = sorted((_distance(plain, name.lower()), name) for name in names)
+    if scored and scored[0][0] <= len(plain) // 3 and (len(scored) == 1 or scored[1][0] > scored[0][0]):
+        return scored[0][1]
+    if len(plain) >= 4:  # a shortened key (``topk``), then a key with something added (``stage_3``)
+        for within in ([n for n in names if plain in n.lower()], [n for n in names if len(n) >= 4 and n.lower() in plain]):
+            if len(within) == 1:
+                return within[0]
+    return None
+
+
+def _home(key: str) -> str | None:
+    """The one other section DeepSpeed reads ``key`` in ("" for the top level), or None."""
+    homes = [path for path, section in SECTIONS.items() if key in section.names()]
+    return homes[0] if len(homes) == 1 else None
+
+
 def _read_elsewhere(key: str) -> str:
     """Where DeepSpeed reads an unknown key when it is a key of exactly one other section, for the warning."""
-    homes = [path for path, section in SECTIONS.items() if key in section.names()]
-    if len(homes) != 1:
+    home = _home(key)
+    if home is None:
         return ""
-    return " (a top-level key)" if homes[0] == "" else f" (a key of {homes[0]})"
+    return " (a top-level key)" if home == "" else f" (a key of {home})"
+
+
+def _unknown_in_closed(full: str, key: str, section: str, names: Iterable[str]) -> str:
+    """The sentence refusing ``key`` (at JSON path ``full``) in the closed ``section``, which takes ``names``."""
+    names = sorted(set(names))
+    too = f"DeepSpeed 0.19.8 refuses unknown keys in {section} too"
+    close = suggest(key, names)
+    if close is not None:
+        return f"{full}: unknown key; did you mean {close!r}? ({too})"
+    home = _home(key)
+    if home is not None:
+        where = "a top-level key" if home == "" else f"a key of {home}"
+        return f"{full}: unknown key ({key} is {where}; move it there), and {too}"
+    listed = f"; {section} takes {', '.join(names)}" if len(names) <= 12 else ""
+    return f"{full}: unknown key, and {too}; remove it or correct its name{listed}"
+
+
+_CANONICAL = {id(section): path for path, section in SECTIONS.items()}  # each walked section's path, as DeepSpeed spells it
 
 
 class _Object:
@@ -169,6 +235,7 @@ class Parser:
         self.auto_keys: set[str] = set()
         self.ignored: list[str] = []  # inert DeepSpeed keys that ask for something
         self.unknown: list[str] = []  # keys DeepSpeed does not know either
+        self.legacy: list[str] = []  # keys DeepSpeed 0.19.8 refuses, older DeepSpeed accepted, and hf_zero runs
 
     def parse(self, data: dict) -> dict[str, Any]:
         """The ZeroConfig fields the config sets (those it leaves out keep the dataclass defaults)."""
@@ -179,7 +246,9 @@ class Parser:
         fields["communication_data_type"] = top.get("communication_data_type", OneOf(COMMUNICATION_DTYPES), ABSENT,
                                                     nullable=True)
         top.get("gradient_predivide_factor", Number(0.0, strict=True), ABSENT)  # inert, but a value must make sense
-        fields["steps_per_print"] = top.get("steps_per_print", Int(1), ABSENT, nullable=True)
+        # inf (DeepSpeed takes it: no step count is a multiple of it) is what Accelerate's DeepSpeedPlugin writes for "never"
+        spp = top.values.get("steps_per_print")
+        fields["steps_per_print"] = None if spp == math.inf else top.get("steps_per_print", Int(1), ABSENT, nullable=True)
         fields["wall_clock_breakdown"] = top.get("wall_clock_breakdown", Bool(), ABSENT)
         fields["seed"] = top.get("seed", Int(0), ABSENT, nullable=True)
         fields["sequence_parallel_size"] = top.get("sequence_parallel_size", Int(1), ABSENT)
@@ -188,6 +257,15 @@ class Parser:
         fields["nonfinite_loss"] = top.get("nonfinite_loss", OneOf(NONFINITE_LOSS), ABSENT)
         checkpoint = self.object(top.raw("checkpoint", '{"keep_last": 3}'), "checkpoint", CHECKPOINT)
         fields["checkpoint_keep_last"] = checkpoint.get("keep_last", Int(1), ABSENT, nullable=True)
+        fields["checkpoint_tag_validation"] = checkpoint.get("tag_validation", OneOf(TAG_VALIDATION), ABSENT)
+        fields["checkpoint_save_on_signal"] = checkpoint.get("save_on_signal", SignalNames(CATCHABLE_SIGNALS), ABSENT,
+                                                             nullable=True)
+        fields["checkpoint_save_dir"] = checkpoint.get("save_dir", Text("a folder path (a non-empty string)"), ABSENT,
+                                                       nullable=True)
+        if fields["checkpoint_save_dir"] == "":
+            raise ConfigError(f"{checkpoint.where('save_dir')}: got '', expected a folder path (a non-empty string)")
+        fields["checkpoint_grace_seconds"] = checkpoint.get("grace_seconds", Number(0.0, strict=True), ABSENT, nullable=True)
+        fields["checkpoint_async_save"] = checkpoint.get("async_save", Bool(), ABSENT)
         fields["optimizer"] = self.named(top, "optimizer", OptimizerConfig, SUPPORTED_OPTIMIZERS, DEEPSPEED_ONLY_OPTIMIZERS)
         fields["scheduler"] = self.named(top, "scheduler", SchedulerConfig, SUPPORTED_SCHEDULERS, DEEPSPEED_ONLY_SCHEDULERS)
         fields["fp16"] = self.fp16(top)
@@ -232,6 +310,9 @@ class Parser:
         """One key: checked and (if it asks for something) warned about, refused, or unknown."""
         section, full = obj.section, obj.where(name)
         if name in section.unsupported or name in section.inert:
+            self.closed_whole(value, _join(_CANONICAL[id(section)], name), full)
+            if name in section.legacy:
+                self.legacy.append(f"{full} ({section.legacy[name]})")
             if isinstance(value, str) and value == AUTO and name in section.auto:
                 self.auto_keys.add(full)
                 return
@@ -247,16 +328,37 @@ class Parser:
                     raise ConfigError(f"{where}: got {show(given)}, but {section.unsupported[name][1]}")
                 self.ignored.append(full)
         elif name not in section.keys:
+            dropped = isinstance(value, str) and value == AUTO  # DeepSpeed drops "auto" values before validating
+            if section.closed and not dropped:
+                raise ConfigError(_unknown_in_closed(full, obj.spelled[name], obj.path, section.names()))
             close = near_miss(obj.spelled[name], section.names())
             if close is not None:
                 raise ConfigError(f"{full}: unknown key; did you mean {close!r}?")
             self.unknown.append(full + _read_elsewhere(obj.spelled[name]))
 
+    def closed_whole(self, value: Any, path: str, full: str) -> None:
+        """Unknown keys inside a section hf_zero takes whole, where DeepSpeed closes it (``CLOSED_WHOLE``), and below.
+
+        ``path`` is the section's path in DeepSpeed's spelling, ``full`` as the user wrote it.
+        """
+        if not isinstance(value, dict):
+            return
+        names = CLOSED_WHOLE.get(path)
+        for key, sub in value.items():
+            if names is not None and key not in names:
+                if isinstance(sub, str) and sub == AUTO:  # dropped by DeepSpeed before validating
+                    self.unknown.append(_join(full, key))
+                    continue
+                raise ConfigError(_unknown_in_closed(_join(full, key), key, full, names))
+            self.closed_whole(sub, _join(path, key), _join(full, key))
+
     def warn(self) -> None:
-        """The two warnings, each naming only keys this process has not named before."""
+        """The three warnings, each naming only keys this process has not named before."""
         for kind, names, text in (
             ("inert", self.ignored, "hf_zero accepts but ignores these DeepSpeed keys"),
             ("unknown", self.unknown, "hf_zero ignores these keys, which are not DeepSpeed config keys"),
+            ("legacy", self.legacy, "hf_zero accepts these keys, which older DeepSpeed accepted but DeepSpeed 0.19.8 "
+                                    "refuses"),
         ):
             new = [name for name in dict.fromkeys(names) if (kind, name) not in _WARNED]
             if new:
@@ -355,16 +457,26 @@ class Parser:
         return out
 
     def fp16(self, top: _Object) -> FP16Config:
+        """``fp16``. As DeepSpeed, ``loss_scale_window`` and ``min_loss_scale`` must be positive only where dynamic
+        scaling reads them (fp16 on, ``loss_scale`` 0); a fractional ``min_loss_scale``, which DeepSpeed read before
+        0.17.1 and 0.19.8 refuses (an integer field), is accepted and named (Chinese-LLaMA-Alpaca's 1e-10)."""
         obj = self.object(top.raw("fp16", '{"enabled": true}'), "fp16", FP16)
         d = FP16Config()
+        enabled = obj.get("enabled", Bool(), d.enabled)
+        loss_scale = obj.get("loss_scale", Number(), d.loss_scale)
+        dynamic = enabled and loss_scale == 0
+        min_loss_scale = obj.get("min_loss_scale", Number(0.0, strict=True) if dynamic else Number(None),
+                                 d.min_loss_scale)
+        if not float(min_loss_scale).is_integer():
+            self.legacy.append(f"{obj.where('min_loss_scale')} ({min_loss_scale:g}: an integer since DeepSpeed 0.17.1)")
         return FP16Config(
-            enabled=obj.get("enabled", Bool(), d.enabled),
-            loss_scale=obj.get("loss_scale", Number(), d.loss_scale),
+            enabled=enabled,
+            loss_scale=loss_scale,
             initial_scale_power=obj.get("initial_scale_power", Int(0), d.initial_scale_power),
-            loss_scale_window=obj.get("loss_scale_window", Int(1), d.loss_scale_window),
+            loss_scale_window=obj.get("loss_scale_window", Int(1) if dynamic else Int(None), d.loss_scale_window),
             hysteresis=obj.get("hysteresis", Int(1), d.hysteresis),
             consecutive_hysteresis=obj.get("consecutive_hysteresis", Bool(), d.consecutive_hysteresis),
-            min_loss_scale=obj.get("min_loss_scale", Number(0.0, strict=True), d.min_loss_scale),
+            min_loss_scale=min_loss_scale,
         )
 
     def pipeline(self, top: _Object) -> PipelineConfig:

@@ -18,9 +18,20 @@ without reading the parser:
 and deprecated names) to the name used here; giving two spellings of one key is refused, as
 DeepSpeed refuses it. ``auto`` names the keys that may say ``"auto"`` (the Trainer fills them).
 
-A key in none of the groups is not a DeepSpeed key: a near-certain misspelling of one is an
-error with "did you mean"; anything else is named in a warning as ignored, as DeepSpeed itself
-ignores keys it does not read (real configs carry ``comms_config``, ``monitor_config``, ...).
+A key in none of the groups is not a DeepSpeed key. Where DeepSpeed 0.19.8 validates the section
+with a pydantic model that forbids extra keys (``closed`` sections, and the whole sections in
+:data:`CLOSED_WHOLE`), it is an error, with "did you mean" where a known key is close, as
+DeepSpeed refuses it too (``extra_forbidden``). Elsewhere (the top level, ``checkpoint``,
+``activation_checkpointing``, ...: sections DeepSpeed reads key by key) a near-certain misspelling
+is an error with "did you mean", and anything else is named in a warning as ignored, as DeepSpeed
+itself ignores keys it does not read (real configs carry ``comms_config``, ``monitor_config``, ...).
+A key whose value is "auto" is never refused for being unknown: DeepSpeed drops every "auto" value
+before its models see the keys.
+
+``legacy`` names keys DeepSpeed 0.19.8 refuses that older DeepSpeed accepted and public configs
+still carry (the legacy ``curriculum_learning``, ``amp``, axolotl's ``compile.disable``, ...): given
+a value that asks for nothing they are accepted and named in a warning saying DeepSpeed 0.19.8
+refuses them; asking for their feature, they are refused as ``unsupported``.
 
 A value marked ``SWITCH`` is a section with an ``enabled`` flag and asks for its feature only
 when ``enabled`` is true; ``SECTION`` asks as soon as it holds anything; ``ANY`` asks unless it
@@ -51,6 +62,10 @@ class Section:
     aliases: Mapping[str, str] = field(default_factory=dict)
     older: frozenset[str] = frozenset()  # aliases that are deprecated names: "keep only the newer one"
     auto: frozenset[str] = frozenset()
+    # DeepSpeed 0.19.8 validates this section with a pydantic model that forbids extra keys: an unknown key is refused
+    closed: bool = False
+    # keys DeepSpeed 0.19.8 refuses that older DeepSpeed accepted and public configs carry: key -> why, for the warning
+    legacy: Mapping[str, str] = field(default_factory=dict)
 
     def names(self) -> list[str]:
         """Every spelling this section knows, for "did you mean"."""
@@ -68,6 +83,12 @@ COMMUNICATION_DTYPES = ("fp32", "fp16", "bf16")
 # "skip" (the default): the step is skipped and counted in skipped_steps, as fp16 overflows are;
 # "stop": the run raises; "off": no check (DeepSpeed's behaviour, and no host sync per step).
 NONFINITE_LOSS = ("skip", "stop", "off")
+# checkpoint.tag_validation: what save_checkpoint does when ranks pass different tags (DeepSpeed's three modes)
+TAG_VALIDATION = ("Warn", "Ignore", "Fail")
+# checkpoint.save_on_signal: the signals a scheduler announces the end of a job with, all catchable: SIGTERM
+# (SLURM, Kubernetes, PBS, spot instances), SIGUSR1/SIGUSR2 (SLURM's --signal, LSF), SIGINT, SIGHUP, SIGQUIT,
+# and SIGXCPU (a CPU-time soft limit, Grid Engine).
+CATCHABLE_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT", "SIGHUP", "SIGQUIT", "SIGXCPU")
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 PIPELINE_SCHEDULES = ("1f1b", "gpipe")
 COMPILE_KWARGS = ("mode", "fullgraph", "dynamic", "options")
@@ -96,7 +117,7 @@ TOP = Section(
         "memory_breakdown": False, "dump_state": False,
         # hf_zero shards any torch optimizer, which zero_allow_untested_optimizer: true asks DeepSpeed to allow
         "zero_allow_untested_optimizer": True, "zero_force_ds_cpu_optimizer": True, "disable_allgather": False,
-        "dataloader_drop_last": False, "graph_harvesting": False, "vocabulary_size": None,
+        "dataloader_drop_last": False, "vocabulary_size": None,
         "use_data_before_expert_parallelism": False, "seq_parallel_communication_data_type": "fp32",
         "disable_python_gc": False, "log_level": None,
         # gradients are averaged once, in the reduce dtype: the pre-division knobs change nothing
@@ -104,7 +125,7 @@ TOP = Section(
         "data_parallel_size": None,  # DeepSpeed reads it only beside sequence_parallel_size
         "allgather_size": 500_000_000,  # read with DeepSpeed's old boolean "zero_optimization": true
         "flops_profiler": SWITCH, "tensorboard": SWITCH, "wandb": SWITCH, "csv_monitor": SWITCH, "comet": SWITCH,
-        "comms_logger": SWITCH, "autotuning": SWITCH, "nebula": SWITCH, "datastates_ckpt": ANY,
+        "comms_logger": SWITCH, "autotuning": SWITCH, "datastates_ckpt": ANY,
         "timers": SECTION, "aio": SECTION, "data_types": SECTION,
     },
     unsupported={
@@ -115,7 +136,13 @@ TOP = Section(
                                                 "engine.set_gradient_accumulation_boundary); remove the key"),
         "elasticity": (SWITCH, "elastic training is not supported yet; remove the section"),
         "progressive_layer_drop": (SWITCH, "progressive layer drop is not supported; remove the section"),
-        "curriculum_learning": (SWITCH, "curriculum learning is not supported; remove the section"),
+        "curriculum_learning": (SWITCH, "the legacy curriculum learning (DeepSpeed passed a growing curriculum_seqlen "
+                                        "to the model's forward) is not supported, and DeepSpeed 0.19.8 has removed "
+                                        "it too; remove the section"),
+        "nebula": (SWITCH, "Nebula checkpointing is not supported, and DeepSpeed 0.19.8 has removed it too; remove the "
+                           "section (hf_zero writes safetensors checkpoints)"),
+        "graph_harvesting": (False, "graph harvesting is not supported, and DeepSpeed 0.19.8 has removed it too; "
+                                    "remove the key"),
         "data_efficiency": (SWITCH, "DeepSpeed data efficiency is not supported; remove the section"),
         "hybrid_engine": (SWITCH, "the hybrid (RLHF) engine is not supported; remove the section"),
         "eigenvalue": (SWITCH, "eigenvalue computation is not supported; remove the section"),
@@ -124,6 +151,17 @@ TOP = Section(
         "compression_training": (SECTION, "compression training is not supported; remove the section"),
         "weight_quantization": (SECTION, "weight quantization is not supported; remove the section"),
         "expert_parallel": (SECTION, "expert parallelism is not supported yet; remove the section"),
+    },
+    # DeepSpeed 0.19.8's _REMOVED_TOP_LEVEL_CONFIG_KEYS: refused there whatever their value
+    legacy={
+        "amp": "Apex AMP, removed from DeepSpeed", "nebula": "Nebula checkpointing, removed from DeepSpeed",
+        "compression_training": "the compression library, removed from DeepSpeed",
+        "quantize_training": "MoQ, removed from DeepSpeed", "eigenvalue": "eigenvalue MoQ, removed from DeepSpeed",
+        "sparse_gradients": "removed from DeepSpeed", "sparse_attention": "sparse attention, removed from DeepSpeed",
+        "elasticity": "elastic training, removed from DeepSpeed", "graph_harvesting": "removed from DeepSpeed",
+        "progressive_layer_drop": "progressive layer drop, removed from DeepSpeed",
+        "curriculum_learning": "the legacy section, removed from DeepSpeed, which reads "
+                               "data_efficiency.data_sampling.curriculum_learning instead",
     },
 )
 SWITCHES_ACCEPTING_AUTO = frozenset({"amp"})  # transformers fills amp.enabled from TrainingArguments
@@ -134,8 +172,9 @@ FP16 = Section(
     keys=("enabled", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "consecutive_hysteresis",
           "min_loss_scale"),
     auto=frozenset({"enabled"}),
-    inert={"auto_cast": False, "fused_mode": True},
+    inert={"auto_cast": False},
     unsupported={"fp16_master_weights_and_grads": (False, "fp16 master weights are not supported; masters are fp32")},
+    closed=True,
 )
 BF16 = Section(
     # bf16_master_weights_and_grads / bf16_optimizer_states: masters, reduced gradients and optimizer
@@ -144,6 +183,7 @@ BF16 = Section(
     auto=frozenset({"enabled"}),
     # hf_zero checks every bf16 step for inf/nan ("nonfinite_loss"), which check_grad_overflow: true asks for
     inert={"immediate_grad_update": False, "check_grad_overflow": True},
+    closed=True,
 )
 # DeepSpeed's torch_autocast: the forward runs under torch.autocast(dtype). lower_precision_safe_modules
 # picks the parameters whose gradients DeepSpeed communicates in the autocast dtype; hf_zero averages every
@@ -189,8 +229,8 @@ ZERO = Section(
         "stage3_module_granularity_threshold": 0, "stage3_use_all_reduce_for_fetch_params": False,
         "stage3_allgather_sequential": False, "memory_efficient_linear": True, "override_module_apply": True,
         "pipeline_loading_checkpoint": False, "log_trace_cache_warnings": False, "enable_sanity_checks": False,
-        "mics_hierarchical_params_gather": False, "save_muon_momentum_buffer_in_memory": False,
-        "cpu_offload_use_pin_memory": None, "leaf_module": SECTION, "zeropp_loco_param": None,
+        "save_muon_momentum_buffer_in_memory": False,
+        "cpu_offload_use_pin_memory": None, "leaf_module": SECTION,
         "compute_grad_norm": True, "parameter_alignment": False,
     },
     unsupported={
@@ -200,23 +240,37 @@ ZERO = Section(
         "zero_quantized_nontrainable_weights": (False, "ZeRO++ quantized weights are not supported yet"),
         "zero_quantized_gradients": (False, "ZeRO++ quantized gradients are not supported yet"),
         "zero_hpz_partition_size": (1, "ZeRO++ hierarchical partitioning is not supported yet"),
-        "mics_shard_size": (-1, "MiCS sharding is not supported yet"),
+        "mics_shard_size": (-1, "MiCS sharding is not supported, and DeepSpeed 0.19.8 has removed it too"),
+        "mics_hierarchical_params_gather": (False, "MiCS sharding is not supported, and DeepSpeed 0.19.8 has removed it "
+                                                   "too; remove the key"),
+        "zeropp_loco_param": (None, "LoCo-Zero++ is not supported, and DeepSpeed 0.19.8 has removed it too; remove the key"),
         "zenflow": (SECTION, "ZenFlow is not supported yet; remove the section"),
     },
+    closed=True,
+    # DeepSpeed 0.19.8's _REMOVED_ZERO_CONFIG_KEYS
+    legacy={"mics_shard_size": "MiCS, removed from DeepSpeed", "mics_hierarchical_params_gather": "MiCS, removed from "
+             "DeepSpeed", "zeropp_loco_param": "LoCo-Zero++, removed from DeepSpeed"},
 )
 # Both offload sections are parsed in full (config_sections.OffloadParamConfig, OffloadOptimizerConfig).
-OFFLOAD_PARAM = Section(keys=("device", "nvme_path", "buffer_count", "buffer_size", "max_in_cpu", "pin_memory"))
+OFFLOAD_PARAM = Section(keys=("device", "nvme_path", "buffer_count", "buffer_size", "max_in_cpu", "pin_memory"),
+                        closed=True)
 OFFLOAD_OPTIMIZER = Section(keys=("device", "nvme_path", "buffer_count", "pin_memory", "pipeline_read", "pipeline_write",
-                                  "fast_init", "ratio", "super_offload", "cpuadam_cores_perc"))
+                                  "fast_init", "ratio", "super_offload", "cpuadam_cores_perc"), closed=True)
 
 # ---------------------------------------------------------------- the other sections
 
 CHECKPOINT = Section(
-    keys=("keep_last",),  # hf_zero's: save_checkpoint keeps the N newest checkpoints of its folder (null: all)
-    inert={"tag_validation": "Warn", "load_universal": False, "use_node_local_storage": False,
+    # hf_zero's: keep_last (save_checkpoint keeps the N newest checkpoints of its folder; null: all);
+    # save_on_signal, save_dir, grace_seconds (a preemption's resume checkpoint, hf_zero/preemption.py);
+    # async_save (checkpoints written by a background thread, hf_zero/checkpoint/background.py).
+    # tag_validation is DeepSpeed's (Warn / Ignore / Fail across ranks).
+    keys=("keep_last", "tag_validation", "save_on_signal", "save_dir", "grace_seconds", "async_save"),
+    inert={"load_universal": False, "use_node_local_storage": False,
            "checkpoint_serialization": True, "parallel_write": SECTION, "writer": SECTION},
 )
 COMPILE = Section(
+    # hf_zero's: torch.compile of each block. They were DeepSpeed's fields in 0.14.0-0.14.3; 0.14.4-0.16.5 read no
+    # compile section at all, and 0.16.6 on has the DeepCompile model below, which refuses them.
     keys=("enabled", "backend", "kwargs"),  # kwargs: torch.compile's keyword arguments (COMPILE_KWARGS)
     # DeepSpeed's DeepCompile (its own graph passes) is another engine; its tuning keys mean nothing here
     unsupported={"deepcompile": (False, 'DeepSpeed\'s DeepCompile is not supported; use "compile": {"enabled": true} '
@@ -227,7 +281,10 @@ COMPILE = Section(
         "symmetric_memory": False, "debug_log": False, "offload_parameters": False, "sync_before_reduce": False,
         "sync_after_reduce": False, "sync_before_allgather": False, "sync_after_allgather": False,
         "keep_int_input_tensors": True, "keep_all_input_tensors": False, "autoep_non_moe": False, "passes": None,
+        "disable": ANY,  # no DeepSpeed's field ever, but axolotl's configs carry it
     },
+    closed=True,
+    legacy={"disable": "not a field of its compile section; DeepSpeed 0.14.4-0.16.5 read no compile section at all"},
 )
 OPTIMIZER = Section(keys=("type", "params"), inert={"legacy_fusion": False})
 SCHEDULER = Section(keys=("type", "params"))
@@ -266,6 +323,7 @@ TENSOR_PARALLEL = Section(
                                         "base_model_tp_plan names, so remove injection_policy_tuple"),
         "replace_with_kernel_inject": (False, "kernel injection belongs to DeepSpeed's inference engine; remove it"),
     },
+    closed=True,
 )
 TENSOR_PARALLEL_GROUPS = Section(
     keys=("tp_size",),
@@ -274,6 +332,7 @@ TENSOR_PARALLEL_GROUPS = Section(
         "mpu": (ANY, "a model-parallel unit cannot come from a JSON config; remove it (hf_zero makes the groups)"),
         "tp_group": (ANY, "a process group cannot come from a JSON config; remove it (hf_zero makes the groups)"),
     },
+    closed=True,
 )
 
 # Every section hf_zero reads key by key, by JSON path; a key of one of these that is itself here is a
@@ -284,6 +343,28 @@ SECTIONS: dict[str, Section] = {
     "checkpoint": CHECKPOINT, "compile": COMPILE, "torch_autocast": TORCH_AUTOCAST, "optimizer": OPTIMIZER, "scheduler": SCHEDULER,
     "activation_checkpointing": ACTIVATION_CHECKPOINTING, "pipeline": PIPELINE,
     "tensor_parallel": TENSOR_PARALLEL, "tensor_parallel.tensor_parallel": TENSOR_PARALLEL_GROUPS,
+}
+
+
+# DeepSpeed 0.19.8's closed sections that hf_zero takes whole (an inert or refused key of a section above), with
+# the names their pydantic models take: an unknown key inside one is refused as DeepSpeed refuses it. The names
+# are checked against DeepSpeed's models by tests/test_ds_config_oracle.py.
+CLOSED_WHOLE: dict[str, frozenset[str]] = {
+    "tensorboard": frozenset({"enabled", "output_path", "job_name"}),
+    "csv_monitor": frozenset({"enabled", "output_path", "job_name"}),
+    "wandb": frozenset({"enabled", "group", "team", "project"}),
+    "comet": frozenset({"enabled", "samples_log_interval", "project", "workspace", "api_key", "experiment_name",
+                        "experiment_key", "online", "mode"}),
+    "comms_logger": frozenset({"enabled", "prof_all", "prof_ops", "verbose", "debug"}),
+    "hybrid_engine": frozenset({"enabled", "max_out_tokens", "inference_tp_size", "release_inference_cache",
+                                "pin_parameters", "tp_gather_partition_size", "enable_cuda_graph"}),
+    "timers.throughput": frozenset({"enabled", "synchronized"}),  # "timers" itself is read key by key
+    "weight_quantization": frozenset({"enabled", "num_bits", "q_type", "q_groups", "quantized_initialization",
+                                      "post_init_quant"}),
+    "zero_optimization.zenflow": frozenset({"topk_ratio", "select_strategy", "select_interval", "update_interval",
+                                            "overlap_step", "offload", "auto_ratio", "full_warm_up_rounds",
+                                            "pt_reserved_cores_perc", "steps_per_epoch"}),
+    "zero_optimization.leaf_module": frozenset({"classes", "names", "name_suffixes"}),
 }
 
 

@@ -48,30 +48,36 @@ class Bool:
 
 @dataclass(frozen=True)
 class Int:
-    """An integer >= ``minimum``; integral floats such as ``5e8`` pass, as DeepSpeed configs write them."""
+    """An integer >= ``minimum`` (any integer if None); integral floats such as ``5e8`` pass, as DeepSpeed configs
+    write them."""
 
-    minimum: int = 0
+    minimum: int | None = 0
 
     @property
     def what(self) -> str:
+        if self.minimum is None:
+            return "an integer"
         return "a positive integer" if self.minimum == 1 else f"an integer >= {self.minimum}"
 
     def __call__(self, value: Any, path: str) -> int:
-        if not _is_number(value) or not float(value).is_integer() or value < self.minimum:
+        if (not _is_number(value) or not float(value).is_integer()
+                or (self.minimum is not None and value < self.minimum)):
             raise ConfigError(f"{path}: got {show(value)}, expected {self.what}")
         return int(value)
 
 
 @dataclass(frozen=True)
 class Number:
-    """A finite number >= ``minimum`` (or > it when ``strict``), at most ``maximum`` when one is given."""
+    """A finite number >= ``minimum`` (or > it when ``strict``; any if None), at most ``maximum`` when one is given."""
 
-    minimum: float = 0.0
+    minimum: float | None = 0.0
     strict: bool = False
     maximum: float | None = None
 
     @property
     def what(self) -> str:
+        if self.minimum is None:
+            return "a number"
         if self.maximum is not None:
             return f"a number from {self.minimum:g} to {self.maximum:g}"
         if self.minimum == 0:
@@ -79,7 +85,8 @@ class Number:
         return f"a number {'>' if self.strict else '>='} {self.minimum:g}"
 
     def __call__(self, value: Any, path: str) -> float:
-        if (not _is_number(value) or value < self.minimum or (self.strict and value == self.minimum)
+        low = self.minimum
+        if (not _is_number(value) or (low is not None and (value < low or (self.strict and value == low)))
                 or (self.maximum is not None and value > self.maximum)):
             raise ConfigError(f"{path}: got {show(value)}, expected {self.what}")
         return float(value)
@@ -114,6 +121,33 @@ class OneOf:
             if not isinstance(option, str) and _is_number(value) and value == option:
                 return option
         raise ConfigError(f"{path}: got {show(value)}, expected {self.what}")
+
+
+@dataclass(frozen=True)
+class SignalNames:
+    """A JSON array of signal names a process can catch (``["SIGTERM", "SIGUSR1"]``); [] turns the watch off."""
+
+    options: tuple[str, ...]
+
+    @property
+    def what(self) -> str:
+        return 'a list of signal names such as ["SIGTERM", "SIGUSR1"] (any of ' + ", ".join(self.options) + ")"
+
+    def __call__(self, value: Any, path: str) -> tuple[str, ...]:
+        if not isinstance(value, list):
+            raise ConfigError(f"{path}: got {show(value)}, expected {self.what}")
+        names = []
+        for i, item in enumerate(value):
+            name = item.upper() if isinstance(item, str) else item
+            if isinstance(name, str) and not name.startswith("SIG") and "SIG" + name in self.options:
+                raise ConfigError(f"{path}[{i}]: got {show(item)}, expected a signal's full name such as 'SIG{name}'")
+            if name in ("SIGKILL", "SIGSTOP"):
+                raise ConfigError(f"{path}[{i}]: got {show(item)}, which no process can catch; expected one of "
+                                  + ", ".join(self.options))
+            if name not in self.options:
+                raise ConfigError(f"{path}[{i}]: got {show(item)}, expected one of " + ", ".join(self.options))
+            names.append(name)
+        return tuple(dict.fromkeys(names))
 
 
 def asks_for(value: Any, quiet: Any) -> bool:

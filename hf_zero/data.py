@@ -72,3 +72,26 @@ def to_device(obj: Any, device: torch.device, float_dtype: torch.dtype | None) -
         except Exception:
             return moved
     return obj
+
+
+class RepeatingLoader:
+    """DeepSpeed's ``deepspeed.utils.RepeatingLoader``: iterate ``loader`` forever, starting it again when it ends.
+
+    Pipeline scripts hand ``engine.train_batch`` an iterator that must not run dry
+    (``iter(RepeatingLoader(loader))``). As DeepSpeed's, it only calls ``iter(loader)`` again: a sampler's
+    epoch is not advanced, so a ``DistributedSampler`` repeats its order unless the script calls ``set_epoch``.
+    """
+
+    def __init__(self, loader: Any) -> None:
+        self.loader = loader
+        self.data_iter = iter(self.loader)
+
+    def __iter__(self) -> RepeatingLoader:
+        return self
+
+    def __next__(self) -> Any:
+        try:
+            return next(self.data_iter)
+        except StopIteration:
+            self.data_iter = iter(self.loader)
+            return next(self.data_iter)

@@ -20,6 +20,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
+from hf_zero import preemption
 from hf_zero.errors import PeerFailureError
 
 
@@ -159,6 +160,7 @@ def _watch_uncaught_exceptions() -> None:
         global _failed
         _failed = True
         previous(exc_type, exc, tb)
+        preemption.release()  # a dying script saves nothing: SIGTERM stops it as before
 
     sys.excepthook = hook
 
@@ -384,6 +386,7 @@ def peer_failure_guard(doing: str) -> Iterator[None]:
         sentence, died = _describe(e, doing)
         if sentence is None:
             raise
+        preemption.release()  # no rank can save with a peer gone: torchrun's SIGTERM must stop this one as before
         if died:
             _let_the_launcher_see_it_first(sentence)
         raise PeerFailureError(sentence) from None

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -18,19 +19,26 @@ import torch
 import torch.distributed as dist
 
 from hf_zero import dist as hz_dist
+from hf_zero import preemption as hz_preemption
 from hf_zero.checkpoint.ranks import CheckpointLayout
+from hf_zero.checkpoint.state import Progress, TrainState
 from hf_zero.checkpointing import checkpoint_blocks
 from hf_zero.config import ZeroConfig
 from hf_zero.data import to_device
-from hf_zero.errors import UsageError
+from hf_zero.errors import CheckpointError, UsageError
 from hf_zero.module_setup import broadcast_module, cast_frozen_params, check_presharded, move_to_device
+from hf_zero.parallel import GridShape, ParallelGrid, grid_for
 from hf_zero.precision import loss_scaler_for, reduce_dtype
+from hf_zero.sequence.groups import view_of as sequence_view_of
 from hf_zero.step import NormScope, StepPolicy
 from hf_zero.tensor_parallel import TensorParallelGroups
+from hf_zero.tensor_parallel import view_of as tensor_view_of
 from hf_zero.timers import StepTimers
 from hf_zero.tp_split import split_of
-from hf_zero.zero.offload import host_step_threads
-from hf_zero.zero.partition import ShardedOptimizer
+from hf_zero.zero import attach
+from hf_zero.zero.group import Placement
+from hf_zero.zero.offload import OffloadPolicy, host_step_threads
+from hf_zero.zero.optimizer import ShardedOptimizer, ZeroPolicy
 
 logger = logging.getLogger("hf_zero")
 
@@ -59,7 +67,7 @@ class _NoOptimizer:
 class ZeroEngine(torch.nn.Module):
     """Training engine for ZeRO stages 0-3 with DeepSpeed's method names and semantics.
 
-    The stages are policies of one ``ShardedOptimizer`` (``hf_zero/zero/partition.py``) over shard
+    The stages are policies of one ``ShardedOptimizer`` (``hf_zero/zero/optimizer.py``) over shard
     groups; one step policy (``hf_zero/step.py``) decides each optimizer step; checkpoints are
     ``hf_zero/checkpoint``'s. A ``PipelineEngine`` is this engine over one pipeline stage.
     """
@@ -70,20 +78,21 @@ class ZeroEngine(torch.nn.Module):
         config: ZeroConfig,
         optimizer: torch.optim.Optimizer | None,
         lr_scheduler: Any = None,
-        group: dist.ProcessGroup | None = None,
-        tensor_parallel: TensorParallelGroups | None = None,
+        grid: ParallelGrid | None = None,
     ) -> None:
-        """``group``: the ranks ZeRO shards over (None: the world). Under tensor parallelism
-        (``tensor_parallel``, the model already split by ``hf_zero/tensor_parallel.py``) it is the
-        data-parallel group of this rank's slices, and the norm and checkpoints span the whole grid."""
+        """``grid``: the run's parallel grid (``hf_zero/parallel/grid.py``; None: plain data parallelism over the
+        world). ZeRO shards over its ZeRO group, the norm and checkpoints span the whole grid; under tensor
+        parallelism the model has already been split by ``hf_zero/tensor_parallel.py``."""
         super().__init__()
         _ensure_log_handler()
         self.module = model
         self.config = config
-        self.group = group
-        self.world_size = dist.get_world_size(group)
-        self.dp_world_size = self.world_size
-        self.tensor_parallel_groups = tensor_parallel
+        hz_dist.init_distributed()
+        self.grid = grid if grid is not None else grid_for(GridShape.fill(dist.get_world_size()), hz_dist.get_device().type)
+        self.group = self.grid.zero_group
+        self.world_size = self.grid.zero_size  # the ranks ZeRO shards over
+        self._sp_view = sequence_view_of(self.grid)
+        self._tp_view = tensor_view_of(self.grid)
         self.global_rank = dist.get_rank()
         self.local_rank = hz_dist.local_rank()
         self.device = hz_dist.get_device()
@@ -108,18 +117,23 @@ class ZeroEngine(torch.nn.Module):
         # A zero.Init model stays as slices only where stage 3 with an optimizer lays out its shards.
         built_presharded = check_presharded(model, self.world_size, self.device, gather=stage != 3 or optimizer is None)
         move_to_device(model, self.device)
-        broadcast_module(model, group)
+        broadcast_module(model, self.group)
         self.loss_scaler = loss_scaler_for(config)
         self.timers = StepTimers(config.wall_clock_breakdown, self.device)
-        # Clip, loss scale, the non-finite rule and the global norm (over this engine's group; a
-        # pipeline widens the scope to its stages): one policy for every engine (hf_zero/step.py).
+        self.zero_optimizer = self._sharded_optimizer(optimizer) if optimizer is not None else None
+        # Clip, loss scale, the non-finite rule and the global norm (over the whole grid, _norm_scope): one policy
+        # for every engine (hf_zero/step.py), made once the shard groups exist (a pipeline leaves out its tied copies).
         self.step_policy = StepPolicy(
             scaler=self.loss_scaler, nonfinite=config.nonfinite_loss, device=self.device,
             scope=self._norm_scope(),
         )
         if self.timers.enabled:
             self.step_policy.timed = self.timers.add
-        self.zero_optimizer = self._sharded_optimizer(optimizer) if optimizer is not None else None
+        if self.zero_optimizer is not None:
+            attach.link(self.zero_optimizer)  # deepspeed.utils.safe_get_full_* start from a parameter
+        if stage == 3 and self.zero_optimizer is not None:
+            attach.mark_stage3(model, self.zero_optimizer)  # DeepSpeed's ds_* attributes, for code that reads them
+        self._destroyed = False
         cast_frozen_params(model, self.compute_dtype)
         if config.compile.enabled:  # before checkpointing, so the recomputation runs the compiled blocks too
             self.compile(config.compile.backend, config.compile.kwargs)
@@ -134,41 +148,89 @@ class ZeroEngine(torch.nn.Module):
             torch.cuda.empty_cache()
         if self.inference_only and self.zero_optimizer.runtime is not None:
             self.zero_optimizer.runtime.keep_gathered_for_inference = False
-        self.optimizer = self.zero_optimizer if not self.inference_only else None
         self.basic_optimizer = optimizer if not self.inference_only else None
+        # What initialize returns and DeepSpeed's engine.optimizer is: as in DeepSpeed (_do_optimizer_sanity_check),
+        # the client's (or the config's) optimizer itself where nothing wraps it, stage 0 without fp16/bf16; the
+        # ZeRO wrapper otherwise. Either way the engine steps through zero_optimizer.
+        unwrapped = stage == 0 and self.compute_dtype == torch.float32
+        self.optimizer = self.basic_optimizer if unwrapped else self.zero_optimizer if not self.inference_only else None
         self.lr_scheduler = lr_scheduler
+        self.training_dataloader: Any = None  # initialize's loader, when it made one (its sampler is the data position)
+        self._init_long_runs()
+
+    def _init_long_runs(self) -> None:
+        """Preemption (``checkpoint.save_on_signal``, hf_zero/preemption.py) and background saves (``async_save``).
+
+        ``save_on_preemption``: the engine saves a resume checkpoint and exits itself once the ranks agree
+        on a signal; an owner that saves its own way (hf_zero's Trainer) sets it False and reads
+        :meth:`preemption_signal` instead.
+        """
+        self.save_on_preemption = True
+        self._last_save_dir: str | None = None
+        self._background: Any = None  # hf_zero.checkpoint.background.BackgroundWriter, made at the first async save
+        self._preemption: hz_preemption.Agreement | None = None
+        self._preemption_group: Any = ()
+        signals = hz_preemption.signal_numbers(self.config.checkpoint_save_on_signal or ())
+        if signals and self.zero_optimizer is not None and not self.inference_only:
+            self._preemption = hz_preemption.Agreement(signals, self.config.checkpoint_grace_seconds)
 
     # ------------------------------------------------------------- setup
 
     def _norm_scope(self) -> NormScope:
-        """The ranks the global norm sums over: this engine's group, or under tensor parallelism the whole grid."""
-        tp = self.tensor_parallel_groups
-        if tp is None:
-            return NormScope(self.group, self.world_size, replicas=self.world_size)
-        return NormScope(tp.parent, tp.dp_size * tp.tp_size, replicas=tp.dp_size, tp=tp.tp_size)
+        """The ranks the global norm sums over: the whole grid. The ZeRO group's ranks hold each unpartitioned
+        group's gradient alike (it counts once); a tensor-parallel group's ranks hold whole parameters alike."""
+        g = self.grid
+        return NormScope(None, g.size(), replicas=g.zero_size, tp=g.size("tp"), exclude=self._norm_excluded())
+
+    def _norm_excluded(self) -> frozenset[int]:
+        """Shard groups another rank counts in the norm (a pipeline's tied weights at their later stages)."""
+        return frozenset()
+
+    # The grid's views, as DeepSpeed-shaped scripts and hf_zero's integrations read them.
+
+    @property
+    def dp_world_size(self) -> int:
+        """The data-parallel degree: what batch sizes and samplers count (the grid's ``dp_replicate x dp_shard``)."""
+        return self.grid.dp_size if self.grid is not None else 1
+
+    @property
+    def sequence_parallel_groups(self) -> Any:
+        """The grid's ``sp`` axis (``hf_zero/sequence/groups.py``), None without sequence parallelism."""
+        return self._sp_view
+
+    @property
+    def tensor_parallel_groups(self) -> TensorParallelGroups | None:
+        """The grid's ``tp`` axis (``hf_zero/tensor_parallel.py``), None without tensor parallelism."""
+        return self._tp_view
 
     def _sharded_optimizer(self, optimizer: torch.optim.Optimizer) -> ShardedOptimizer:
-        """The ZeRO stage of the config over ``optimizer``, sharded over this engine's group; every knob from the config."""
+        """The ZeRO stage of the config over ``optimizer``, sharded over this engine's group: the config read once
+        into the optimizer's three frozen inputs (where and in which dtypes, the stage's knobs, what is offloaded)."""
         zc = self.config.zero_optimization
-        off = zc.offload_optimizer
-        offload_pin = bool(off.pin_memory) if off is not None and off.device == "cpu" and not self.inference_only else None
-        par = zc.offload_param  # stage 3 only (the config names it as ignored at the others)
-        param_offload_pin = bool(par.pin_memory) if par is not None and par.device == "cpu" and zc.stage == 3 else None
+        place = Placement.over(self.group, self.device, self.compute_dtype, reduce_dtype(self.config),
+                               self.config.master_dtype)
+        zero = ZeroPolicy(
+            stage=zc.stage, bucket_numel=max(1, int(zc.reduce_bucket_size)),
+            persistence_threshold=int(zc.stage3_param_persistence_threshold),
+            prefetch_numel=int(zc.stage3_prefetch_bucket_size), max_live_numel=int(zc.stage3_max_live_parameters),
+            overlap_param_gather=zc.overlap_param_gather,
+        )
+        off, par = zc.offload_optimizer, zc.offload_param  # offload_param: stage 3 only (the config says it is ignored elsewhere)
+        offload_optimizer = off is not None and off.device == "cpu" and not self.inference_only
         host_threads = None
-        if offload_pin is not None:
+        if offload_optimizer:
             host_threads, why = host_step_threads(None, off.cpuadam_cores_perc)
             if self.timers.enabled:
                 self.timers.note("step.cpu_optimizer", f"{host_threads} threads")
                 if self.global_rank == 0:
                     logger.info("offload: the host optimizer step runs on %d threads per rank (%s)", host_threads, why)
-        return ShardedOptimizer(
-            self.module, optimizer, stage=zc.stage, compute_dtype=self.compute_dtype,
-            reduce_dtype=reduce_dtype(self.config), bucket_numel=max(1, int(zc.reduce_bucket_size)), group=self.group,
-            device=self.device, persistence_threshold=int(zc.stage3_param_persistence_threshold),
-            prefetch_numel=int(zc.stage3_prefetch_bucket_size), max_live_numel=int(zc.stage3_max_live_parameters),
-            offload_pin=offload_pin, master_dtype=self.config.master_dtype, param_offload_pin=param_offload_pin,
-            overlap_param_gather=zc.overlap_param_gather, host_threads=host_threads,
+        offload = OffloadPolicy(
+            optimizer=offload_optimizer, pin_memory=bool(off.pin_memory) if off is not None else True,
+            host_threads=host_threads,
+            params=par is not None and par.device == "cpu" and zc.stage == 3,
+            params_pin_memory=bool(par.pin_memory) if par is not None else True,
         )
+        return ShardedOptimizer(self.module, optimizer, place=place, zero=zero, offload=offload)
 
     def compile(self, backend: str | Any = "inductor", compile_kwargs: dict | None = None) -> None:
         """DeepSpeed's ``engine.compile``: ``torch.compile`` each block of the model (see :mod:`hf_zero.compile`).
@@ -275,8 +337,8 @@ class ZeroEngine(torch.nn.Module):
 
     @property
     def mp_world_size(self) -> int:
-        """Model (tensor) parallel degree: hf_zero has none, so 1, as DeepSpeed reports without an mpu."""
-        return 1
+        """The model-parallel (tensor-parallel) degree: the grid's ``tp`` axis, 1 without tensor parallelism."""
+        return self.grid.size("tp") if self.grid is not None else 1
 
     def empty_partition_cache(self) -> None:
         """Stage 3: release the blocks that no-grad forwards (evaluation, ``generate``) left gathered."""
@@ -318,14 +380,31 @@ class ZeroEngine(torch.nn.Module):
     # ------------------------------------------------------------ step
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._destroyed:
+            raise UsageError("engine.destroy() was called on this engine; build a new one with hf_zero.initialize() to run the model")
         cast = self.compute_dtype if self.compute_dtype != torch.float32 else None
         args = to_device(args, self.device, cast)
         kwargs = to_device(kwargs, self.device, cast)
+        runtime = self.zero_optimizer.runtime if self.zero_optimizer is not None else None
         with self.autocast(), self.timers.span("forward"):
-            if self.world_size == 1:
-                return self.module(*args, **kwargs)
-            with hz_dist.peer_failure_guard("forward"):  # stage 3 gathers parameters here
-                return self.module(*args, **kwargs)
+            if runtime is None:
+                return self._call_module(args, kwargs)
+            # Stage 3: the first forwards find parameters read outside their unit's forward (hf_zero/zero/external.py);
+            # a later such read, on a path they did not take, fails in PyTorch: say what it was and what to do.
+            try:
+                with runtime.watch():
+                    return self._call_module(args, kwargs)
+            except RuntimeError as e:
+                sentence = runtime.explain(e)
+                if sentence is None:
+                    raise
+                raise UsageError(sentence) from e
+
+    def _call_module(self, args: tuple, kwargs: dict) -> Any:
+        if self.world_size == 1:
+            return self.module(*args, **kwargs)
+        with hz_dist.peer_failure_guard("forward"):  # stage 3 gathers parameters here
+            return self.module(*args, **kwargs)
 
     def autocast(self) -> contextlib.AbstractContextManager:
         """The config's ``torch_autocast`` around a forward (DeepSpeed's); a no-op context when it is off.
@@ -390,6 +469,8 @@ class ZeroEngine(torch.nn.Module):
         self.micro_steps += 1
         self.global_samples += self.train_micro_batch_size_per_gpu() * self.dp_world_size
         self._boundary_override = None
+        if boundary:
+            self._check_preemption()
 
     def _take_model_step(self) -> None:
         """The optimizer step of an accumulation boundary: the step policy decides, the engine counts.
@@ -424,11 +505,98 @@ class ZeroEngine(torch.nn.Module):
             extra = f", loss_scale={result.loss_scale:g}" if self.loss_scaler is not None else ""
             logger.info("step=%d, skipped=%d, lr=[%s]%s", self.global_steps, self.skipped_steps, lrs, extra)
 
+    def destroy(self) -> None:
+        """DeepSpeed's ``engine.destroy()``: release what the engine holds; a second call does nothing.
+
+        The engine's hooks come off the module and its parameters; gradients, fp32 masters, optimizer
+        state and gathered buffers are released, also where the caller still holds the engine or the
+        optimizer ``initialize`` returned (whose param groups are emptied); the engine drops its
+        process groups. The module stays usable without the engine: at stages 0-2 its parameters are
+        whole, at stage 3 they are ``zero.Init``'s per-rank slices (``GatheredParameters`` gathers them,
+        ``initialize`` shards them again), as DeepSpeed leaves them partitioned. At stage 3 every rank
+        calls it (each group is gathered once to cut the slices; see ``hf_zero/zero/attach.py``). A background
+        checkpoint write is waited for first, and ``checkpoint.save_on_signal``'s handlers are put back.
+        """
+        if self._destroyed:
+            return
+        try:
+            self.wait_for_checkpoint()  # a background write in flight finishes first (its error is raised)
+        finally:
+            if self._preemption is not None:
+                self._preemption.close()  # the signal handlers of checkpoint.save_on_signal: the previous ones come back
+                self._preemption = None
+        zo = self.zero_optimizer
+        if zo is not None:
+            if self.world_size == 1:
+                attach.detach(self.module, zo)
+            else:
+                with hz_dist.peer_failure_guard("destroy"):
+                    attach.detach(self.module, zo)
+        self.zero_optimizer = self.optimizer = self.basic_optimizer = None
+        self.step_policy.forget()
+        self._global_grad_norm = None
+        self.group = self.grid = self._sp_view = self._tp_view = None
+        self._destroyed = True
+
     def zero_grad(self) -> None:
         """Drop the gradients (and a norm computed from them); the step does this itself."""
         self.step_policy.forget()
         if self.zero_optimizer is not None:
             self.zero_optimizer.zero_grad()
+
+    # ------------------------------------------------------ preemption
+
+    def _check_preemption(self) -> None:
+        """On an accumulation boundary, once counted: has every rank agreed on a signal? Then save and exit."""
+        p = self._preemption
+        if p is None or p.decided is not None:
+            return
+        if self._preemption_group == ():
+            self._preemption_group = self.checkpoint_layout().group  # the ranks that save (and so stop) together
+        with hz_dist.peer_failure_guard(f"the preemption check of step {self.global_steps}"):
+            signum = p.poll(self._preemption_group, self.device)
+        if signum is not None and self.save_on_preemption:
+            self._save_and_exit(signum)
+
+    def preemption_signal(self) -> int | None:
+        """The signal every rank agreed to stop on (``checkpoint.save_on_signal``), or None.
+
+        Set by the accumulation-boundary ``step()`` at which the ranks decided, the same step on every
+        rank. With ``save_on_preemption`` left True the engine has already saved and exited by then;
+        an owner that saves its own way (hf_zero's Trainer) reads it after each step.
+        """
+        return self._preemption.decided if self._preemption is not None else None
+
+    def _save_and_exit(self, signum: int) -> None:
+        """Save a resume checkpoint into ``checkpoint.save_dir`` (or the last save's folder) and exit with 128 + signum."""
+        assert self._preemption is not None
+        hz_preemption.acting()
+        status, name = hz_preemption.exit_status(signum), hz_preemption.signal_name(signum)
+        try:
+            self.wait_for_checkpoint()
+        except CheckpointError as e:  # that save is lost; the one below is what the restart needs
+            logger.error("%s", e)
+        save_dir = self.config.checkpoint_save_dir or self._last_save_dir
+        if save_dir is None:
+            if self.global_rank == 0:
+                logger.warning("%s: no folder to save a resume checkpoint into (set checkpoint.save_dir, or call "
+                               "save_checkpoint once); exiting with status %d without saving", name, status)
+        else:
+            path = self._save(save_dir, keep_last=self.config.checkpoint_keep_last, background=False)
+            if self.global_rank == 0:
+                logger.warning("%s: every rank stopped after step %d and saved the resume checkpoint %s; exiting with "
+                               "status %d", name, self.global_steps, path, status)
+        raise SystemExit(status)
+
+    def wait_for_checkpoint(self) -> str | None:
+        """Wait for the checkpoint being written in the background (``checkpoint.async_save``).
+
+        Returns its path, or None when none was in flight; its error, if the write failed on any rank,
+        is raised here on every rank (every rank calls this at the same point). ``save_checkpoint``,
+        ``load_checkpoint``, ``destroy()`` and a preemption wait on their own; the process's end waits
+        for it too.
+        """
+        return self._background.wait() if self._background is not None else None
 
     # ------------------------------------------------------ checkpoints
 
@@ -441,19 +609,38 @@ class ZeroEngine(torch.nn.Module):
         The checkpoint loads at any world size and ZeRO stage; its format is :mod:`hf_zero.checkpoint.format`.
         ``keep_last=N`` (default: the config's ``checkpoint.keep_last``; None keeps all) deletes
         all but the N newest checkpoints in ``save_dir`` once this one is complete and ``latest``
-        points at it; the one ``latest`` names is never deleted.
+        points at it; the one ``latest`` names is never deleted. With ``checkpoint.async_save`` it
+        returns once this rank's share is in host memory, and the returned path exists once every
+        rank's background write is done (:meth:`wait_for_checkpoint`).
         """
-        from hf_zero.checkpoint.save import save
-
+        if not save_dir:
+            raise UsageError(f"save_checkpoint(save_dir={save_dir!r}): name the folder to save the checkpoint in")
         if exclude_frozen_parameters:
             raise UsageError("save_checkpoint(exclude_frozen_parameters=True) is not supported yet; leave it False")
         if keep_last is None:
             keep_last = self.config.checkpoint_keep_last
         if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
             raise UsageError(f"save_checkpoint(keep_last=...): got {keep_last!r}, expected an integer >= 1 (or None to keep all)")
+        return self._save(save_dir, tag, client_state, save_latest, keep_last, background=self.config.checkpoint_async_save)
+
+    def _save(self, save_dir: str, tag: str | None = None, client_state: dict | None = None, save_latest: bool = True,
+              keep_last: int | None = None, background: bool = False) -> str:
+        """``save_checkpoint`` once its arguments are checked; ``background``: return once the share is in host memory."""
+        from hf_zero.checkpoint.background import BackgroundWriter
+        from hf_zero.checkpoint.save import save
+
+        self.wait_for_checkpoint()  # at most one save in flight; its host buffers are the ones reused
         self.wait_params()
+        writer = None
+        if background:
+            if self._background is None:
+                self._background = BackgroundWriter(pin=self.device.type == "cuda")
+            writer = self._background
         with hz_dist.peer_failure_guard("save_checkpoint"):
-            return save(self, save_dir, tag, client_state, save_latest=save_latest, keep_last=keep_last)
+            path = save(self.train_state(), save_dir, tag, client_state, save_latest=save_latest, keep_last=keep_last,
+                        background=writer)
+        self._last_save_dir = save_dir
+        return path
 
     def load_checkpoint(
         self,
@@ -468,36 +655,91 @@ class ZeroEngine(torch.nn.Module):
         """Restore a checkpoint written by ``save_checkpoint`` at any world size and stage.
 
         A DeepSpeed checkpoint folder (ZeRO 0-3) is recognised and read as it is
-        (``checkpoint/deepspeed.py``). Returns ``(path, client_state)`` as DeepSpeed does.
+        (``checkpoint/deepspeed.py``). Returns ``(path, client_state)`` as DeepSpeed does; with no
+        ``tag`` and no ``latest`` file in ``load_dir`` (nothing saved there yet) it warns and returns
+        ``(None, None)`` without touching anything, as DeepSpeed does, so "resume if there is a
+        checkpoint" start-up code runs unchanged.
         """
         from hf_zero.checkpoint import deepspeed as ds_checkpoint
         from hf_zero.checkpoint.load import load
+
+        if tag is None and not self._has_latest(load_dir):
+            logger.warning(
+                "Unable to find latest file at %s, if trying to load latest checkpoint please ensure this file exists "
+                "or pass an explicit checkpoint tag when loading a checkpoint.", os.path.join(load_dir, "latest"))
+            return None, None
 
         if not load_module_strict:
             raise UsageError("load_checkpoint(load_module_strict=False) is not supported yet; the model must match the checkpoint")
         if custom_load_fn is not None:
             raise UsageError("load_checkpoint(custom_load_fn=...) is not supported; checkpoints are read as safetensors")
+        self.wait_for_checkpoint()  # (async_save) the checkpoint being written may be the one asked for
         self.wait_params()  # the load writes the masters, which in fp32 are the gathered buffers
         with hz_dist.peer_failure_guard("load_checkpoint"):
-            if ds_checkpoint.is_deepspeed_checkpoint(load_dir, tag):
-                return ds_checkpoint.load(
-                    self, load_dir, tag, load_optimizer_states=load_optimizer_states,
-                    load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
-                )
-            return load(
-                self, load_dir, tag, load_optimizer_states=load_optimizer_states,
+            reader = ds_checkpoint.load if ds_checkpoint.is_deepspeed_checkpoint(load_dir, tag) else load
+            path, client, progress = reader(
+                self.train_state(), load_dir, tag, load_optimizer_states=load_optimizer_states,
                 load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
             )
+        self.restore_progress(progress)
+        return path, client
+
+    def _has_latest(self, load_dir: str) -> bool:
+        """Whether ``load_dir`` names a checkpoint to load without a tag: its ``latest`` file (or the folder is a
+        DeepSpeed checkpoint itself), the same answer on every rank (a rank that sees none while another does,
+        a folder on a disk not shared by all, is refused on every rank rather than left waiting in the load)."""
+        from hf_zero.checkpoint import deepspeed as ds_checkpoint
+
+        lay = self.checkpoint_layout()
+        mine = os.path.isfile(os.path.join(load_dir, "latest")) or ds_checkpoint.is_deepspeed_checkpoint(load_dir, None)
+        every = [v[0] for v in hz_dist.gather_ints([int(mine)], lay.group)] if lay.world > 1 else [int(mine)]
+        if any(every) and not all(every):
+            raise CheckpointError(
+                f"load_checkpoint({load_dir!r}): rank {every.index(1)} finds a 'latest' file there but rank "
+                f"{every.index(0)} does not; put the checkpoint where every rank reads it"
+            )
+        return mine
+
+    def train_state(self) -> TrainState:
+        """What checkpoints, consolidated weights and the model card read of this engine, as of now.
+
+        The objects are the engine's own (a load restores into them in place); the counters are a copy,
+        which a load hands back as a :class:`Progress` for :meth:`restore_progress` (``hf_zero/checkpoint/state.py``).
+        """
+        if self._destroyed:
+            raise UsageError("engine.destroy() was called on this engine; save before destroying it")
+        return TrainState(
+            layout=self.checkpoint_layout(), module=self.module, optimizer=self.zero_optimizer,
+            lr_scheduler=self.lr_scheduler, loss_scaler=self.loss_scaler, config=self.config,
+            progress=Progress(self.global_steps, self.micro_steps, self.global_samples, self.skipped_steps),
+            gradient_accumulation_steps=self.gradient_accumulation_steps(), train_batch_size=self.train_batch_size(),
+            micro_batch_size=self.train_micro_batch_size_per_gpu(), gradient_clipping=self.gradient_clipping(),
+            zero_stage=self.zero_optimization_stage(), device=self.device, compute_dtype=self.compute_dtype,
+            group=self.group, world_size=self.world_size,
+            sampler=getattr(self.training_dataloader, "sampler", None), tensor_parallel=self.tensor_parallel_groups,
+        )
+
+    def restore_progress(self, progress: Progress | None) -> None:
+        """Take the counters a checkpoint load read (None: a load of the module only, which leaves them)."""
+        if progress is not None:
+            self.global_steps, self.micro_steps = progress.global_steps, progress.micro_steps
+            self.global_samples, self.skipped_steps = progress.global_samples, progress.skipped_steps
 
     def checkpoint_layout(self) -> CheckpointLayout:
-        """Which ranks write a checkpoint of this engine together: its data-parallel group, each rank the whole model;
-        under tensor parallelism the whole grid, each tensor-parallel rank storing its own slices."""
-        tp = self.tensor_parallel_groups
-        if tp is None:
-            return CheckpointLayout.data_parallel(self.group)
-        whole = {id(p) for p in self.module.parameters() if split_of(p) is None}
-        return CheckpointLayout(tp.parent, dist.get_rank(tp.parent), tp.dp_size * tp.tp_size, tp.dp_rank, dp=tp.dp_size,
-                                tp_rank=tp.tp_rank, others=whole if tp.tp_rank else set())
+        """Which ranks write a checkpoint of this engine together: the whole grid. The ZeRO group's ranks store their
+        shards (its first, what is replicated); a tensor-parallel rank its own slices and, at ``tp`` rank 0, the
+        whole parameters; a pipeline stage its layers, a tied weight at its first stage only."""
+        g = self.grid
+        others = set(self._stored_elsewhere())
+        if g.rank("tp"):
+            others |= {id(p) for p in self.module.parameters() if split_of(p) is None}
+        pp = g.size("pp")
+        return CheckpointLayout(None, g.global_rank, g.size(), g.zero_rank, pipe_stage=g.pipe_stage if pp > 1 else None,
+                                num_stages=pp if pp > 1 else None, dp=g.zero_size, others=others, tp_rank=g.rank("tp"))
+
+    def _stored_elsewhere(self) -> set[int]:
+        """Parameters (by id) another rank of the grid stores in checkpoints (a pipeline's tied weights at later stages)."""
+        return set()
 
     def save_pretrained(
         self, save_directory: str, max_shard_size: int | str = "5GB", dtype: torch.dtype | None = None,
@@ -516,15 +758,16 @@ class ZeroEngine(torch.nn.Module):
         from hf_zero.model_cards import record
 
         self.wait_params()
+        state = self.train_state()
         if merge_adapters:
-            files = hz_peft.save_merged(self, save_directory, max_shard_size=max_shard_size, dtype=dtype)
+            files = hz_peft.save_merged(state, save_directory, max_shard_size=max_shard_size, dtype=dtype)
         elif hz_peft.is_peft_model(self.module):
-            files = hz_peft.save_adapters(self, save_directory, dtype=dtype)
+            files = hz_peft.save_adapters(state, save_directory, dtype=dtype)
         else:
             from hf_zero.checkpoint import consolidated
 
-            files = consolidated.save_pretrained(self, save_directory, max_shard_size=max_shard_size, dtype=dtype)
-        record.write_engine_record(self, save_directory, merged=merge_adapters)
+            files = consolidated.save_pretrained(state, save_directory, max_shard_size=max_shard_size, dtype=dtype)
+        record.write_engine_record(state, save_directory, merged=merge_adapters)
         return files
 
     def save_16bit_model(
@@ -545,7 +788,7 @@ class ZeroEngine(torch.nn.Module):
                 "can run code when loaded); pass a name ending in .safetensors, such as 'model.safetensors'"
             )
         self.wait_params()
-        consolidated.save_single_file(self, save_dir, save_filename, exclude_frozen=exclude_frozen_parameters)
+        consolidated.save_single_file(self.train_state(), save_dir, save_filename, exclude_frozen=exclude_frozen_parameters)
         return True
 
     save_fp16_model = save_16bit_model

@@ -14,7 +14,7 @@ The old import paths (``hf_zero.engine.UsageError``, ``hf_zero.config.ConfigErro
 from __future__ import annotations
 
 __all__ = [
-    "CheckpointError", "ConfigError", "HostMemoryError", "HubError", "LaunchError", "LossScaleFloorError", "NonFiniteLossError",
+    "CheckpointError", "CheckpointTagError", "ConfigError", "HostMemoryError", "HubError", "LaunchError", "LossScaleFloorError", "NonFiniteLossError",
     "OptimizerConfigError", "PeerFailureError", "PipelineError", "UsageError",
 ]
 
@@ -37,6 +37,13 @@ class PipelineError(ValueError):
 
 class CheckpointError(ValueError):
     """A checkpoint cannot be written or read as asked."""
+
+
+class CheckpointTagError(CheckpointError, AssertionError):
+    """Ranks passed different tags to ``save_checkpoint`` under ``"checkpoint": {"tag_validation": "Fail"}``.
+
+    An ``AssertionError`` too, because that is what DeepSpeed raises there (scripts and its tests catch it).
+    """
 
 
 class LaunchError(ValueError):

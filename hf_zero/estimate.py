@@ -168,6 +168,22 @@ def offload_host_bytes(shard_numel: int, state_bytes: int, *, optimizer: bool = 
     return masters + ((shard_numel if optimizer else 0) + frozen_numel) * param_bytes
 
 
+def async_save_host_bytes(num_params: int, world_size: int, stage: int, optimizer: str = "adam") -> int:
+    """Host bytes one rank keeps for ``"checkpoint": {"async_save": true}``: its share of a resume checkpoint, copied
+    there at each save (pinned on a GPU) and reused by the next (:mod:`hf_zero.checkpoint.background`).
+
+    Per trainable element it stores, the fp32 master (4) and ``k`` bytes of optimizer state, of ceil(Ψ/N)
+    elements at stages 1-3; at stage 0 every rank holds the same values and the first stores them all
+    (this is its figure; the others keep nothing). Frozen parameters and buffers, stored once, come on top
+    on the rank that stores them. The engine checks what it will allocate against ``MemAvailable`` (every
+    machine's ranks added up) before the first background save.
+    """
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"stage: got {stage!r}, expected one of 0, 1, 2, 3")
+    k = optimizer_state_bytes_per_element(optimizer)
+    return (4 + k) * (num_params if stage == 0 else math.ceil(num_params / world_size))
+
+
 @dataclass(frozen=True)
 class OffloadEstimate:
     """Bytes one rank holds with ``offload_optimizer`` on the CPU: model states on the device and in host memory.
@@ -263,7 +279,7 @@ def _count_module(module: Any) -> int:
     for p in module.parameters():
         if p.requires_grad and id(p) not in seen:
             seen.add(id(p))
-            total += p.numel()
+            total += int(p.__dict__.get("ds_numel", p.numel()))  # a zero.Init parameter is 0 elements outside a gather
     return total
 
 
@@ -426,6 +442,11 @@ def format_table(
         lines.append(f"Ψr = {ref_params:,} parameters of the frozen reference model: a whole copy per rank at stages 0-2, "
                      "sharded at stage 3.")
     lines += ["", *format_offload_rows(num_params, num_gpus, num_nodes, dtype, optimizer, ref_params=ref_params)]
+    copy = [async_save_host_bytes(num_params, world, s, optimizer) / GIB for s in range(4)]
+    lines += ["", 'With "checkpoint": {"async_save": true}: host GiB/rank kept for the copy of its checkpoint share (fp32 '
+              f"master and optimizer state, (4+{k})Ψ/N; stage 0: rank 0 stores all, (4+{k})Ψ): "
+              + ", ".join(f"stage {s} {g:.2f}" for s, g in enumerate(copy))
+              + f"; host GiB/node at stage 1-3: {num_gpus * copy[1]:.2f}."]
     lines.append("Activations, temporary buffers and the CUDA context are not included.")
     return "\n".join(lines)
 

@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from hf_zero.errors import UsageError
 from hf_zero.zero import collectives as C
+from hf_zero.zero import param_attrs
 from hf_zero.zero.preshard import is_presharded, materialize_
 
 
@@ -29,6 +30,8 @@ def check_presharded(model: torch.nn.Module, world_size: int, device: torch.devi
         )
     if gather:  # stages 0-2 and engines without an optimizer need whole parameters
         materialize_(pre, device)
+        for p in pre:  # whole from now on: nothing for DeepSpeed's ZeRO-3 readers to see
+            param_attrs.clear(p)
     return True
 
 

@@ -29,7 +29,7 @@ from hf_zero.errors import NonFiniteLossError
 from hf_zero.precision import LossScaler
 from hf_zero.zero import collectives as C
 from hf_zero.zero.group import ShardGroup
-from hf_zero.zero.partition import ShardedOptimizer
+from hf_zero.zero.optimizer import ShardedOptimizer
 
 
 @dataclass(frozen=True)

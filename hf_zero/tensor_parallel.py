@@ -34,7 +34,8 @@ import torch.nn.functional as F
 from hf_zero import peft_model as hz_peft
 from hf_zero.errors import ConfigError, UsageError
 from hf_zero.module_setup import broadcast_module, move_to_device
-from hf_zero.sequence.groups import make_groups as _grid
+from hf_zero.parallel import GridShape, ParallelGrid, grid_for
+from hf_zero.parallel.grid import device_type_of_default_group
 from hf_zero.tp_split import TPSplit, mark
 from hf_zero.zero.preshard import is_presharded
 
@@ -58,31 +59,34 @@ class TensorParallelGroups:
     tp_ranks: tuple[int, ...]
 
 
-def make_groups(tp_size: int, group: dist.ProcessGroup | None = None) -> TensorParallelGroups:
-    """Cut ``group`` (default: the world) into tensor-parallel groups of ``tp_size`` consecutive ranks.
+def view_of(grid: ParallelGrid) -> TensorParallelGroups | None:
+    """The ``tp`` axis of the run's grid (:mod:`hf_zero.parallel.grid`) as this rank sees it; None when it is 1.
 
-    Consecutive ranks share a group so that, with one process per GPU, the per-layer all-reduces
-    stay inside a node. The grid is the one sequence parallelism cuts (``hf_zero/sequence/groups.py``).
+    Consecutive ranks share a group (``tp`` is the grid's innermost axis) so that, with one process per GPU, the
+    per-layer all-reduces stay inside a node. ZeRO shards over the ranks holding the same slices (the grid's ZeRO
+    group), a group even when it holds this rank alone.
     """
-    n = dist.get_world_size(group)
+    tp = grid.size("tp")
+    if tp == 1:
+        return None
+    tp_group = grid.group("tp")
+    return TensorParallelGroups(tp_size=tp, tp_rank=grid.rank("tp"), tp_group=dist.group.WORLD if tp_group is None else tp_group,
+                                dp_size=grid.zero_size, dp_rank=grid.zero_rank, dp_group=grid.zero_group or dist.group.WORLD,
+                                parent=None, tp_ranks=grid.ranks("tp"))
+
+
+def make_groups(tp_size: int, group: dist.ProcessGroup | None = None) -> TensorParallelGroups:
+    """The ``dp x tp`` view of a grid of the whole world with ``tp_size`` consecutive ranks per tensor-parallel group."""
+    if group is not None:
+        raise ConfigError("tensor parallelism is cut from the whole world's grid; leave make_groups(group=...) unset")
+    n = dist.get_world_size()
     if n % tp_size:
         raise ConfigError(f"tensor_parallel.autotp_size: got {tp_size}, which does not divide the {n} ranks of this run; "
                           f"launch a multiple of {tp_size} processes or choose a divisor of {n}")
-    g = _grid(tp_size, group)
-    # ZeRO needs a group even when it holds this rank alone (None would mean the world)
-    dp_group = g.dp_group if g.dp_group is not None else _alone()
-    return TensorParallelGroups(tp_size=tp_size, tp_rank=g.sp_rank, tp_group=g.sp_group, dp_size=g.dp_size,
-                                dp_rank=g.dp_rank, dp_group=dp_group, parent=group, tp_ranks=g.sp_ranks)
-
-
-_ALONE: list[dist.ProcessGroup] = []
-
-
-def _alone() -> dist.ProcessGroup:
-    """A group of this rank alone, made once per process (only its member takes part in making it)."""
-    if not _ALONE:
-        _ALONE.append(dist.new_group([dist.get_rank()], use_local_synchronization=True))
-    return _ALONE[0]
+    view = view_of(grid_for(GridShape.fill(n, tp=tp_size), device_type_of_default_group()))
+    if view is None:
+        raise ConfigError(f"tensor_parallel.autotp_size: got {tp_size}; a tensor-parallel view needs a degree above 1")
+    return view
 
 
 def degree_of(config: Any) -> int:
@@ -252,14 +256,13 @@ def _check_inputs_once(model: torch.nn.Module, groups: TensorParallelGroups) -> 
     handle.append(model.register_forward_pre_hook(hook, with_kwargs=True))
 
 
-def setup(model: torch.nn.Module, config: Any, group: dist.ProcessGroup | None, device: torch.device) -> TensorParallelGroups | None:
-    """Groups and the split for ``config.tensor_parallel_size``; None when it is 1."""
-    tp = config.tensor_parallel_size
-    if tp <= 1:
+def setup(model: torch.nn.Module, config: Any, grid: ParallelGrid, device: torch.device) -> TensorParallelGroups | None:
+    """The split for the grid's ``tp`` axis (``config.tensor_parallel_size``); None when it is 1."""
+    groups = view_of(grid)
+    if groups is None:
         return None
-    groups = make_groups(tp, group)
     count = apply(model, groups, device)
     if dist.get_rank() == 0:
         logger.info("tensor parallelism: degree %d (data-parallel %d), %d linear layers split by %s's plan",
-                    tp, groups.dp_size, count, type(model).__name__)
+                    groups.tp_size, groups.dp_size, count, type(model).__name__)
     return groups

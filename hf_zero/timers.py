@@ -7,7 +7,7 @@ copy of the updated weights back to the device with its all-gather. Each span sy
 device at both ends (as DeepSpeed's timers do), so the figures are what each part costs the step
 as a whole, and the switch slows training a little: it is for profiling, off by default.
 Rank 0 logs the means every ``steps_per_print`` optimizer steps; ``engine.timers.means()`` returns
-them to a script (``scripts/bench.py`` prints them beside tokens/s).
+them to a script (``benchmarks/bench.py`` prints them beside tokens/s).
 """
 
 from __future__ import annotations

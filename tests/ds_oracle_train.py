@@ -131,7 +131,11 @@ def ds_config(stage: int, dtype: str, gas: int = 2, clip: float = 1.0) -> dict:
     elif dtype == "bf16master":
         cfg["bf16"] = {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
     elif dtype == "autocast":
-        cfg["torch_autocast"] = {"enabled": True, "dtype": "torch.bfloat16"}
+        # lower_precision_safe_modules []: DeepSpeed then reduces every gradient in fp32, as hf_zero does (docs/precision.md,
+        # Autocast). With its default list it reduces nn.Linear gradients in bf16 (here the LM head tied to
+        # wte), arithmetic hf_zero does not do, and the two runs drift apart by an amount that depends on which
+        # bf16 roundings the CPU's kernels flip (3e-5 relative in the losses here); with [] they are equal.
+        cfg["torch_autocast"] = {"enabled": True, "dtype": "torch.bfloat16", "lower_precision_safe_modules": []}
     if dtype == "bf16_fp32acc":  # ZeRO 1 then runs DeepSpeed's BF16_Optimizer, another checkpoint layout
         cfg["data_types"] = {"grad_accum_dtype": "fp32"}
     elif dtype == "fp16":

@@ -44,12 +44,18 @@ def test_client_optimizer_and_scheduler_instances_keep_working() -> None:
     opt = torch.optim.AdamW(param_groups(model), lr=0.1)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
     engine, zopt, _, zsched = hf_zero.initialize(model=model, optimizer=opt, lr_scheduler=sched, config={"train_batch_size": 2})
-    assert zsched is sched and zopt.optimizer is opt and len(zopt.param_groups) == 2
+    # stage 0 in fp32: DeepSpeed wraps nothing and hands back the client's optimizer itself
+    assert zsched is sched and zopt is opt and engine.optimizer is opt and len(zopt.param_groups) == 2
     ids, labels = make_data(2, 2)
     for t in range(2):
         engine.backward(engine(ids[t], labels[t]))
         engine.step()
     assert engine.get_lr() == [0.025, 0.025]
+    # from stage 1 (or in fp16/bf16) the ZeRO wrapper, which keeps the client's and steps only through the engine
+    model = make_model()
+    opt = torch.optim.AdamW(param_groups(model), lr=0.1)
+    engine, zopt, _, _ = hf_zero.initialize(model=model, optimizer=opt, config={"train_batch_size": 2, "zero_optimization": {"stage": 1}})
+    assert zopt is engine.optimizer and zopt.optimizer is opt and len(zopt.param_groups) == 2
     with pytest.raises(RuntimeError, match="engine.step"):
         zopt.step()
 

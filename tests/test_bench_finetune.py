@@ -1,4 +1,4 @@
-"""``scripts/bench_finetune.py`` end to end on CPU: the same Trainer script under hf_zero stage 2 and plain DDP,
+"""``benchmarks/bench_finetune.py`` end to end on CPU: the same Trainer script under hf_zero stage 2 and plain DDP,
 each in its own torchrun of 2 gloo processes, on a tiny Llama; its table parses, both rows trained, and they
 started from the same loss (same weights, same data, fp32: one script, two engines)."""
 
@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def _bench():  # noqa: ANN202 - the script as a module, for its row pattern and table
-    spec = importlib.util.spec_from_file_location("bench_finetune", REPO / "scripts" / "bench_finetune.py")
+    spec = importlib.util.spec_from_file_location("bench_finetune", REPO / "benchmarks" / "bench_finetune.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -26,7 +26,7 @@ def test_tiny_llama_two_engines_on_cpu(tmp_path: Path) -> None:
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
                PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run(
-        [sys.executable, "scripts/bench_finetune.py", "--cpu", "--gpus", "2", "--model", "tiny", "--engines", "hf2,ddp",
+        [sys.executable, "benchmarks/bench_finetune.py", "--cpu", "--gpus", "2", "--model", "tiny", "--engines", "hf2,ddp",
          "--steps", "3", "--warmup", "1", "--timeout", "80", "--out", str(tmp_path), "--memory-peak"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=90,
     )
@@ -102,7 +102,7 @@ def test_memory_peak_splits_held_and_step_blocks_by_site() -> None:
     assert old_freed == 30
     assert in_step == {"transformers/models/llama/modeling_llama.py:5 forward": 70, stage3: 60}
     assert held_at_peak == {fsdp: 100, nothing: 20, lora: 40}
-    from bench import peak_breakdown  # scripts/bench.py, on the path bench_finetune.py put it on
+    from bench import peak_breakdown  # benchmarks/bench.py, on the path bench_finetune.py put it on
 
     before = sum(size for size, _ in held.values())
     assert peak_breakdown(trace, before, bench.MEMORY_SITES) == (before - old_freed, in_step)

@@ -57,6 +57,7 @@ def _train(rank: int, world: int, case: dict) -> dict:
         "zero_optimization": {"stage": case["stage"], "reduce_bucket_size": 40, "stage3_param_persistence_threshold": 20},
         "bf16": {"enabled": case.get("bf16", False)},
         "steps_per_print": 10**6,
+        "checkpoint": {"async_save": case.get("async_save", False)},
     }
     torch.manual_seed(1000 + rank)  # each rank's own RNG stream (dropout)
     engine, _, loader, _ = hf_zero.initialize(model=model, model_parameters=param_groups(model), config=cfg, training_data=_dataset())
@@ -78,6 +79,7 @@ def _train(rank: int, world: int, case: dict) -> dict:
         out["losses"][engine.global_steps] = total.item() / world
         if engine.global_steps == case.get("save_at"):
             engine.save_checkpoint(case["dir"], client_state={"epoch": 0, "note": "k"})
+    engine.wait_for_checkpoint()  # (async_save) the write is part of the run
     with GatheredParameters(list(engine.module.parameters())):
         out["weights"] = {n: p.detach().float().reshape(-1).tolist() for n, p in engine.module.named_parameters()}
     out["lr"] = engine.get_lr()
@@ -130,10 +132,10 @@ def test_reshard_world4_stage2_to_world2_stage1_and_world3_stage3(tmp_path: Path
             assert float((a - b).norm() / b.norm()) < 1e-5, n
 
 
-def _killed_mid_save(rank: int, world: int, directory: str) -> None:
+def _killed_mid_save(rank: int, world: int, directory: str, async_save: bool) -> None:
     import safetensors.torch
 
-    case = {"stage": 2, "micro": 3, "gas": 1, "until": 2, "save_at": 1, "dir": directory}
+    case = {"stage": 2, "micro": 3, "gas": 1, "until": 2, "save_at": 1, "dir": directory, "async_save": async_save}
     _train(rank, world, case)  # checkpoint global_step1 is complete, latest -> global_step1
     real = safetensors.torch.save_file
     calls = []
@@ -151,11 +153,13 @@ def _killed_mid_save(rank: int, world: int, directory: str) -> None:
     _train(rank, world, dict(case, until=2, save_at=2))
 
 
-def test_writer_killed_halfway_leaves_previous_checkpoint(tmp_path: Path) -> None:
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async_save"])
+def test_writer_killed_halfway_leaves_previous_checkpoint(tmp_path: Path, async_save: bool) -> None:
+    """With ``async_save`` the writer that dies is the background thread, after training went on."""
     import torch.multiprocessing as mp
 
     with pytest.raises(mp.ProcessExitedException):
-        spawn(_killed_mid_save, 1, str(tmp_path))
+        spawn(_killed_mid_save, 1, str(tmp_path), async_save)
     assert (tmp_path / "latest").read_text() == "global_step1"
     assert not (tmp_path / "global_step2").exists() and (tmp_path / ".global_step2.partial").exists()
     meta = json.loads((tmp_path / "global_step1" / "checkpoint.json").read_text())

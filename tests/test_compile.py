@@ -3,7 +3,7 @@ alone and under ``checkpoint_blocks``, on 2 processes: losses and weights equal 
 
 CI has no GPU and inductor's C++ build takes ~40 s per graph on 2 cores, so these runs use the
 ``aot_eager`` backend: dynamo's capture and AOTAutograd's joint graph run for real (the parts that
-meet the ZeRO hooks), without inductor's code generation. scripts/gpu_check.py runs inductor.
+meet the ZeRO hooks), without inductor's code generation. tests/gpu/gpu_check.py runs inductor.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def _train(rank: int, world: int, how: str) -> dict:
         engine, _, _, _ = hf_zero.initialize(model=model, config=cfg)
         if how_here == "method":
             engine.compile(backend="aot_eager")
-        elif how_here == "inductor":  # scripts/gpu_check.py
+        elif how_here == "inductor":  # tests/gpu/gpu_check.py
             engine.compile()
         ids = torch.randint(0, 64, (8, 12), generator=torch.Generator().manual_seed(3))[rank * 4:(rank + 1) * 4]
         losses = []

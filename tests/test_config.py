@@ -93,7 +93,9 @@ MALFORMED = [
     ({**MB, "fp16": {"enabled": True, "min_loss_scale": 0}}, None, ["fp16.min_loss_scale: got 0", "positive"]),
     ({**MB, "fp16": {"enabled": True, "loss_scale": -1}}, None, ["fp16.loss_scale: got -1"]),
     ({**MB, "fp16": {"initial_scale_power": 1.5}}, None, ["fp16.initial_scale_power: got 1.5"]),
-    ({**MB, "fp16": {"loss_scale_window": 0}}, None, ["fp16.loss_scale_window: got 0", "positive integer"]),
+    # read by dynamic loss scaling only (fp16 on, loss_scale 0): DeepSpeed checks it there, and so does hf_zero
+    ({**MB, "fp16": {"enabled": True, "loss_scale_window": 0}}, None, ["fp16.loss_scale_window: got 0", "positive integer"]),
+    ({**MB, "fp16": {"loss_scale_window": 0.5}}, None, ["fp16.loss_scale_window: got 0.5", "an integer"]),
     ({**MB, "fp16": {"fp16_master_weights_and_grads": True}}, None, ["fp16.fp16_master_weights_and_grads: got True"]),
     ({**MB, "bf16": True}, None, ["bf16: got True", "expected an object"]),
     # optimizer and scheduler
@@ -315,10 +317,15 @@ def test_ignored_keys_are_named_in_exactly_one_warning() -> None:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         cfg = ZeroConfig.load(given)
-    assert len(caught) == 1 and caught[0].category is UserWarning
+    assert len(caught) == 2 and {w.category for w in caught} == {UserWarning}
     assert str(caught[0].message) == (
         "hf_zero accepts but ignores these DeepSpeed keys: memory_breakdown, tensorboard, fp16.auto_cast, "
         "zero_optimization.round_robin_gradients, zero_optimization.sub_group_size"
+    )
+    # disabled, but removed from DeepSpeed, whose 0.19.8 refuses them on sight: named in their own warning
+    assert str(caught[1].message) == (
+        "hf_zero accepts these keys, which older DeepSpeed accepted but DeepSpeed 0.19.8 refuses: "
+        "amp (Apex AMP, removed from DeepSpeed), sparse_gradients (removed from DeepSpeed)"
     )
     assert cfg.fp16.enabled and cfg.zero_optimization.stage == 2
     with warnings.catch_warnings():

@@ -3,8 +3,14 @@
 - DeepSpeed's field names and their aliases (``prefetch_bucket_size`` / ``stage3_prefetch_bucket_size``)
   land in the same field; messages and "auto" paths keep the user's spelling; two spellings of one
   key are refused, as DeepSpeed refuses them.
-- A key DeepSpeed does not know is a "did you mean" error only when it is a near-certain misspelling;
-  other unknown keys (real configs carry ``comms_config``, ``monitor_config``) are named in a warning.
+- Inside a section DeepSpeed 0.19.8 closes (a pydantic model that forbids extra keys: ``bf16``, ``fp16``,
+  ``zero_optimization``, its offload sections, ``compile``, the monitors, ...), an unknown key is refused
+  as DeepSpeed refuses it, with "did you mean" where one fits; hf_zero's own keys there stay accepted.
+  Elsewhere a key DeepSpeed does not know is a "did you mean" error only when it is a near-certain
+  misspelling; other unknown keys (real configs carry ``comms_config``, ``monitor_config``) are named
+  in a warning. (Both directions against DeepSpeed's own parser: tests/test_ds_config_oracle.py.)
+- What older DeepSpeed accepted and 0.19.8 refuses (a fractional ``fp16.min_loss_scale``, a disabled
+  legacy ``curriculum_learning``, ``compile.disable``) is accepted and named in a warning saying so.
 - Keys hf_zero accepts without acting on (issue 16's unread ZeRO fields among them) are named in the
   "accepts but ignores" warning when they ask for something, once per process.
 - Offload sections parse in full, with DeepSpeed's defaults, and are refused in one sentence, as is
@@ -23,9 +29,9 @@ import pytest
 
 from hf_zero import config_parse, config_sections
 from hf_zero.config import ConfigError, OffloadOptimizerConfig, OffloadParamConfig, ZeroConfig
-from hf_zero.config_parse import near_miss
-from hf_zero.config_schema import SECTIONS, ZERO, classify
-from tests.ds_corpus import CONFIGS
+from hf_zero.config_parse import near_miss, suggest
+from hf_zero.config_schema import CLOSED_WHOLE, SECTIONS, ZERO, classify
+from tests.ds_corpus import CONFIGS, DEEPSPEED_REFUSES
 
 MB = {"train_micro_batch_size_per_gpu": 2}
 PACKAGE = Path(config_parse.__file__).resolve().parent
@@ -114,10 +120,15 @@ UNKNOWN = [  # real keys of other tools, or far from any DeepSpeed key: a warnin
      ["comms_config", "monitor_config"]),
     ({"_comment": "supported model list: ..."}, ["_comment"]),
     ({"cuda_visible_devices": 0, "frobnicate": 1}, ["cuda_visible_devices", "frobnicate"]),
-    ({"compile": {"disable": False, "backend": "inductor"}}, ["compile.disable"]),
-    ({"zero_optimization": {"aio": {"block_size": 262144}}}, ["zero_optimization.aio (a top-level key)"]),
     ({"stage3_max_live_parameters": 1e9}, ["stage3_max_live_parameters (a key of zero_optimization)"]),
     ({"fp8": {"enabled": True}}, ["fp8"]),
+    # sections DeepSpeed reads key by key, ignoring the rest: hf_zero warns, as before
+    ({"checkpoint": {"keep": 3}, "activation_checkpointing": {"checkpoint_every": 2}},
+     ["activation_checkpointing.checkpoint_every", "checkpoint.keep"]),
+    ({"optimizer": {"type": "AdamW", "params": {}, "legacy": 1}}, ["optimizer.legacy"]),
+    # in a closed section, an "auto" value: DeepSpeed drops every "auto" before its model sees the key
+    ({"bf16": {"enabled": True, "typo_key": "auto"}, "wandb": {"enabled": False, "nme": "auto"}},
+     ["wandb.nme", "bf16.typo_key"]),
 ]
 
 
@@ -144,14 +155,133 @@ def test_the_typo_threshold() -> None:
 
 
 def test_no_corpus_config_is_refused_as_a_typo() -> None:
-    """The threshold, checked against the keys of real configs (all of tests/ds_configs, parsed here)."""
+    """The threshold, checked against the keys of real configs (all of tests/ds_configs, parsed here): only a
+    config DeepSpeed 0.19.8 refuses for the same key may be refused for an unknown key."""
     for path in sorted(CONFIGS.glob("*.json")):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             try:
                 ZeroConfig.load(str(path))
             except ConfigError as e:
-                assert "unknown key" not in str(e), f"{path.name}: {e}"
+                same = path.name in DEEPSPEED_REFUSES and "DeepSpeed 0.19.8 refuses unknown keys in" in str(e)
+                assert same or "unknown key" not in str(e), f"{path.name}: {e}"
+
+
+# ---------------------------------------------------------------- sections DeepSpeed closes
+
+CLOSED_TYPOS = [  # an unknown key in each closed section hf_zero walks, and in the ones it takes whole
+    ({"bf16": {"enabled": True, "typo_key": 1}},
+     "bf16.typo_key: unknown key, and DeepSpeed 0.19.8 refuses unknown keys in bf16 too; remove it or correct its "
+     "name; bf16 takes bf16_master_weights_and_grads, bf16_optimizer_states, check_grad_overflow, enabled, "
+     "immediate_grad_update"),
+    ({"bfloat16": {"enabled": True, "master_weights": True}}, "bfloat16.master_weights: unknown key"),
+    ({"fp16": {"enabled": True, "min_loss": 1}},
+     "fp16.min_loss: unknown key; did you mean 'min_loss_scale'? (DeepSpeed 0.19.8 refuses unknown keys in fp16 too)"),
+    ({"fp16": {"fused_mode": True}}, "fp16.fused_mode: unknown key, and DeepSpeed 0.19.8 refuses"),  # in no DeepSpeed
+    ({"zero_optimization": {"stage": 2, "stage3_prefetch": 1}},
+     "zero_optimization.stage3_prefetch: unknown key; did you mean 'stage3_prefetch_bucket_size'?"),
+    ({"zero_optimization": {"aio": {"block_size": 262144}}},  # transformers' NVMe page puts it there
+     "zero_optimization.aio: unknown key (aio is a top-level key; move it there), and DeepSpeed 0.19.8 refuses"),
+    ({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu", "pin_mem": True}}},
+     "zero_optimization.offload_param.pin_mem: unknown key; did you mean 'pin_memory'?"),
+    ({"zero_optimization": {"offload_optimizer": {"device": "cpu", "typo": 1}}},
+     "zero_optimization.offload_optimizer.typo: unknown key, and DeepSpeed 0.19.8 refuses unknown keys in "
+     "zero_optimization.offload_optimizer too"),
+    ({"zero_optimization": {"zenflow": {"topk": 0.1}}}, "zero_optimization.zenflow.topk: unknown key; did you mean 'topk_ratio'?"),
+    ({"zero_optimization": {"leaf_module": {"class": ["MoE"]}}},
+     "zero_optimization.leaf_module.class: unknown key; did you mean 'classes'?"),
+    ({"compile": {"enabled": True, "mode": "max-autotune"}}, "compile.mode: unknown key, and DeepSpeed 0.19.8 refuses"),
+    ({"tensor_parallel": {"autotp": 2}}, "tensor_parallel.autotp: unknown key; did you mean 'autotp_size'?"),
+    ({"tensor_parallel": {"tp": {"tpsize": 2}}}, "tensor_parallel.tp.tpsize: unknown key; did you mean 'tp_size'?"),
+    ({"tensorboard": {"enabled": False, "output": "tb"}}, "tensorboard.output: unknown key; did you mean 'output_path'?"),
+    ({"wandb": {"enabled": False, "name": "x"}}, "wandb.name: unknown key, and DeepSpeed 0.19.8 refuses unknown keys in "
+                                                  "wandb too; remove it or correct its name; wandb takes enabled, group, "
+                                                  "project, team"),
+    ({"csv_monitor": {"enabled": False, "path": "x"}}, "csv_monitor.path: unknown key"),
+    ({"comet": {"enabled": False, "experiment": "x"}}, "comet.experiment: unknown key"),
+    ({"comms_logger": {"enabled": False, "prof": True}}, "comms_logger.prof: unknown key"),
+    ({"hybrid_engine": {"enabled": False, "max_out_token": 3}},
+     "hybrid_engine.max_out_token: unknown key; did you mean 'max_out_tokens'?"),
+    ({"timers": {"throughput": {"enabled": True, "sync": True}}}, "timers.throughput.sync: unknown key"),
+    ({"weight_quantization": {"bits": 8}}, "weight_quantization.bits: unknown key; did you mean 'num_bits'?"),
+]
+
+
+@pytest.mark.parametrize("given, needle", CLOSED_TYPOS, ids=[next(iter(g)) + str(i) for i, (g, _) in enumerate(CLOSED_TYPOS)])
+def test_an_unknown_key_in_a_closed_section_is_refused(given: dict, needle: str) -> None:
+    assert needle in refusal({**MB, **given})
+
+
+def test_every_closed_section_has_a_typo_case() -> None:
+    closed = {path for path, section in SECTIONS.items() if section.closed} | set(CLOSED_WHOLE)
+    cased = set()
+    for _given, needle in CLOSED_TYPOS:
+        path = needle.split(":")[0].rpartition(".")[0]
+        cased.add({"bfloat16": "bf16", "tensor_parallel.tp": "tensor_parallel.tensor_parallel"}.get(path, path))
+    assert closed <= cased, closed - cased
+
+
+def test_hf_zeros_own_keys_in_closed_sections_stay_accepted() -> None:
+    """DeepSpeed 0.19.8 refuses these (its compile section is DeepCompile's); they are hf_zero's, and act."""
+    cfg, said = load({**MB, "zero_optimization": {"stage": 2, "overlap_param_gather": True},
+                      "compile": {"enabled": True, "backend": "eager", "kwargs": {"dynamic": False}},
+                      "checkpoint": {"keep_last": 2}, "activation_checkpointing": {"checkpoint_blocks": True},
+                      "pipeline": {"schedule": "gpipe"}, "seed": 3, "nonfinite_loss": "stop"})
+    assert said == []
+    assert cfg.zero_optimization.overlap_param_gather and cfg.compile.enabled and cfg.compile.backend == "eager"
+    assert cfg.checkpoint_keep_last == 2 and cfg.activation_checkpointing["checkpoint_blocks"]
+
+
+def test_the_did_you_mean_of_closed_sections() -> None:
+    names = ["min_loss_scale", "loss_scale", "initial_scale_power", "enabled", "stage", "stage3_prefetch_bucket_size"]
+    assert suggest("enable", names) == "enabled"  # near_miss's own
+    assert suggest("min_loss", names) == "min_loss_scale"  # shortened
+    assert suggest("scale", names) is None  # in three names: no guess
+    assert suggest("typo_key", names) is None and suggest("pin", ["pin_memory"]) is None  # too short to guess from
+
+
+# ---------------------------------------------------------------- what older DeepSpeed accepted
+
+LEGACY = "hf_zero accepts these keys, which older DeepSpeed accepted but DeepSpeed 0.19.8 refuses: "
+
+
+@pytest.mark.parametrize("given, named", [
+    ({"fp16": {"enabled": True, "min_loss_scale": 1e-10}}, "fp16.min_loss_scale (1e-10: an integer since DeepSpeed 0.17.1)"),
+    ({"fp16": {"enabled": False, "min_loss_scale": 0.5}}, "fp16.min_loss_scale (0.5: an integer since DeepSpeed 0.17.1)"),
+    ({"curriculum_learning": {"enabled": False, "curriculum_type": "seqlen", "min_difficulty": 8}},
+     "curriculum_learning (the legacy section, removed from DeepSpeed, which reads "
+     "data_efficiency.data_sampling.curriculum_learning instead)"),
+    ({"compile": {"disable": False, "backend": "inductor"}},  # axolotl's torch_compile configs
+     "compile.disable (not a field of its compile section; DeepSpeed 0.14.4-0.16.5 read no compile section at all)"),
+    ({"amp": {"enabled": "auto", "opt_level": "auto"}}, "amp (Apex AMP, removed from DeepSpeed)"),
+    ({"zero_optimization": {"mics_shard_size": -1}}, "zero_optimization.mics_shard_size (MiCS, removed from DeepSpeed)"),
+])
+def test_what_older_deepspeed_accepted_is_accepted_and_named(given: dict, named: str) -> None:
+    cfg, said = load({**MB, **given})
+    assert said == [LEGACY + named]
+    if "fp16" in given:
+        assert cfg.fp16.min_loss_scale == given["fp16"]["min_loss_scale"]  # the scaler's floor, as older DeepSpeed
+
+
+@pytest.mark.parametrize("given, sentence", [
+    ({"curriculum_learning": {"enabled": True, "curriculum_type": "seqlen"}},
+     "curriculum_learning.enabled: got True, but the legacy curriculum learning (DeepSpeed passed a growing "
+     "curriculum_seqlen to the model's forward) is not supported, and DeepSpeed 0.19.8 has removed it too; remove the section"),
+    ({"nebula": {"enabled": True}}, "nebula.enabled: got True, but Nebula checkpointing is not supported"),
+    ({"graph_harvesting": True}, "graph_harvesting: got True, but graph harvesting is not supported"),
+    ({"zero_optimization": {"zeropp_loco_param": {"err_beta": 0.8}}}, "zero_optimization.zeropp_loco_param: got"),
+])
+def test_a_removed_feature_asked_for_is_refused(given: dict, sentence: str) -> None:
+    assert sentence in refusal({**MB, **given})
+
+
+def test_fp16_scaling_knobs_are_checked_where_dynamic_scaling_reads_them() -> None:
+    """DeepSpeed 0.19.8 checks loss_scale_window > 0 and min_loss_scale > 0 only under dynamic scaling."""
+    for off in ({"enabled": False}, {"enabled": True, "loss_scale": 128}):
+        cfg, said = load({**MB, "fp16": {**off, "loss_scale_window": 0, "min_loss_scale": 0}})
+        assert said == [] and cfg.fp16.loss_scale_window == 0
+    assert "fp16.min_loss_scale: got 0, expected a positive number" in refusal(
+        {**MB, "fp16": {"enabled": True, "min_loss_scale": 0}})
 
 
 # ---------------------------------------------------------------- inert keys, warned once

@@ -156,7 +156,9 @@ def test_world2_continues_as_deepspeed_did(world2: tuple[dict, Path], ds_out: st
             assert got["steps"] == 2 and got["client"] == {"epoch": 3, "note": "from deepspeed"}
             assert got["path"].endswith(ref["tags"][0])
             theirs = [step[rank] for step in ref["losses"][4 : 4 + AFTER]]
-            tol = 1e-5 if DTYPE[name] in ("fp32", "bf16master") else 2e-3  # bf16/fp16 steps round differently from DeepSpeed's
+            # bf16/fp16 steps round differently from DeepSpeed's; bf16 masters and autocast (with DeepSpeed reducing in
+            # fp32, ds_oracle_train.ds_config) do the same arithmetic
+            tol = 1e-5 if DTYPE[name] in ("fp32", "bf16master", "autocast") else 2e-3
             assert max(abs(a - b) / abs(b) for a, b in zip(got["losses"], theirs)) <= tol, (key, got["losses"], theirs)
             assert got["fixed"] == pytest.approx(ref["fixed_loss"], rel=1e-6 if DTYPE[name] == "fp32" else 1e-3)
         if DTYPE[name] != "fp32" or name.startswith("z0"):

@@ -7,7 +7,8 @@ on 2 gloo ranks: hf_zero's losses at ZeRO stages 0-3 in fp32 equal DeepSpeed's a
 order in either library reads as what it is; the test prints the largest difference). bf16 and
 fp16 are compared too, to the precision those formats give, and so are bf16 masters (masters,
 gradients and Adam state in bf16: ``bf16_master_weights_and_grads`` + ``bf16_optimizer_states``) and
-``torch_autocast`` over fp32 parameters. DeepSpeed's runs come from
+``torch_autocast`` over fp32 parameters, both to fp32's bound: they do the same arithmetic (autocast with
+``lower_precision_safe_modules: []``, see ``ds_oracle_train.ds_config``). DeepSpeed's runs come from
 ``tests/ds_oracle_train.py`` (shared with ``tests/test_deepspeed_checkpoints.py`` in one session).
 """
 
@@ -63,4 +64,4 @@ def test_losses_equal_deepspeeds(runs: tuple[str, list], name: str, stage: int, 
             a, b = mine["losses"][t], theirs["losses"][t][rank]
             worst = max(worst, abs(a - b) / abs(b))
     print(f"{name}: hf_zero stage {stage} vs DeepSpeed, largest relative loss difference {worst:.3g}")
-    assert worst <= {"fp32": 1e-6, "bf16": 1e-3, "fp16": 1e-4, "bf16master": 1e-6, "autocast": 1e-4}[dtype]
+    assert worst <= {"fp32": 1e-6, "bf16": 1e-3, "fp16": 1e-4, "bf16master": 1e-6, "autocast": 1e-6}[dtype]

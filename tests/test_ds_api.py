@@ -233,8 +233,8 @@ def test_fused_adam_checkpointing_options_and_what_is_not_there() -> None:
         deepspeed.checkpointing.configure(None, profile=True)
     with pytest.raises(AttributeError, match="belongs to model parallelism"):
         deepspeed.checkpointing.get_cuda_rng_tracker  # noqa: B018
-    with pytest.raises(AttributeError, match="safe_get_full_grad .* is not supported by hf_zero yet"):
-        deepspeed.utils.safe_get_full_grad  # noqa: B018
+    with pytest.raises(AttributeError, match="set_z3_leaf_modules .* is not supported by hf_zero yet"):
+        deepspeed.utils.set_z3_leaf_modules  # noqa: B018
     with pytest.raises(deepspeed.UsageError, match="--deepspeed_mpi"):
         import argparse
 

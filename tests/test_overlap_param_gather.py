@@ -62,12 +62,12 @@ def _run(rank: int, world: int, mode: str, tmp: str) -> dict:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     import hf_zero
-    from hf_zero.zero import partition
+    from hf_zero.zero import offload as zero_offload
 
     mode, _, offload = mode.partition("+")
-    real_check = partition.check_host_memory
+    real_check = zero_offload.check_host_memory
     if offload == "streamed":  # host memory "too short" for a gradient copy per group (restored on the way out)
-        partition.check_host_memory = lambda needed, group, streamed=None: True
+        zero_offload.check_host_memory = lambda needed, group, streamed=None: True
     if mode in ("lazy", "lazy-no-hooks"):
         _lazy_all_gather()
     out: dict = {}
@@ -114,7 +114,7 @@ def _run(rank: int, world: int, mode: str, tmp: str) -> dict:
 
         checks = [m.register_forward_pre_hook(check) for m in model.modules()] if mode == "overlap" else []
         ids = torch.randint(0, 64, (STEPS * gas * world * 2, 8), generator=torch.Generator().manual_seed(3))
-        ids = ids.reshape(STEPS * gas, world, 2, 8)[:, rank]  # (scripts/gpu_check.py runs this on any number of GPUs)
+        ids = ids.reshape(STEPS * gas, world, 2, 8)[:, rank]  # (tests/gpu/gpu_check.py runs this on any number of GPUs)
         rec: dict = {"losses": [], "in_flight_after_step": [], "forward_waits": [], "groups": len(zo.flat_groups)}
         ckpt = os.path.join(tmp, f"{mode}-{key}-ckpt")
         for step in range(STEPS):
@@ -154,7 +154,7 @@ def _run(rank: int, world: int, mode: str, tmp: str) -> dict:
         for h in checks:
             h.remove()
         out[key] = rec
-    partition.check_host_memory = real_check
+    zero_offload.check_host_memory = real_check
     return out
 
 

@@ -56,7 +56,7 @@ def _oracle(steps: int, micro: int, per_step: int, clip: float) -> tuple[list[fl
 def _whole(engine) -> dict:
     from hf_zero.checkpoint.consolidated import OneUnitAtATime
 
-    units = OneUnitAtATime(engine)
+    units = OneUnitAtATime(engine.train_state())
     with torch.no_grad():
         return {n: units.full(p).detach().clone() for n, p in engine.module.named_parameters()}
 
@@ -75,7 +75,7 @@ def _train(engine, data: dict, steps: range, gas: int) -> list[float]:
     tp = engine.tensor_parallel_groups
     losses = []
     for t in steps:
-        total = torch.zeros((), device=engine.device)  # the device NCCL reduces on (scripts/gpu_check.py)
+        total = torch.zeros((), device=engine.device)  # the device NCCL reduces on (tests/gpu/gpu_check.py)
         for k in range(gas):
             loss = engine(**_micro(data, t, (tp.dp_rank * gas + k) * MICRO, MICRO)).loss
             engine.backward(loss)

@@ -193,7 +193,7 @@ def test_sft_and_dpo_follow_trls_own_trainers_at_every_stage(tmp_path: Path) -> 
 
 
 def test_zero_trainer_and_zero_args_make_any_trainer_subclass_an_hf_zero_one(tmp_path: Path) -> None:
-    """The two calls the README gives for RewardTrainer, GRPOTrainer or a user's own subclass."""
+    """The two calls docs/transformers.md gives for RewardTrainer, GRPOTrainer or a user's own subclass."""
     import transformers
     import trl
 

@@ -7,8 +7,10 @@
   :mod:`~hf_zero.checkpoint.optim_state` (optimizer state followed by parameter name);
 - :mod:`~hf_zero.checkpoint.consolidated`: full weights in Hugging Face's safetensors layout.
 
-Nothing here knows the engine classes or pipelines: the engine hands its layout
-(``engine.checkpoint_layout()``) and its shard groups (through the ``zero`` interface).
+Nothing here knows the engine classes or pipelines: the engine hands over a
+:class:`~hf_zero.checkpoint.state.TrainState` (``engine.train_state()``: its layout, its shard groups
+through the ``zero`` interface, scheduler, scaler, counters, data position), and a load hands the
+counters back as a :class:`~hf_zero.checkpoint.state.Progress`.
 """
 
 from hf_zero.errors import CheckpointError

@@ -25,7 +25,7 @@ What hf_zero knows of peft models outside the engine (detection, configs, the me
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -55,9 +55,12 @@ from hf_zero.peft_model import (
     write_adapter_configs,
 )
 
+if TYPE_CHECKING:
+    from hf_zero.checkpoint.state import TrainState
 
-def save_adapters(engine: Any, save_directory: str, dtype: torch.dtype | None = None) -> list[str]:
-    """Write every adapter of the engine's ``PeftModel`` in peft's layout (collective; rank 0 writes).
+
+def save_adapters(state: TrainState, save_directory: str, dtype: torch.dtype | None = None) -> list[str]:
+    """Write every adapter of the trained ``PeftModel`` in peft's layout (collective; rank 0 writes).
 
     Only the adapters' tensors are gathered (one stage-3 parameter group at a time, the base
     never); rank 0 decides what they are and tells the others, since peft may consult the Hub to
@@ -65,23 +68,23 @@ def save_adapters(engine: Any, save_directory: str, dtype: torch.dtype | None = 
     DeepSpeed's 16-bit save gives them) unless ``dtype`` says otherwise. Returns the weight files written.
     """
 
-    model = engine.module
-    rank = dist.get_rank(engine.group)
+    model = state.module
+    rank = dist.get_rank(state.group)
     live = model.state_dict(keep_vars=True)
     plan = adapter_plan(model, live) if rank == 0 else None
-    if engine.world_size > 1:
-        plan = hz_dist.gather_json(plan, engine.group)[0]
+    if state.world_size > 1:
+        plan = hz_dist.gather_json(plan, state.group)[0]
     assert plan is not None
     order = {name: i for i, name in enumerate(live)}
     computed = [key for pairs in plan.values() for key, src in pairs if not src]
-    if computed and engine.zero_optimization_stage() == 3:
+    if computed and state.zero_stage == 3:
         raise UsageError(
             f"cannot save adapter tensor {computed[0]!r} under ZeRO stage 3: peft computes it from the model "
             "rather than storing it (a prompt-learning method); train it at stage 0-2"
         )
     if rank == 0:
         os.makedirs(save_directory, exist_ok=True)
-    units = OneUnitAtATime(engine)
+    units = OneUnitAtATime(state)
     files = []
     with torch.no_grad():
         for adapter, pairs in plan.items():
@@ -104,7 +107,7 @@ def save_adapters(engine: Any, save_directory: str, dtype: torch.dtype | None = 
     units.release()
     if rank == 0:
         write_adapter_configs(model, save_directory)
-    dist.barrier(engine.group)
+    dist.barrier(state.group)
     return files
 
 
@@ -125,18 +128,18 @@ def _write_safetensors(tensors: dict[str, torch.Tensor], path: str) -> str:
     return os.path.basename(path)
 
 
-def gather_full_state_dict(engine: Any) -> dict[str, torch.Tensor] | None:
+def gather_full_state_dict(state: TrainState) -> dict[str, torch.Tensor] | None:
     """The whole module's state dict on rank 0's CPU (None elsewhere), gathered one stage-3 group at a time.
 
     Tied names share one tensor, as in the model.
     """
 
-    rank = engine.checkpoint_layout().rank
-    units = OneUnitAtATime(engine)
+    rank = state.layout.rank
+    units = OneUnitAtATime(state)
     out: dict[str, torch.Tensor] = {}
     copies: dict[int, torch.Tensor] = {}
     with torch.no_grad():
-        for name, t in engine.module.state_dict(keep_vars=True).items():
+        for name, t in state.module.state_dict(keep_vars=True).items():
             full = units.full(t)
             if rank == 0:
                 if id(t) not in copies:
@@ -146,32 +149,32 @@ def gather_full_state_dict(engine: Any) -> dict[str, torch.Tensor] | None:
     return out if rank == 0 else None
 
 
-def save_merged(engine: Any, save_directory: str, max_shard_size: int | str = "5GB",
+def save_merged(state: TrainState, save_directory: str, max_shard_size: int | str = "5GB",
                 dtype: torch.dtype | None = None) -> list[str]:
     """Full weights with the adapters merged in, as peft's ``merge_and_unload`` computes them (collective; rank 0 writes).
 
     The live model is not touched: rank 0 merges a copy rebuilt from the gathered weights.
     """
-    model = engine.module
+    model = state.module
     if not is_peft_model(model):
         raise UsageError(
             f"merge_adapters=True: the model is a {type(model).__name__}, not a peft PeftModel, so it has no "
             "adapters to merge; save without merge_adapters"
         )
     require_peft("merge_adapters=True")
-    state = gather_full_state_dict(engine)
+    weights = gather_full_state_dict(state)
     files: list[str] = []
     error = None
-    if state is not None:
+    if weights is not None:
         try:
             base = model.get_base_model()
             twin = build_twin(type(base), base.config, dict(model.peft_config))
-            files = _merge_and_write(twin, state, save_directory, max_shard_size, dtype, list(model.active_adapters))
+            files = _merge_and_write(twin, weights, save_directory, max_shard_size, dtype, list(model.active_adapters))
         except Exception as e:  # the other ranks wait in the barrier below: tell them rather than hang
             error = e
-    if engine.world_size > 1:
+    if state.world_size > 1:
 
-        failed = hz_dist.gather_json(None if error is None else f"{type(error).__name__}: {error}", engine.group)[0]
+        failed = hz_dist.gather_json(None if error is None else f"{type(error).__name__}: {error}", state.group)[0]
         if failed is not None and error is None:
             raise UsageError(f"rank 0 could not write the merged model: {failed}")
     if error is not None:

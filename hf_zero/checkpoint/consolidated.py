@@ -15,7 +15,7 @@ import json
 import os
 import struct
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -23,6 +23,9 @@ from hf_zero.checkpoint.format import CheckpointReader, read_meta, resolve_tag
 from hf_zero.errors import CheckpointError
 from hf_zero.precision import SAFETENSORS_DTYPES
 from hf_zero.tp_split import parse_slice_name, split_of
+
+if TYPE_CHECKING:
+    from hf_zero.checkpoint.state import TrainState
 
 
 class StreamingSafetensorsWriter:
@@ -173,18 +176,18 @@ def engine_entries(module: torch.nn.Module, dtype: torch.dtype | None) -> tuple[
 
 
 class OneUnitAtATime:
-    """Whole values of an engine's tensors, with at most one stage-3 group gathered at a time.
+    """Whole values of a train state's tensors, with at most one stage-3 group gathered at a time.
 
     Asking for a tensor of another group releases the previous one, so walking a state dict in
     module order gathers each unit once and never holds two.
     """
 
-    def __init__(self, engine: Any) -> None:
-        self.optimizer = engine.zero_optimizer
+    def __init__(self, state: TrainState) -> None:
+        self.optimizer = state.optimizer
         if self.optimizer is not None:
             self.optimizer.release_inference()
         self.current: Any = None
-        self.tp = getattr(engine, "tensor_parallel_groups", None)
+        self.tp = state.tensor_parallel
 
     def full(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` itself, made whole first if its shard group keeps only shards between uses; a tensor-parallel
@@ -210,8 +213,8 @@ class OneUnitAtATime:
             self.current = None
 
 
-def save_pretrained(engine: Any, save_directory: str, max_shard_size: int | str = "5GB", dtype: torch.dtype | None = None) -> list[str]:
-    """Consolidate the engine's weights into ``save_directory`` (collective; rank 0 writes).
+def save_pretrained(state: TrainState, save_directory: str, max_shard_size: int | str = "5GB", dtype: torch.dtype | None = None) -> list[str]:
+    """Consolidate the trained weights into ``save_directory`` (collective; rank 0 writes).
 
     Stage-3 units are gathered one at a time as their tensors come up, and released when the next
     unit starts, so no rank holds more than one unit beyond its shard (plus the root unit, which
@@ -219,36 +222,36 @@ def save_pretrained(engine: Any, save_directory: str, max_shard_size: int | str 
     """
     import torch.distributed as dist
 
-    lay = engine.checkpoint_layout()  # the engine says which ranks take part and which one writes
-    files, entries = _write_engine(engine, save_directory, dtype, max_shard_size=max_shard_size)
+    lay = state.layout  # the engine says which ranks take part and which one writes
+    files, entries = _write_state(state, save_directory, dtype, max_shard_size=max_shard_size)
     if lay.rank == 0:
-        save_model_config(engine.module, save_directory, next((dt for _, dt, _ in entries if dt.is_floating_point), None))
+        save_model_config(state.module, save_directory, next((dt for _, dt, _ in entries if dt.is_floating_point), None))
     dist.barrier(lay.group)
     return files
 
 
-def save_single_file(engine: Any, save_dir: str, filename: str, exclude_frozen: bool = False) -> str:
-    """The engine's whole state dict, in its own dtypes, as one safetensors file (collective; rank 0 writes)."""
+def save_single_file(state: TrainState, save_dir: str, filename: str, exclude_frozen: bool = False) -> str:
+    """The module's whole state dict, in its own dtypes, as one safetensors file (collective; rank 0 writes)."""
     import torch.distributed as dist
 
-    _write_engine(engine, save_dir, None, filename=filename, exclude_frozen=exclude_frozen)
-    dist.barrier(engine.checkpoint_layout().group)
+    _write_state(state, save_dir, None, filename=filename, exclude_frozen=exclude_frozen)
+    dist.barrier(state.layout.group)
     return os.path.join(save_dir, filename)
 
 
-def _write_engine(
-    engine: Any, out_dir: str, dtype: torch.dtype | None, max_shard_size: int | str = "5GB",
+def _write_state(
+    state: TrainState, out_dir: str, dtype: torch.dtype | None, max_shard_size: int | str = "5GB",
     filename: str | None = None, exclude_frozen: bool = False,
 ) -> tuple[list[str], list[tuple[str, torch.dtype, tuple[int, ...]]]]:
-    """Stream the engine's tensors into ``out_dir`` (collective; rank 0 writes), one stage-3 unit gathered at a time.
+    """Stream the module's tensors into ``out_dir`` (collective; rank 0 writes), one stage-3 unit gathered at a time.
 
     Returns the files written and the entries (name, dtype, shape) they hold.
     """
-    rank = engine.checkpoint_layout().rank
+    rank = state.layout.rank
     if rank == 0:
         os.makedirs(out_dir, exist_ok=True)
-    units = OneUnitAtATime(engine)
-    entries, tensors = engine_entries(engine.module, dtype)
+    units = OneUnitAtATime(state)
+    entries, tensors = engine_entries(state.module, dtype)
     if exclude_frozen:
         entries = [e for e in entries if not (isinstance(tensors[e[0]], torch.nn.Parameter) and not tensors[e[0]].requires_grad)]
 

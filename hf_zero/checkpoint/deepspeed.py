@@ -28,7 +28,7 @@ import json
 import os
 import random
 import shutil
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -40,6 +40,9 @@ from hf_zero.checkpoint.format import sha256 as _sha256
 from hf_zero.checkpoint.format import to_json
 from hf_zero.checkpoint.sharded import FORMAT, LATEST, MAX_FILE_BYTES
 from hf_zero.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from hf_zero.checkpoint.state import Progress, TrainState
 
 __all__ = ["DeepSpeedCheckpointError", "convert", "is_deepspeed_checkpoint", "load", "resume_trainer", "consolidate"]
 
@@ -341,34 +344,36 @@ def _rng_restore(snap: tuple) -> None:
 
 
 def load(
-    engine: Any, load_dir: str, tag: str | None = None, load_optimizer_states: bool = True,
+    state: TrainState, load_dir: str, tag: str | None = None, load_optimizer_states: bool = True,
     load_lr_scheduler_states: bool = True, load_module_only: bool = False,
-) -> tuple[str, dict]:
+) -> tuple[str, dict, Progress | None]:
     """``engine.load_checkpoint`` on a DeepSpeed folder, at any world size and stage; collective.
 
-    Returns ``(tag folder, client_state)``; the client state is what the script passed to
-    DeepSpeed's ``save_checkpoint(client_state=...)``, as read (tensors included).
+    Returns ``(tag folder, client_state, progress)``; the client state is what the script passed to
+    DeepSpeed's ``save_checkpoint(client_state=...)``, as read (tensors included); the counters are
+    for the engine to take, as ``checkpoint/load.py``'s ``load`` returns them.
     """
-    path, client, _ = _load(engine, load_dir, tag, load_optimizer_states, load_lr_scheduler_states, load_module_only)
-    return path, client
+    path, client, _, progress = _load(state, load_dir, tag, load_optimizer_states, load_lr_scheduler_states,
+                                      load_module_only)
+    return path, client, progress
 
 
 def _load(
-    engine: Any, load_dir: str, tag: str | None, load_optimizer_states: bool, load_lr_scheduler_states: bool,
+    state: TrainState, load_dir: str, tag: str | None, load_optimizer_states: bool, load_lr_scheduler_states: bool,
     load_module_only: bool,
-) -> tuple[str, dict, Plan]:
+) -> tuple[str, dict, Plan, Progress | None]:
     import torch.distributed as dist
 
     from hf_zero.checkpoint import sharded
     from hf_zero.dist import gather_json
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    zo = getattr(engine, "zero_optimizer", None)
+    zo = state.optimizer
     hint = [list(g) for g in zo.group_names] if zo is not None else None
     p, err = None, None
     try:
         p = plan(load_dir, tag, hint)
-        _same_model(p, engine.module)
+        _same_model(p, state.module)
     except Exception as e:  # noqa: BLE001 - every rank must hear of it
         err = _reason(e)
     _agree(gather_json(err))
@@ -395,15 +400,17 @@ def _load(
         _agree(gather_json(err))
         snap = _rng_snapshot()  # DeepSpeed saved no RNG state: this process's streams stay as they are
         try:
-            path, _ = sharded.load(engine, root, hidden, load_optimizer_states=load_optimizer_states,
-                                   load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only)
+            path, _, progress = sharded.load(
+                state, root, hidden, load_optimizer_states=load_optimizer_states,
+                load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
+            )
         finally:
             _rng_restore(snap)
     finally:
         dist.barrier()
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-    return p.folder.path, client_state(p), p
+    return p.folder.path, client_state(p), p, progress
 
 
 def _same_model(p: Plan, module: Any) -> None:
@@ -424,22 +431,23 @@ def _same_model(p: Plan, module: Any) -> None:
     )
 
 
-def resume_trainer(trainer: Any, checkpoint: str) -> None:
+def resume_trainer(state: TrainState, trainer_scheduler: Any, checkpoint: str) -> Progress | None:
     """``Trainer.train(resume_from_checkpoint=...)`` on a checkpoint transformers wrote under DeepSpeed.
 
     The engine state comes from ``checkpoint/global_stepN`` (where ``latest`` points); the
-    Trainer's scheduler from ``scheduler.pt`` (a scheduler the Trainer made) or from DeepSpeed's
-    own (a config ``scheduler`` section), read without running pickled code.
+    Trainer's scheduler (``trainer_scheduler``) from ``scheduler.pt`` (a scheduler the Trainer made)
+    or from DeepSpeed's own (a config ``scheduler`` section), read without running pickled code.
+    Returns the counters for the engine to take.
     """
     from hf_zero import dist as hz_dist
 
-    engine = trainer.engine
     with hz_dist.peer_failure_guard("load_checkpoint"):
-        _, _, p = _load(engine, checkpoint, None, True, True, False)
-    sched = trainer.lr_scheduler
-    if sched is None or sched is engine.lr_scheduler:
-        return
+        _, _, p, progress = _load(state, checkpoint, None, True, True, False)
+    sched = trainer_scheduler
+    if sched is None or sched is state.lr_scheduler:
+        return progress
     pt = os.path.join(checkpoint, "scheduler.pt")
-    state = load_pickle(pt) if os.path.isfile(pt) else p.model0.get("lr_scheduler")
-    if state is not None:
-        sched.load_state_dict(state)
+    saved = load_pickle(pt) if os.path.isfile(pt) else p.model0.get("lr_scheduler")
+    if saved is not None:
+        sched.load_state_dict(saved)
+    return progress

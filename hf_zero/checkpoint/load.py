@@ -22,7 +22,8 @@ from hf_zero.checkpoint.format import (
     set_rng_state,
 )
 from hf_zero.checkpoint.optim_state import load_optimizer, optimizer_plan
-from hf_zero.checkpoint.ranks import CheckpointLayout, gather_findings
+from hf_zero.checkpoint.ranks import gather_findings
+from hf_zero.checkpoint.state import Progress, TrainState
 from hf_zero.errors import CheckpointError
 from hf_zero.tp_split import checkpoint_name, parse_slice_name, split_of, stored_names
 
@@ -32,10 +33,10 @@ def _different_model(path: str, missing: list[str], extra: list[str]) -> str:
             "load it into the same architecture")
 
 
-def _model_problems(engine: Any, meta: dict, path: str, lay: CheckpointLayout) -> list[str]:
+def _model_problems(state: TrainState, meta: dict, path: str) -> list[str]:
     """This rank's reasons to refuse the checkpoint's parameter table (names, shapes)."""
     saved_params = meta["params"]
-    here = {checkpoint_name(n, p): p for n, p in engine.module.named_parameters()}
+    here = {checkpoint_name(n, p): p for n, p in state.module.named_parameters()}
     problems: list[str] = []
     saved_tp = {s[2] for s in map(parse_slice_name, saved_params) if s}
     here_tp = {split_of(p).size for p in here.values() if split_of(p) is not None}
@@ -45,9 +46,9 @@ def _model_problems(engine: Any, meta: dict, path: str, lay: CheckpointLayout) -
                 f"tensor_parallel.autotp_size {saved_deg}, or consolidate it (hf-zero consolidate) and start from the weights"]
     missing = sorted(set(here) - set(saved_params))
     # the other ranks of this rank's tensor-parallel group hold the other slices
-    others = {m for n, p in engine.module.named_parameters() for m in stored_names(n, p)}
+    others = {m for n, p in state.module.named_parameters() for m in stored_names(n, p)}
     extra = sorted(set(saved_params) - others)
-    if lay.stage is not None:
+    if state.layout.pipe_stage is not None:
         extra = []  # a stage holds part of the model: what no stage holds is known once the names are pooled
     if missing or extra:
         problems.append(_different_model(path, missing, extra))
@@ -59,22 +60,24 @@ def _model_problems(engine: Any, meta: dict, path: str, lay: CheckpointLayout) -
 
 
 def _optimizer_problems(
-    engine: Any, meta: dict, path: str, lay: CheckpointLayout, want_optimizer: bool
+    state: TrainState, meta: dict, path: str, want_optimizer: bool
 ) -> tuple[list[dict | None] | None, Any, list[str]]:
     """The saved hyper-parameters per param group, the scheduler state, and a reason to refuse (if any)."""
+    stage = state.layout.pipe_stage
     try:
-        hypers, sched_state = optimizer_plan(engine, meta, path, lay)
+        hypers, sched_state = optimizer_plan(state, meta, path)
         return hypers, sched_state, []
     except CheckpointError as e:
         if want_optimizer:
             return None, None, [str(e)]
         saved = saved_optimizers(meta)  # only the scheduler is wanted: this stage's (or the one) as saved
-        return None, saved[lay.stage if lay.stage is not None and lay.stage < len(saved) else 0]["lr_scheduler"], []
+        return None, saved[stage if stage is not None and stage < len(saved) else 0]["lr_scheduler"], []
 
 
-def _restore_weights(engine: Any, reader: CheckpointReader) -> None:
+def _restore_weights(state: TrainState, reader: CheckpointReader) -> None:
     """Masters (and frozen shards) of every shard group, whole frozen parameters, buffers; then publish."""
-    zo = engine.zero_optimizer
+    zo = state.optimizer
+    assert zo is not None
     zo.release_inference()
     grouped: set[int] = set()
     for g in zo.groups:
@@ -86,7 +89,7 @@ def _restore_weights(engine: Any, reader: CheckpointReader) -> None:
             reader.read(kind, r.slot.name, r.lo, r.hi, buf)
             values[r.at : r.at + n].copy_(buf)
         grouped.update(id(s.param) for s in g.slots)
-    for name, p in engine.module.named_parameters():
+    for name, p in state.module.named_parameters():
         if id(p) in grouped:
             continue
         name = checkpoint_name(name, p)
@@ -94,73 +97,85 @@ def _restore_weights(engine: Any, reader: CheckpointReader) -> None:
         kind = "frozen" if ("frozen", name) in reader.index else "master"
         reader.read(kind, name, 0, p.numel(), buf)
         p.data.copy_(buf.view(p.shape))
-    for name, b in engine.module.state_dict(keep_vars=True).items():
+    for name, b in state.module.state_dict(keep_vars=True).items():
         if not isinstance(b, torch.nn.Parameter) and torch.is_tensor(b) and name in reader.buffers:
             b.copy_(reader.tensor(*reader.buffers[name]))
     for g in zo.groups:
         g.publish_master(None)
 
 
-def _restore_progress(engine: Any, meta: dict, reader: CheckpointReader, lay: CheckpointLayout) -> None:
-    """The loss scaler, counters, RNG streams and the data position."""
-    if engine.loss_scaler is not None and meta["loss_scaler"] is not None:
-        engine.loss_scaler.load_state_dict(meta["loss_scaler"])
-    engine.global_steps = int(meta["global_steps"])
+def _restore_progress(state: TrainState, meta: dict, reader: CheckpointReader) -> Progress:
+    """The loss scaler, RNG streams and the data position, restored in place; the counters, returned."""
+    if state.loss_scaler is not None and meta["loss_scaler"] is not None:
+        state.loss_scaler.load_state_dict(meta["loss_scaler"])
+    global_steps = int(meta["global_steps"])
     # Saved on an accumulation boundary; with a different accumulation count (another world size
     # keeping the global batch) the micro-step counter restarts from that boundary.
-    same_gas = int(meta.get("gradient_accumulation_steps", 1)) == engine.gradient_accumulation_steps()
-    engine.micro_steps = int(meta["micro_steps"]) if same_gas else engine.global_steps * engine.gradient_accumulation_steps()
-    engine.global_samples = int(meta["global_samples"])
-    engine.skipped_steps = int(meta["skipped_steps"])
+    gas = state.gradient_accumulation_steps
+    same_gas = int(meta.get("gradient_accumulation_steps", 1)) == gas
+    progress = Progress(
+        global_steps=global_steps,
+        micro_steps=int(meta["micro_steps"]) if same_gas else global_steps * gas,
+        global_samples=int(meta["global_samples"]),
+        skipped_steps=int(meta["skipped_steps"]),
+    )
     # Each rank's random streams come back to the rank that had them only in the same layout.
+    lay = state.layout
     same_layout = (meta.get("pipeline") or {}).get("num_stages") == lay.num_stages
     src = lay.rank if int(meta["world_size"]) == lay.world and same_layout else 0
     rng_keys = [k for k in reader.rank_meta[src]["files"] if k.startswith("rng.")]
-    set_rng_state({k: reader.tensor(src, k) for k in rng_keys}, reader.rank_meta[src]["rng"], engine.device)
-    sampler = getattr(getattr(engine, "training_dataloader", None), "sampler", None)
+    set_rng_state({k: reader.tensor(src, k) for k in rng_keys}, reader.rank_meta[src]["rng"], state.device)
+    sampler = state.sampler
     saved_sampler = reader.rank_meta[0]["sampler"]
     if saved_sampler is not None and hasattr(sampler, "load_state_dict"):
         sampler.load_state_dict(saved_sampler)
+    return progress
 
 
 def load(
-    engine: Any,
+    state: TrainState,
     load_dir: str,
     tag: str | None,
     load_optimizer_states: bool = True,
     load_lr_scheduler_states: bool = True,
     load_module_only: bool = False,
-) -> tuple[str, dict]:
-    """Restore ``engine`` from a checkpoint of any world size and stage; collective. Returns ``(path, client_state)``."""
+) -> tuple[str, dict, Progress | None]:
+    """Restore ``state`` from a checkpoint of any world size and stage; collective.
+
+    The weights, optimizer state, scheduler, loss scaler, RNG streams and sampler are restored in
+    place (they are the engine's own objects); returns ``(path, client_state, progress)``, the
+    counters for the engine to take (None with ``load_module_only``).
+    """
     path = resolve_tag(load_dir, tag)
     meta = read_meta(path)
-    lay: CheckpointLayout = engine.checkpoint_layout()
-    problems = _model_problems(engine, meta, path, lay)
-    if lay.stage is None and problems:  # every rank holds the whole model: every rank finds the same
+    lay = state.layout
+    problems = _model_problems(state, meta, path)
+    if lay.pipe_stage is None and problems:  # every rank holds the whole model: every rank finds the same
         raise CheckpointError(problems[0])
-    if engine.zero_optimizer is None:
+    if state.optimizer is None:
         raise CheckpointError("load_checkpoint needs an engine with an optimizer")
     hypers: list[dict | None] | None = None
     sched_state: Any = None
     if not load_module_only and not problems and (load_optimizer_states or load_lr_scheduler_states):
-        hypers, sched_state, refused = _optimizer_problems(engine, meta, path, lay, load_optimizer_states)
+        hypers, sched_state, refused = _optimizer_problems(state, meta, path, load_optimizer_states)
         problems += refused
     reader = CheckpointReader(path, int(meta["world_size"]))
-    names = sorted(dict(engine.module.named_parameters())) if lay.stage is not None and lay.dp_rank == 0 else None
+    names = sorted(dict(state.module.named_parameters())) if lay.pipe_stage is not None and lay.dp_rank == 0 else None
     # JSON in tensors: loading a checkpoint never unpickles
     errors, held = gather_findings(problems + reader.damaged(lay.rank, lay.world), names, lay.group)
-    if lay.stage is not None and not errors:
+    if lay.pipe_stage is not None and not errors:
         extra = sorted(set(meta["params"]) - {n for part in held for n in (part or [])})
         if extra:
             errors.append(_different_model(path, [], extra))
     if errors:  # every rank raises the same sentence, before anything was loaded
         raise CheckpointError(errors[0])
     with torch.no_grad():
-        _restore_weights(engine, reader)
+        _restore_weights(state, reader)
     if hypers is not None and load_optimizer_states:
-        load_optimizer(engine, reader, hypers)
+        load_optimizer(state, reader, hypers)
+    progress = None
     if not load_module_only:
-        if load_lr_scheduler_states and engine.lr_scheduler is not None and sched_state is not None:
-            engine.lr_scheduler.load_state_dict(from_json(sched_state))
-        _restore_progress(engine, meta, reader, lay)
-    return path, from_json(meta["client_state"])
+        if load_lr_scheduler_states and state.lr_scheduler is not None and sched_state is not None:
+            state.lr_scheduler.load_state_dict(from_json(sched_state))
+        progress = _restore_progress(state, meta, reader)
+    return path, from_json(meta["client_state"]), progress

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from hf_zero.checkpoint.format import CheckpointReader, from_json, saved_optimizers
-from hf_zero.checkpoint.ranks import CheckpointLayout
+from hf_zero.checkpoint.state import TrainState
 from hf_zero.errors import CheckpointError
 
 # Keys that say how an optimizer steps (fused on GPU, loops on CPU), not what it computes: they
@@ -22,7 +22,7 @@ from hf_zero.errors import CheckpointError
 _KERNEL_KEYS = ("fused", "foreach", "capturable", "differentiable")
 
 
-def optimizer_plan(engine: Any, meta: dict, path: str, lay: CheckpointLayout) -> tuple[list[dict | None], Any]:
+def optimizer_plan(state: TrainState, meta: dict, path: str) -> tuple[list[dict | None], Any]:
     """The saved hyper-parameters for each of this run's param groups, and the scheduler state to load.
 
     Where this run's optimizer has the saved one's groups (no pipeline on either side, or this
@@ -31,14 +31,15 @@ def optimizer_plan(engine: Any, meta: dict, path: str, lay: CheckpointLayout) ->
     takes the hyper-parameters of the saved group that held its parameters, found by name; a
     group without trainable parameters keeps its own (``None``).
     """
-    zo = engine.zero_optimizer
+    zo, stage = state.optimizer, state.layout.pipe_stage
+    assert zo is not None
     here = [set(names) for names in zo.group_names]
     saved = saved_optimizers(meta)
-    first = [saved[lay.stage]] if lay.stage is not None and lay.stage < len(saved) else []
+    first = [saved[stage]] if stage is not None and stage < len(saved) else []
     for v in first + saved:
         if len(v["param_groups"]) == len(here) and all(set(a) == b for a, b in zip(v["group_names"], here)):
             return list(v["param_groups"]), v["lr_scheduler"]
-    if lay.stage is None and not meta.get("pipeline"):  # the same layout, other names: by position, as always
+    if stage is None and not meta.get("pipeline"):  # the same layout, other names: by position, as always
         if len(saved[0]["param_groups"]) != len(here):
             raise CheckpointError(
                 f"{path} has {len(saved[0]['param_groups'])} optimizer param groups and this run has {len(here)}; "
@@ -70,7 +71,7 @@ def optimizer_plan(engine: Any, meta: dict, path: str, lay: CheckpointLayout) ->
         hypers.append(saved[vi]["param_groups"][gi])
         picks.append((vi, gi))
     # A scheduler's per-group lists (base_lrs, _last_lr) follow the groups they belong to.
-    source = next((p[0] for p in picks if p is not None), lay.stage if lay.stage is not None and lay.stage < len(saved) else 0)
+    source = next((p[0] for p in picks if p is not None), stage if stage is not None and stage < len(saved) else 0)
     state = saved[source]["lr_scheduler"]
     count = len(saved[source]["param_groups"])
     index = [p[1] if p is not None and p[0] == source else 0 for p in picks]
@@ -84,9 +85,10 @@ def _plain(hyper: dict) -> dict:
     return {k: v for k, v in hyper.items() if k not in _KERNEL_KEYS}
 
 
-def load_optimizer(engine: Any, reader: CheckpointReader, hypers: list[dict | None]) -> None:
+def load_optimizer(state: TrainState, reader: CheckpointReader, hypers: list[dict | None]) -> None:
     """Rebuild torch's optimizer state for this rank's masters, then let torch place it."""
-    zo = engine.zero_optimizer
+    zo = state.optimizer
+    assert zo is not None
     opt = zo.optimizer
     master_index = {id(m): i for i, m in enumerate(m for pg in opt.param_groups for m in pg["params"])}
     state_keys = sorted({kind.removeprefix("optim.") for kind, _ in reader.index if kind.startswith("optim.")})

@@ -1,6 +1,6 @@
 """The ranks of one checkpoint: who stores what, and how they agree when one of them fails.
 
-The engine hands the checkpoint its :class:`CheckpointLayout` (``engine.checkpoint_layout()``):
+The engine hands the checkpoint its :class:`CheckpointLayout` (in its ``TrainState``, ``checkpoint/state.py``):
 a plain engine's data-parallel group, or a pipeline's whole world with this rank's stage and the
 tied weights another stage stores. Nothing here knows what a pipeline is beyond those numbers.
 
@@ -32,7 +32,8 @@ class CheckpointLayout:
     ``rank``. Replicated values (ZeRO stage 0, frozen parameters, buffers) are stored by the rank
     whose ``dp_rank`` (and ``tp_rank``) is 0. Under tensor parallelism the group is the whole grid: the
     ranks of a tensor-parallel group store their own slices (named per rank, ``hf_zero/tp_split.py``)
-    and ``others`` holds the whole parameters, which only ``tp_rank`` 0 stores. In a pipeline (``stage`` set) the group is the whole world, each
+    and ``others`` holds the whole parameters, which only ``tp_rank`` 0 stores. In a pipeline (``pipe_stage`` set:
+    this rank's pipeline stage, not a ZeRO stage) the group is the whole world, each
     stage holds other parameters, and the tied parameters whose ids are in ``others`` are stored
     by the first stage holding them, not this one.
     """
@@ -41,7 +42,7 @@ class CheckpointLayout:
     rank: int
     world: int
     dp_rank: int
-    stage: int | None = None
+    pipe_stage: int | None = None  # stored as "stage" in a rank's JSON (hf_zero/checkpoint/format.py)
     num_stages: int | None = None
     dp: int = 1
     others: set[int] = field(default_factory=set)

@@ -13,18 +13,26 @@ The order of one save (every rank calls :func:`save`):
 
 The format is :mod:`hf_zero.checkpoint.format`'s; a failure anywhere raises the same sentence on
 every rank, removes the half-written folder and leaves the previous checkpoints as they were.
+
+With ``checkpoint.async_save`` steps 1 and 2 are the same; step 3 copies each rank's share into host
+buffers kept between saves, and a thread does the writing and step 4
+(:mod:`hf_zero.checkpoint.background`). A share is planned as views of what the rank stores
+(:func:`plan_share`) before it is copied, so both paths store the same bytes.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from hf_zero.checkpoint import atomic, consolidated
+from hf_zero.checkpoint.background import BackgroundWriter, WriteJob
 from hf_zero.checkpoint.format import (
     FORMAT,
     LATEST,
@@ -37,27 +45,31 @@ from hf_zero.checkpoint.format import (
     to_json,
 )
 from hf_zero.checkpoint.ranks import CheckpointLayout, agree, attempt, pool
+from hf_zero.checkpoint.state import TrainState
 from hf_zero.dist import gather_json
-from hf_zero.errors import CheckpointError
+from hf_zero.errors import CheckpointError, CheckpointTagError
 from hf_zero.tp_split import checkpoint_name, stored_names, table_entry
 
+logger = logging.getLogger("hf_zero")
 
-def optimizer_table(engine: Any) -> dict[str, Any]:
-    """This engine's parameter table, optimizer param groups (hyper-parameters and names) and scheduler, as JSON.
+
+def optimizer_table(state: TrainState) -> dict[str, Any]:
+    """The parameter table, optimizer param groups (hyper-parameters and names) and scheduler, as JSON.
 
     A pipeline stage has an optimizer of its own, so a pipeline checkpoint keeps one per stage.
     """
-    zo = engine.zero_optimizer
+    zo = state.optimizer
+    assert zo is not None
     groups_meta = [
         {k: to_json(v, f"optimizer param group '{k}'") for k, v in pg.items() if k != "params"}
         for pg in zo.optimizer.param_groups
     ]
     # A tensor-parallel slice is listed under every rank's name (each rank stores its own; hf_zero/tp_split.py).
-    mine = {checkpoint_name(n, p): (n, p) for n, p in engine.module.named_parameters()}
+    mine = {checkpoint_name(n, p): (n, p) for n, p in state.module.named_parameters()}
     names_of = lambda key: stored_names(*mine[key]) if key in mine else [key]  # noqa: E731
     group_names = [[m for n in names for m in names_of(n)] for names in zo.group_names]
     group_of = {n: gi for gi, names in enumerate(group_names) for n in names}
-    sched = engine.lr_scheduler
+    sched = state.lr_scheduler
     return {
         "param_groups": groups_meta,
         "group_names": group_names,
@@ -66,54 +78,90 @@ def optimizer_table(engine: Any) -> dict[str, Any]:
         "params": {
             k: {"shape": list(p.shape), "dtype": str(p.dtype).removeprefix("torch."), "trainable": p.requires_grad,
                 "group": group_of.get(k), **table_entry(p)}
-            for n, p in engine.module.named_parameters() for k in stored_names(n, p)
+            for n, p in state.module.named_parameters() for k in stored_names(n, p)
         },
     }
 
 
-def _checked_tag(engine: Any, tag: str | None) -> str:
-    """The tag to write (``global_step<N>`` by default), after the checks every rank makes alike."""
-    if engine.zero_optimizer is None:
-        raise CheckpointError("save_checkpoint needs an engine with an optimizer")
-    if engine.micro_steps % engine.gradient_accumulation_steps() != 0:
-        raise CheckpointError(
-            f"save_checkpoint was called in the middle of gradient accumulation (micro step {engine.micro_steps}, "
-            f"accumulation {engine.gradient_accumulation_steps()}); call it after the boundary's engine.step()"
+def agreed_tag(tags: list[str], mode: str, rank: int) -> str:
+    """The one tag every rank writes, from every rank's ``tags`` (by rank), as ``checkpoint.tag_validation`` says.
+
+    A checkpoint is one folder that every rank writes into and rank 0 publishes, so ranks cannot each
+    keep a tag of their own as DeepSpeed's ranks do (its ``Warn`` and ``Ignore`` then save under
+    several tags). ``Fail`` refuses different tags on every rank; ``Warn`` (the default) names them and
+    saves under rank 0's; ``Ignore`` saves under rank 0's without a word.
+    """
+    if all(t == tags[0] for t in tags):
+        return tags[0]
+    r = next(r for r, t in enumerate(tags) if t != tags[0])
+    differ = f"rank 0 passed tag {tags[0]!r} and rank {r} passed {tags[r]!r}"
+    if mode == "Fail":
+        raise CheckpointTagError(
+            f"save_checkpoint: the checkpoint tag is not the same on every rank ({differ}) and the config's "
+            'checkpoint.tag_validation is "Fail"; pass one tag on every rank (leave out anything rank-specific)'
         )
-    tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
+    if mode == "Warn" and rank == 0:
+        logger.warning("save_checkpoint: the checkpoint tag is not the same on every rank (%s); saving under rank 0's "
+                       "tag %r (set checkpoint.tag_validation to \"Fail\" to refuse instead)", differ, tags[0])
+    return tags[0]
+
+
+def _checked_tag(state: TrainState, tag: str | None) -> str:
+    """The tag to write (``global_step<N>`` by default), after the checks every rank makes alike."""
+    if state.optimizer is None:
+        raise CheckpointError("save_checkpoint needs an engine with an optimizer")
+    micro, gas = state.progress.micro_steps, state.gradient_accumulation_steps
+    if micro % gas != 0:
+        raise CheckpointError(
+            f"save_checkpoint was called in the middle of gradient accumulation (micro step {micro}, "
+            f"accumulation {gas}); call it after the boundary's engine.step()"
+        )
+    tag = str(tag) if tag is not None else f"global_step{state.progress.global_steps}"
     if not tag or "/" in tag or tag.startswith(".") or tag == LATEST:
         raise CheckpointError(f"save_checkpoint(tag={tag!r}): a tag must be a plain, non-hidden directory name other than '{LATEST}'")
     return tag
 
 
 def save(
-    engine: Any, save_dir: str, tag: str | None, client_state: dict | None, save_latest: bool = True,
-    keep_last: int | None = None,
+    state: TrainState, save_dir: str, tag: str | None, client_state: dict | None, save_latest: bool = True,
+    keep_last: int | None = None, background: BackgroundWriter | None = None,
 ) -> str:
-    """Write a resume checkpoint of ``engine``; collective (every rank calls it). Returns its path.
+    """Write a resume checkpoint of ``state``; collective (every rank calls it). Returns its path.
 
     A failure on any rank (a full disk, a state JSON cannot hold) raises on every rank after the
     ranks agree on it, so none is left waiting; the half-written folder is removed and the
-    previous checkpoints and ``latest`` stay as they were.
+    previous checkpoints and ``latest`` stay as they were. With ``background`` (whose previous save
+    the caller has waited for) every check and the copy to host memory happen here and a thread
+    writes and publishes (:mod:`hf_zero.checkpoint.background`); the path is then where the
+    checkpoint will be once that is done.
     """
-    tag = _checked_tag(engine, tag)
-    lay: CheckpointLayout = engine.checkpoint_layout()
+    lay = state.layout
     group, rank = lay.group, lay.rank
-    partial = atomic.partial_dir(save_dir, tag)
-    client = to_json(client_state or {}, "client_state")  # every rank checks before anything is written
-    # The optimizer and parameter table (one per stage in a pipeline) is made and checked on
-    # every rank before anything is written, so a state that cannot be stored (a param group
-    # value JSON cannot hold, a scheduler whose state_dict fails) stops every rank with the same
-    # sentence instead of rank 0 alone, after the others are already waiting for it.
-    mine, err = attempt(lambda: optimizer_table(engine) if lay.stage is None or lay.dp_rank == 0 else None)
-    pooled = gather_json({"table": mine if lay.stage is not None else None, "error": err}, group)
+    # The tag, the client state and the optimizer and parameter table (one per stage in a pipeline) are
+    # made and checked on every rank before anything is written, so a state that cannot be stored (a
+    # param group value JSON cannot hold, a scheduler whose state_dict fails) or a tag one rank refuses
+    # stops every rank with the same sentence instead of rank 0 alone, after the others are already waiting.
+    tag, err = attempt(lambda: _checked_tag(state, tag))
+    client: Any = None
+    if err is None:
+        client, err = attempt(lambda: to_json(client_state or {}, "client_state"))
+    mine = None
+    if err is None:
+        mine, err = attempt(lambda: optimizer_table(state) if lay.pipe_stage is None or lay.dp_rank == 0 else None)
+    pooled = gather_json({"table": mine if lay.pipe_stage is not None else None, "error": err, "tag": tag}, group)
     agree([p["error"] for p in pooled], save_dir)
+    tag = agreed_tag([p["tag"] for p in pooled], state.config.checkpoint_tag_validation, rank)
+    partial = atomic.partial_dir(save_dir, tag)
     stage_tables = [p["table"] for p in pooled if p["table"] is not None]  # rank order is stage order
     table = stage_tables[0] if stage_tables else mine
 
     err = attempt(lambda: _start(save_dir, partial))[1] if rank == 0 else None
     agree(pool(err, group), save_dir)
-    errors = pool(attempt(lambda: write_share(engine, lay, partial))[1], group)
+    if background is not None:
+        _launch(state, background, save_dir, tag, lambda: checkpoint_meta(state, table, stage_tables, client),
+                save_latest, keep_last)
+        return os.path.join(save_dir, tag)
+    errors = pool(attempt(lambda: write_share(state, partial))[1], group)
     if any(errors):  # a full disk on one rank must not leave the others waiting
         if rank == 0:  # free the space the half-written checkpoint took, before anyone returns
             shutil.rmtree(partial, ignore_errors=True)
@@ -121,12 +169,53 @@ def save(
         agree(errors, save_dir)
     err = None
     if rank == 0:
-        meta = lambda: checkpoint_meta(engine, lay, table, stage_tables, client)  # noqa: E731
-        err = attempt(lambda: _finish(engine, meta(), save_dir, tag, save_latest, keep_last))[1]
+        meta = lambda: checkpoint_meta(state, table, stage_tables, client)  # noqa: E731
+        err = attempt(lambda: _finish(state, meta(), save_dir, tag, save_latest, keep_last))[1]
         if err is not None:
             shutil.rmtree(partial, ignore_errors=True)  # not published; a tag moved aside comes back on the next save
     agree(pool(err, group), save_dir)
     return os.path.join(save_dir, tag)
+
+
+def _launch(
+    state: TrainState, background: BackgroundWriter, save_dir: str, tag: str,
+    meta: Callable[[], dict], save_latest: bool, keep_last: int | None,
+) -> None:
+    """A background save, once the partial folder exists: plan, check host memory, copy, then hand over to the thread."""
+    lay = state.layout
+    group, rank, partial = lay.group, lay.rank, atomic.partial_dir(save_dir, tag)
+
+    def refuse(errors: list[str | None]) -> None:
+        if rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+        if lay.world > 1:
+            dist.barrier(group)
+        agree(errors, save_dir)
+
+    share, err = attempt(lambda: plan_share(state))
+    plan = share.pop("tensors") if share is not None else {}
+    errors = background.prepare(plan, err, group, lay.world, rank)
+    if any(errors):
+        refuse(errors)
+    assert share is not None
+
+    def copy() -> tuple:
+        tensors, event = background.copy(plan)
+        rng_tensors, rng_meta = rng_state(state.device)  # this step's streams, as a synchronous save takes them
+        tensors = {**tensors, **rng_tensors}
+        return tensors, event, rank_index(state, share, rng_meta), meta() if rank == 0 else None
+
+    copied, err = attempt(copy)
+    errors = pool(err, group)
+    if any(errors):
+        refuse(errors)
+    assert copied is not None
+    tensors, event, rank_meta, checkpoint_json = copied
+    background.start(WriteJob(
+        tensors=tensors, rank_meta=rank_meta, event=event, path=os.path.join(save_dir, tag), save_dir=save_dir,
+        partial=partial, rank=rank, write=lambda: write_rank(tensors, rank_meta, partial, rank),
+        finish=(lambda: _finish(state, checkpoint_json, save_dir, tag, save_latest, keep_last)) if rank == 0 else None,
+    ))
 
 
 def _start(save_dir: str, partial: str) -> None:
@@ -137,6 +226,12 @@ def _start(save_dir: str, partial: str) -> None:
 
 
 # ------------------------------------------------------------------- one rank's share
+#
+# A share is planned first as views of what this rank stores (device or host tensors, with the dtype
+# each is stored in) and copied out after: a synchronous save copies each view into a fresh host
+# tensor, a background one (hf_zero/checkpoint/background.py) into host buffers it keeps between saves.
+
+Plan = dict[str, tuple[torch.Tensor, torch.dtype]]
 
 
 def _group_tensors(g: Any, opt_state: dict, lay: CheckpointLayout, out: dict[str, Any]) -> None:
@@ -150,14 +245,15 @@ def _group_tensors(g: Any, opt_state: dict, lay: CheckpointLayout, out: dict[str
             continue  # a tied weight: the first stage holding it stores it
         n = b - a
         if g.master is None:  # a frozen stage-3 group: its shard holds the values
-            tensors[f"frozen|{name}"] = values.detach()[m : m + n].to("cpu", copy=True)
+            view = values.detach()[m : m + n]
+            tensors[f"frozen|{name}"] = (view, view.dtype)
             ranges[f"frozen|{name}"] = [name, a, b]
             continue
-        tensors[f"master|{name}"] = values.detach()[m : m + n].to("cpu", torch.float32, copy=True)
+        tensors[f"master|{name}"] = (values.detach()[m : m + n], torch.float32)
         ranges[f"master|{name}"] = [name, a, b]
         for k, v in state.items():
             if torch.is_tensor(v) and v.numel() == values.numel() and v.numel() > 1:
-                tensors[f"optim.{k}|{name}"] = v.detach()[m : m + n].to("cpu", copy=True)
+                tensors[f"optim.{k}|{name}"] = (v.detach()[m : m + n], v.dtype)
                 ranges[f"optim.{k}|{name}"] = [name, a, b]
             elif torch.is_tensor(v) and v.numel() <= 1:
                 scalars.setdefault(name, {})[k] = {"value": v.item(), "dtype": str(v.dtype).removeprefix("torch.")}
@@ -165,24 +261,30 @@ def _group_tensors(g: Any, opt_state: dict, lay: CheckpointLayout, out: dict[str
                 scalars.setdefault(name, {})[k] = {"value": to_json(v, f"optimizer state '{k}'")}
 
 
-def _share(engine: Any, lay: CheckpointLayout) -> dict[str, Any]:
-    """Host copies (one per tensor: a device-to-host copy on GPU, a clone on CPU) of what this rank stores."""
-    zo = engine.zero_optimizer
+def plan_share(state: TrainState) -> dict[str, Any]:
+    """What this rank stores, as views (``tensors``: key -> (view, stored dtype)), with its ranges and scalar state."""
+    zo, lay = state.optimizer, state.layout
+    assert zo is not None
     out: dict[str, Any] = {"tensors": {}, "ranges": {}, "scalars": {}}
     for g in zo.groups:
         if g.partitioned or lay.dp_rank == 0:  # stage 0: every rank holds the same values; the first stores them
             _group_tensors(g, zo.optimizer.state, lay, out)
     grouped = {id(s.param) for g in zo.groups for s in g.slots} | lay.others
     if lay.dp_rank == 0:
-        for name, p in engine.module.named_parameters():
+        for name, p in state.module.named_parameters():
             if id(p) not in grouped:  # frozen and whole on every rank (of the stage)
                 key = checkpoint_name(name, p)
-                out["tensors"][f"frozen|{key}"] = p.detach().reshape(-1).to("cpu", copy=True)
+                out["tensors"][f"frozen|{key}"] = (p.detach().reshape(-1), p.dtype)
                 out["ranges"][f"frozen|{key}"] = [key, 0, p.numel()]
-        for name, b in engine.module.state_dict(keep_vars=True).items() if lay.tp_rank == 0 else ():
+        for name, b in state.module.state_dict(keep_vars=True).items() if lay.tp_rank == 0 else ():
             if not isinstance(b, torch.nn.Parameter) and torch.is_tensor(b):
-                out["tensors"][f"buffer|{name}"] = b.detach().to("cpu", copy=True)
+                out["tensors"][f"buffer|{name}"] = (b.detach(), b.dtype)
     return out
+
+
+def plan_bytes(plan: Plan) -> int:
+    """Host bytes the copy of a planned share takes."""
+    return sum(v.numel() * torch.empty((), dtype=d).element_size() for v, d in plan.values())
 
 
 def _write_files(tensors: dict[str, torch.Tensor], partial: str, rank: int) -> tuple[dict[str, str], dict[str, str]]:
@@ -214,44 +316,54 @@ def _write_files(tensors: dict[str, torch.Tensor], partial: str, rank: int) -> t
     return files, digests
 
 
-def write_share(engine: Any, lay: CheckpointLayout, partial: str) -> None:
-    """This rank's part of a checkpoint: its shards, optimizer state and RNG in safetensors, and its index."""
-    share = _share(engine, lay)
-    rng_tensors, rng_meta = rng_state(engine.device)
-    share["tensors"].update(rng_tensors)
-    files, digests = _write_files(share.pop("tensors"), partial, lay.rank)
-    sampler = getattr(getattr(engine, "training_dataloader", None), "sampler", None)
+def rank_index(state: TrainState, share: dict[str, Any], rng_meta: dict) -> dict[str, Any]:
+    """This rank's JSON index, less the files and their digests (known once they are written)."""
+    sampler = state.sampler
     rank_meta = {
-        "files": files,
-        "sha256": digests,
         "ranges": share["ranges"],
         "scalars": share["scalars"],
         "rng": rng_meta,
         "sampler": sampler.state_dict() if hasattr(sampler, "state_dict") else None,
     }
-    if lay.stage is not None:
-        rank_meta["stage"] = lay.stage
-    atomic.write_json(os.path.join(partial, rank_meta_name(lay.rank)), rank_meta)
+    if state.layout.pipe_stage is not None:
+        rank_meta["stage"] = state.layout.pipe_stage  # the format's key (hf_zero/checkpoint/format.py)
+    return rank_meta
+
+
+def write_rank(tensors: dict[str, torch.Tensor], rank_meta: dict[str, Any], partial: str, rank: int) -> None:
+    """Write one rank's host tensors and then its index (the index names the files and their sha256)."""
+    files, digests = _write_files(tensors, partial, rank)
+    atomic.write_json(os.path.join(partial, rank_meta_name(rank)), {"files": files, "sha256": digests, **rank_meta})
+
+
+def write_share(state: TrainState, partial: str) -> None:
+    """This rank's part of a checkpoint: its shards, optimizer state and RNG in safetensors, and its index."""
+    share = plan_share(state)
+    tensors = {k: v.to("cpu", d, copy=True) for k, (v, d) in share.pop("tensors").items()}
+    rng_tensors, rng_meta = rng_state(state.device)
+    tensors.update(rng_tensors)
+    write_rank(tensors, rank_index(state, share, rng_meta), partial, state.layout.rank)
 
 
 # ----------------------------------------------------------------------- publishing
 
 
-def checkpoint_meta(engine: Any, lay: CheckpointLayout, table: dict, stage_tables: list[dict], client: Any) -> dict:
+def checkpoint_meta(state: TrainState, table: dict, stage_tables: list[dict], client: Any) -> dict:
     """``checkpoint.json``: the counters, scaler and tables (a pipeline's per stage) and the client state."""
+    lay, progress = state.layout, state.progress
     meta = {
         "format": FORMAT,
         "world_size": lay.world,
-        "zero_stage": engine.zero_optimization_stage(),
-        "compute_dtype": str(engine.compute_dtype).removeprefix("torch."),
-        "global_steps": engine.global_steps,
-        "micro_steps": engine.micro_steps,
-        "gradient_accumulation_steps": engine.gradient_accumulation_steps(),
-        "global_samples": engine.global_samples,
-        "skipped_steps": engine.skipped_steps,
-        "loss_scaler": engine.loss_scaler.state_dict() if engine.loss_scaler is not None else None,
+        "zero_stage": state.zero_stage,
+        "compute_dtype": str(state.compute_dtype).removeprefix("torch."),
+        "global_steps": progress.global_steps,
+        "micro_steps": progress.micro_steps,
+        "gradient_accumulation_steps": state.gradient_accumulation_steps,
+        "global_samples": progress.global_samples,
+        "skipped_steps": progress.skipped_steps,
+        "loss_scaler": state.loss_scaler.state_dict() if state.loss_scaler is not None else None,
         "lr_scheduler": table["lr_scheduler"],
-        "optimizer": {"type": type(engine.zero_optimizer.optimizer).__name__, "param_groups": table["param_groups"]},
+        "optimizer": {"type": type(state.torch_optimizer).__name__, "param_groups": table["param_groups"]},
         "params": table["params"],
         "client_state": client,
     }
@@ -269,10 +381,10 @@ def checkpoint_meta(engine: Any, lay: CheckpointLayout, table: dict, stage_table
     return meta
 
 
-def _finish(engine: Any, meta: dict, save_dir: str, tag: str, save_latest: bool, keep_last: int | None) -> None:
+def _finish(state: TrainState, meta: dict, save_dir: str, tag: str, save_latest: bool, keep_last: int | None) -> None:
     """Rank 0, once every rank's share is on disk: the checkpoint's index, then the renames that publish it."""
     partial = atomic.partial_dir(save_dir, tag)
-    consolidated.save_model_config(engine.module, partial, None)  # so `hf-zero consolidate` can write config.json
+    consolidated.save_model_config(state.module, partial, None)  # so `hf-zero consolidate` can write config.json
     atomic.write_json(os.path.join(partial, META), meta)
     atomic.publish(save_dir, tag, save_latest)
     if keep_last is not None:

@@ -18,12 +18,20 @@ data loaders and schedulers are prepared by Accelerate as usual. Accelerate deci
 accumulation boundaries are (``sync_gradients``); the engine communicates only on them.
 
 A config with ``optimizer`` / ``scheduler`` sections works as under DeepSpeed: pass
-``accelerate.utils.DummyOptim(model.parameters(), lr=...)`` and ``DummyScheduler(optimizer,
-total_num_steps=..., warmup_num_steps=...)``; the sections build both ("auto" filled from them) and
-the engine steps the schedule. The combinations Accelerate refuses for DeepSpeed (a section and an
-object built in code for the same thing, ...) are refused with its rule in one sentence.
+``hf_zero.DummyOptim(model.parameters(), lr=...)`` and ``hf_zero.DummyScheduler(optimizer,
+total_num_steps=..., warmup_num_steps=...)`` (Accelerate's own classes, which ``accelerate.utils``
+exports only when the ``deepspeed`` package is installed); the sections build both ("auto" filled from
+them) and the engine steps the schedule. The combinations Accelerate refuses for DeepSpeed (a section
+and an object built in code for the same thing, ...) are refused with its rule in one sentence.
 ``zero_config`` may also come from the ``HF_ZERO_CONFIG`` environment variable, so
 ``accelerate launch`` needs no new config key.
+
+Accelerate's DeepSpeed users: ``Accelerator(deepspeed_plugin=DeepSpeedPlugin(...))``, or a
+``distributed_type: DEEPSPEED`` Accelerate YAML started by ``hf-zero launch --config_file X.yaml``,
+give the config Accelerate's ``DeepSpeedPlugin`` builds, "auto" filled by Accelerate's DeepSpeed rules
+(:mod:`hf_zero.integrations.deepspeed_plugin`); ``accelerator.state.deepspeed_plugin`` answers that
+plugin, so a script that asks it whether the config has an optimizer section takes the same branch as
+under DeepSpeed.
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -41,6 +50,7 @@ from accelerate.scheduler import AcceleratedScheduler
 from accelerate.utils.deepspeed import DummyOptim, DummyScheduler  # importable without the deepspeed package
 
 from hf_zero.engine import UsageError, ZeroEngine
+from hf_zero.integrations import deepspeed_plugin as ds_plugin
 from hf_zero.integrations.autofill import (  # noqa: F401 - MIN_AUTO_REDUCE_BUCKET and ENV_VAR are public here too
     ENV_VAR,
     MIN_AUTO_REDUCE_BUCKET,
@@ -111,20 +121,50 @@ class Accelerator(accelerate.Accelerator):
     """
 
     def __init__(self, *args: Any, zero_config: str | os.PathLike | dict | None = None, **kwargs: Any) -> None:
-        config = load_zero_config(zero_config)
-        if config is not None and launched_without_gpus():
+        plugin = self._take_deepspeed_plugin(kwargs, zero_config)
+        config = load_zero_config(zero_config) if plugin is None else None
+        if (config is not None or plugin is not None) and launched_without_gpus():
             kwargs["cpu"] = True
         # Accelerate accepts sp_size only for its DeepSpeed and multi-GPU types; hf_zero's engine runs it
         # everywhere (gloo included), so the config is attached after Accelerate's own checks.
-        sp = sp_size_of(kwargs.get("parallelism_config")) if config is not None else 1
+        sp = sp_size_of(kwargs.get("parallelism_config")) if config is not None or plugin is not None else 1
         pc = kwargs.pop("parallelism_config") if sp > 1 else None
         super().__init__(*args, **kwargs)
         if pc is not None:
             self.state.parallelism_config = pc
+        self._deepspeed_plugin = plugin
+        if plugin is not None:  # checked here as a zero_config is, before any model exists
+            config = load_zero_config(ds_plugin.zero_config_of(plugin, str(self.state.mixed_precision)))
+            self.state = ds_plugin.attach(self.state, plugin)
         self.zero_config = config
         self._zero_engines: list[ZeroEngine] = []
         self._eval_engines: list[ZeroEngine] = []  # models prepared for evaluation only (kept apart: not trained)
         self._data_parallel_view = False
+
+    @staticmethod
+    def _take_deepspeed_plugin(kwargs: dict, zero_config: Any) -> ds_plugin.ZeroDeepSpeedPlugin | None:
+        """Accelerate's DeepSpeed settings, from ``deepspeed_plugin(s)=`` or ``hf-zero launch --config_file``, else None.
+
+        Accelerate itself would import ``deepspeed`` for them; here they become the ZeRO config. They
+        and a ``zero_config`` (argument or ``$HF_ZERO_CONFIG``) are two answers to one question.
+        """
+        given = kwargs.pop("deepspeed_plugin", None)
+        several = kwargs.pop("deepspeed_plugins", None)
+        if given is not None and several is not None:
+            raise UsageError("Accelerator got both deepspeed_plugin and deepspeed_plugins; pass one of them")
+        given = given if given is not None else several
+        if given is None and not ds_plugin.launched_with_deepspeed_yaml():
+            return None
+        source = "deepspeed_plugin=" if given is not None else "the DEEPSPEED Accelerate YAML of hf-zero launch --config_file"
+        if zero_config is not None or os.environ.get(ENV_VAR):
+            other = "zero_config=" if zero_config is not None else f"${ENV_VAR}"
+            raise UsageError(f"Accelerator got a ZeRO config from both {other} and {source}; keep one of them")
+        return ds_plugin.adopt(given) if given is not None else ds_plugin.plugin_from_environment()
+
+    @property
+    def _config_name(self) -> str:
+        """What the refusals call the config: the user's ``zero_config``, or the one Accelerate's DeepSpeed plugin built."""
+        return "the DeepSpeed config" if getattr(self, "_deepspeed_plugin", None) is not None else "zero_config"
 
     # ------------------------------------------------------- tensor parallelism
 
@@ -181,8 +221,14 @@ class Accelerator(accelerate.Accelerator):
             sizes = [dl.batch_size for dl in loaders if getattr(dl, "batch_size", None)]
             cfg["train_micro_batch_size_per_gpu"] = int(sizes[0]) if sizes else 1
         gas = cfg.get("gradient_accumulation_steps")
+        from_plugin = getattr(self, "_deepspeed_plugin", None) is not None
         if gas in (None, "auto"):
             cfg["gradient_accumulation_steps"] = int(self.gradient_accumulation_steps)
+        elif int(gas) != int(self.gradient_accumulation_steps) and from_plugin:
+            # Accelerate's DeepSpeed rule: the config's value wins, said once, at prepare
+            warnings.warn(f"Gradient accumulation steps mismatch: the Accelerator has {self.gradient_accumulation_steps}, "
+                          f"the DeepSpeed config has {gas}; using the config's, as Accelerate does under DeepSpeed", stacklevel=3)
+            self.gradient_accumulation_steps = int(gas)
         elif int(gas) != int(self.gradient_accumulation_steps):
             raise UsageError(
                 f"zero_config.gradient_accumulation_steps is {gas} but the Accelerator was built with "
@@ -191,7 +237,8 @@ class Accelerator(accelerate.Accelerator):
         if cfg.get("train_batch_size") == "auto":
             del cfg["train_batch_size"]
         if cfg.get("gradient_clipping") == "auto":
-            cfg["gradient_clipping"] = 0.0  # the loop clips with accelerator.clip_grad_norm_
+            # Accelerate fills DeepSpeed's "auto" with 1.0; a zero_config's leaves clipping to clip_grad_norm_
+            cfg["gradient_clipping"] = 1.0 if from_plugin else 0.0
         mp = str(self.mixed_precision)
         clash = fill_precision(cfg, mp in ("bf16", "fp8"), mp == "fp16", must_match=False)
         if clash:
@@ -210,28 +257,30 @@ class Accelerator(accelerate.Accelerator):
         has_opt, has_sched = cfg.get("optimizer") is not None, cfg.get("scheduler") is not None
         if has_opt and optimizer is not None and not isinstance(optimizer, DummyOptim):
             raise UsageError(
-                "zero_config has an optimizer section and prepare() got an optimizer built in code; keep one: remove "
-                "the section, or pass accelerate.utils.DummyOptim(model.parameters()) so that the section builds it"
+                f"{self._config_name} has an optimizer section and prepare() got an optimizer built in code; keep one: "
+                "remove the section, or pass hf_zero.DummyOptim(model.parameters()) (from hf_zero import DummyOptim) so "
+                "that the section builds it"
             )
         if isinstance(optimizer, DummyOptim) and not has_opt:
             raise UsageError(
-                "prepare() got an accelerate.utils.DummyOptim but zero_config has no optimizer section to build it from; "
-                "add the section or pass a real optimizer"
+                f"prepare() got a DummyOptim but {self._config_name} has no optimizer section to build it from; add the "
+                "section or pass a real optimizer"
             )
         if has_sched and real_scheduler is not None:
             raise UsageError(
-                "zero_config has a scheduler section and prepare() got a scheduler built in code; keep one: remove the "
-                "section, or pass accelerate.utils.DummyScheduler(optimizer) so that the section builds it"
+                f"{self._config_name} has a scheduler section and prepare() got a scheduler built in code; keep one: "
+                "remove the section, or pass hf_zero.DummyScheduler(optimizer) (from hf_zero import DummyScheduler) so "
+                "that the section builds it"
             )
         if isinstance(scheduler, DummyScheduler) and not has_sched and scheduler.lr_scheduler_callable is None:
             raise UsageError(
-                "prepare() got an accelerate.utils.DummyScheduler without lr_scheduler_callable but zero_config has no "
-                "scheduler section; add the section or pass lr_scheduler_callable"
+                f"prepare() got a DummyScheduler without lr_scheduler_callable but {self._config_name} has no scheduler "
+                "section; add the section or pass lr_scheduler_callable"
             )
         if isinstance(optimizer, DummyOptim) and real_scheduler is not None:
             raise UsageError(
                 "prepare() got a scheduler built in code with a DummyOptim; a scheduler needs the optimizer the config "
-                "builds, so pass accelerate.utils.DummyScheduler (with the section or lr_scheduler_callable) instead"
+                "builds, so pass hf_zero.DummyScheduler (with the section or lr_scheduler_callable) instead"
             )
 
     def _held(self, obj: Any) -> Any:
@@ -254,6 +303,12 @@ class Accelerator(accelerate.Accelerator):
 
     def prepare(self, *args: Any, device_placement: list[bool] | None = None) -> Any:
         if self.zero_config is None:
+            if any(isinstance(a, (DummyOptim, DummyScheduler)) for a in args):
+                raise UsageError(
+                    "prepare() got a DummyOptim or DummyScheduler but this Accelerator has no ZeRO config to build them "
+                    "from; pass hf_zero.Accelerator(zero_config=...) or start the script with `hf-zero launch --config_file "
+                    "X.yaml` (a distributed_type: DEEPSPEED Accelerate YAML), or pass a real optimizer and scheduler"
+                )
             return super().prepare(*args, device_placement=device_placement)
         replaced = {id(a): held for a in args if (held := self._held(a)) is not None}
         fresh = [a for a in args if id(a) not in replaced]
@@ -294,7 +349,12 @@ class Accelerator(accelerate.Accelerator):
         """One ZeRO engine from the model and its optimizer (or the config's sections); what replaces what."""
         import hf_zero
 
-        cfg = parse_once(self._engine_config(loaders, model, optimizer, dummy_sched))
+        resolved = self._engine_config(loaders, model, optimizer, dummy_sched)
+        cfg = parse_once(resolved)
+        plugin = getattr(self, "_deepspeed_plugin", None)
+        if plugin is not None:  # as Accelerate's prepare leaves it: "auto" resolved in the plugin's own config
+            plugin.deepspeed_config.update(copy.deepcopy(resolved))
+            self.deepspeed_config = plugin.deepspeed_config
         kwargs: dict[str, Any] = {"model": model, "config": cfg}
         if isinstance(optimizer, DummyOptim):
             kwargs["model_parameters"] = optimizer.params
@@ -393,7 +453,7 @@ class Accelerator(accelerate.Accelerator):
             return super().get_state_dict(model, unwrap=unwrap)
         from hf_zero.checkpoint.consolidated import OneUnitAtATime
 
-        units = OneUnitAtATime(engine)
+        units = OneUnitAtATime(engine.train_state())
         with torch.no_grad():
             out = {name: units.full(t).detach().to("cpu", copy=True) for name, t in engine.module.state_dict(keep_vars=True).items()}
         units.release()

@@ -133,7 +133,7 @@ def fill_bucket_autos(cfg: dict, model: torch.nn.Module) -> None:
 
     transformers' ``hidden_size**2`` gives a BERT-large 1M-element buckets: ~330 reduce-scatters and
     all-gathers per step, each paying launch latency and a hook's Python, which made ZeRO-2 run at
-    0.46x of DDP in ``scripts/bench_finetune.py`` on 2 H200s. The floor keeps buckets in the tens of MB
+    0.46x of DDP in ``benchmarks/bench_finetune.py`` on 2 H200s. The floor keeps buckets in the tens of MB
     DDP uses, while large models (hidden 8192: 67M) keep transformers' value.
     """
     zo = cfg.get("zero_optimization")

@@ -16,6 +16,7 @@ on ``is_deepspeed_enabled``), so this subclasses, without patching either librar
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -26,7 +27,9 @@ import torch
 import transformers
 
 from hf_zero import dist as hz_dist
+from hf_zero import preemption as hz_preemption
 from hf_zero.errors import ConfigError, UsageError
+from hf_zero.integrations import deepspeed_plugin as ds_plugin
 from hf_zero.integrations.accelerate import Accelerator, launched_without_gpus
 from hf_zero.integrations.autofill import (
     fill_auto,
@@ -34,12 +37,13 @@ from hf_zero.integrations.autofill import (
     optimizer_args,
     trainer_scheduler_params,
 )
-from hf_zero.sequence.setup import merge_sp_size, sp_size_of
+from hf_zero.sequence.setup import merge_sp_size, parallelism_config_for, resolve_sp_size
 from hf_zero.tensor_parallel import degree_of
 
 __all__ = ["Seq2SeqTrainer", "Seq2SeqTrainingArguments", "Trainer", "TrainingArguments", "fill_auto", "zero_args", "zero_trainer"]
 
 ZERO_STATE_TAG = "zero_state"
+logger = logging.getLogger("hf_zero")
 
 
 @dataclass(repr=False)
@@ -52,7 +56,9 @@ class TrainingArguments(transformers.TrainingArguments):
     The config is checked when the arguments are built, on every rank, before any model is loaded:
     hf_zero's parser (a misspelt key, a feature hf_zero lacks) and its contradictions with these
     arguments. Launched as several processes on a machine without GPUs, the run uses the CPU over
-    gloo (``use_cpu``) so the data is sharded and only rank 0 logs and saves.
+    gloo (``use_cpu``) so the data is sharded and only rank 0 logs and saves. Started by ``hf-zero launch
+    --config_file`` with a ``distributed_type: DEEPSPEED`` Accelerate YAML and no ``zero_config``, the
+    YAML's DeepSpeed config is the ``zero_config`` (as transformers takes it from ``accelerate launch``).
     """
 
     zero_config: dict | str | None = field(
@@ -67,6 +73,11 @@ class TrainingArguments(transformers.TrainingArguments):
                 raise ValueError("TrainingArguments: got both zero_config and deepspeed, which are one setting in "
                                  "hf_zero; pass only one of them")
             self.zero_config, self.deepspeed = self.deepspeed, None
+        if self.zero_config is None and ds_plugin.launched_with_deepspeed_yaml():
+            # hf-zero launch --config_file: the YAML's DeepSpeed config, as transformers takes Accelerate's plugin
+            # under ACCELERATE_USE_DEEPSPEED, in the run's precision (--fp16/--bf16, else the YAML's mixed_precision)
+            mixed = "fp16" if self.fp16 else "bf16" if self.bf16 else os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
+            self.zero_config = ds_plugin.zero_config_of(ds_plugin.plugin_from_environment(), mixed)
         config = load_zero_config(self.zero_config) if self.zero_config is not None else None
         if config is not None and not torch.cuda.is_available():
             if self.ddp_backend == "nccl":
@@ -77,7 +88,7 @@ class TrainingArguments(transformers.TrainingArguments):
         super().__post_init__()
         self.zero_config_dict = config
         if config is not None:  # under sequence parallelism the batch multiplies by the data-parallel degree
-            sp = sp_size_of(getattr(self, "parallelism_config", None))
+            sp = resolve_sp_size(getattr(self, "parallelism_config", None), config)  # the config's own degree counts too
             world = int(os.environ.get("WORLD_SIZE", "1") or 1)
             tp = degree_of(config)
             if world % tp:  # said here, before any model is built, as the engine would say it later
@@ -106,6 +117,7 @@ class Trainer(transformers.Trainer):
         super().__init__(*args, **kwargs)
         if self.zero_enabled:
             self._check_optimizer_sections()
+            self.add_callback(_SaveOnPreemption(self))
 
     @property
     def zero_enabled(self) -> bool:
@@ -117,15 +129,19 @@ class Trainer(transformers.Trainer):
         return engines[-1] if engines else None
 
     def create_accelerator_and_postprocess(self) -> None:
+        # The sequence-parallel degree from the ParallelismConfig or the zero_config's own sequence_parallel_size:
+        # transformers splits batches (and counts them, and leaves the loss to the model) only when the
+        # accelerator's state has a ParallelismConfig with sp_size, so one is made for a config that asks alone.
         pc = getattr(self.args, "parallelism_config", None)
-        sp = sp_size_of(pc) if self.zero_enabled else 1
+        sp = resolve_sp_size(pc, self.args.zero_config_dict) if self.zero_enabled else 1
+        given, pc = pc, parallelism_config_for(pc, sp)
         if sp > 1:  # attached after Accelerate's checks, which accept sp_size only for its own DeepSpeed / multi-GPU
             self.args.parallelism_config = None
         try:
             super().create_accelerator_and_postprocess()
         finally:
             if sp > 1:
-                self.args.parallelism_config = pc
+                self.args.parallelism_config = given
         if not self.zero_enabled:
             return
         acc = self.accelerator
@@ -139,7 +155,7 @@ class Trainer(transformers.Trainer):
         # (which only adds prepare/backward/clip/save behaviour) rather than being rebuilt from them.
         acc.__class__ = Accelerator
         acc.zero_config = self.args.zero_config_dict  # first, so that num_processes counts replicas (tensor parallelism)
-        acc.zero_config = merge_sp_size(fill_auto(self.args.zero_config_dict, self.args, acc.num_processes // sp), sp)
+        acc.zero_config = _watch_signals(merge_sp_size(fill_auto(self.args.zero_config_dict, self.args, acc.num_processes // sp), sp))
         acc._zero_engines = []
         acc._eval_engines = []
         hz_dist.register_process()  # so that, should a peer die before the engine exists, it can be named
@@ -208,9 +224,25 @@ class Trainer(transformers.Trainer):
 
     # ---------------------------------------------------------- a rank that dies
 
-    def train(self, *args: Any, **kwargs: Any) -> Any:
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
+        """transformers' ``train``; ``resume_from_checkpoint=True`` takes the newest *complete* ``checkpoint-<step>``.
+
+        A checkpoint folder whose save was cut short (a second signal, a killed process, a background
+        write that never finished) has no ``trainer_state.json`` or no published ``zero_state``; transformers
+        would pick it by its number alone and fail to resume. Checkpoints written in the background
+        (``checkpoint.async_save``) are complete when ``train()`` returns.
+        """
+        if resume_from_checkpoint is True and self.zero_enabled:
+            resume_from_checkpoint = _last_complete_checkpoint(self.args.output_dir)
+            if resume_from_checkpoint is None:
+                raise ValueError(f"No valid checkpoint found in output directory ({self.args.output_dir})")
         with hz_dist.peer_failure_guard("Trainer.train()"), self._loss_filter_on_device():
-            return super().train(*args, **kwargs)
+            out = super().train(resume_from_checkpoint, *args, **kwargs)
+            if self.zero_enabled and self.engine is not None:
+                self.engine.wait_for_checkpoint()
+                if self.engine.config.checkpoint_async_save:
+                    self._rotate_to_the_limit()
+            return out
 
     @contextlib.contextmanager
     def _loss_filter_on_device(self) -> Iterator[None]:
@@ -310,7 +342,8 @@ class Trainer(transformers.Trainer):
                 self.processing_class.save_pretrained(output_dir)
             with open(os.path.join(output_dir, "training_args.json"), "w") as f:
                 f.write(self.args.to_json_string())
-            record.update_record(output_dir, record.trainer_record(self, merged=merge_adapters), keep=record.TRAINER_FILLS_ONLY)
+            record.update_record(output_dir, record.trainer_record(self, self.engine.train_state(), merged=merge_adapters),
+                                 keep=record.TRAINER_FILLS_ONLY)
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
@@ -340,7 +373,8 @@ class Trainer(transformers.Trainer):
 
         folder = self.args.output_dir
         merged = bool(record.read_record(folder).get("merged_adapters"))  # as save_model left the folder
-        record.update_record(folder, record.trainer_record(self, merged=merged), keep=record.TRAINER_FILLS_ONLY)
+        state = self.engine.train_state() if self.engine is not None else None
+        record.update_record(folder, record.trainer_record(self, state, merged=merged), keep=record.TRAINER_FILLS_ONLY)
         extra: dict[str, Any] = {"tags": [tags] if isinstance(tags, str) else list(tags or [])}
         if language is not None:
             extra["language"] = language
@@ -360,6 +394,42 @@ class Trainer(transformers.Trainer):
             return super()._save_optimizer_and_scheduler(output_dir)
         sched = self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None
         self.engine.save_checkpoint(output_dir, tag=ZERO_STATE_TAG, client_state={"lr_scheduler": sched})
+
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        """``save_total_limit`` counts complete checkpoints: while one is written in the background, one more stays.
+
+        With ``checkpoint.async_save`` the engine's part of ``checkpoint-<step>`` is still being written when
+        transformers rotates the old ones away at the end of this method; ``save_total_limit=1`` would then
+        delete the last complete checkpoint, and a crash before the write ends would leave nothing to resume
+        from. The rotation to the limit itself happens once the write is done (the next save, or the end of
+        ``train()``).
+        """
+        limit = self.args.save_total_limit
+        engine = self.engine if self.zero_enabled else None
+        if not limit or limit <= 0 or engine is None or not engine.config.checkpoint_async_save:
+            return super()._save_checkpoint(model, trial)
+        self.args.save_total_limit = limit + 1
+        try:
+            return super()._save_checkpoint(model, trial)
+        finally:
+            self.args.save_total_limit = limit
+
+    def _rotate_to_the_limit(self) -> None:
+        """transformers' rotation of ``checkpoint-<step>`` folders with the real ``save_total_limit`` (rank 0)."""
+        if not self.args.should_save or not self.args.save_total_limit:
+            return
+        run_dir = self._get_output_dir(trial=None)
+        try:
+            from transformers.trainer_utils import rotate_checkpoints
+        except ImportError:  # transformers < 5: a Trainer method
+            return self._rotate_checkpoints(use_mtime=False, output_dir=run_dir)
+        rotate_checkpoints(output_dir=run_dir, save_total_limit=self.args.save_total_limit,
+                           best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=False)
+
+    def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
+        if self.zero_enabled and self.engine is not None:
+            self.engine.wait_for_checkpoint()  # (async_save) push the checkpoint whole
+        return super()._push_from_checkpoint(checkpoint_folder)
 
     def _save_rng_state(self, output_dir: str) -> None:
         if not self.zero_enabled:
@@ -384,7 +454,9 @@ class Trainer(transformers.Trainer):
         if _saved_by_deepspeed(checkpoint):
             from hf_zero.checkpoint import deepspeed as ds_checkpoint
 
-            return ds_checkpoint.resume_trainer(self, checkpoint)
+            progress = ds_checkpoint.resume_trainer(self.engine.train_state(), self.lr_scheduler, checkpoint)
+            self.engine.restore_progress(progress)
+            return None
         _, client = self.engine.load_checkpoint(checkpoint, tag=ZERO_STATE_TAG)
         if self.lr_scheduler is not None and client.get("lr_scheduler") is not None:
             self.lr_scheduler.load_state_dict(client["lr_scheduler"])
@@ -397,6 +469,79 @@ class Trainer(transformers.Trainer):
         if not self.zero_enabled or self.engine is None:
             return super()._load_best_model()
         self.engine.load_checkpoint(self.state.best_model_checkpoint, tag=ZERO_STATE_TAG, load_module_only=True)
+
+
+class _SaveOnPreemption(transformers.TrainerCallback):
+    """A preemption under hf_zero's Trainer: ``checkpoint-<step>`` with the trainer state, then exit 128 + signum.
+
+    The engine watches the signals (``checkpoint.save_on_signal``; the Trainer turns SIGTERM and SIGUSR1
+    on unless the config says otherwise) and every rank learns of the decision at the same optimizer step
+    (hf_zero/preemption.py). The Trainer then saves the checkpoint itself, so that it has its
+    ``trainer_state.json``, scheduler and data position; the engine does not save on its own. A signal
+    during evaluation is decided at the end of a later training step (evaluation has no optimizer step).
+    """
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.trainer = trainer
+        self.signum: int | None = None
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.trainer.engine is not None:
+            self.trainer.engine.save_on_preemption = False
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        engine = self.trainer.engine
+        signum = engine.preemption_signal() if engine is not None else None
+        if signum is None or self.signum is not None:
+            return
+        self.signum = signum
+        hz_preemption.acting()
+        control.should_save, control.should_training_stop, control.should_evaluate = True, True, False
+        if args.save_only_model and self.trainer.is_world_process_zero():
+            logger.warning("save_only_model is on: the preemption checkpoint holds the weights only and cannot "
+                                   "be resumed from")
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.signum is None:
+            return
+        engine = self.trainer.engine
+        engine.wait_for_checkpoint()
+        status = hz_preemption.exit_status(self.signum)
+        if self.trainer.is_world_process_zero():
+            logger.warning("%s: every rank stopped after step %d and saved %s; exiting with status %d",
+                                   hz_preemption.signal_name(self.signum), state.global_step,
+                                   os.path.join(self.trainer._get_output_dir(None), f"checkpoint-{state.global_step}"), status)
+        raise SystemExit(status)
+
+
+def _watch_signals(config: dict) -> dict:
+    """The engine's config with ``checkpoint.save_on_signal`` SIGTERM and SIGUSR1 unless the config names its own."""
+    section = config.get("checkpoint")
+    if isinstance(section, dict) and section.get("save_on_signal") is not None:
+        return config
+    section = dict(section) if isinstance(section, dict) else {}
+    section["save_on_signal"] = list(hz_preemption.TRAINER_DEFAULT)
+    return {**config, "checkpoint": section}
+
+
+def _last_complete_checkpoint(folder: str) -> str | None:
+    """The newest ``checkpoint-<step>`` with its trainer state and, when hf_zero wrote it, a published resume state."""
+    from transformers.trainer import TRAINER_STATE_NAME
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+    from hf_zero.checkpoint.format import META
+
+    found = []
+    for name in os.listdir(folder) if os.path.isdir(folder) else ():
+        step = name.removeprefix(f"{PREFIX_CHECKPOINT_DIR}-")
+        path = os.path.join(folder, name)
+        if name == step or not step.isdigit() or not os.path.isfile(os.path.join(path, TRAINER_STATE_NAME)):
+            continue
+        if os.path.isdir(os.path.join(path, ZERO_STATE_TAG)) or not _saved_by_deepspeed(path):
+            if not os.path.isfile(os.path.join(path, ZERO_STATE_TAG, META)):
+                continue  # hf_zero's resume state never published: a save cut short
+        found.append((int(step), path))
+    return max(found)[1] if found else None
 
 
 def _saved_by_deepspeed(checkpoint: str) -> bool:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
-from hf_zero.model_cards.record import hub_id_or_none, read_record
+from hf_zero.model_cards.record import hub_id_of, read_record
 
 CARD_TEMPLATE = "README.md.j2"
 WEIGHT_PATTERNS: tuple[str, ...] = ("*.safetensors", "pytorch_model*.bin", "*.gguf", "*.pt")
@@ -138,8 +138,24 @@ def _model_in(folder: str, record: Mapping[str, Any]) -> tuple[_Model, dict[str,
     return _Model(adapter, what, auto_class, tag, peft_type), adapter_config
 
 
+def _eval_dataset(given: Mapping[str, Any] | None, datasets: list[str]) -> dict[str, Any] | None:
+    """What the metrics were measured on, as a model-index entry names it: ``type`` (the Hub dataset id, or a
+    name of one's own for data that is not on the Hub), ``name``, and ``split``/``config`` when known; else the
+    first of the card's datasets; None when nothing names it (a model-index entry must)."""
+    if given:
+        missing = [k for k in ("type", "name") if not given.get(k)]
+        if missing:
+            from hf_zero.errors import HubError
+
+            raise HubError(f"eval_dataset={dict(given)!r} has no {' or '.join(missing)}; a model-index entry needs both "
+                           "(type: the Hub dataset id or a name of your own, name: a readable name)")
+        return {k: str(given[k]) for k in ("type", "name", "split", "config") if given.get(k)}
+    return {"type": datasets[0], "name": datasets[0]} if datasets else None
+
+
 def _card_data(model: _Model, library: str, base: str | None, datasets: list[str], metrics: Mapping[str, float],
-               zero_config: Mapping[str, Any] | None, name: str, metadata: dict[str, Any]) -> Any:
+               zero_config: Mapping[str, Any] | None, name: str, metadata: dict[str, Any],
+               evaluated_on: Mapping[str, str] | None) -> Any:
     """The YAML metadata: library, base model, datasets, tags, pipeline tag, and a model-index when it can have one."""
     from huggingface_hub import EvalResult, ModelCardData
 
@@ -152,14 +168,15 @@ def _card_data(model: _Model, library: str, base: str | None, datasets: list[str
     tags += [t for t in metadata.pop("tags", None) or [] if t not in tags]
     pipeline_tag = metadata.pop("pipeline_tag", model.pipeline_tag)
     eval_results = None
-    if metrics and datasets:  # a model-index entry must name its dataset
+    if metrics and evaluated_on:  # a model-index entry must name its dataset
         eval_results = [
-            EvalResult(task_type=pipeline_tag or "other", dataset_type=datasets[0], dataset_name=datasets[0],
+            EvalResult(task_type=pipeline_tag or "other", dataset_type=evaluated_on["type"], dataset_name=evaluated_on["name"],
+                       dataset_split=evaluated_on.get("split"), dataset_config=evaluated_on.get("config"),
                        metric_type=key, metric_name=key.replace("_", " "), metric_value=value)
             for key, value in metrics.items()
         ]
     return ModelCardData(
-        library_name=library, base_model=hub_id_or_none(base), datasets=datasets or None, tags=tags,
+        library_name=library, base_model=base, datasets=datasets or None, tags=tags,
         pipeline_tag=pipeline_tag, eval_results=eval_results, model_name=name if eval_results else None, **metadata,
     )
 
@@ -177,13 +194,17 @@ def render_model_card(
     extra: Mapping[str, Any] | None = None,
     repo_id: str | None = None,
     model_name: str | None = None,
+    eval_dataset: Mapping[str, Any] | None = None,
 ) -> str:
     """The ``README.md`` text for ``folder``: YAML metadata the Hub indexes, then how the model was trained.
 
     Metadata: ``library_name`` (``peft`` for an adapter folder, ``transformers`` for full weights),
-    ``base_model`` when it is a Hub id, ``datasets``, the ``hf_zero`` and ZeRO-stage tags, the
-    pipeline tag of the architecture, and a ``model-index`` when there are metrics and a dataset
-    (a model-index entry must name its dataset; without one the metrics appear only in the body).
+    ``base_model`` when it is a Hub id (:func:`~hf_zero.model_cards.record.hub_id_of`: a local path never
+    is; the first of the argument, the record and an adapter's ``base_model_name_or_path`` that gives one),
+    ``datasets``, the ``hf_zero`` and ZeRO-stage tags, the pipeline tag of the architecture, and a
+    ``model-index`` when there are metrics and a dataset to name: ``eval_dataset`` (``type``, ``name``,
+    optional ``split``/``config``; also read from the record), else the first of ``datasets``; without one
+    the metrics appear only in the body.
     The body: how to load it, base model, datasets, hardware, throughput (tokens/s when a number),
     hyperparameters, results, the resolved ZeRO config, framework versions and the weight files.
     Arguments override the folder's record. ``extra`` holds further metadata fields (``license``,
@@ -198,14 +219,16 @@ def render_model_card(
         raise HubError(f"cannot write a model card for {folder}: it is not a directory.")
     record = read_record(folder)
     model, adapter_config = _model_in(folder, record)
-    base = base_model or record.get("base_model") or adapter_config.get("base_model_name_or_path")
+    named = [n for n in (base_model, record.get("base_model"), adapter_config.get("base_model_name_or_path")) if n]
+    base = next((i for i in map(hub_id_of, named) if i), None)
     dataset_list = [datasets] if isinstance(datasets, str) else list(datasets or record.get("datasets") or [])
     metrics = dict(metrics if metrics is not None else record.get("metrics") or {})
     zero_config = zero_config if zero_config is not None else record.get("zero_config")
     metadata = dict(extra or {})
     library = metadata.pop("library_name", None) or ("peft" if model.adapter else record.get("library_name") or "transformers")
     name = model_name or (repo_id or os.path.basename(os.path.abspath(folder))).split("/")[-1]
-    card_data = _card_data(model, library, base, dataset_list, metrics, zero_config, name, metadata)
+    evaluated_on = _eval_dataset(eval_dataset if eval_dataset is not None else record.get("eval_dataset"), dataset_list)
+    card_data = _card_data(model, library, base, dataset_list, metrics, zero_config, name, metadata, evaluated_on)
     throughput = throughput if throughput is not None else record.get("throughput")
     files = sorted(
         (f, _human_size(os.path.getsize(os.path.join(folder, f))))
@@ -223,7 +246,9 @@ def render_model_card(
         auto_class=model.auto_class,
         repo_hint=repo_id or "path/to/this/folder",
         base_model=base,
+        local_base=bool(named) and base is None,
         datasets=dataset_list,
+        evaluated_on=evaluated_on,
         metrics=metrics,
         hardware=hardware or hardware_text(record),
         throughput_text=f"{throughput:,.0f} tokens/s" if isinstance(throughput, (int, float)) else throughput,

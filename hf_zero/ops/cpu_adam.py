@@ -9,7 +9,7 @@ threads by ``at::parallel_for``), what ``torch.optim.AdamW(fused=True)`` runs on
 It needs no compiler at run time, unlike DeepSpeed's JIT-built op, and of the kernels that do
 not (torch's per-tensor loop, ``foreach``, fused; a Python thread pool over chunks) it is the
 fastest measured; per core it is slower than DeepSpeed's AVX kernel (about 0.75x on one AMD
-EPYC core; ``scripts/bench_cpu_adam.py`` measures both, and a compiled single-pass alternative). :func:`adam_update` is that kernel plus what DeepSpeed's op
+EPYC core; ``benchmarks/bench_cpu_adam.py`` measures both, and a compiled single-pass alternative). :func:`adam_update` is that kernel plus what DeepSpeed's op
 does that torch's does not:
 
 - ``bias_correction=False``: torch's kernel always corrects. The uncorrected update equals the

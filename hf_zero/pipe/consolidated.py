@@ -11,20 +11,22 @@ under one name; the first stage's copy is written. The lists of names travel as 
 from __future__ import annotations
 
 import os
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from hf_zero.checkpoint.consolidated import save_model_config, write_weights
+from hf_zero.checkpoint.state import TrainState
 from hf_zero.dist import gather_json
+from hf_zero.pipe.module import PipelineModule
 from hf_zero.precision import dtype_by_name
 
 
-def save_pretrained(engine: Any, save_directory: str, max_shard_size: int | str = "5GB",
+def save_pretrained(state: TrainState, save_directory: str, max_shard_size: int | str = "5GB",
                     dtype: torch.dtype | None = None) -> list[str]:
     """Consolidate every stage into ``save_directory`` (collective over the world; global rank 0 writes)."""
-    module = engine.module
+    module = state.module
+    assert isinstance(module, PipelineModule), "a pipeline's weights are consolidated from its PipelineModule"
     rank = dist.get_rank()
     if rank == 0:
         os.makedirs(save_directory, exist_ok=True)
@@ -55,7 +57,7 @@ def save_pretrained(engine: Any, save_directory: str, max_shard_size: int | str 
         if rank == src:
             dist.send(mine[name].detach().contiguous(), dst=0)
         elif rank == 0:
-            buf = torch.empty(shape, dtype=held, device=engine.device)
+            buf = torch.empty(shape, dtype=held, device=state.device)
             dist.recv(buf, src=src)
             return buf.to("cpu")
         return None

@@ -27,6 +27,7 @@ stages, or into a plain ``ZeroEngine`` of the same model.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,7 +35,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hf_zero.checkpoint.ranks import CheckpointLayout
 from hf_zero.config import ConfigError, ZeroConfig
 from hf_zero.data import to_device
 from hf_zero.engine import ZeroEngine
@@ -42,7 +42,6 @@ from hf_zero.errors import UsageError
 from hf_zero.pipe import p2p
 from hf_zero.pipe import schedule as S
 from hf_zero.pipe.module import PipelineModule
-from hf_zero.step import NormScope
 from hf_zero.zero.group import ShardGroup
 
 
@@ -104,29 +103,36 @@ class PipelineEngine(ZeroEngine):
         tied = model.tied_weights()
         if optimizer is not None:
             _isolate(optimizer, [w for w, _, _ in tied])
-        super().__init__(model, config, optimizer, lr_scheduler=lr_scheduler, group=model.dp_group)
+        super().__init__(model, config, optimizer, lr_scheduler=lr_scheduler, grid=model.grid)
         self.num_stages, self.stage_id = model.num_stages, model.stage_id
         self.dp_rank = model.dp_rank
-        self._tied: list[tuple[ShardGroup, Any, bool]] = []  # (the weight's shard group, tie group, first holder)
+        self.training_dataloader = None
+        self._data_iter: Iterator | None = None
+        # Set to True to time this stage's forwards and backwards (CUDA events on GPU): the bubble
+        # is then what the step spends outside them (benchmarks/bench.py reports it).
+        self.measure_compute = False
+        self._compute_marks: list[Any] = []
+
+    @functools.cached_property
+    def _tied(self) -> list[tuple[ShardGroup, Any, bool]]:
+        """(the shard group, the tie group, whether this stage is the first holder) of each trainable tied weight."""
+        out = []
         if self.zero_optimizer is not None:
-            for weight, group, first in tied:
+            for weight, group, first in self.module.tied_weights():
                 if not weight.requires_grad:
                     continue
                 fg = self.zero_optimizer.group_of(weight)
                 assert fg is not None and len(fg.slots) == 1, "a tied weight must sit alone in its flat bucket"
-                self._tied.append((fg, group, first))
-        # The global norm spans every stage (one all-reduce over the world); a data-parallel
-        # replica's unpartitioned groups count once, a tied weight at its first stage only.
-        self.step_policy.scope = NormScope(
-            None, dist.get_world_size(), replicas=self.dp_world_size,
-            exclude=frozenset(id(g) for g, _, first in self._tied if not first),
-        )
-        self.training_dataloader = None
-        self._data_iter: Iterator | None = None
-        # Set to True to time this stage's forwards and backwards (CUDA events on GPU): the bubble
-        # is then what the step spends outside them (scripts/bench.py reports it).
-        self.measure_compute = False
-        self._compute_marks: list[Any] = []
+                out.append((fg, group, first))
+        return out
+
+    def _norm_excluded(self) -> frozenset[int]:
+        """A tied weight counts in the global norm at its first stage only."""
+        return frozenset(id(g) for g, _, first in self._tied if not first)
+
+    def _stored_elsewhere(self) -> set[int]:
+        """A tied weight is stored in checkpoints by the first stage holding it."""
+        return {id(w) for w, _, first in self.module.tied_weights() if not first}
 
     # ------------------------------------------------------------ DeepSpeed API
 
@@ -175,7 +181,9 @@ class PipelineEngine(ZeroEngine):
         self._execute(S.build(self.schedule_name, self.num_stages, self.stage_id, m), run)
         self.micro_steps += m
         self.global_samples += self.train_micro_batch_size_per_gpu() * m * self.dp_world_size
-        return self._mean_loss(run)
+        loss = self._mean_loss(run)
+        self._check_preemption()  # checkpoint.save_on_signal: every stage decides at the same train_batch
+        return loss
 
     def eval_batch(self, data_iter: Any, return_logits: bool = False, compute_loss: bool = True,
                    reduce_output: str = "avg", bcast_loss: bool = True, num_micro_batches: int | None = None) -> Any:
@@ -220,20 +228,13 @@ class PipelineEngine(ZeroEngine):
     def step(self, lr_kwargs: dict | None = None) -> None:
         raise UsageError("engine.step() is not used with pipeline parallelism; call engine.train_batch(data_iter), which runs forward, backward and step")
 
-    def checkpoint_layout(self) -> CheckpointLayout:
-        """The whole world writes a pipeline's checkpoint: each rank its stage's share, a tied weight at its first stage."""
-        module = self.module
-        others = {id(w) for w, _, first in module.tied_weights() if not first}
-        return CheckpointLayout(None, dist.get_rank(), dist.get_world_size(), self.dp_rank, module.stage_id,
-                                module.num_stages, module.topology.dp, others)
-
     def save_pretrained(self, save_directory: str, max_shard_size: int | str = "5GB",
                         dtype: torch.dtype | None = None) -> list[str]:
         """Every stage's weights in one Hugging Face folder (every rank calls this; global rank 0 writes)."""
         from hf_zero.pipe.consolidated import save_pretrained
 
         self.wait_params()
-        return save_pretrained(self, save_directory, max_shard_size=max_shard_size, dtype=dtype)
+        return save_pretrained(self.train_state(), save_directory, max_shard_size=max_shard_size, dtype=dtype)
 
     def save_16bit_model(self, save_dir: str, save_filename: str = "model.safetensors",
                          exclude_frozen_parameters: bool = False) -> bool:
@@ -353,7 +354,7 @@ class PipelineEngine(ZeroEngine):
     # ------------------------------------------------------------ point to point
 
     def _peer(self, stage: int) -> tuple[int, Any]:
-        return self.module.topology.rank(stage, self.dp_rank), self.module.p2p_groups[stage]
+        return self.module.rank_of(stage), self.module.p2p_groups[stage]
 
     def _exchange(self, actions: list[S.Action], run: _Run) -> None:
         """Post one neighbour's sends and receives together; wait only for what is received."""
@@ -424,7 +425,7 @@ class PipelineEngine(ZeroEngine):
                 dist.all_reduce(loss, group=self.group)
                 loss = loss / self.dp_world_size
         if self.num_stages > 1:
-            src = self.module.topology.rank(self.num_stages - 1, self.dp_rank)
+            src = self.module.rank_of(self.num_stages - 1)
             dist.broadcast(loss, src=src, group=self.module.pipe_group)
         return loss
 

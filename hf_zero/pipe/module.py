@@ -6,9 +6,10 @@ built only on the stage that owns it, so no process ever materialises the whole 
 sharing a weight (an embedding and the LM head) are ``TiedLayerSpec``s with one key, each stage
 holding one copy kept equal to the others (same start, gradients summed before every step).
 
-The process layout is DeepSpeed's ``PipeDataParallelTopology``: global rank
-``stage * dp + dp_rank``, so a stage's data-parallel replicas are neighbours. Every rank makes
-every group (``new_group`` is collective), in the same order.
+The process layout is the run's grid (``hf_zero/parallel/grid.py``) with a ``pp`` axis, outermost: global
+rank ``pipe_stage * dp + dp_rank``, as DeepSpeed's ``PipeDataParallelTopology`` numbers them, so a stage's
+data-parallel replicas are neighbours. The module cuts the grid when it is built (its stage must be known
+before its layers are); ``initialize`` takes it from there. Every rank makes every group in the same order.
 
 hf_zero adds one thing: a spec may carry ``module_path`` (``NamedLayerSpec``, or
 ``TiedLayerSpec(..., module_path=...)``). The built module is then registered at that dotted
@@ -31,6 +32,7 @@ from torch import nn
 
 from hf_zero import dist as hz_dist
 from hf_zero.errors import PipelineError
+from hf_zero.parallel import GridShape, grid_for
 
 logger = logging.getLogger("hf_zero")
 
@@ -179,27 +181,6 @@ def _compute_weights(specs: list[Any]) -> list[int]:
 # ---------------------------------------------------------------- topology
 
 
-class Topology:
-    """Who is who in a pipeline x data-parallel layout (global rank = stage * dp + dp_rank)."""
-
-    def __init__(self, num_stages: int, dp: int) -> None:
-        self.num_stages, self.dp = num_stages, dp
-
-    def rank(self, stage: int, dp_rank: int) -> int:
-        return stage * self.dp + dp_rank
-
-    def coords(self, rank: int) -> tuple[int, int]:
-        return divmod(rank, self.dp)
-
-    def stage_ranks(self, stage: int) -> list[int]:
-        """The data-parallel replicas of one stage."""
-        return [self.rank(stage, d) for d in range(self.dp)]
-
-    def pipe_ranks(self, dp_rank: int) -> list[int]:
-        """One pipeline: the stages of one data-parallel replica."""
-        return [self.rank(s, dp_rank) for s in range(self.num_stages)]
-
-
 def _install(root: nn.Module, path: str, module: nn.Module) -> None:
     """Register ``module`` at a dotted ``path`` under ``root``, creating empty containers on the way."""
     *parents, leaf = path.split(".")
@@ -266,9 +247,9 @@ class PipelineModule(nn.Module):
                 f"PipelineModule(activation_checkpoint_interval=...) must be an integer >= 0, got {activation_checkpoint_interval!r}"
             )
         self.num_stages = num_stages
-        self.topology = Topology(num_stages, world // num_stages)
+        self.grid = grid_for(GridShape.fill(world, pp=num_stages), hz_dist.get_device().type)
         self.global_rank = dist.get_rank()
-        self.stage_id, self.dp_rank = self.topology.coords(self.global_rank)
+        self.stage_id, self.dp_rank, self.dp = self.grid.pipe_stage, self.grid.dp_rank, self.grid.dp_size
         self.loss_fn = loss_fn
         self.seed_layers, self.seed_fn, self.base_seed = seed_layers, seed_fn, base_seed
         self.activation_checkpoint_interval = activation_checkpoint_interval
@@ -315,25 +296,24 @@ class PipelineModule(nn.Module):
         )
 
     def _make_groups(self) -> None:
-        """Every group of the layout, made on every rank in the same order (``new_group`` is collective)."""
-        topo = self.topology
-        self.dp_group = self.pipe_group = None
-        for s in range(topo.num_stages):
-            g = dist.new_group(topo.stage_ranks(s))
-            if s == self.stage_id:
-                self.dp_group = g
+        """The stage's data-parallel group and the pipeline's (the grid's), and a 2-rank group per neighbouring pair
+        of stages, made on every rank in the same order (``new_group`` is collective)."""
+        grid = self.grid
+        self.dp_group = grid.zero_group  # the stage's replicas: what ZeRO shards over
+        self.pipe_group = grid.group("pp")
         self.p2p_groups: dict[int, Any] = {}  # neighbour stage -> 2-rank group
-        for d in range(topo.dp):
-            g = dist.new_group(topo.pipe_ranks(d))
-            if d == self.dp_rank:
-                self.pipe_group = g
-            for s in range(topo.num_stages - 1):
-                pair = dist.new_group([topo.rank(s, d), topo.rank(s + 1, d)])
+        for d in range(self.dp):
+            for s in range(self.num_stages - 1):
+                pair = dist.new_group([grid.rank_at(pp=s, dp_shard=d), grid.rank_at(pp=s + 1, dp_shard=d)])
                 if d == self.dp_rank and s == self.stage_id:
                     self.p2p_groups[s + 1] = pair
                 if d == self.dp_rank and s + 1 == self.stage_id:
                     self.p2p_groups[s] = pair
         self._connect_neighbours()
+
+    def rank_of(self, stage: int) -> int:
+        """The global rank of pipeline stage ``stage`` in this rank's data-parallel replica."""
+        return self.grid.rank_at(pp=stage)
 
     def _connect_neighbours(self) -> None:
         """One tiny exchange in both directions with each neighbour, lower pair first, before any real traffic.
@@ -345,7 +325,7 @@ class PipelineModule(nn.Module):
         """
         device = hz_dist.get_device()
         for peer_stage in sorted(self.p2p_groups):
-            rank = self.topology.rank(peer_stage, self.dp_rank)
+            rank = self.rank_of(peer_stage)
             out, inp = torch.zeros(1, device=device), torch.zeros(1, device=device)
             works = dist.batch_isend_irecv([dist.P2POp(dist.isend, out, rank, self.p2p_groups[peer_stage]),
                                             dist.P2POp(dist.irecv, inp, rank, self.p2p_groups[peer_stage])])
@@ -387,8 +367,8 @@ class PipelineModule(nn.Module):
         for key in keys:
             stages = sorted({self.stage_owner(i) for i, s in enumerate(self._layer_specs)
                              if isinstance(s, TiedLayerSpec) and s.key == key})
-            for d in range(self.topology.dp):
-                ranks = [self.topology.rank(s, d) for s in stages]
+            for d in range(self.dp):
+                ranks = [self.grid.rank_at(pp=s, dp_shard=d) for s in stages]
                 group = dist.new_group(ranks) if len(ranks) > 1 else None
                 if self.global_rank in ranks and len(ranks) > 1:
                     comms[key] = {"ranks": ranks, "group": group, "weight_attr": self.tied_weight_attrs[key],

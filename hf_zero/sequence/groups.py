@@ -1,6 +1,6 @@
-"""Process groups for Ulysses sequence parallelism: ``world = dp x sp``.
+"""Ulysses sequence parallelism's view of the run's grid (``hf_zero/parallel/grid.py``): ``world = dp x sp``.
 
-Ranks ``k*sp .. k*sp+sp-1`` (in the order of the parent group) form sequence-parallel group
+The grid's ``sp`` axis is innermost but for ``tp``: ranks ``k*sp .. k*sp+sp-1`` form sequence-parallel group
 ``k``: they share every sample, each holding ``1/sp`` of its tokens, and trade activations with
 all-to-alls inside attention. The ranks at the same position of their sp groups form a
 data-parallel group: they see different samples. Consecutive ranks share a sample so that,
@@ -23,6 +23,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch.distributed as dist
+
+from hf_zero.parallel import DATA_AXES, GridShape, ParallelGrid, grid_for
+from hf_zero.parallel.grid import device_type_of_default_group
 
 
 class SequenceParallelError(ValueError):
@@ -53,48 +56,50 @@ class SequenceParallelGroups:
         return self.sp_size > 1
 
 
-def make_groups(sp_size: int, group: dist.ProcessGroup | None = None) -> SequenceParallelGroups:
-    """Split ``group`` (default: the world) into sp groups of ``sp_size`` consecutive ranks and dp groups across them.
+def view_of(grid: ParallelGrid) -> SequenceParallelGroups | None:
+    """The ``sp`` axis of the run's grid (:mod:`hf_zero.parallel.grid`) as this rank sees it; None when it is 1."""
+    sp = grid.size("sp")
+    if sp == 1:
+        return None
+    dp = grid.dp_size
+    return SequenceParallelGroups(
+        sp_size=sp,
+        sp_rank=grid.rank("sp"),
+        sp_group=_explicit(grid.group("sp")),
+        dp_size=dp,
+        dp_rank=grid.dp_rank,
+        dp_group=_explicit(grid.group(*DATA_AXES)) if dp > 1 else None,
+        zero_group=grid.zero_group,
+        sp_ranks=grid.ranks("sp"),
+        dp_ranks=grid.ranks(*DATA_AXES),
+    )
 
-    Every rank of ``group`` calls this, with the same ``sp_size``. Only the members of each new
-    group take part in creating it, so ``group`` may itself be a sub-group of the world.
+
+def make_groups(sp_size: int, group: dist.ProcessGroup | None = None) -> SequenceParallelGroups:
+    """The ``dp x sp`` view of a grid of the whole world with ``sp_size`` consecutive ranks per sequence-parallel group.
+
+    Every rank calls this with the same ``sp_size`` (the groups are made collectively, once per process).
     """
     if isinstance(sp_size, bool) or not isinstance(sp_size, int) or sp_size < 1:
         raise SequenceParallelError(f"sequence_parallel_size: got {sp_size!r}, expected an integer >= 1")
-    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
-    n = len(ranks)
+    if group is not None:
+        raise SequenceParallelError("make_groups(group=...): sequence parallelism is cut from the whole world's grid; "
+                                    "leave group unset")
+    n = dist.get_world_size()
     if n % sp_size:
         raise SequenceParallelError(
             f"sequence_parallel_size {sp_size} does not divide the {n} ranks; the world must be data-parallel "
             f"degree x sequence-parallel degree, so choose a divisor of {n}"
         )
-    me = ranks.index(dist.get_rank())
-    k, j = divmod(me, sp_size)
-    sp_ranks = tuple(ranks[k * sp_size : (k + 1) * sp_size])
-    dp_ranks = tuple(ranks[j::sp_size])
-    return SequenceParallelGroups(
-        sp_size=sp_size,
-        sp_rank=j,
-        sp_group=_subgroup(sp_ranks, n, group),
-        dp_size=n // sp_size,
-        dp_rank=k,
-        dp_group=_subgroup(dp_ranks, n, group),
-        zero_group=group,
-        sp_ranks=sp_ranks,
-        dp_ranks=dp_ranks,
-    )
+    grid = grid_for(GridShape.fill(n, sp=sp_size), device_type_of_default_group())
+    view = view_of(grid)
+    if view is None:  # sp_size 1: every rank its own sequence-parallel group
+        rank = dist.get_rank()
+        return SequenceParallelGroups(1, 0, None, n, rank, None if n == 1 else dist.group.WORLD, None, (rank,),
+                                      tuple(range(n)))
+    return view
 
 
-_CREATED: dict[tuple[int, ...], dist.ProcessGroup] = {}
-
-
-def _subgroup(members: tuple[int, ...], parent_size: int, parent: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
-    """The group of ``members``, made once per process (a second engine reuses it: torch names
-    locally synchronised groups by their ranks, so making it twice would collide)."""
-    if len(members) == 1:
-        return None
-    if len(members) == parent_size:
-        return parent if parent is not None else dist.group.WORLD
-    if members not in _CREATED:
-        _CREATED[members] = dist.new_group(list(members), use_local_synchronization=True)
-    return _CREATED[members]
+def _explicit(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
+    """The grid answers None for a group of every rank; these views name the world group instead, as they always did."""
+    return dist.group.WORLD if group is None else group

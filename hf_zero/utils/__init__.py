@@ -1,7 +1,8 @@
-"""``deepspeed.utils`` under hf_zero: its logger, ``log_dist`` and ``zero_to_fp32``.
+"""``deepspeed.utils`` under hf_zero: its logger, ``log_dist``, ``zero_to_fp32``, ``groups``, ``RepeatingLoader``
+and the per-parameter accessors ``safe_get_full_fp32_param`` and the like (``hf_zero/utils/tensor_fragment.py``).
 
-DeepSpeed's per-parameter stage-3 accessors (``safe_get_full_fp32_param`` and the like) are not
-here yet; asking for one says so instead of failing with a bare AttributeError.
+``set_z3_leaf_modules`` and ``OnDevice`` are not here yet; asking for one says so instead of failing with a
+bare AttributeError.
 """
 
 from __future__ import annotations
@@ -9,17 +10,33 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from hf_zero.utils import zero_to_fp32
+from hf_zero.data import RepeatingLoader
+from hf_zero.utils import groups, zero_to_fp32
+from hf_zero.utils.tensor_fragment import (
+    safe_get_full_fp32_param,
+    safe_get_full_grad,
+    safe_get_full_optimizer_state,
+    safe_get_local_fp32_param,
+    safe_get_local_grad,
+    safe_get_local_optimizer_state,
+    safe_set_full_fp32_param,
+    safe_set_full_grad,
+    safe_set_full_optimizer_state,
+    safe_set_local_fp32_param,
+    safe_set_local_grad,
+    safe_set_local_optimizer_state,
+)
 
-__all__ = ["logger", "log_dist", "zero_to_fp32"]
+__all__ = [
+    "logger", "log_dist", "zero_to_fp32", "groups", "RepeatingLoader", "safe_get_full_fp32_param", "safe_get_full_grad",
+    "safe_get_full_optimizer_state", "safe_get_local_fp32_param", "safe_get_local_grad", "safe_get_local_optimizer_state",
+    "safe_set_full_fp32_param", "safe_set_full_grad", "safe_set_full_optimizer_state", "safe_set_local_fp32_param",
+    "safe_set_local_grad", "safe_set_local_optimizer_state",
+]
 
 logger = logging.getLogger("hf_zero")
 
-_NOT_YET = (
-    "safe_get_full_fp32_param", "safe_get_full_grad", "safe_get_full_optimizer_state", "safe_set_full_fp32_param",
-    "safe_set_full_optimizer_state", "safe_get_local_fp32_param", "safe_get_local_grad", "set_z3_leaf_modules",
-    "groups", "OnDevice",
-)
+_NOT_YET = ("set_z3_leaf_modules", "OnDevice")
 
 
 def log_dist(message: str, ranks: list[int] | None = None, level: int = logging.INFO) -> None:
@@ -34,8 +51,5 @@ def log_dist(message: str, ranks: list[int] | None = None, level: int = logging.
 
 def __getattr__(name: str) -> Any:
     if name in _NOT_YET:
-        raise AttributeError(
-            f"hf_zero.utils.{name} (DeepSpeed's deepspeed.utils.{name}) is not supported by hf_zero yet; to read or "
-            "change full stage-3 parameters use `with hf_zero.zero.GatheredParameters(params, modifier_rank=0):`"
-        )
+        raise AttributeError(f"hf_zero.utils.{name} (DeepSpeed's deepspeed.utils.{name}) is not supported by hf_zero yet")
     raise AttributeError(f"module 'hf_zero.utils' has no attribute {name!r}")

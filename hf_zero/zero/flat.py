@@ -212,10 +212,11 @@ class FlatGroup(ShardGroup):
         if self.mixed:
             shard.copy_(self.master)
 
-    def defer_step(self, run: Callable[[], None]) -> None:
-        """The optimizer has not stepped this group yet: ``run`` steps and publishes it (``defer=True``), and the
-        first :meth:`wait` calls it (an offloaded step run where the next forward first reads the group)."""
-        self._pending = run
+    def defer_step(self, through: Callable[[ShardGroup], None]) -> None:
+        """The optimizer has not stepped this group yet: the first :meth:`wait` calls ``through(self)``, which steps
+        and publishes it (``defer=True``) and every group before it (an offloaded step run where the next forward
+        first reads the group: :meth:`hf_zero.zero.offload.HostStep.through`, the same bound method for every group)."""
+        self._pending = through
 
     @property
     def publish_pending(self) -> bool:
@@ -230,7 +231,7 @@ class FlatGroup(ShardGroup):
         """
         pending, self._pending = self._pending, None
         if callable(pending):  # the step itself is still to run (defer_step): it leaves its publish's event or handle
-            pending()
+            pending(self)
             pending, self._pending = self._pending, None
         if pending is None:
             return

@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from hf_zero import dist as hz_dist
 from hf_zero.zero import collectives as C
+from hf_zero.zero.external import register_external_parameter
 from hf_zero.zero.preshard import is_presharded, materialize_, reshard_
 from hf_zero.zero.stage3 import ShardState
 
@@ -45,8 +46,11 @@ class GatheredParameters:
         fwd_module: torch.nn.Module | None = None,
         enabled: bool = True,
     ) -> None:
-        del fwd_module
         self.params = _as_list(params)
+        if fwd_module is not None and enabled:  # DeepSpeed registers them as external parameters of fwd_module
+            for p in self.params:
+                if isinstance(p, torch.nn.Parameter):
+                    register_external_parameter(fwd_module, p)
         self.modifier_rank = modifier_rank
         self.enabled = enabled
         self._groups: list = []

@@ -114,7 +114,7 @@ def pack_grads(
     grads = [s.param.grad for s in slots]
     if slots and all(g is not None for g in grads):
         # Every parameter has its gradient: one cat (one kernel, cast included) into the buffer, instead of
-        # a slice, a reshape and a copy per parameter (scripts/bench_host_overhead.py measures the difference).
+        # a slice, a reshape and a copy per parameter (benchmarks/bench_host_overhead.py measures the difference).
         torch.cat([g.reshape(-1) for g in grads], out=src[:end])
         if padded_numel > end:
             src[end:].zero_()
@@ -190,6 +190,13 @@ class ShardGroup(abc.ABC):
     def _set_reduced_grad(self, grad: torch.Tensor | None) -> None:
         assert self.master is not None
         self.master.grad = grad
+
+    def grad_values(self, writable: bool = False) -> torch.Tensor | None:
+        """This rank's averaged gradient shard wherever it is now, for reading (or, ``writable``, editing) it
+        between backward and step (``deepspeed.utils.safe_get_full_grad``): :meth:`reduced_grad`, or an
+        offloaded group's host copy once its device shard was released (``writable`` brings it back, so the
+        step's norm sees the edit)."""
+        return self.reduced_grad()
 
     copy_after_reduce = False  # an offloaded group: copy the reduced shard to the host as soon as it is final
 

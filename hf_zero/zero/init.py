@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from hf_zero import dist as hz_dist
 from hf_zero.zero import collectives as C
+from hf_zero.zero import preshard
 from hf_zero.zero.gathered import GatheredParameters, src_rank
 from hf_zero.zero.preshard import is_presharded, preshard_, slice_of
 from hf_zero.zero.pretrained import from_pretrained_sharded
@@ -48,6 +49,10 @@ class Init:
     distribution as one built without it. ``from_pretrained`` of a safetensors checkpoint builds
     the model's skeleton on ``meta`` and has each rank read only its slices from the files.
     ``hf_zero.initialize`` turns the slices into ZeRO-3 shards one unit at a time.
+
+    Outside the ``with`` block each such parameter is, as DeepSpeed's, a 0-element tensor whose whole
+    shape is ``ds_shape`` (with DeepSpeed's other ``ds_*`` attributes); inside it, while modules are
+    built, it keeps its shape on the ``meta`` device (``hf_zero/zero/preshard.py`` says why).
 
     Like DeepSpeed, only what a module does to its *own* parameters in its ``__init__`` is seen:
     a parent that re-initialises a child's weights after building it must do so inside
@@ -125,6 +130,7 @@ class Init:
         self._pretrained_cls = modeling_utils.PreTrainedModel
         Init._active = self
         self._owner = True
+        preshard.building(True)  # slices keep their shape on meta while modules are built (hf_zero/zero/preshard.py)
         # Modules build their weights straight on the training device (as DeepSpeed's Init does).
         self._device_ctx = torch.device(self.device) if self.device.type == "cuda" else None
         if self._device_ctx is not None:
@@ -161,6 +167,8 @@ class Init:
         self._wrapped.clear()
         Init._active = None
         self._owner = False
+        preshard.building(False)
+        preshard.show_empty_()  # outside the block a parameter is DeepSpeed's 0-element tensor, its shape in ds_shape
 
     def _wrap_class(self, cls: type) -> None:
         orig = cls.__dict__.get("__init__")

@@ -28,33 +28,127 @@ When the host cannot hold the gradient copy beside the masters and the optimizer
 instead: step 2's copy is skipped, the fp32 shards wait on the device (4/N bytes per parameter more GPU
 memory) and the step copies them to the host one group at a time through two shared pinned buffers, the
 next group's copy running while the CPU steps the current one
-(:meth:`hf_zero.zero.partition.ShardedOptimizer.step_and_publish`). Same numbers, bit for bit.
+(:class:`HostStep`, run by the host runners of :mod:`hf_zero.zero.runner`). Same numbers, bit for bit.
 
 GPU bytes per parameter at stage 2: without offload 2 (16-bit weights) + 4/N (fp32 gradient shard) +
 (4 + 8)/N (master, moments); with offload 2 + 4/N, the masters, moments and a gradient copy (16/N) in
 host memory. Stage 3's ``offload_param`` keeps the 16-bit shards the all-gathers read in host memory as
 well (:class:`_HostParamShard`): GPU memory then holds only the units gathered at the moment. Not here
 yet: ``sub_group_size`` (each shard group is one sub-group), NVMe, ``ratio`` < 1.
+
+What is offloaded is decided once, from the config, as an :class:`OffloadPolicy` the engine builds; host memory
+is planned from it before any buffer exists (:func:`plan_host_memory`), and the step that follows from both is a
+runner chosen once (:func:`hf_zero.zero.runner.pick_runner`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import enum
+import logging
 import os
 import socket
 import time
 import weakref
 import zlib
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from hf_zero.errors import HostMemoryError
+from hf_zero.estimate import offload_host_bytes
 from hf_zero.zero import collectives as C
 from hf_zero.zero.flat import FlatGroup
 from hf_zero.zero.group import Placement, ShardGroup
 from hf_zero.zero.stage3 import ShardedParamGroup
+
+logger = logging.getLogger("hf_zero")
+
+
+@dataclass(frozen=True)
+class OffloadPolicy:
+    """What of a rank's ZeRO state lives in host memory: decided once from the config, read, never changed.
+
+    FSDP2's ``CPUOffloadPolicy`` is the model: the engine builds it from ``zero_optimization.offload_optimizer``
+    and ``offload_param``, and :class:`hf_zero.zero.optimizer.ShardedOptimizer` builds its groups and picks its step
+    runner from it. The default offloads nothing.
+
+    - ``optimizer`` (``offload_optimizer.device: "cpu"``): the fp32 masters, a copy of their gradients and the
+      optimizer state in host memory, the optimizer step on the CPU; ``pin_memory`` is its ``pin_memory``
+      (page-locked buffers, where CUDA is present) and ``host_threads`` the CPU step's intra-op threads
+      (:func:`host_step_threads`; None keeps the process's count).
+    - ``params`` (stage 3's ``offload_param.device: "cpu"``): the 16-bit shards the all-gathers read in host memory,
+      the frozen groups' always, the trainable groups' when the optimizer is offloaded too (otherwise their master
+      is the shard, stepped on the device); ``params_pin_memory`` is its ``pin_memory`` (the frozen groups'
+      shards; a trainable group's host shard is pinned as its master is, by ``pin_memory``).
+    """
+
+    optimizer: bool = False
+    pin_memory: bool = True
+    host_threads: int | None = None
+    params: bool = False
+    params_pin_memory: bool = True
+
+    def __post_init__(self) -> None:
+        if self.host_threads is not None and self.host_threads < 1:
+            raise ValueError(f"OffloadPolicy.host_threads: got {self.host_threads}; give a positive count or None")
+
+    @property
+    def host_memory(self) -> bool:
+        """Whether anything lives in host memory (then :func:`plan_host_memory` runs before any buffer exists)."""
+        return self.optimizer or self.params
+
+
+@dataclass(frozen=True)
+class ShardSizes:
+    """This rank's share of the model in elements, counted before any buffer exists (a ``zero.Init`` slice
+    counts as the shard it will become): what :func:`plan_host_memory` plans with.
+
+    ``largest_group`` bounds the largest trainable group's shard: the streamed mode's two shared buffers are of
+    that size.
+    """
+
+    trainable: int
+    frozen: int = 0
+    largest_group: int = 0
+
+
+class HostPlan(enum.Enum):
+    """:func:`plan_host_memory`'s answer (a refusal is a :class:`hf_zero.errors.HostMemoryError` on every rank)."""
+
+    FITS = "fits"  # a gradient copy per group beside the masters and the optimizer state (or nothing offloaded)
+    STREAM_GRADS = "stream_grads"  # no room for the copies: the gradients wait on the device, the step streams them
+
+
+def plan_host_memory(policy: OffloadPolicy, sizes: ShardSizes, *, state_bytes: int, param_bytes: int,
+                     group: dist.ProcessGroup | None) -> HostPlan:
+    """Plan the host memory ``policy`` needs, before any host buffer exists; collective over ``group`` when
+    anything is offloaded (every rank gets the same answer), nothing to do otherwise.
+
+    What a rank pins is :func:`hf_zero.estimate.offload_host_bytes` of its shards (``state_bytes`` of optimizer
+    state per element, :func:`state_bytes_per_element`; ``param_bytes`` per element of an offloaded 16-bit
+    shard). When the machine's ranks together cannot hold it but could with the gradients streamed through two
+    buffers of the largest group instead of a copy per group, the answer is :attr:`HostPlan.STREAM_GRADS`
+    (said once, by rank 0); when they cannot hold even that, :func:`check_host_memory` raises.
+    """
+    if not policy.host_memory:
+        return HostPlan.FITS
+    needed = offload_host_bytes(sizes.trainable, state_bytes, optimizer=policy.optimizer,
+                                param_bytes=param_bytes if policy.params else 0,
+                                frozen_numel=sizes.frozen if policy.params else 0)
+    streamed = None
+    if policy.optimizer:  # no gradient copy per group: two buffers of the largest group instead
+        streamed = needed - 4 * sizes.trainable + 2 * 4 * min(sizes.largest_group, sizes.trainable)
+    if not check_host_memory(needed, group, streamed):
+        return HostPlan.FITS
+    if dist.get_rank(group) == 0:
+        logger.warning(
+            "offload: host memory cannot hold a copy of every gradient beside the masters and optimizer state; "
+            "each rank keeps its fp32 gradient shard on the GPU until the step (4 bytes per parameter / %d) and "
+            "the step streams it to the host group by group through two shared buffers", dist.get_world_size(group))
+    return HostPlan.STREAM_GRADS
 
 
 def host_buffer(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
@@ -82,13 +176,15 @@ class _HostMaster(ShardGroup):
     """The master (and so the optimizer state) of a trainable group in host memory; the reduced gradient on the device."""
 
     pin: bool
-    # Set by the optimizer when the host cannot hold a gradient copy per group (see ShardedOptimizer.step_and_publish):
-    # the reduced shard then stays on the device until the step, which streams it through two shared host buffers.
+    # The host cannot hold a gradient copy per group (plan_host_memory said HostPlan.STREAM_GRADS): the reduced shard
+    # stays on the device until the step, which streams it through two shared host buffers (HostStep). Given to the
+    # constructor, from the plan made before any group existed.
     stream_grads = False
 
-    def _move_master_to_host(self, pin: bool) -> None:
+    def _move_master_to_host(self, pin: bool, stream_grads: bool) -> None:
         assert self.master is not None
         self.pin = bool(pin) and torch.cuda.is_available()
+        self.stream_grads = stream_grads
         on_device = self.master
         self.master = host_buffer(on_device.numel(), torch.float32, pin=self.pin)
         self.master.copy_(on_device)
@@ -108,6 +204,15 @@ class _HostMaster(ShardGroup):
             self._released = None
             if self.master is not None:
                 self.master.grad = None  # the host buffer stays for the next step
+
+    def grad_values(self, writable: bool = False) -> torch.Tensor | None:
+        if self._released is not None:
+            if writable:
+                self._unrelease(None)
+                return self._device_grad
+            self._wait_for_host_copy()
+            return self._host_grad
+        return self._device_grad
 
     def grad_sq_sum(self) -> torch.Tensor:
         return self._released[0] if self._released is not None else super().grad_sq_sum()
@@ -185,7 +290,7 @@ class OffloadedFlatGroup(_HostMaster, FlatGroup):
     """A stage 1-2 bucket whose fp32 master lives in host memory (see the module docstring)."""
 
     def __init__(self, named_params: list[tuple[str, torch.nn.Parameter]], place: Placement, *, partitioned: bool,
-                 free_grads_after_reduce: bool, pin: bool) -> None:
+                 free_grads_after_reduce: bool, pin: bool, stream_grads: bool = False) -> None:
         FlatGroup.__init__(self, named_params, place, partitioned=partitioned, free_grads_after_reduce=free_grads_after_reduce)
         # On one rank too: the full gradients go once reduced (as on more ranks), not kept in a flat 16-bit buffer for
         # the whole run. The reduced fp32 gradient is copied to the host and released on the device in the backward that
@@ -194,7 +299,7 @@ class OffloadedFlatGroup(_HostMaster, FlatGroup):
         self.free_grads_after_reduce = free_grads_after_reduce
         # In fp32 the master was a view of the parameters; from here on it is a host copy either way.
         self.mixed = True
-        self._move_master_to_host(pin)
+        self._move_master_to_host(pin, stream_grads)
 
     def reduce_grads(self, stream: torch.cuda.Stream | None) -> None:
         self._unrelease(stream)
@@ -245,16 +350,16 @@ class OffloadedFrozenGroup(_HostParamShard):
 
 class OffloadedShardedParamGroup(_HostMaster, _HostParamShard):
     """A stage-3 group whose fp32 master lives in host memory; its compute-dtype shard stays on the device for the
-    gathers, or in host memory too under ``offload_param`` (``params_on_host``)."""
+    gathers, or in host memory too under ``offload_param`` (``params_on_host``). ``stream_grads``: see :class:`_HostMaster`."""
 
     def __init__(self, named_params: list[tuple[str, torch.nn.Parameter]], place: Placement, *, trainable: bool,
-                 pin: bool, params_on_host: bool = False) -> None:
+                 pin: bool, params_on_host: bool = False, stream_grads: bool = False) -> None:
         ShardedParamGroup.__init__(self, named_params, place, trainable=trainable)
         if not trainable:
             return
         assert self.master is not None
         self.param_shard = self.master.to(self.compute_dtype, copy=True)
-        self._move_master_to_host(pin)
+        self._move_master_to_host(pin, stream_grads)
         if params_on_host:
             self._move_param_shard_to_host(pin)
 
@@ -353,20 +458,22 @@ class HostStep:
         live = [{k: pg[k] for k in hyper} for pg, hyper in zip(groups, self._hyper)] if self.defer else []
         for pg, hyper in zip(groups, self._hyper if self.defer else []):
             pg.update(hyper)  # this step's lr etc., whatever a scheduler set since
-        start = time.perf_counter()
-        g.master.grad = grad
-        try:
-            with intra_op_threads(self.threads):
+        # The group's host passes (the optimizer, and under offload_param the cast of the master into the 16-bit
+        # shard the gathers read) run on the rank's share of the CPUs, not on the launcher's OMP_NUM_THREADS=1.
+        with intra_op_threads(self.threads):
+            start = time.perf_counter()
+            g.master.grad = grad
+            try:
                 self.optimizer.step()
-        finally:
-            g.master.grad = None
-            self.cpu_seconds += time.perf_counter() - start
-            for pg, values in zip(groups, live):
-                pg.update(values)
-        if self.defer:
-            g.publish_master(self.stream, defer=True)  # type: ignore[call-arg]
-        else:
-            g.publish_master(self.stream)
+            finally:
+                g.master.grad = None
+                self.cpu_seconds += time.perf_counter() - start
+                for pg, values in zip(groups, live):
+                    pg.update(values)
+            if self.defer:
+                g.publish_master(self.stream, defer=True)  # type: ignore[call-arg]
+            else:
+                g.publish_master(self.stream)
         if self.done and self.on_done is not None:
             self.on_done(self.cpu_seconds)
 

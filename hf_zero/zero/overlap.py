@@ -19,7 +19,7 @@ gathers still in flight and makes each reader wait for exactly the groups it rea
   blocks' gathers run while the first blocks compute.
 - **everything else** that reads or writes the parameters waits for all of them first:
   ``state_dict()`` and ``load_state_dict()`` of the model or of any module in it (pre-hooks
-  here), the next step and the next backward (:class:`hf_zero.zero.partition.ShardedOptimizer`),
+  here), the next step and the next backward (:class:`hf_zero.zero.optimizer.ShardedOptimizer`),
   ``GatheredParameters`` and a group's own next publish (:meth:`hf_zero.zero.flat.FlatGroup.wait`),
   the engine's saves, loads and consolidation (``hf_zero/engine.py``). ``zero_grad`` does not
   wait (it touches gradients only, and the engine calls it right after the step). Code that
@@ -54,7 +54,7 @@ def blocks_of(module: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     """The outermost modules of the model's ``_no_split_modules`` classes, in registration order (none: [])."""
     names = set(getattr(module, "_no_split_modules", None) or [])
     if not names or not any(type(m).__name__ in names for m in module.modules() if m is not module):
-        return []  # find_units would fall back to top-level children, which a parent may read directly
+        return []  # find_units would walk the tree for units instead, whose weights a parent may read directly
     return find_units(module)
 
 

@@ -1,10 +1,15 @@
 """Parameters that exist only as this rank's slice: what ``zero.Init`` builds models out of.
 
-A *presharded* parameter keeps its full shape and dtype on the ``meta`` device (so shapes,
-``numel()`` and transformers' bookkeeping still work, and nothing is allocated) and carries
-``hf_zero_preshard``: this rank's contiguous slice of the flattened parameter, padded so that
-every rank's slice has the same length. The engine later turns these per-parameter slices into
-its per-unit flat shards, gathering one unit at a time, so the model never exists whole.
+A *presharded* parameter carries ``hf_zero_preshard``: this rank's contiguous slice of the
+flattened parameter, padded so that every rank's slice has the same length. The engine later turns
+these per-parameter slices into its per-unit flat shards, gathering one unit at a time, so the
+model never exists whole. Its data is what DeepSpeed's is: a 0-element tensor of its dtype on the
+training device, with the whole shape in ``ds_shape`` and DeepSpeed's other attributes beside it
+(``hf_zero/zero/param_attrs.py``), so code written for DeepSpeed reads it as it reads DeepSpeed's.
+While a ``zero.Init`` block is open (:func:`building`), the data is a tensor of the whole shape on the
+``meta`` device instead: the module code that runs there (constructors, transformers' weight
+initialisation) does not know it runs under ZeRO-3 and reads shapes; the block's end turns those
+into the 0-element form (:func:`show_empty_`).
 """
 
 from __future__ import annotations
@@ -15,7 +20,15 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from hf_zero import dist as hz_dist
 from hf_zero.zero import collectives as C
+from hf_zero.zero.param_attrs import ZeroParamStatus, mark
+
+# While a zero.Init block is open: presharded parameters keep their shape on meta (see the module doc), and
+# those made so are remembered, to be shown empty when the block ends (by id: a weak reference would stop
+# set_data_'s swap_tensors, and the block holds its model anyway).
+_building: list[bool] = [False]
+_kept_shape: dict[int, torch.nn.Parameter] = {}
 
 
 @dataclass
@@ -57,12 +70,40 @@ def set_data_(param: torch.nn.Parameter, data: torch.Tensor) -> None:
     param.__dict__.update(attrs)
 
 
+def building(on: bool) -> None:
+    """``zero.Init`` opens (True) or closes (False) its block; see the module doc."""
+    _building[0] = on
+
+
+def _empty_like(param: torch.Tensor) -> torch.Tensor:
+    device = hz_dist.get_device() if dist.is_initialized() else torch.device("cpu")
+    return torch.empty(0, dtype=param.dtype, device=device)
+
+
 def preshard_(param: torch.nn.Parameter, shard: torch.Tensor, group: dist.ProcessGroup | None) -> None:
-    """Make ``param`` presharded with ``shard`` (this rank's padded slice); its data moves to meta."""
+    """Make ``param`` presharded with ``shard`` (this rank's padded slice); its data becomes empty (see the module doc)."""
     world = dist.get_world_size(group)
-    shape = param.shape
-    set_data_(param, torch.empty(shape, dtype=param.dtype, device="meta"))
+    shape = param.shape if not is_presharded(param) else param.hf_zero_preshard.shape
+    if _building[0]:
+        set_data_(param, torch.empty(shape, dtype=param.dtype, device="meta"))
+        _kept_shape[id(param)] = param
+    else:
+        set_data_(param, _empty_like(param))
     param.hf_zero_preshard = PreShard(shard=shard, shape=shape, world_size=world, group=group)
+    mark(param, shape, shard, ZeroParamStatus.NOT_AVAILABLE)
+
+
+def show_empty_() -> None:
+    """The end of a ``zero.Init`` block: presharded parameters made inside it become 0-element tensors."""
+    for p in _kept_shape.values():
+        if is_presharded(p) and p.device.type == "meta":
+            set_data_(p, _empty_like(p))
+    _kept_shape.clear()
+
+
+def full_shape(param: torch.Tensor) -> torch.Size:
+    """A parameter's whole shape, presharded or not."""
+    return param.hf_zero_preshard.shape if is_presharded(param) else param.shape
 
 
 def slice_of(full: torch.Tensor, group: dist.ProcessGroup | None, device: torch.device) -> torch.Tensor:
@@ -86,6 +127,7 @@ def materialize_(params: list[torch.nn.Parameter], device: torch.device) -> None
         C.all_gather_(full, ps.shard.to(device), ps.group, ps.world_size)
         p.hf_zero_preshard = None
         set_data_(p, full[: ps.numel].view(ps.shape).to(p.dtype))
+        p.ds_status = ZeroParamStatus.AVAILABLE
 
 
 def reshard_(params: list[torch.nn.Parameter], group: dist.ProcessGroup | None, device: torch.device | None = None) -> None:

@@ -5,13 +5,22 @@ whose parameters exist only as this rank's shard between uses), the :class:`Unit
 several of them together, and :class:`Stage3Runtime`, the module hooks that drive them.
 
 A *unit* is a transformer block (for ``transformers`` models, an instance of a class named in
-``_no_split_modules``), otherwise a top-level child; an input embedding no other module shares
-is a unit too. Whatever parameters belong to no unit form the *root* unit (final norm, LM head,
-a tied embedding), which is gathered for the whole forward, since the model's own code (or a
-library's fused loss, reading ``lm_head.weight`` without calling the module) may read it
+``_no_split_modules``); in any other model it is found by :func:`find_units`, which walks down
+through containers whose own ``forward`` never runs (``ModuleList``, ``ModuleDict``) or that only
+chain their children (``Sequential``), so that nanoGPT's ``transformer.h[i]`` or a ViT's
+``blocks[i]`` is a unit, and otherwise takes each child with parameters. An input embedding no
+other module shares is a unit too. Whatever parameters belong to no unit form the *root* unit
+(final norm, LM head, a tied embedding, a weight two units share, a parameter of the root itself
+such as a position table), which is gathered for the whole forward, since the model's own code
+(or a library's fused loss, reading ``lm_head.weight`` without calling the module) may read it
 anywhere in there, and stays gathered in backward until its trainable groups' gradients are all
 accumulated: right after the LM head's own backward, or at the end for a tied embedding. That
 is also what keeps tied embeddings simple.
+
+A unit whose parameters are read outside its own forward (``F.linear(x, self.head.weight)`` in the
+parent, a method other than ``forward``, another unit reading its weight) is *pinned*: found on the
+engine's first forwards or named with ``register_external_parameter`` (:mod:`hf_zero.zero.external`),
+it is from then on gathered and released with the root unit, and its own hooks leave it alone.
 
 Life of a unit in one training step::
 
@@ -35,18 +44,28 @@ the point of stage 3).
 
 from __future__ import annotations
 
+import contextlib
 import enum
+import functools
+from collections.abc import Callable
 
 import torch
 
 from hf_zero.zero import collectives as C
+from hf_zero.zero.external import OutsideReads, explain_unallocated, external_parameters
 from hf_zero.zero.group import Placement, ShardGroup, pack_grads
+from hf_zero.zero.param_attrs import ZeroParamStatus, set_status
 
 
 class ShardState(enum.Enum):
     SHARDED = "sharded"
     GATHERING = "gathering"  # all-gather issued on the side stream, not yet waited on
     GATHERED = "gathered"
+
+
+# DeepSpeed's ds_status of a parameter in each state of its group
+DS_STATUS = {ShardState.SHARDED: ZeroParamStatus.NOT_AVAILABLE, ShardState.GATHERING: ZeroParamStatus.INFLIGHT,
+              ShardState.GATHERED: ZeroParamStatus.AVAILABLE}
 
 
 class ShardedParamGroup(ShardGroup):
@@ -57,6 +76,9 @@ class ShardedParamGroup(ShardGroup):
     # A frozen group whose shard is the whole of its parameters may make them views of that shard (a subclass
     # that moves the shard elsewhere, to host memory, must not).
     alias_whole_shard = True
+    # Set by Stage3Runtime for the groups of a unit other than the root: pin_for(module) keeps the unit whole with
+    # the root unit unless ``module`` is inside it (hf_zero.zero.register_external_parameter).
+    pin_for: Callable[[torch.nn.Module], None] | None = None
 
     def __init__(self, named_params: list[tuple[str, torch.nn.Parameter]], place: Placement, *, trainable: bool) -> None:
         super().__init__(named_params, place, parts=place.world_size)
@@ -94,6 +116,16 @@ class ShardedParamGroup(ShardGroup):
             self.full.untyped_storage().resize_(0)
         self.state = ShardState.SHARDED
         self._event: torch.cuda.Event | None = None
+
+    @property
+    def state(self) -> ShardState:
+        return self._state
+
+    @state.setter
+    def state(self, state: ShardState) -> None:
+        # DeepSpeed's ds_status of the parameters follows (hf_zero/zero/param_attrs.py), for code that asks it
+        self._state = state
+        set_status((s.param for s in self.slots), DS_STATUS[state])
 
     def owned_values(self) -> torch.Tensor:
         """The fp32 master shard, or a frozen group's shard in the compute dtype."""
@@ -214,8 +246,40 @@ class ShardedParamGroup(ShardGroup):
         return {"params": [shard, self.full], "grads": grads}
 
 
+_CONTAINERS = (torch.nn.ModuleList, torch.nn.ModuleDict, torch.nn.Sequential)
+
+
+def _has_params(module: torch.nn.Module) -> bool:
+    return any(True for _ in module.parameters())
+
+
+def _holds_container(module: torch.nn.Module) -> bool:
+    """Whether a container of parameterised modules sits somewhere under ``module``."""
+    return any(isinstance(m, _CONTAINERS) and _has_params(m) for m in module.modules() if m is not module)
+
+
+def _descend(module: torch.nn.Module, prefix: str, inside: bool, out: list[tuple[str, torch.nn.Module]]) -> None:
+    for name, child in module.named_children():
+        if not _has_params(child):
+            continue
+        if isinstance(child, _CONTAINERS) or (not inside and _holds_container(child)):
+            _descend(child, f"{prefix}{name}.", inside or isinstance(child, _CONTAINERS), out)
+        else:
+            out.append((f"{prefix}{name}", child))
+
+
 def find_units(module: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
-    """The modules whose parameters are gathered together: transformer blocks, else top-level children."""
+    """The modules whose parameters are gathered together: transformer blocks, else what :func:`_descend` finds.
+
+    With ``_no_split_modules`` (``transformers`` models), the outermost instances of those classes.
+    Otherwise the tree is walked from the root: a child without parameters is skipped; a ``ModuleList``,
+    ``ModuleDict`` or ``Sequential`` is walked into (the first two never run a ``forward`` of their own, so a
+    hook on them would gather nothing), and so is a child that holds such a container (a GPT-2 style
+    ``transformer`` module iterating its ``h`` list; its own parameters stay with the root unit); every other
+    child with parameters is a unit. Below the first container only containers are walked into: its other
+    children are units whole, so that a block holding a ``ModuleList`` of experts stays one unit (its experts
+    run depending on the data, and a gather per expert would differ from rank to rank).
+    """
     names = set(getattr(module, "_no_split_modules", None) or [])
     if names:
         units = [(n, m) for n, m in module.named_modules() if type(m).__name__ in names and m is not module]
@@ -226,7 +290,9 @@ def find_units(module: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
                 if not any(n.startswith(p + ".") for p, _ in out):
                     out.append((n, m))
             return out
-    return [(n, m) for n, m in module.named_children() if any(True for _ in m.parameters())]
+    found: list[tuple[str, torch.nn.Module]] = []
+    _descend(module, "", isinstance(module, _CONTAINERS), found)
+    return found
 
 
 def input_embedding_unit(
@@ -328,6 +394,11 @@ class Unit:
         self.lookup_only = type(module) is torch.nn.Embedding
         # For a unit without trainable groups: whether an input of its last forward required grad.
         self.inputs_need_grad = True
+        # Calls of the unit's forward now running (between its pre- and post-hook): a read of its parameters
+        # at any other moment of a forward is a read from outside (hf_zero/zero/external.py).
+        self.running = 0
+        # Read from outside its forward: gathered and released with the root unit from then on (Stage3Runtime.pin).
+        self.pinned = False
 
     def gather(self, stream: torch.cuda.Stream | None) -> None:
         for g in self.groups:
@@ -377,16 +448,26 @@ class Stage3Runtime:
         # Whether the root's forward now running is one that backward will follow (grad mode on when it began):
         # a unit that then runs without grad is inside a reentrant checkpoint, not an inference forward.
         self.grad_forward = False
+        self.in_forward = False  # between the root's pre- and post-hook
         self.inference_gathered = False
         # False for a model that only ever runs forward (a reference model): each unit is resharded after
         # its forward as in training, since no training forward would ever release what inference kept.
         self.keep_gathered_for_inference = True
         self.limit = C.InflightLimit()
+        self._root_and_pinned: list[Unit] = [self.root_unit] if self.root_unit is not None else []
         self._unit_of: dict[int, Unit] = {}  # trainable parameter -> its unit
+        # Every sharded parameter of a unit other than the root -> that unit (what a read from outside is about).
+        self._sharded_of: dict[int, Unit] = {}
+        # Which grad modes (True: training) have had a forward watched for outside reads (watch()).
+        self._watched: set[bool] = set()
         self.handles = []
         for u in self.units:
             self.handles.append(u.module.register_forward_pre_hook(self._make_pre(u), with_kwargs=True))
             self.handles.append(u.module.register_forward_hook(self._make_post(u)))
+            for g in u.groups:
+                g.pin_for = functools.partial(self.pin_for, u)  # register_external_parameter, after the fact
+                for s in g.slots:
+                    self._sharded_of[id(s.param)] = u
         self.handles.append(root.register_forward_pre_hook(self._root_pre))
         self.handles.append(root.register_forward_hook(self._root_post))
         for u in units:
@@ -395,6 +476,52 @@ class Stage3Runtime:
                     for s in g.slots:
                         self._unit_of[id(s.param)] = u
                         self.handles.append(s.param.register_post_accumulate_grad_hook(self._on_grad_ready))
+        for module, param in external_parameters(root):  # registered before initialize, as DeepSpeed's examples do
+            owner = self._sharded_of.get(id(param))
+            if owner is not None:
+                self.pin_for(owner, module)
+
+    # ------------------------------------------------------ reads from outside a unit
+
+    def pin(self, unit: Unit) -> None:
+        """From now on gather ``unit`` with the root unit and keep it to the end of its backward (see the module docstring).
+
+        Within a forward it is gathered at once: the caller is about to read it. Its own hooks leave it alone from
+        here on (a multi-grad hook its earlier forward left behind included), and no prefetch counts it.
+        """
+        if unit.pinned:
+            return
+        unit.pinned = True
+        self._root_and_pinned.append(unit)
+        if self.order:
+            self._set_order([u for u in self.order if u is not unit])
+        if self.in_forward:
+            unit.gather(None)
+            unit.wait()
+
+    def pin_for(self, unit: Unit, module: torch.nn.Module) -> None:
+        """``module`` reads a parameter of ``unit`` (register_external_parameter): pin it unless ``module`` is inside it."""
+        if not any(m is module for m in unit.module.modules()):
+            self.pin(unit)
+
+    def _read_outside(self, param: torch.nn.Parameter) -> None:
+        unit = self._sharded_of[id(param)]
+        if unit.running == 0 and not unit.pinned:
+            self.pin(unit)
+
+    def watch(self) -> contextlib.AbstractContextManager:
+        """What the engine runs a forward under: the outside-reads watch on the first forward of each grad mode."""
+        grad = torch.is_grad_enabled()
+        if grad in self._watched or not self._sharded_of:
+            return contextlib.nullcontext()
+        self._watched.add(grad)
+        return OutsideReads(self._sharded_of, self._read_outside)
+
+    def explain(self, error: BaseException) -> str | None:
+        """One sentence for a storage error that a read of a still-sharded parameter raised, else None."""
+        names = {id(p): n for n, p in self.root.named_parameters()}
+        sharded = {pid: (names.get(pid, "?"), u.name) for pid, u in self._sharded_of.items()}
+        return explain_unallocated(error, sharded, self.root)
 
     # -------------------------------------------------------------- forward
 
@@ -410,23 +537,32 @@ class Stage3Runtime:
     def _root_pre(self, module: torch.nn.Module, args: tuple) -> None:
         self._recording = []
         self.grad_forward = torch.is_grad_enabled()
+        self.in_forward = True
+        for u in self.units:
+            u.running = 0  # a forward that raised left its count behind
         if self.grad_forward:
             self.release_inference()
-        if self.root_unit is not None:
-            self.root_unit.gather(None)
-            self.root_unit.wait()
+        for u in self._with_root():
+            u.gather(None)
+        for u in self._with_root():
+            u.wait()
+
+    def _with_root(self) -> list[Unit]:
+        """The root unit and the pinned units: gathered for the whole forward, released as the root is."""
+        return self._root_and_pinned
 
     def _root_post(self, module: torch.nn.Module, args: tuple, output: object) -> None:
         self.grad_forward = False
-        if self._recording and (not self.order or len(self._recording) != len(self.order)):
-            self._set_order(list(self._recording))
-        if self.root_unit is None:
-            return
+        self.in_forward = False
+        recorded = [u for u in self._recording if not u.pinned]
+        if recorded and (not self.order or len(recorded) != len(self.order)):
+            self._set_order(recorded)
         if not torch.is_grad_enabled() and self.keep_gathered_for_inference:
             self.inference_gathered = True
             return
         if not torch.is_grad_enabled() or not _tensors_requiring_grad(output):
-            self.root_unit.reshard()  # no backward will come through it; otherwise it stays for backward
+            for u in self._with_root():
+                u.reshard()  # no backward will come through it; otherwise it stays for backward
 
     def _set_order(self, order: list[Unit]) -> None:
         """Record the forward order, with the backward order and each unit's first place in either, for _prefetch_after."""
@@ -459,13 +595,13 @@ class Stage3Runtime:
         ahead = 0
         for j in range(i + 1, len(order)):
             nxt = order[j]
-            if reverse and not nxt.needs_backward:
+            if nxt.pinned or reverse and not nxt.needs_backward:
                 continue  # it would stay gathered, unused, until the end of backward
             if ahead > 0 and ahead + nxt.numel > self.prefetch_numel:
                 break
             if not nxt.gathered:
                 if live is None:
-                    live = sum(u.numel for u in self.units if u.gathered)
+                    live = sum(u.numel for u in self.units if u.gathered and not u.pinned)
                 if live + nxt.numel > self.max_live_numel:
                     break
                 nxt.gather(self.stream)
@@ -502,12 +638,14 @@ class Stage3Runtime:
 
     def _inputs_done(self, unit: Unit) -> None:
         unit.pending -= 1
-        if unit.pending == 0 and (unit.reduced or unit.trainable_count == 0):
+        if unit.pending == 0 and not unit.pinned and (unit.reduced or unit.trainable_count == 0):
             unit.reshard()
 
     def _make_pre(self, unit: Unit):
         def pre(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
             if _recomputing():
+                if unit.pinned:
+                    return None
                 # A checkpoint that wraps the unit's __call__ (transformers up to 5.17's gradient checkpointing,
                 # torch.utils.checkpoint(layer, ...) in model code) runs these hooks again in backward. This is
                 # that unit's backward, not a forward: gather it for backward and prefetch in backward order.
@@ -518,6 +656,11 @@ class Stage3Runtime:
                 # backward goes through this recomputation, watch them here. A non-reentrant one's forward
                 # watched them already (the recomputed graph is never backpropagated).
                 return self._watch_inputs(unit, args, kwargs) if unit.pending == 0 else None
+            unit.running += 1
+            if unit.pinned:  # whole since the root's pre-hook, until the end of its backward
+                unit.gather(None)  # (a no-op, unless the unit runs without the root: model.embed(ids))
+                unit.wait()
+                return None
             unit.gather(None)
             unit.wait()
             if unit.trainable_count == 0:
@@ -533,6 +676,15 @@ class Stage3Runtime:
             if _recomputing():
                 # The recomputation's backward is about to use these parameters; the unit is released
                 # when its gradients are reduced (_reduce), as in a backward without checkpointing.
+                return
+            unit.running = max(0, unit.running - 1)
+            if unit.pinned:
+                # Released with the root unit; unless it ran on its own, outside the root's forward, without grad.
+                if not self.in_forward and not torch.is_grad_enabled():
+                    if self.keep_gathered_for_inference:
+                        self.inference_gathered = True
+                    else:
+                        unit.reshard()
                 return
             if not torch.is_grad_enabled() and self.keep_gathered_for_inference and not self.grad_forward:
                 # Inference (evaluation, generate): keep the unit gathered, so that decoding a thousand
@@ -571,6 +723,8 @@ class Stage3Runtime:
     # ------------------------------------------------------------- backward
 
     def _pre_backward(self, unit: Unit) -> None:
+        if unit.pinned:
+            return  # whole until its gradients are reduced; a multi-grad hook from before it was pinned
         unit.gather(None)
         unit.wait()
         self.in_backward.add(unit.index)
@@ -591,7 +745,7 @@ class Stage3Runtime:
         # Frozen groups stay while an op of the unit may still read them to compute an input's gradient; the
         # root's until the end of backward (nothing watches the inputs of the code that reads them). A trainable
         # group can go: every op reading its weights computed their gradient too, and those are all accumulated.
-        unit.reshard(trainable_only=unit.pending > 0 or unit.is_root)
+        unit.reshard(trainable_only=unit.pending > 0 or unit.is_root or unit.pinned)
         self.in_backward.discard(unit.index)
 
     def finish_backward(self) -> None:

@@ -1,8 +1,8 @@
 """TRL's SFTTrainer on hf_zero beside TRL with DeepSpeed ZeRO-3 and TRL with FSDP2 (issue 19's measurement).
 
-    python scripts/bench_trl.py --gpus 2 --engines hf3,ds3,fsdp2            # Llama 1.1B shape, seq 2048, bf16
-    python scripts/bench_trl.py --gpus 1 --engines hf3,ds3,fsdp2
-    python scripts/bench_trl.py --device cpu --model tiny --gpus 2 --engines hf3,ds3,fsdp2 --steps 3   # smoke test
+    python benchmarks/bench_trl.py --gpus 2 --engines hf3,ds3,fsdp2            # Llama 1.1B shape, seq 2048, bf16
+    python benchmarks/bench_trl.py --gpus 1 --engines hf3,ds3,fsdp2
+    python benchmarks/bench_trl.py --device cpu --model tiny --gpus 2 --engines hf3,ds3,fsdp2 --steps 3   # smoke test
 
 Each engine runs the same SFT script in its own torchrun (one process per GPU): a Llama model built from a
 config (random weights, the same seed), pre-tokenized random sequences of ``--seq`` tokens (no network, no

@@ -1,7 +1,7 @@
 """The CPU test suite's arithmetic oracles, run with NCCL on GPUs.
 
-    torchrun --nproc_per_node 2 scripts/gpu_check.py
-    torchrun --nproc_per_node 1 scripts/gpu_check.py --only overlap_param_gather   # one suite (comma-separated names)
+    torchrun --nproc_per_node 2 tests/gpu/gpu_check.py
+    torchrun --nproc_per_node 1 tests/gpu/gpu_check.py --only overlap_param_gather   # one suite (comma-separated names)
 
 Each rank trains on its GPU (NCCL collectives, side streams); the single-process oracle runs on
 the CPU. Prints one line per case with the largest relative loss and weight errors, and exits
@@ -16,7 +16,8 @@ import sys
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# the repository root (two folders up), so that ``tests`` imports as a package under torchrun
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from tests import (  # noqa: E402
     test_checkpoint,

@@ -1,6 +1,6 @@
 """Parameters per second of Adam/AdamW steps on the host: hf_zero's DeepSpeedCPUAdam, torch's kernels, DeepSpeed's.
 
-    python scripts/bench_cpu_adam.py --numel 268435456 --threads 1,2,4,8,16 \\
+    python benchmarks/bench_cpu_adam.py --numel 268435456 --threads 1,2,4,8,16 \\
         --deepspeed-python /path/to/venv-with-deepspeed/bin/python --json cpu_adam.json
 
 Every (variant, thread count) runs in a fresh process with ``OMP_NUM_THREADS`` and

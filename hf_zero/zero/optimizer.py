@@ -18,41 +18,46 @@ issued (with one micro-step per step the two stages are the same schedule). Ever
 Buckets are launched strictly in bucket order (like DDP) even when autograd finishes them
 out of order, so that every rank issues the same collectives in the same order: a bucket
 whose gradients are complete waits until every earlier bucket has been launched.
+
+What is built, and how the step runs, is decided once from three frozen inputs (:class:`ZeroPolicy`,
+:class:`hf_zero.zero.group.Placement`, :class:`hf_zero.zero.offload.OffloadPolicy`): host memory is planned
+(:func:`hf_zero.zero.offload.plan_host_memory`) before any buffer exists, and the step is a runner picked then
+(:func:`hf_zero.zero.runner.pick_runner`) that :meth:`ShardedOptimizer.step_and_publish` calls. Adding NVMe
+offload or a ``ratio`` < 1 is a new runner class in ``hf_zero/zero/runner.py``, registered in ``pick_runner``,
+not a branch here.
 """
 
 from __future__ import annotations
 
-import functools
-import logging
 import math
-import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
-from hf_zero.estimate import offload_host_bytes
 from hf_zero.tp_split import checkpoint_name, split_of
 from hf_zero.zero import collectives as C
 from hf_zero.zero.flat import FlatGroup
 from hf_zero.zero.group import ParamSlot, Placement, ShardGroup
 from hf_zero.zero.offload import (
-    HostStep,
+    HostPlan,
     OffloadedFlatGroup,
     OffloadedFrozenGroup,
     OffloadedShardedParamGroup,
-    check_host_memory,
-    host_buffer,
+    OffloadPolicy,
+    ShardSizes,
+    intra_op_threads,
+    plan_host_memory,
     state_bytes_per_element,
-    use_host_kernels,
 )
 from hf_zero.zero.overlap import DeferredPublish
+from hf_zero.zero.param_attrs import full_numel
 from hf_zero.zero.preshard import materialize_
+from hf_zero.zero.runner import StepRunner, pick_runner
 from hf_zero.zero.stage3 import ShardedParamGroup, Stage3Runtime, Unit, find_units, input_embedding_unit
 
 NamedParams = list[tuple[str, torch.nn.Parameter]]
-logger = logging.getLogger("hf_zero")
 
 
 def _buckets(named: NamedParams, bucket_numel: int) -> list[NamedParams]:
@@ -117,18 +122,37 @@ def _trainable_by_param_group(module: torch.nn.Module, optimizer: torch.optim.Op
 
 
 def _assign_units(module: torch.nn.Module) -> tuple[list[tuple[str, torch.nn.Module]], dict[int, int]]:
-    """Stage 3's units (the input embedding first when it is one) and each parameter's unit (-1: the root)."""
+    """Stage 3's units (the input embedding first when it is one) and each parameter's unit (-1: the root).
+
+    A parameter reachable under two units, or under a unit and outside every unit (a tied embedding and LM
+    head, a weight a parent module also holds), must be whole whenever any of them runs: it joins the root
+    unit, which stays gathered for the whole step. A unit left with no parameter of its own is dropped.
+    """
     unit_mods = find_units(module)
     embedding = input_embedding_unit(module, unit_mods)
     if embedding is not None:
         unit_mods = [embedding, *unit_mods]
-    unit_of: dict[int, int] = {}
+    owner: dict[int, int] = {}
     for ui, (_, m) in enumerate(unit_mods):
         for p in m.parameters():
-            # A weight shared by two units (a tied embedding and LM head) must be whole whenever
-            # either runs: it joins the root unit, which stays gathered for the whole step.
-            unit_of[id(p)] = ui if unit_of.get(id(p), ui) == ui else -1
-    return unit_mods, unit_of
+            owner[id(p)] = ui if owner.get(id(p), ui) == ui else -1
+    # what the root reaches without passing through a unit (the same module object repeated in a ModuleList,
+    # ALBERT's shared layer, is one unit called many times, not a way around it)
+    units = {id(m) for _, m in unit_mods}
+    stack, seen = [module], set()
+    while stack:
+        m = stack.pop()
+        if id(m) in seen or id(m) in units:
+            continue
+        seen.add(id(m))
+        for p in m._parameters.values():
+            if p is not None:
+                owner[id(p)] = -1
+        stack.extend(c for c in m._modules.values() if c is not None)
+    kept = sorted({ui for ui in owner.values() if ui >= 0})
+    renumber = {old: new for new, old in enumerate(kept)}
+    unit_of = {pid: renumber.get(ui, -1) for pid, ui in owner.items() if ui >= 0}
+    return [unit_mods[ui] for ui in kept], unit_of
 
 
 def _largest_group_bound(module: torch.nn.Module, group_named: list[NamedParams], stage: int, bucket_numel: int,
@@ -140,15 +164,15 @@ def _largest_group_bound(module: torch.nn.Module, group_named: list[NamedParams]
     param group, so a unit's total bounds them). Each rank holds ``1/world`` of either.
     """
     params = [p for named in group_named for _, p in named]
-    small = [p for p in params if stage < 3 or p.numel() < threshold]
-    biggest = max([min(bucket_numel, sum(p.numel() for p in small)), *(p.numel() for p in small)], default=0)
+    small = [p for p in params if stage < 3 or full_numel(p) < threshold]
+    biggest = max([min(bucket_numel, sum(full_numel(p) for p in small)), *(full_numel(p) for p in small)], default=0)
     if stage == 3:
-        trainable = {id(p) for p in params if p.numel() >= threshold}
+        trainable = {id(p) for p in params if full_numel(p) >= threshold}
         _, unit_of = _assign_units(module)
         per_unit: dict[int, int] = defaultdict(int)
         for p in module.parameters():
             if id(p) in trainable:
-                per_unit[unit_of.get(id(p), -1)] += p.numel()
+                per_unit[unit_of.get(id(p), -1)] += full_numel(p)
         biggest = max([biggest, *per_unit.values()])
     return math.ceil(biggest / world)
 
@@ -168,115 +192,79 @@ def _point_optimizer_at(optimizer: torch.optim.Optimizer, group_masters: list[li
     optimizer.state = defaultdict(dict)
 
 
+@dataclass(frozen=True, kw_only=True)
+class ZeroPolicy:
+    """The ZeRO stage and the knobs that shape its groups, decided once from the config's ``zero_optimization``.
+
+    ``bucket_numel``: the elements of a stage 0-2 bucket (``reduce_bucket_size``; stage 3 too, for the parameters
+    it keeps whole). ``persistence_threshold``, ``prefetch_numel``, ``max_live_numel``: the ``stage3_*`` values
+    (which hold their defaults), read at stage 3 only. ``overlap_param_gather``: at stages 0-2 the step returns
+    with the parameters' all-gathers in flight and the next forward waits for each group where it first reads it
+    (:mod:`hf_zero.zero.overlap`); with the optimizer offloaded the CPU step of each group is deferred the same way;
+    at stage 3 it changes nothing.
+    """
+
+    stage: int
+    bucket_numel: int
+    persistence_threshold: int
+    prefetch_numel: int
+    max_live_numel: int
+    overlap_param_gather: bool = False
+
+    def __post_init__(self) -> None:
+        if self.stage not in (0, 1, 2, 3):
+            raise ValueError(f"ZeroPolicy.stage: got {self.stage!r}, expected one of 0, 1, 2, 3")
+        if self.bucket_numel < 1:
+            raise ValueError(f"ZeroPolicy.bucket_numel: got {self.bucket_numel}; a bucket holds at least one element")
+
+
 class ShardedOptimizer:
     """Owns the shard groups, the gradient hooks and the sharded optimizer step.
 
     The user's torch optimizer is kept (so an LR scheduler built on it keeps working) but its
-    param groups are re-pointed at the fp32 master tensors, as DeepSpeed does. The stage-3
-    knobs (``persistence_threshold``, ``prefetch_numel``, ``max_live_numel``: the config's
-    ``stage3_*`` values, which hold their defaults) only matter at stage 3.
+    param groups are re-pointed at the fp32 master tensors, as DeepSpeed does. Built from three
+    decisions made before it: where each group lives and in which dtypes (``place``, a
+    :class:`hf_zero.zero.group.Placement` over the process group it shards over; its ``master_dtype`` is
+    fp32, or bf16 for bf16 masters, the optimizer's state then following them), the stage and its knobs
+    (``zero``, :class:`ZeroPolicy`) and what lives in host memory (``offload``,
+    :class:`hf_zero.zero.offload.OffloadPolicy`). In that order it plans host memory, builds the groups
+    and the gradient hooks, and picks the step runner (:mod:`hf_zero.zero.runner`) that
+    :meth:`step_and_publish` delegates to.
     """
 
-    def __init__(
-        self,
-        module: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
-        *,
-        stage: int,
-        compute_dtype: torch.dtype,
-        reduce_dtype: torch.dtype,
-        bucket_numel: int,
-        group: dist.ProcessGroup | None,
-        device: torch.device,
-        persistence_threshold: int,
-        prefetch_numel: int,
-        max_live_numel: int,
-        offload_pin: bool | None = None,
-        master_dtype: torch.dtype = torch.float32,
-        param_offload_pin: bool | None = None,
-        overlap_param_gather: bool = False,
-        host_threads: int | None = None,
-    ) -> None:
-        """``offload_pin``: None keeps masters and optimizer state on ``device``; a bool moves them to host memory
-        (ZeRO-Offload, :mod:`hf_zero.zero.offload`), pinned when True and CUDA is present. ``master_dtype``:
-        fp32, or bf16 for bf16 masters (the optimizer's state then follows them into bf16). ``param_offload_pin``
-        (stage 3's ``offload_param``): None keeps parameter shards on ``device``; a bool keeps the 16-bit shards
-        the gathers read in host memory (frozen groups always; trainable ones when the optimizer is offloaded
-        too, since otherwise their fp32 master is the shard and the optimizer steps it on the device).
-        ``overlap_param_gather``: at stages 0-2, the step returns with the parameters' all-gathers in flight and the
-        next forward waits for each group where it first reads it (:mod:`hf_zero.zero.overlap`); with the optimizer
-        offloaded the CPU step of each group is deferred the same way (:class:`hf_zero.zero.offload.HostStep`), so it
-        runs beside the next forward; ignored at stage 3 (it publishes as before). ``host_threads``: the offloaded
-        step's intra-op threads (:func:`hf_zero.zero.offload.host_step_threads`); None keeps the process's count."""
-        self.optimizer = optimizer
-        self.host_threads = host_threads
-        self.offload_pin = offload_pin
-        self.param_offload_pin = param_offload_pin if stage == 3 else None
-        self.stage = stage
-        self.group = group
-        self.rank = dist.get_rank(group)
-        self.world_size = dist.get_world_size(group)
-        self.device = device
+    def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, *, place: Placement,
+                 zero: ZeroPolicy, offload: OffloadPolicy = OffloadPolicy()) -> None:
+        if offload.optimizer and place.master_dtype != torch.float32:
+            raise ValueError("bf16 masters are not built for an offloaded optimizer")  # the config refuses it first
+        if offload.params and zero.stage != 3:
+            raise ValueError(f"OffloadPolicy(params=True) is stage 3's offload_param, and the stage is {zero.stage}")
+        self.optimizer, self.place, self.zero, self.offload = optimizer, place, zero, offload
+        self.stage = stage = zero.stage
+        self.group, self.rank, self.world_size, self.device = place.group, place.rank, place.world_size, place.device
+        device = place.device
         self.comm_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.gather_stream = torch.cuda.Stream(device) if device.type == "cuda" and stage == 3 else None
         self.flat_groups: list[FlatGroup] = []
         self.stage3_groups: list[ShardedParamGroup] = []
         self.runtime: Stage3Runtime | None = None
-        if master_dtype != torch.float32 and offload_pin is not None:
-            raise ValueError("bf16 masters are not built for an offloaded optimizer")  # the config refuses it first
-        self.place = Placement.over(group, device, compute_dtype, reduce_dtype, master_dtype)
 
         group_named = _trainable_by_param_group(module, optimizer)
         self.group_names = [[n for n, _ in named] for named in group_named]  # checkpoints record them
-        if offload_pin is not None or self.param_offload_pin is not None:
-            # planned before any host buffer exists: fp32 master + gradient copy + state, offloaded 16-bit shards
-            def shard_of(named: list) -> int:
-                return sum(math.ceil(p.numel() / self.place.world_size) for _, p in named)
-
-            frozen = [(n, p) for n, p in module.named_parameters() if not p.requires_grad]
-            params = self.param_offload_pin is not None
-            trainable = sum(shard_of(named) for named in group_named)
-            needed = offload_host_bytes(trainable, state_bytes_per_element(optimizer), optimizer=offload_pin is not None,
-                                        param_bytes=compute_dtype.itemsize if params else 0,
-                                        frozen_numel=shard_of(frozen) if params else 0)
-            streamed = None
-            if offload_pin is not None:  # no gradient copy per group: two buffers of the largest group instead
-                largest = _largest_group_bound(module, group_named, stage, bucket_numel, self.place.world_size,
-                                               persistence_threshold)
-                streamed = needed - 4 * trainable + 2 * 4 * min(largest, trainable)
-            self.stream_grads = check_host_memory(needed, group, streamed)
-        else:
-            self.stream_grads = False
-        self._grad_stream_bufs: list[torch.Tensor] = []  # the two shared host buffers of a streamed step
+        plan = HostPlan.FITS
+        if offload.host_memory:  # before any host buffer exists; every rank gets the same answer
+            plan = plan_host_memory(offload, self._shard_sizes(module, group_named),
+                                    state_bytes=state_bytes_per_element(optimizer),
+                                    param_bytes=place.compute_dtype.itemsize, group=place.group)
+        self.stream_grads = plan is HostPlan.STREAM_GRADS
         group_masters: list[list[torch.Tensor]] = [[] for _ in group_named]
         if stage == 3:
-            self._build_stage3(module, group_named, group_masters, persistence_threshold, prefetch_numel, max_live_numel)
+            self._build_stage3(module, group_named, group_masters)
             # Small parameters (norms, biases) stay whole on every rank, as stage 2 keeps them.
-            group_named = [[x for x in named if x[1].numel() < persistence_threshold] for named in group_named]
+            group_named = [[x for x in named if x[1].numel() < zero.persistence_threshold] for named in group_named]
         else:
             materialize_(list(module.parameters()), device)
-        for gi, named in enumerate(group_named):
-            # Reverse registration order approximates the order backward produces gradients.
-            for bucket in _buckets_by_split(list(reversed(named)), bucket_numel):
-                if offload_pin is None:
-                    fg = FlatGroup(bucket, self.place, partitioned=stage >= 1, free_grads_after_reduce=stage >= 1)
-                else:
-                    fg = OffloadedFlatGroup(bucket, self.place, partitioned=stage >= 1, free_grads_after_reduce=stage >= 1,
-                                            pin=offload_pin)
-                fg.tp_split = split_of(bucket[0][1]) is not None
-                self.flat_groups.append(fg)
-                group_masters[gi].append(fg.master)
+        self._build_flat(group_named, group_masters)
         _point_optimizer_at(optimizer, group_masters)
-        if offload_pin is not None:
-            use_host_kernels(optimizer)
-            for g in self.groups:
-                if g.trainable:
-                    g.stream_grads = self.stream_grads
-            if self.stream_grads and self.rank == 0:
-                logger.warning(
-                    "offload: host memory cannot hold a copy of every gradient beside the masters and optimizer state; "
-                    "each rank keeps its fp32 gradient shard on the GPU until the step (4 bytes per parameter / %d) and "
-                    "the step streams it to the host group by group through two shared buffers", self.world_size)
 
         self._group_of: dict[int, ShardGroup] = {id(s.param): g for g in self.groups for s in g.slots}
         self._bucket_of: dict[int, tuple[int, ParamSlot]] = {}  # parameter -> (bucket index, its slot)
@@ -287,21 +275,53 @@ class ShardedOptimizer:
                 self._hooks.append(s.param.register_post_accumulate_grad_hook(self._on_grad_ready))
         self._arrived = [0] * len(self.flat_groups)  # gradients of this backward, per bucket
         self.overlap: DeferredPublish | None = None
-        if overlap_param_gather and stage <= 2 and self.flat_groups:
+        if zero.overlap_param_gather and stage <= 2 and self.flat_groups:
             self.overlap = DeferredPublish(module, self.flat_groups)
+        self.runner: StepRunner = pick_runner(optimizer, self.groups, self.comm_stream, device=device, offload=offload,
+                                              stream_grads=self.stream_grads, overlap=self.overlap)
         self._sync = False
         self._next_launch = 0
         self.reduced = False
 
+    def _shard_sizes(self, module: torch.nn.Module, group_named: list[NamedParams]) -> ShardSizes:
+        """This rank's trainable and frozen shards, and a bound on its largest trainable group, before any group exists."""
+        world = self.world_size
+
+        def shard_of(named: NamedParams) -> int:
+            return sum(math.ceil(full_numel(p) / world) for _, p in named)  # zero.Init's: 0 elements
+
+        frozen = [(n, p) for n, p in module.named_parameters() if not p.requires_grad]
+        largest = 0
+        if self.offload.optimizer:  # the streamed mode's two buffers
+            largest = _largest_group_bound(module, group_named, self.stage, self.zero.bucket_numel, world,
+                                           self.zero.persistence_threshold)
+        return ShardSizes(sum(shard_of(named) for named in group_named), frozen=shard_of(frozen), largest_group=largest)
+
+    def _build_flat(self, group_named: list[NamedParams], group_masters: list[list[torch.Tensor]]) -> None:
+        """Stages 0-2 (and stage 3's small parameters): each param group's parameters in buckets, in backward order."""
+        offload, stage = self.offload, self.stage
+        for gi, named in enumerate(group_named):
+            # Reverse registration order approximates the order backward produces gradients.
+            for bucket in _buckets_by_split(list(reversed(named)), self.zero.bucket_numel):
+                if offload.optimizer:
+                    fg: FlatGroup = OffloadedFlatGroup(bucket, self.place, partitioned=stage >= 1,
+                                                       free_grads_after_reduce=stage >= 1, pin=offload.pin_memory,
+                                                       stream_grads=self.stream_grads)
+                else:
+                    fg = FlatGroup(bucket, self.place, partitioned=stage >= 1, free_grads_after_reduce=stage >= 1)
+                fg.tp_split = split_of(bucket[0][1]) is not None
+                self.flat_groups.append(fg)
+                group_masters[gi].append(fg.master)
+
     def _build_stage3(
         self, module: torch.nn.Module, group_named: list[NamedParams], group_masters: list[list[torch.Tensor]],
-        threshold: int, prefetch_numel: int, max_live_numel: int,
     ) -> None:
-        """Shard every parameter at or above ``threshold`` into per-unit, per-param-group flat shards.
+        """Shard every parameter at or above ``persistence_threshold`` into per-unit, per-param-group flat shards.
 
         Units are built one at a time: a model made under ``zero.Init`` arrives as per-parameter
         slices, and only the unit being laid out is gathered whole, so no rank ever holds the model.
         """
+        offload, threshold = self.offload, self.zero.persistence_threshold
         unit_mods, unit_of = _assign_units(module)
         names = dict(module.named_parameters())
         frozen = [(n, p) for n, p in names.items() if not p.requires_grad]
@@ -313,13 +333,13 @@ class ShardedOptimizer:
                 picked = [x for x in named if unit_of.get(id(x[1]), -1) == ui and x[1].numel() >= threshold]
                 if not picked:
                     continue
-                if gi < 0 and self.param_offload_pin is not None:
-                    g = OffloadedFrozenGroup(picked, self.place, pin=self.param_offload_pin)
-                elif self.offload_pin is None or gi < 0:
+                if gi < 0 and offload.params:
+                    g = OffloadedFrozenGroup(picked, self.place, pin=offload.params_pin_memory)
+                elif not offload.optimizer or gi < 0:
                     g = ShardedParamGroup(picked, self.place, trainable=gi >= 0)
                 else:
-                    g = OffloadedShardedParamGroup(picked, self.place, trainable=True, pin=self.offload_pin,
-                                                   params_on_host=self.param_offload_pin is not None)
+                    g = OffloadedShardedParamGroup(picked, self.place, trainable=True, pin=offload.pin_memory,
+                                                   params_on_host=offload.params, stream_grads=self.stream_grads)
                 groups.append(g)
                 self.stage3_groups.append(g)
                 if g.master is not None:
@@ -330,7 +350,7 @@ class ShardedOptimizer:
                 units.append(Unit(len(unit_mods), "<root>", module, groups, is_root=True))
         self.runtime = Stage3Runtime(
             module, units, stream=self.gather_stream, reduce_stream=self.comm_stream,
-            prefetch_numel=prefetch_numel, max_live_numel=max_live_numel,
+            prefetch_numel=self.zero.prefetch_numel, max_live_numel=self.zero.max_live_numel,
         )
 
     # ------------------------------------------------------------ the groups
@@ -386,7 +406,7 @@ class ShardedOptimizer:
         if self.overlap is not None:  # a backward with no forward since the step (retain_graph) reads the weights
             self.overlap.wait_all()
         self._sync = sync
-        if self.offload_pin is not None:
+        if self.offload.optimizer:
             for g in self.groups:
                 g.copy_after_reduce = sync and final
         if not sync:
@@ -434,80 +454,21 @@ class ShardedOptimizer:
         grads = [g for g in (group.reduced_grad() for group in self.groups) if g is not None]
         if grads:
             torch._foreach_mul_(grads, coef)
-        if self.offload_pin is not None:  # the shards already copied to the host (and released) are scaled there
-            for g in self.groups:
-                g.scale_host_copy(coef)
+        if self.offload.optimizer:  # the shards already copied to the host (and released) are scaled there
+            with intra_op_threads(self.offload.host_threads):
+                for g in self.groups:
+                    g.scale_host_copy(coef)
 
     def step_and_publish(self, timed: Callable[[str, float], None] | None = None) -> None:
         """Optimizer step on this rank's masters, then publish the new weights to every rank.
 
-        Offloaded (host) masters step one shard group at a time: the optimizer sees only that
-        group's gradient (torch's optimizers skip parameters without one, so each master is updated
-        once, with its own step count), and the group's copy back to the device is issued on the
-        communication stream before the CPU moves on to the next group (:class:`HostStep`). With
-        ``overlap_param_gather`` only the group the next forward reads first is stepped here; the others
-        step where the forward first waits for them. ``timed(part, seconds)``, when given, receives the
-        offloaded step's three parts (``hf_zero/timers.py``; deferred: the CPU optimizer's only, once done).
+        How is the runner's, picked once when this optimizer was built (:mod:`hf_zero.zero.runner`): on the
+        device, or, offloaded, the host masters one shard group at a time (:class:`hf_zero.zero.offload.HostStep`);
+        with ``overlap_param_gather`` the publish (and an offloaded step) is finished where the next forward
+        first reads each group. ``timed(part, seconds)``, when given, receives the offloaded step's three parts
+        (``hf_zero/timers.py``; deferred: the CPU optimizer's only, once done).
         """
-        clock = time.perf_counter
-        t0 = clock()
-        if self.overlap is not None:  # a step with no forward since the last: its gathers still write the buffers
-            self.overlap.wait_all()
-        for g in self.groups:
-            g.before_step()
-        if self.offload_pin is None:
-            self.optimizer.step()
-            if self.overlap is not None:
-                # No wait here: each group is waited for where it is first read (hf_zero/zero/overlap.py).
-                for g in self.overlap.order:
-                    g.publish_master(self.comm_stream, defer=True)
-                self.overlap.armed()
-                return
-            for g in self.groups:
-                g.publish_master(self.comm_stream)
-            C.wait_for(self.comm_stream)
-            return
-        t1 = clock()
-        if self.stream_grads:  # each group's fp32 shard waited on the device; the step streams it through two buffers
-            work = [(g, g.reduced_grad()) for g in self.groups if g.master is not None and g.reduced_grad() is not None]
-            largest = max((g.master.numel() for g, _ in work), default=0)
-            if largest and (not self._grad_stream_bufs or self._grad_stream_bufs[0].numel() < largest):
-                pin = bool(self.offload_pin) and torch.cuda.is_available()
-                self._grad_stream_bufs = [host_buffer(largest, torch.float32, pin=pin) for _ in range(2)]
-            streamed: list[torch.Tensor] | None = self._grad_stream_bufs
-        else:  # before_step handed each group its host copy as the master's .grad
-            work = [(g, g.master.grad) for g in self.groups if g.master is not None and g.master.grad is not None]
-            streamed = None
-        for g, _ in work:
-            g.master.grad = None  # the optimizer sees one group's gradient at a time (HostStep)
-        if self.overlap is not None:
-            # No step here beyond the first group: each group steps where the next forward first reads it.
-            rank = {id(g): i for i, g in enumerate(self.overlap.order)}
-            work.sort(key=lambda x: rank[id(x[0])])
-            if timed is not None:
-                timed("step.wait_grads", t1 - t0)
-            run = HostStep(self.optimizer, self.comm_stream, work, streamed=streamed, defer=True,
-                           on_done=None if timed is None else (lambda s: timed("step.cpu_optimizer", s)),
-                           threads=self.host_threads)
-            for g, _ in work:
-                g.defer_step(functools.partial(run.through, g))  # type: ignore[attr-defined]
-            if work:  # at once: the first group the forward reads, and a step a scheduler can see was taken
-                run.through(work[0][0])
-            self.overlap.armed()
-            return
-        run = HostStep(self.optimizer, self.comm_stream, work, streamed=streamed, threads=self.host_threads)
-        run.finish()
-        if streamed is None:
-            for g, grad in work:
-                g.master.grad = grad  # as after a step without offload, until zero_grad
-        t2 = clock()
-        C.wait_for(self.comm_stream)
-        if timed is not None:
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            timed("step.wait_grads", t1 - t0)
-            timed("step.cpu_optimizer", run.cpu_seconds)
-            timed("step.to_device", (t2 - t1 - run.cpu_seconds) + (clock() - t2))
+        self.runner.step(timed)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear gradients. Gradient buffers are always reused (or freed under stage 2)."""

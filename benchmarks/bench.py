@@ -2,13 +2,13 @@
 
 Run on the GPU machine:
 
-    python scripts/bench.py --gpus 4 --model 1.1b --engines hf1,hf2,hf3,ddp,fsdp2,ds2,ds3
-    python scripts/bench.py --gpus 1 --model 2.8b --engines hf2o,hf3o,ds2o,ds3o,fsdp2o --steps 4   # optimizer offload
-    python scripts/bench.py --gpus 1 --model 2.8b --engines hf3op,ds3op,fsdp2o --steps 4   # + parameter offload
-    python scripts/bench.py --gpus 1 --model 2.8b --engines hf2,hf2o,hf3,hf3o --gas 8 --steps 3   # offload's cost at accumulation 8
-    python scripts/bench.py --gpus 1 --model 2.8b --engines hf2o,hf2og,fsdp2o --bucket 1e8   # the CPU step beside the next forward
-    python scripts/bench.py --gpus 1 --model 1.1b --engines hf2,tr2,hf3,tr3   # the Trainer path against the raw engine
-    python scripts/bench.py --gpus 2 --model 1.1b --engines hf2,hf2g,fsdp2 --bucket 1e8   # the step's all-gather in the next forward
+    python benchmarks/bench.py --gpus 4 --model 1.1b --engines hf1,hf2,hf3,ddp,fsdp2,ds2,ds3
+    python benchmarks/bench.py --gpus 1 --model 2.8b --engines hf2o,hf3o,ds2o,ds3o,fsdp2o --steps 4   # optimizer offload
+    python benchmarks/bench.py --gpus 1 --model 2.8b --engines hf3op,ds3op,fsdp2o --steps 4   # + parameter offload
+    python benchmarks/bench.py --gpus 1 --model 2.8b --engines hf2,hf2o,hf3,hf3o --gas 8 --steps 3   # offload's cost at accumulation 8
+    python benchmarks/bench.py --gpus 1 --model 2.8b --engines hf2o,hf2og,fsdp2o --bucket 1e8   # the CPU step beside the next forward
+    python benchmarks/bench.py --gpus 1 --model 1.1b --engines hf2,tr2,hf3,tr3   # the Trainer path against the raw engine
+    python benchmarks/bench.py --gpus 2 --model 1.1b --engines hf2,hf2g,fsdp2 --bucket 1e8   # the step's all-gather in the next forward
 
 Each engine runs in its own torchrun (one process per GPU), so no engine's memory or caches
 leak into the next one's peak. ``ds2``/``ds3`` need DeepSpeed importable.
@@ -500,7 +500,7 @@ def run_pipeline(name: str, args: argparse.Namespace) -> dict:
     mine = torch.tensor([statistics.median(bubbles)], device="cuda")
     every = [torch.zeros_like(mine) for _ in range(world)]
     dist.all_gather(every, mine)
-    per_stage = [statistics.mean(float(every[pipe.topology.rank(s, d)]) for d in range(dp)) for s in range(stages)]
+    per_stage = [statistics.mean(float(every[pipe.grid.rank_at(pp=s, dp_shard=d)]) for d in range(dp)) for s in range(stages)]
     peak = torch.tensor(torch.cuda.max_memory_allocated() / 2**30, device="cuda")
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     return {

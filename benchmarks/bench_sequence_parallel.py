@@ -2,12 +2,13 @@
 
 Run on the GPU machine (issue 18's measurement; numbers go to BENCHMARKS.md):
 
-    python scripts/bench_sequence_parallel.py --gpus 2 --engines hf,ds,fsdp_cp --seqs 4096,32768,131072
-    python scripts/bench_sequence_parallel.py --gpus 2 --engines hf,ds --max_seq 65536
-    python scripts/bench_sequence_parallel.py --gpus 2 --engines hf --sp 1,2 --seqs 4096   # SP's cost at 4k
+    python benchmarks/bench_sequence_parallel.py --gpus 2 --engines hf,ds,fsdp_cp --seqs 4096,32768,131072
+    python benchmarks/bench_sequence_parallel.py --gpus 2 --engines hf,ds --max_seq 65536
+    python benchmarks/bench_sequence_parallel.py --gpus 2 --engines hf --sp 1,2 --seqs 4096   # SP's cost at 4k
+    python benchmarks/bench_sequence_parallel.py --gpus 2 --engines hf --sp 2 --batch 2 --seqs 4096   # sp 2 at sp 1's tokens per GPU
 
-Every engine trains Llama-3-8B's shape (random weights, bf16, AdamW, ZeRO-3 or FSDP2) on one random
-sequence per sequence-parallel group, each run in its own torchrun (one process per GPU) so no
+Every engine trains Llama-3-8B's shape (random weights, bf16, AdamW, ZeRO-3 or FSDP2) on ``--batch`` random
+sequences (default one) per sequence-parallel group, each run in its own torchrun (one process per GPU) so no
 run's memory leaks into the next. Each keeps its best long-sequence settings: checkpointed blocks
 with their inputs in host memory, the MLP and the LM-head loss in tiles (hf_zero's
 ``sequence_parallel`` section; ALST's TiledMLP and TiledFusedLogitsLoss), flash attention when
@@ -60,9 +61,13 @@ def _config(args: argparse.Namespace) -> Any:
 
 
 def _batch(args: argparse.Namespace, step: int, device: torch.device) -> dict:
-    """One sequence per sp group (the same on its ranks), its labels the tokens themselves."""
+    """``--batch`` sequences per sp group (the same on its ranks), their labels the tokens themselves.
+
+    SP's cost is read at equal work: sp N with N sequences per group gives each GPU as many tokens per step as sp 1
+    with one, so the step times differ only by what sequence parallelism adds (its all-to-alls, attention over the
+    whole sequence), not by ZeRO-3's per-step traffic spread over fewer tokens."""
     g = torch.Generator().manual_seed(1000 * step + args.dp_rank)
-    ids = torch.randint(0, SHAPES[args.model]["vocab_size"], (1, args.seq), generator=g)
+    ids = torch.randint(0, SHAPES[args.model]["vocab_size"], (args.batch, args.seq), generator=g)
     return {"input_ids": ids.to(device), "labels": ids.to(device)}
 
 
@@ -75,7 +80,7 @@ def hf_engine(args: argparse.Namespace, device: torch.device) -> Any:
     import hf_zero
     from hf_zero.sequence import shard_batch
 
-    cfg = {"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": args.device != "cpu"},
+    cfg = {"train_micro_batch_size_per_gpu": args.batch, "bf16": {"enabled": args.device != "cpu"},
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-5, "weight_decay": 0.0}},
            "zero_optimization": {"stage": 3, **({"stage3_prefetch_bucket_size": int(args.prefetch)} if args.prefetch else {})},
            "sequence_parallel_size": args.sp, "steps_per_print": 10**9,
@@ -123,7 +128,7 @@ def ds_engine(args: argparse.Namespace, device: torch.device) -> Any:
         return TiledMLP.apply(mlp, self, x, int(shards), [self.down_proj.weight, self.gate_proj.weight, self.up_proj.weight])
 
     modeling_llama.LlamaMLP.forward = tiled_mlp_forward
-    cfg = {"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": args.device != "cpu"},
+    cfg = {"train_micro_batch_size_per_gpu": args.batch, "bf16": {"enabled": args.device != "cpu"},
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-5, "weight_decay": 0.0}},
            "zero_optimization": {"stage": 3, "overlap_comm": True, "contiguous_gradients": True}, "sequence_parallel_size": args.sp,
            "steps_per_print": 10**9, "activation_checkpointing": {"cpu_checkpointing": args.offload}}
@@ -133,7 +138,7 @@ def ds_engine(args: argparse.Namespace, device: torch.device) -> Any:
     if args.sp > 1:
         mpu = UlyssesSPAttentionHF.register_with_transformers(
             model_name_or_path=model, core_attn_implementation=model.config._attn_implementation, sequence_parallel_size=args.sp,
-            micro_batch_size=1, seq_length=args.seq, seq_length_is_variable=True)
+            micro_batch_size=args.batch, seq_length=args.seq, seq_length_is_variable=True)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg, mpu=mpu)
     sp_rank = mpu.get_sequence_parallel_rank() if mpu else 0
@@ -184,7 +189,7 @@ def fsdp_cp_engine(args: argparse.Namespace, device: torch.device) -> Any:
     def step(i: int) -> float:
         batch = _batch(args, i, device)
         labels = torch.nn.functional.pad(batch["input_ids"][:, 1:], (0, 1), value=-100)
-        pos = torch.arange(args.seq, device=device)[None]
+        pos = torch.arange(args.seq, device=device)[None].expand(args.batch, -1)
         with acc.maybe_context_parallel(buffers=[batch["input_ids"], labels, pos], buffer_seq_dims=[1, 1, 1],
                                         no_restore_buffers={batch["input_ids"], labels, pos}):
             loss = model(input_ids=batch["input_ids"], position_ids=pos, shift_labels=labels, labels=labels).loss
@@ -225,8 +230,8 @@ def worker(args: argparse.Namespace) -> None:
     if dist.get_rank() == 0:
         dp = world // args.sp
         print("RESULT " + json.dumps({
-            "engine": args.engine, "seq": args.seq, "sp": args.sp, "gpus": world, "attn": _config(args)._attn_implementation, "keep_attention": args.keep_attention,
-            "step_s": med, "tokens_per_s_per_gpu": args.seq * dp / med / world, "peak_gib": float(peak), "losses": losses,
+            "engine": args.engine, "seq": args.seq, "batch": args.batch, "sp": args.sp, "gpus": world, "attn": _config(args)._attn_implementation, "keep_attention": args.keep_attention,
+            "step_s": med, "tokens_per_s_per_gpu": args.seq * args.batch * dp / med / world, "peak_gib": float(peak), "losses": losses,
         }), flush=True)
     dist.destroy_process_group()
 
@@ -237,7 +242,7 @@ def worker(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace, engine: str, seq: int, sp: int) -> dict | None:
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.gpus}", "--master_port", str(29500 + seq % 997),
            __file__, "--worker", "--engine", engine, "--seq", str(seq), "--sp", str(sp), "--model", args.model,
-           "--device", args.device, "--steps", str(args.steps), "--warmup", str(args.warmup), "--keep_attention", args.keep_attention, "--prefetch", str(args.prefetch)] + (["--no_offload"] if not args.offload else [])
+           "--device", args.device, "--batch", str(args.batch), "--steps", str(args.steps), "--warmup", str(args.warmup), "--keep_attention", args.keep_attention, "--prefetch", str(args.prefetch)] + (["--no_offload"] if not args.offload else [])
     env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True")
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
     for line in proc.stdout.splitlines():
@@ -259,6 +264,7 @@ def main() -> None:
     p.add_argument("--max_seq", type=int, default=0, help="double the sequence from this length until a run fails")
     p.add_argument("--model", default="8b", choices=sorted(SHAPES))
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--batch", type=int, default=1, help="sequences per sp group and micro-batch (sp N with N: sp 1's tokens per GPU)")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--timeout", type=int, default=1800)

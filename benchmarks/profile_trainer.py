@@ -1,6 +1,6 @@
 """Where a Trainer step's time goes: ``scripts/finetune.py`` with the torch profiler around a few steps.
 
-    torchrun --nproc_per_node 2 scripts/profile_trainer.py --zero_config configs/zero2.json --model_name_or_path M
+    torchrun --nproc_per_node 2 benchmarks/profile_trainer.py --zero_config configs/zero2.json --model_name_or_path M
 
 Every argument is finetune.py's. Rank 0 prints the step's wall time beside its GPU kernel time by
 kind (bench.py's summary: NCCL, matmuls and attention, optimizer, the rest), then the operators that
@@ -17,7 +17,9 @@ import time
 import torch
 from transformers import TrainerCallback
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)  # bench.py, beside this file
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "scripts"))  # the main job, scripts/finetune.py
 import finetune  # noqa: E402
 from bench import print_profile  # noqa: E402
 

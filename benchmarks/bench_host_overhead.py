@@ -1,7 +1,7 @@
 """Host overhead per training step: hf_zero's engines beside torch DDP on a model whose compute is negligible.
 
-    PYTHONPATH=$PWD python scripts/bench_host_overhead.py --steps 200 --params 100
-    PYTHONPATH=$PWD python scripts/bench_host_overhead.py --engines ddp,hf2 --profile hf2
+    PYTHONPATH=$PWD python benchmarks/bench_host_overhead.py --steps 200 --params 100
+    PYTHONPATH=$PWD python benchmarks/bench_host_overhead.py --engines ddp,hf2 --profile hf2
 
 Two CPU processes over gloo train ``--params`` tiny blocks (Linear(16, 16) + LayerNorm(16): four
 parameters each, so 100 blocks are 400 parameters of 16 to 256 elements) in fp32 on a fixed

@@ -1,11 +1,11 @@
 """The Trainer path on GPUs: one Trainer script under hf_zero's stages, DeepSpeed, FSDP2 and DDP (issue 20).
 
-    python scripts/bench_finetune.py --gpus 1 --model 1.1b --engines hf1,hf2,hf3,ds2,ds3,fsdp2,ddp
-    python scripts/bench_finetune.py --gpus 1 --model 1.1b --grad-ckpt --engines hf2,hf3,ds2,ds3,fsdp2,ddp
-    python scripts/bench_finetune.py --gpus 1 --model 8b --lora --engines hf3,ds3
-    python scripts/bench_finetune.py --gpus 2 --model bert-large --model minilm=/path/to/all-MiniLM-L6-v2 --batch 32
-    python scripts/bench_finetune.py --gpus 2 --model tiny --engines hf2,hf3,ddp      # on CPU: gloo, use_cpu
-    python scripts/bench_finetune.py --gpus 2 --model minilm=PATH --model bert-large --modes ddp,zero2,zero3
+    python benchmarks/bench_finetune.py --gpus 1 --model 1.1b --engines hf1,hf2,hf3,ds2,ds3,fsdp2,ddp
+    python benchmarks/bench_finetune.py --gpus 1 --model 1.1b --grad-ckpt --engines hf2,hf3,ds2,ds3,fsdp2,ddp
+    python benchmarks/bench_finetune.py --gpus 1 --model 8b --lora --engines hf3,ds3
+    python benchmarks/bench_finetune.py --gpus 2 --model bert-large --model minilm=/path/to/all-MiniLM-L6-v2 --batch 32
+    python benchmarks/bench_finetune.py --gpus 2 --model tiny --engines hf2,hf3,ddp      # on CPU: gloo, use_cpu
+    python benchmarks/bench_finetune.py --gpus 2 --model minilm=PATH --model bert-large --modes ddp,zero2,zero3
 
 Each engine is a fresh ``torchrun`` of this file's worker (one process per GPU), so no engine's memory or
 caches leak into the next one's. The worker is one Trainer script; only the arguments differ:
@@ -38,7 +38,7 @@ any engine failed, after printing its table.
 ``--budget SECONDS`` bounds the whole call (a launch gets what is left; with under 30 s left the remaining engines
 are "not run" rows), so several calls fit one device command, e.g. on one H200 (about 9 minutes in all):
 
-    B="python3 scripts/bench_finetune.py --gpus 1 --steps 6 --warmup 3"
+    B="python3 benchmarks/bench_finetune.py --gpus 1 --steps 6 --warmup 3"
     $B --model 1.1b --engines hf2,hf3,ds2,ds3,fsdp2,ddp --budget 210
     $B --model 8b --lora --engines hf3,ds3 --budget 140
     $B --model 1.1b --grad-ckpt --engines hf3,ds3,fsdp2,hf2,ds2,ddp --budget 160
@@ -51,7 +51,7 @@ from before (a snapshot at its start; stacks are kept for live blocks from befor
 as still live at the peak. The recorded step is left out of both throughputs, but the others ran with allocation
 stacks kept, so such a call is for memory, not for the tables:
 
-    python3 scripts/bench_finetune.py --gpus 1 --steps 4 --warmup 3 --model 1.1b --grad-ckpt --engines hf3,fsdp2 \
+    python3 benchmarks/bench_finetune.py --gpus 1 --steps 4 --warmup 3 --model 1.1b --grad-ckpt --engines hf3,fsdp2 \
         --memory-peak --budget 200
 
 ``--modes`` keeps the older measurement: ``scripts/finetune.py`` (the main job, hf_zero's Trainer with
@@ -238,7 +238,7 @@ def worker(args: argparse.Namespace) -> None:
 
     class MemoryPeak(TrainerCallback):
         """The last step under the allocator's full history: what it inherited (a snapshot at its start) and
-        what it allocated (the event trace to its end), replayed to its peak by scripts/bench.py's replay."""
+        what it allocated (the event trace to its end), replayed to its peak by benchmarks/bench.py's replay."""
 
         def __init__(self, step: int) -> None:
             self.step, self.before, self.held, self.t0, self.spent = step, 0, {}, 0.0, 0.0

@@ -1,0 +1,18 @@
+"""``deepspeed.runtime.zero`` under hf_zero: ``hf_zero.zero``'s names (DeepSpeed's ``deepspeed.zero`` is this
+package too), and its submodules ``partition_parameters``, ``stage3`` and ``stage_1_and_2``."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from hf_zero import zero as _zero
+from hf_zero.zero import *  # noqa: F403 - every name of hf_zero.zero, under DeepSpeed's path
+
+__all__ = list(_zero.__all__)
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("partition_parameters", "stage3", "stage_1_and_2"):
+        return importlib.import_module(f"hf_zero.runtime.zero.{name}")
+    return getattr(_zero, name)

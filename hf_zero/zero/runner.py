@@ -1,0 +1,223 @@
+"""Step runners: the optimizer step and the publish of the new weights, one way of taking them per class.
+
+:class:`hf_zero.zero.optimizer.ShardedOptimizer` builds the shard groups and the hooks; how its step runs
+follows from choices made once, at build time (is the optimizer offloaded, is the post-step all-gather
+deferred to the next forward), so the runner is picked then (:func:`pick_runner`) and the step is a
+method call on it (``ShardedOptimizer.step_and_publish`` -> ``runner.step(timed)``), with no branch
+taken per step:
+
+- :class:`DeviceRunner`: the optimizer on the device, every group published, the compute stream waits;
+- :class:`DeferredPublishRunner` (``overlap_param_gather`` at stages 0-2): the same step, the groups
+  published in forward order with their all-gathers left in flight, each waited for by the first forward
+  hook that reads it (:class:`hf_zero.zero.overlap.DeferredPublish`);
+- :class:`HostRunner` (``offload_optimizer``): the host masters stepped group by group on the CPU, each group
+  copied back and published at once (:class:`hf_zero.zero.offload.HostStep`), inside ``engine.step()``;
+- :class:`DeferredHostRunner` (``offload_optimizer`` with ``overlap_param_gather`` at stages 1-2): the first
+  group the forward reads stepped at once, every other one where the next forward first reads it.
+
+Whether the host runners read each group's gradient from its host copy or stream it from the device through
+two shared buffers is their property (``stream_grads``, from :func:`hf_zero.zero.offload.plan_host_memory`).
+
+The rule: a new way of taking the step (NVMe offload, a ``ratio`` < 1 of the optimizer state offloaded) is a
+new runner class in this module, registered in :func:`pick_runner`, not a branch in an existing runner or in
+``ShardedOptimizer``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+from hf_zero.zero import collectives as C
+from hf_zero.zero.group import ShardGroup
+from hf_zero.zero.offload import HostStep, OffloadPolicy, host_buffer, use_host_kernels
+from hf_zero.zero.overlap import DeferredPublish
+
+Timed = Callable[[str, float], None]  # wall_clock_breakdown's sink (hf_zero/timers.py): (part, seconds)
+
+
+class StepRunner:
+    """One way to step the masters and publish the weights, chosen once (:func:`pick_runner`).
+
+    ``groups`` are the optimizer's shard groups (:attr:`ShardedOptimizer.groups`, in that order), ``stream``
+    its communication stream (None off CUDA).
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, groups: list[ShardGroup],
+                 stream: torch.cuda.Stream | None) -> None:
+        self.optimizer, self.groups, self.stream = optimizer, list(groups), stream
+
+    def step(self, timed: Timed | None) -> None:
+        """Step this rank's masters with the reduced gradients, then publish the new weights to every rank.
+
+        ``timed(part, seconds)``, when given, receives the parts of an offloaded step (``hf_zero/timers.py``).
+        """
+        raise NotImplementedError
+
+    def release(self) -> None:
+        """Drop every group and buffer this runner holds (``engine.destroy()``); it steps nothing afterwards."""
+        self.groups = []
+
+
+class DeviceRunner(StepRunner):
+    """The optimizer steps the masters on the device; every group publishes and the compute stream waits for it."""
+
+    def step(self, timed: Timed | None) -> None:
+        groups = self.groups
+        for g in groups:
+            g.before_step()
+        self.optimizer.step()
+        for g in groups:
+            g.publish_master(self.stream)
+        C.wait_for(self.stream)
+
+
+class DeferredPublishRunner(StepRunner):
+    """``overlap_param_gather`` at stages 0-2: as :class:`DeviceRunner`, but the step returns with the groups'
+    all-gathers in flight, issued in the order the next forward reads them, and each is waited for by the first
+    forward hook that reads it (:class:`hf_zero.zero.overlap.DeferredPublish`)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, groups: list[ShardGroup], stream: torch.cuda.Stream | None,
+                 overlap: DeferredPublish) -> None:
+        super().__init__(optimizer, groups, stream)
+        self.overlap: DeferredPublish | None = overlap
+
+    def step(self, timed: Timed | None) -> None:
+        overlap = self.overlap
+        assert overlap is not None, "the runner was released (engine.destroy())"
+        overlap.wait_all()  # a step with no forward since the last: its gathers still write the buffers
+        for g in self.groups:
+            g.before_step()
+        self.optimizer.step()
+        # No wait here: each group is waited for where it is first read (hf_zero/zero/overlap.py).
+        for g in overlap.order:
+            g.publish_master(self.stream, defer=True)  # type: ignore[call-arg]
+        overlap.armed()
+
+    def release(self) -> None:
+        super().release()
+        self.overlap = None
+
+
+class HostRunner(StepRunner):
+    """``offload_optimizer``: the host masters stepped one group at a time on the CPU, each group's copy back to the
+    device and all-gather issued as soon as it is stepped (:class:`hf_zero.zero.offload.HostStep`), all inside the
+    step; the compute stream then waits for them.
+
+    ``stream_grads`` (:attr:`hf_zero.zero.offload.HostPlan.STREAM_GRADS`): the groups kept their fp32 gradient
+    shards on the device, and the step copies them to the host through two shared buffers of the largest group
+    (:attr:`grad_buffers`, made at the first step that needs them); otherwise each group's ``before_step`` hands
+    it its own host copy. Adam/AdamW step with torch's fused CPU kernel.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, groups: list[ShardGroup], stream: torch.cuda.Stream | None,
+                 device: torch.device, offload: OffloadPolicy, stream_grads: bool) -> None:
+        super().__init__(optimizer, groups, stream)
+        use_host_kernels(optimizer)
+        self.device = device
+        self.threads = offload.host_threads
+        self.stream_grads = stream_grads
+        self.pin = offload.pin_memory and torch.cuda.is_available()
+        self.grad_buffers: list[torch.Tensor] = []  # the two shared host buffers of a streamed step
+
+    def _work(self) -> tuple[list[tuple[ShardGroup, torch.Tensor]], list[torch.Tensor] | None]:
+        """The groups to step with their gradients (see :class:`HostStep`), each master's ``.grad`` cleared, and the
+        shared buffers when the gradients are streamed."""
+        streamed: list[torch.Tensor] | None = None
+        if self.stream_grads:  # each group's fp32 shard waited on the device; the step streams it through two buffers
+            work = [(g, g.reduced_grad()) for g in self.groups if g.master is not None and g.reduced_grad() is not None]
+            largest = max((g.master.numel() for g, _ in work), default=0)  # type: ignore[union-attr]
+            if largest and (not self.grad_buffers or self.grad_buffers[0].numel() < largest):
+                self.grad_buffers = [host_buffer(largest, torch.float32, pin=self.pin) for _ in range(2)]
+            streamed = self.grad_buffers
+        else:  # before_step handed each group its host copy as the master's .grad
+            work = [(g, g.master.grad) for g in self.groups if g.master is not None and g.master.grad is not None]
+        for g, _ in work:
+            g.master.grad = None  # type: ignore[union-attr]  # the optimizer sees one group's gradient at a time
+        return work, streamed  # type: ignore[return-value]
+
+    def step(self, timed: Timed | None) -> None:
+        clock = time.perf_counter
+        t0 = clock()
+        for g in self.groups:
+            g.before_step()
+        t1 = clock()
+        work, streamed = self._work()
+        run = HostStep(self.optimizer, self.stream, work, streamed=streamed, threads=self.threads)
+        run.finish()
+        if streamed is None:
+            for g, grad in work:
+                g.master.grad = grad  # type: ignore[union-attr]  # as after a step without offload, until zero_grad
+        t2 = clock()
+        C.wait_for(self.stream)
+        if timed is not None:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            timed("step.wait_grads", t1 - t0)
+            timed("step.cpu_optimizer", run.cpu_seconds)
+            timed("step.to_device", (t2 - t1 - run.cpu_seconds) + (clock() - t2))
+
+    def release(self) -> None:
+        super().release()
+        self.grad_buffers = []
+
+
+class DeferredHostRunner(HostRunner):
+    """``offload_optimizer`` with ``overlap_param_gather`` at stages 1-2: only the group the next forward reads first
+    is stepped inside the step; every other group is handed the step (:meth:`hf_zero.zero.flat.FlatGroup.defer_step`)
+    and stepped, with every group before it in forward order, by the first forward hook that waits for it, with the
+    hyperparameters of the step that deferred it (:class:`hf_zero.zero.offload.HostStep`). ``timed`` receives the wait
+    for the gradients at once and the CPU optimizer's time once the last group is stepped."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, groups: list[ShardGroup], stream: torch.cuda.Stream | None,
+                 device: torch.device, offload: OffloadPolicy, stream_grads: bool, overlap: DeferredPublish) -> None:
+        super().__init__(optimizer, groups, stream, device, offload, stream_grads)
+        self.overlap: DeferredPublish | None = overlap
+        self._forward_rank = {id(g): i for i, g in enumerate(overlap.order)}  # the order is fixed once built
+
+    def step(self, timed: Timed | None) -> None:
+        overlap = self.overlap
+        assert overlap is not None, "the runner was released (engine.destroy())"
+        clock = time.perf_counter
+        t0 = clock()
+        overlap.wait_all()  # a step with no forward since the last: its steps and gathers are still to finish
+        for g in self.groups:
+            g.before_step()
+        t1 = clock()
+        work, streamed = self._work()
+        rank = self._forward_rank
+        work.sort(key=lambda x: rank[id(x[0])])
+        if timed is not None:
+            timed("step.wait_grads", t1 - t0)
+        run = HostStep(self.optimizer, self.stream, work, streamed=streamed, defer=True,
+                       on_done=None if timed is None else (lambda s: timed("step.cpu_optimizer", s)),
+                       threads=self.threads)
+        through = run.through  # one bound method for every group: its first wait steps it (and those before it)
+        for g, _ in work:
+            g.defer_step(through)  # type: ignore[attr-defined]
+        if work:  # at once: the first group the forward reads, and a step a scheduler can see was taken
+            run.through(work[0][0])
+        overlap.armed()
+
+    def release(self) -> None:
+        super().release()
+        self.overlap = None
+
+
+def pick_runner(optimizer: torch.optim.Optimizer, groups: list[ShardGroup], stream: torch.cuda.Stream | None, *,
+                device: torch.device, offload: OffloadPolicy, stream_grads: bool,
+                overlap: DeferredPublish | None) -> StepRunner:
+    """The runner for these choices, made once when the optimizer is built; where a new runner is registered.
+
+    ``overlap`` is the optimizer's :class:`DeferredPublish` (``overlap_param_gather`` at stages 0-2 and a group to
+    publish; None otherwise), ``stream_grads`` the host-memory plan's answer (only with ``offload.optimizer``).
+    """
+    if offload.optimizer:
+        if overlap is not None:
+            return DeferredHostRunner(optimizer, groups, stream, device, offload, stream_grads, overlap)
+        return HostRunner(optimizer, groups, stream, device, offload, stream_grads)
+    if overlap is not None:
+        return DeferredPublishRunner(optimizer, groups, stream, overlap)
+    return DeviceRunner(optimizer, groups, stream)
