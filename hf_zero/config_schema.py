@@ -198,6 +198,7 @@ ZERO = Section(
         "stage", "reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold",
         "stage3_max_live_parameters", "offload_optimizer", "offload_param",
         "overlap_param_gather",  # hf_zero's: the step's parameter all-gather waited for in the next forward
+        "cpu_offload",  # DeepSpeed's deprecated spelling of offload_optimizer on the cpu, converted as DeepSpeed does
     ),
     # DeepSpeed's field names beside their stage3_* aliases, and the deprecated fp16 spelling
     aliases={
@@ -234,7 +235,6 @@ ZERO = Section(
         "compute_grad_norm": True, "parameter_alignment": False,
     },
     unsupported={
-        "cpu_offload": (False, 'this is DeepSpeed\'s deprecated spelling; write "offload_optimizer": {"device": "cpu"} instead'),
         "cpu_offload_param": (False, "parameter offload is not supported yet; remove the key"),
         "zero_quantized_weights": (False, "ZeRO++ quantized weights are not supported yet"),
         "zero_quantized_nontrainable_weights": (False, "ZeRO++ quantized weights are not supported yet"),

@@ -174,8 +174,8 @@ def main(argv: list[str] | None = None) -> int:
         rec.setdefault("observed", rec.get("hf_zero_observed", ""))
         if rec.get("hf_zero") != PASSED:
             rec["observed"] = rec.get("hf_zero_observed", "")
-        if rec.get("deepspeed") != PASSED:
-            rec["deepspeed_reason"] = rec.get("deepspeed_observed", "")
+        if rec.get("deepspeed") != PASSED and "deepspeed_observed" in rec:  # else the recorded reason stays
+            rec["deepspeed_reason"] = rec["deepspeed_observed"]
         merged[node] = rec
     LAST_RUN.write_text(json.dumps({"seconds": seconds, "tests": merged}, indent=1) + "\n")
     print(table(merged))
