@@ -100,3 +100,31 @@ def test_resumed_optimizer_groups_keep_tuple_hyper_parameters(tmp_path) -> None:
     saved, loaded = engine.optimizer.param_groups[0], again.optimizer.param_groups[0]
     assert loaded["betas"] == (0.8, 0.9) and type(loaded["betas"]) is tuple
     assert {k: v for k, v in loaded.items() if k != "params"} == {k: v for k, v in saved.items() if k != "params"}
+
+
+def test_save_between_accumulation_boundaries_holds_the_last_boundary(tmp_path, caplog) -> None:
+    """DeepSpeed saves a checkpoint mid-accumulation (its tutorial's loop saves every N micro-batches); what it
+    holds is the last boundary's state and the resumed run starts a new window. hf_zero's equals a save made at
+    that boundary, and says (once, on rank 0) what is not in it."""
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "zero_optimization": {"stage": 2},
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}}
+    ids, labels = make_data(3, 2)
+    engine, *_ = hf_zero.initialize(model=make_model(), config=cfg)
+    for i in range(3):  # a boundary after micro-batch 2, then one micro-batch of the next window
+        engine.backward(engine(ids[i], labels[i]))
+        engine.step()
+        if i == 1:
+            engine.save_checkpoint(str(tmp_path / "boundary"))
+            at_boundary = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    with caplog.at_level("WARNING", logger="hf_zero"):
+        engine.save_checkpoint(str(tmp_path / "mid"))
+    assert "middle of gradient accumulation (micro step 3, accumulation 2)" in caplog.text
+    assert "the 1 micro-batches accumulated since are not in it" in caplog.text
+    for name in ("boundary", "mid"):
+        again, *_ = hf_zero.initialize(model=make_model(seed=5), config=cfg)
+        again.load_checkpoint(str(tmp_path / name))
+        assert (again.global_steps, again.micro_steps) == (1, 2), name
+        for n, p in again.module.named_parameters():
+            assert torch.equal(p, at_boundary[n]), (name, n)
+        again.backward(again(ids[2], labels[2]))
+        assert not again.is_gradient_accumulation_boundary()  # the new window's first micro-batch
