@@ -57,7 +57,7 @@ MALFORMED = [
     ({**MB, "zero_optimization": {"stage": True}}, None, ["zero_optimization.stage: got True"]),
     ({**MB, "zero_optimization": {"stage": "auto"}}, None, ["zero_optimization.stage: got 'auto'", "only allowed"]),
     ({**MB, "zero_optimization": 2}, None, ["zero_optimization: got 2", "expected an object"]),
-    ({**MB, "zero_optimization": {"overlap_comm": 1}}, None, ["zero_optimization.overlap_comm: got 1", "true or false"]),
+    ({**MB, "zero_optimization": {"overlap_comm": 2}}, None, ["zero_optimization.overlap_comm: got 2", "true or false"]),
     ({**MB, "zero_optimization": {"contiguous_gradients": "true"}}, None, ["contiguous_gradients: got 'true'"]),
     ({**MB, "zero_optimization": {"reduce_bucket_size": -5}}, None, ["zero_optimization.reduce_bucket_size: got -5", "positive integer"]),
     ({**MB, "zero_optimization": {"reduce_bucket_size": 2.5}}, None, ["zero_optimization.reduce_bucket_size: got 2.5", "integer"]),

@@ -421,3 +421,13 @@ def test_classify_names_what_happens_to_a_key() -> None:
     assert classify("zero_optimization.zenflow.topk_ratio") == "refused" and classify("amp.opt_level") == "refused"
     assert classify("comms_config") is None and classify("zero_optimization.aio") is None
     assert all(path == "" or classify(path) == "acted" for path in SECTIONS)
+
+
+def test_zero_and_one_are_booleans_as_deepspeed_reads_them() -> None:
+    """DeepSpeed reads 0 and 1 as false and true (pydantic's lax bool in its sections, truthiness at the top level;
+    its own tests write ``"zero_allow_untested_optimizer": 1``); a string or another number stays refused."""
+    cfg, said = load({**MB, "zero_allow_untested_optimizer": 1, "bf16": {"enabled": 1}, "wall_clock_breakdown": 0})
+    assert cfg.bf16.enabled is True and cfg.wall_clock_breakdown is False and said == []
+    assert "bf16.enabled: got 'true', expected true or false" in refusal({**MB, "bf16": {"enabled": "true"}})
+    assert "zero_allow_untested_optimizer: got 2, expected true or false" in refusal(
+        {**MB, "zero_allow_untested_optimizer": 2})
