@@ -377,6 +377,24 @@ class ZeroEngine(torch.nn.Module):
     def was_step_applied(self) -> bool:
         return self._step_applied
 
+    def __getattr__(self, name: str) -> Any:
+        """An attribute the engine lacks is the wrapped module's, as on DeepSpeed's engine.
+
+        Scripts written for DeepSpeed read their model's own attributes through the engine
+        (``engine.config`` of a transformers model, ``engine.id``, a custom ``engine.generate``); the engine's
+        own attributes, parameters and submodules come first (``torch.nn.Module``'s lookup).
+        """
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            module = self.__dict__.get("_modules", {}).get("module")
+            if module is not None and not name.startswith("__"):
+                try:
+                    return getattr(module, name)
+                except AttributeError:
+                    pass
+            raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'") from None
+
     # ------------------------------------------------------------ step
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:

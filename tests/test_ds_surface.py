@@ -128,3 +128,17 @@ def test_save_between_accumulation_boundaries_holds_the_last_boundary(tmp_path, 
             assert torch.equal(p, at_boundary[n]), (name, n)
         again.backward(again(ids[2], labels[2]))
         assert not again.is_gradient_accumulation_boundary()  # the new window's first micro-batch
+
+
+def test_the_engine_answers_its_modules_attributes() -> None:
+    """DeepSpeed's engine passes an attribute it lacks through to the wrapped module (scripts read
+    ``engine.config``, a client's ``engine.id``); its own names come first, and a name neither has is an
+    AttributeError naming the engine."""
+    model = make_model()
+    model.id, model.global_steps = 3, "the module's"
+    engine, *_ = hf_zero.initialize(model=model, config={"train_micro_batch_size_per_gpu": 2,
+                                                         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}})
+    assert engine.id == 3 and engine.global_steps == 0 and engine.emb is model.emb
+    with pytest.raises(AttributeError, match="'ZeroEngine' object has no attribute 'no_such_thing'"):
+        engine.no_such_thing  # noqa: B018
+    assert not hasattr(engine, "no_such_thing")
