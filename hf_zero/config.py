@@ -62,7 +62,7 @@ class ZeroConfig:
     train_batch_size: int | None = None
     train_micro_batch_size_per_gpu: int | None = None
     gradient_accumulation_steps: int | None = None
-    gradient_clipping: float = 0.0
+    gradient_clipping: float = 1.0  # DeepSpeed 0.19.8's GRADIENT_CLIPPING_DEFAULT: clip at 1.0 unless the config says
     optimizer: OptimizerConfig | None = None
     scheduler: SchedulerConfig | None = None
     fp16: FP16Config = field(default_factory=FP16Config)

@@ -13,7 +13,7 @@ import hf_zero
 from hf_zero import ConfigError, UsageError
 from tests.models import make_data, make_model, param_groups
 
-CFG = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}}
+CFG = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.0, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}}
 
 
 def test_engine_keeps_names_and_counts_steps() -> None:

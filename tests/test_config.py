@@ -278,7 +278,8 @@ def test_hf_docs_zero2_and_zero3_configs_parse_and_record_auto_keys() -> None:
     assert zo3.stage3_max_live_parameters == 10**9 and zo3.offload_param.pin_memory is True
     for cfg in (z2, z3):
         assert (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps) == (None, None, None)
-        assert cfg.gradient_clipping == 0.0 and not cfg.fp16.enabled and not cfg.bf16.enabled
+        # DeepSpeed's default clipping (1.0); the Trainer's fill below sets 0, as it clips with max_grad_norm
+        assert cfg.gradient_clipping == 1.0 and not cfg.fp16.enabled and not cfg.bf16.enabled
         assert cfg.optimizer.type == "AdamW" and cfg.optimizer.params == {}
         assert cfg.scheduler.type == "WarmupLR" and cfg.scheduler.params == {} and cfg.steps_per_print == 2000
     # the Trainer integration fills the values, then everything resolves

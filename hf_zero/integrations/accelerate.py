@@ -236,8 +236,9 @@ class Accelerator(accelerate.Accelerator):
             )
         if cfg.get("train_batch_size") == "auto":
             del cfg["train_batch_size"]
-        if cfg.get("gradient_clipping") == "auto":
-            # Accelerate fills DeepSpeed's "auto" with 1.0; a zero_config's leaves clipping to clip_grad_norm_
+        if cfg.get("gradient_clipping", "auto") == "auto":
+            # Accelerate fills DeepSpeed's "auto" with 1.0 (and an absent key is DeepSpeed's default, 1.0 too); a
+            # zero_config's "auto" or absent key leaves clipping to accelerator.clip_grad_norm_, as before
             cfg["gradient_clipping"] = 1.0 if from_plugin else 0.0
         mp = str(self.mixed_precision)
         clash = fill_precision(cfg, mp in ("bf16", "fp8"), mp == "fp16", must_match=False)
