@@ -25,7 +25,7 @@ from hf_zero.checkpoint.state import Progress, TrainState
 from hf_zero.checkpointing import checkpoint_blocks
 from hf_zero.config import ZeroConfig
 from hf_zero.data import to_device
-from hf_zero.errors import CheckpointError, UsageError
+from hf_zero.errors import CheckpointError, StepInNoSyncError, UsageError
 from hf_zero.module_setup import broadcast_module, cast_frozen_params, check_presharded, move_to_device
 from hf_zero.parallel import GridShape, ParallelGrid, grid_for
 from hf_zero.precision import loss_scaler_for, reduce_dtype
@@ -470,6 +470,9 @@ class ZeroEngine(torch.nn.Module):
         del lr_kwargs
         if self.zero_optimizer is None or self.inference_only:
             raise UsageError("engine.step() needs an optimizer; give one in the config or to initialize()")
+        if self._no_sync:  # DeepSpeed's rule and sentence: no_sync covers backward passes only
+            raise StepInNoSyncError("It is illegal to call Engine.step() inside no_sync context manager: call "
+                                    "engine.backward() inside engine.no_sync() and engine.step() after it")
         boundary = self.is_gradient_accumulation_boundary()
         self._step_applied = False
         if boundary:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 __all__ = [
     "CheckpointError", "CheckpointTagError", "ConfigError", "HostMemoryError", "HubError", "LaunchError", "LossScaleFloorError", "NonFiniteLossError",
-    "OptimizerConfigError", "PeerFailureError", "PipelineError", "UsageError",
+    "OptimizerConfigError", "PeerFailureError", "PipelineError", "StepInNoSyncError", "UsageError",
 ]
 
 
@@ -37,6 +37,13 @@ class PipelineError(ValueError):
 
 class CheckpointError(ValueError):
     """A checkpoint cannot be written or read as asked."""
+
+
+class StepInNoSyncError(UsageError, AssertionError):
+    """``engine.step()`` was called inside ``engine.no_sync()``.
+
+    An ``AssertionError`` too, because that is what DeepSpeed raises there (its own tests catch it).
+    """
 
 
 class CheckpointTagError(CheckpointError, AssertionError):

@@ -124,6 +124,10 @@ def test_engine_usage_errors() -> None:
         engine.backward(engine(ids[0], labels[0]))
     with pytest.raises(UsageError, match="never reduced"):
         engine.step()
+    # DeepSpeed's rule: step() inside no_sync is refused, with its AssertionError and sentence
+    with engine.no_sync():
+        with pytest.raises(AssertionError, match="It is illegal to call Engine.step.. inside no_sync context manager"):
+            engine.step()
     e3, _, _, _ = hf_zero.initialize(model=make_model(), config=dict(CFG, zero_optimization={"stage": 3}))
     with pytest.raises(UsageError, match="stage 3"):
         with e3.no_sync():

@@ -163,6 +163,8 @@ FACTS: dict[str, dict[str, Any]] = {
     "ops.aio": {"AsyncIOBuilder": _builder("AsyncIOBuilder", "async_io", False)},
     "runtime.config": {"ADAM_OPTIMIZER": "adam"},
     "runtime.zero.offload_config": {"OffloadDeviceEnum": OffloadDeviceEnum},
+    # DeepSpeed's swap_tensor constant (MIN_AIO_BYTES, 1024**2); the tensor-fragment tests size their model by it
+    "runtime.swap_tensor": {"MIN_SWAPPABLE_BYTES": 1024**2},
     # the shape DeepSpeed gives a ZeRO-3 parameter's data outside a gather (its partition_parameters constant)
     "runtime.zero.partition_parameters": {"partitioned_param_data_shape": [0]},
 }
@@ -190,7 +192,6 @@ STUBS: dict[str, tuple[str, ...]] = {
     "runtime.engine": (),
     "runtime.config": ("DeepSpeedConfig",),
     "runtime.precision_config": ("get_bfloat16_config",),
-    "runtime.swap_tensor": ("MIN_SWAPPABLE_BYTES",),
     "checkpoint.utils": ("clone_tensors_for_torch_save", "get_model_ckpt_name_for_rank"),
     "moe.layer": ("MoE",),
 }
