@@ -8,6 +8,7 @@ argument — every rank reaches the same verdict, so none is left waiting in a c
 from __future__ import annotations
 
 import argparse
+import warnings
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -143,11 +144,16 @@ def _make_dataloader(training_data: Any, collate_fn: Callable | None, cfg: ZeroC
 
 
 def _optimizer(optimizer: Any, cfg: ZeroConfig, groups: Any) -> torch.optim.Optimizer | None:
-    """The torch optimizer: the one given, one a given callable builds, or the config's (never two of them)."""
+    """The torch optimizer: the one given, one a given callable builds, or the config's.
+
+    Given both, the one passed to ``initialize`` is used and the config's is ignored, as DeepSpeed does (its
+    ``_configure_optimizer`` never reads the config's section when a client optimizer is given); a warning
+    says so, since the two may differ.
+    """
     if optimizer is not None and cfg.optimizer is not None:
-        raise UsageError(
-            "initialize() got an optimizer and the config names one too (optimizer.type); keep only one of them"
-        )
+        warnings.warn(f"initialize() got an optimizer and the config names one too (optimizer.type "
+                      f"{cfg.optimizer.type!r}): using the one given to initialize(), as DeepSpeed does; the config's "
+                      "optimizer section is ignored", UserWarning, stacklevel=3)
     if isinstance(optimizer, torch.optim.Optimizer):
         return optimizer
     if optimizer is not None:

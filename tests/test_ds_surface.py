@@ -142,3 +142,14 @@ def test_the_engine_answers_its_modules_attributes() -> None:
     with pytest.raises(AttributeError, match="'ZeroEngine' object has no attribute 'no_such_thing'"):
         engine.no_such_thing  # noqa: B018
     assert not hasattr(engine, "no_such_thing")
+
+
+def test_an_optimizer_given_to_initialize_wins_over_the_configs() -> None:
+    """DeepSpeed uses the optimizer passed to ``initialize`` and ignores the config's ``optimizer`` section (its own
+    zero-to-fp32 tests pass both); hf_zero does the same and says so in a warning."""
+    model = make_model()
+    mine = torch.optim.SGD(model.parameters(), lr=0.5)
+    with pytest.warns(UserWarning, match=r"got an optimizer and the config names one too \(optimizer.type 'AdamW'\)"):
+        engine, opt, *_ = hf_zero.initialize(model=model, optimizer=mine, config={
+            "train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}})
+    assert opt is mine and engine.get_lr() == [0.5]

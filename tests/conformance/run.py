@@ -122,7 +122,9 @@ def table(tests: dict[str, dict[str, Any]], markdown: bool = False) -> str:
     rows = []
     for node, r in tests.items():
         ds, hf = r.get("deepspeed", "not run"), r.get("hf_zero", "not run")
-        why = "" if hf == PASSED else (r.get("reason") or r.get("observed", ""))
+        reason = r.get("reason", "")
+        why = "" if hf == PASSED else (r.get("observed") if reason.startswith("UNCLASSIFIED") and r.get("observed")
+                                       else reason or r.get("observed", ""))
         if ds != PASSED and hf != PASSED:
             why = "(does not count: " + (r.get("deepspeed_reason") or "fails under DeepSpeed") + ")"
         rows.append((node, ds, hf, why))
@@ -137,7 +139,8 @@ def table(tests: dict[str, dict[str, Any]], markdown: bool = False) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tests.conformance.run", description=__doc__.split("\n\n")[0])
     ap.add_argument("--side", choices=(*SIDES, "both"), default="both")
-    ap.add_argument("-k", dest="keep", default=None, help="only the test ids containing this text")
+    ap.add_argument("-k", dest="keep", action="append", default=None,
+                    help="only the test ids containing this text (repeat it: any of them)")
     ap.add_argument("--fast", action="store_true", help="only the quick part (subset.json's 'fast' list)")
     ap.add_argument("--record", action="store_true", help="store the results in subset.json")
     ap.add_argument("--markdown", action="store_true", help="rewrite COMPATIBILITY.md's conformance section and stop")
@@ -152,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     if opts.fast:
         ids = [n for n in ids if n in set(subset.get("fast", []))]
     if opts.keep:
-        ids = [n for n in ids if opts.keep in n]
+        ids = [n for n in ids if any(k in n for k in opts.keep)]
     sides = SIDES if opts.side == "both" else (opts.side,)
     fresh: dict[str, dict[str, Any]] = {n: {} for n in ids}
     seconds = {}
@@ -193,8 +196,8 @@ def main(argv: list[str] | None = None) -> int:
                 new["deepspeed_reason"] = rec.get("deepspeed_observed", "")
             if "hf_zero" in sides and rec.get("hf_zero") == PASSED:
                 new.pop("reason", None)
-            elif "hf_zero" in sides and not new.get("reason"):
-                new["reason"] = "UNCLASSIFIED: " + rec.get("hf_zero_observed", "")
+            elif "hf_zero" in sides and (not new.get("reason") or new["reason"].startswith("UNCLASSIFIED")):
+                new["reason"] = "UNCLASSIFIED: " + rec.get("hf_zero_observed", "")  # a hand-written reason is kept
             if rec.get("hf_zero_stubs"):
                 new["hf_zero_stubs"] = rec["hf_zero_stubs"]
             else:
