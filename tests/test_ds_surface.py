@@ -153,3 +153,23 @@ def test_an_optimizer_given_to_initialize_wins_over_the_configs() -> None:
         engine, opt, *_ = hf_zero.initialize(model=model, optimizer=mine, config={
             "train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}})
     assert opt is mine and engine.get_lr() == [0.5]
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_safe_update_full_grad_vectorized(stage: int) -> None:
+    """DeepSpeed's ``safe_update_full_grad_vectorized(params, f)``: each gradient the step will use becomes
+    ``f(grad, param)``; a frozen parameter is left alone."""
+    from hf_zero.utils import safe_get_full_grad, safe_update_full_grad_vectorized
+
+    engine, *_ = hf_zero.initialize(model=make_model(), config={
+        "train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": stage},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}})
+    ids, labels = make_data(1, 2)
+    engine.backward(engine(ids[0], labels[0]))
+    params = [p for p in engine.module.parameters()]
+    before = [safe_get_full_grad(p) for p in params]
+    assert any(g is None for g in before) and any(g is not None for g in before)  # Awkward has a frozen layer
+    safe_update_full_grad_vectorized(params, lambda g, p: 2 * g + p.shape[0])
+    for p, old in zip(params, before):
+        new = safe_get_full_grad(p)
+        assert (new is None) if old is None else torch.equal(new, 2 * old + p.shape[0])
