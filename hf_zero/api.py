@@ -20,7 +20,7 @@ from hf_zero import dist as hz_dist
 from hf_zero.config import ConfigError, ZeroConfig
 from hf_zero.data import ResumableDistributedSampler
 from hf_zero.engine import ZeroEngine
-from hf_zero.errors import UsageError
+from hf_zero.errors import InitializeArgumentError, UsageError
 from hf_zero.optim import build_optimizer
 from hf_zero.parallel import GridShape, grid_for
 from hf_zero.pipe.engine import PipelineEngine
@@ -211,8 +211,11 @@ def initialize(
     """Wrap ``model`` in a ZeRO engine; returns ``(engine, optimizer, dataloader, lr_scheduler)``."""
     if mpu is not None or mesh_param is not None:
         raise UsageError("initialize(mpu=..., mesh_param=...) (model parallelism) is not supported; leave them unset")
+    if isinstance(args, torch.nn.Module):  # DeepSpeed's first positional parameter is args, not the model
+        raise InitializeArgumentError("initialize() got a torch.nn.Module as its first positional argument, which is "
+                                      "args (the argparse namespace); pass the model as initialize(model=...)")
     if not isinstance(model, torch.nn.Module):
-        raise UsageError(f"initialize(model=...) expects a torch.nn.Module, got {type(model).__name__}")
+        raise InitializeArgumentError(f"initialize(model=...) expects a torch.nn.Module, got {type(model).__name__}")
     if next(model.parameters(), None) is None:
         raise UsageError(f"initialize(model=...) got a {type(model).__name__} with no parameters; there is nothing to train")
     cfg = ZeroConfig.load(_config_from(args, config, config_params))
