@@ -11,6 +11,9 @@ from hf_zero.engine import ZeroEngine
 from hf_zero.errors import UsageError
 
 __version__ = "0.1.0"
+# DeepSpeed's version attributes, which scripts read beside __version__ (no git build info here, as in its wheels)
+__version_major__, __version_minor__, __version_patch__ = (int(v) for v in __version__.split("."))
+__git_hash__ = __git_branch__ = "unknown"
 
 __all__ = [
     "pipe", "zero", "Accelerator", "Trainer", "TrainingArguments", "Seq2SeqTrainer", "Seq2SeqTrainingArguments", "zero_trainer", "zero_args", "DummyOptim", "DummyScheduler", "ConfigError", "UsageError", "ZeroConfig", "ZeroEngine", "init_distributed", "initialize",

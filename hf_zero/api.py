@@ -8,6 +8,7 @@ argument — every rank reaches the same verdict, so none is left waiting in a c
 from __future__ import annotations
 
 import argparse
+import warnings
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -19,11 +20,12 @@ from hf_zero import dist as hz_dist
 from hf_zero.config import ConfigError, ZeroConfig
 from hf_zero.data import ResumableDistributedSampler
 from hf_zero.engine import ZeroEngine
-from hf_zero.errors import UsageError
-from hf_zero.optim import build_optimizer, build_scheduler
+from hf_zero.errors import InitializeArgumentError, UsageError
+from hf_zero.optim import build_optimizer
 from hf_zero.parallel import GridShape, grid_for, replicas_for
 from hf_zero.pipe.engine import PipelineEngine
 from hf_zero.pipe.module import PipelineModule
+from hf_zero.schedules import build_scheduler
 from hf_zero.sequence.setup import setup_model as setup_sequence_parallel
 from hf_zero.sequence.setup import wrap_loader as wrap_sequence_loader
 from hf_zero.tensor_parallel import setup as setup_tensor_parallel
@@ -142,11 +144,16 @@ def _make_dataloader(training_data: Any, collate_fn: Callable | None, cfg: ZeroC
 
 
 def _optimizer(optimizer: Any, cfg: ZeroConfig, groups: Any) -> torch.optim.Optimizer | None:
-    """The torch optimizer: the one given, one a given callable builds, or the config's (never two of them)."""
+    """The torch optimizer: the one given, one a given callable builds, or the config's.
+
+    Given both, the one passed to ``initialize`` is used and the config's is ignored, as DeepSpeed does (its
+    ``_configure_optimizer`` never reads the config's section when a client optimizer is given); a warning
+    says so, since the two may differ.
+    """
     if optimizer is not None and cfg.optimizer is not None:
-        raise UsageError(
-            "initialize() got an optimizer and the config names one too (optimizer.type); keep only one of them"
-        )
+        warnings.warn(f"initialize() got an optimizer and the config names one too (optimizer.type "
+                      f"{cfg.optimizer.type!r}): using the one given to initialize(), as DeepSpeed does; the config's "
+                      "optimizer section is ignored", UserWarning, stacklevel=3)
     if isinstance(optimizer, torch.optim.Optimizer):
         return optimizer
     if optimizer is not None:
@@ -204,8 +211,11 @@ def initialize(
     """Wrap ``model`` in a ZeRO engine; returns ``(engine, optimizer, dataloader, lr_scheduler)``."""
     if mpu is not None or mesh_param is not None:
         raise UsageError("initialize(mpu=..., mesh_param=...) (model parallelism) is not supported; leave them unset")
+    if isinstance(args, torch.nn.Module):  # DeepSpeed's first positional parameter is args, not the model
+        raise InitializeArgumentError("initialize() got a torch.nn.Module as its first positional argument, which is "
+                                      "args (the argparse namespace); pass the model as initialize(model=...)")
     if not isinstance(model, torch.nn.Module):
-        raise UsageError(f"initialize(model=...) expects a torch.nn.Module, got {type(model).__name__}")
+        raise InitializeArgumentError(f"initialize(model=...) expects a torch.nn.Module, got {type(model).__name__}")
     if next(model.parameters(), None) is None:
         raise UsageError(f"initialize(model=...) got a {type(model).__name__} with no parameters; there is nothing to train")
     cfg = ZeroConfig.load(_config_from(args, config, config_params))

@@ -24,7 +24,7 @@ from hf_zero.checkpoint.ranks import CheckpointLayout
 from hf_zero.checkpoint.state import Progress, TrainState
 from hf_zero.config import ZeroConfig
 from hf_zero.data import to_device
-from hf_zero.errors import CheckpointError, ConfigError, UsageError
+from hf_zero.errors import CheckpointError, ConfigError, StepInNoSyncError, UsageError
 from hf_zero.module_setup import broadcast_module, cast_frozen_params, check_presharded, move_to_device
 from hf_zero.parallel import GridShape, ParallelGrid, grid_for
 from hf_zero.precision import loss_scaler_for, reduce_dtype
@@ -385,6 +385,24 @@ class ZeroEngine(torch.nn.Module):
     def was_step_applied(self) -> bool:
         return self._step_applied
 
+    def __getattr__(self, name: str) -> Any:
+        """An attribute the engine lacks is the wrapped module's, as on DeepSpeed's engine.
+
+        Scripts written for DeepSpeed read their model's own attributes through the engine
+        (``engine.config`` of a transformers model, ``engine.id``, a custom ``engine.generate``); the engine's
+        own attributes, parameters and submodules come first (``torch.nn.Module``'s lookup).
+        """
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            module = self.__dict__.get("_modules", {}).get("module")
+            if module is not None and not name.startswith("__"):
+                try:
+                    return getattr(module, name)
+                except AttributeError:
+                    pass
+            raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'") from None
+
     # ------------------------------------------------------------ step
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -452,13 +470,17 @@ class ZeroEngine(torch.nn.Module):
         zo.prepare_backward(sync, final=boundary)
         scaled.reshape(()).backward(retain_graph=retain_graph)
         self.zero_optimizer.finish_backward()
-        return loss
+        # DeepSpeed returns the loss divided by the accumulation steps (without the fp16 scale)
+        return loss / self.gradient_accumulation_steps() if scale_wrt_gas else loss
 
     def step(self, lr_kwargs: dict | None = None) -> None:
         """Called after every micro-batch; applies the optimizer on accumulation boundaries."""
         del lr_kwargs
         if self.zero_optimizer is None or self.inference_only:
             raise UsageError("engine.step() needs an optimizer; give one in the config or to initialize()")
+        if self._no_sync:  # DeepSpeed's rule and sentence: no_sync covers backward passes only
+            raise StepInNoSyncError("It is illegal to call Engine.step() inside no_sync context manager: call "
+                                    "engine.backward() inside engine.no_sync() and engine.step() after it")
         boundary = self.is_gradient_accumulation_boundary()
         self._step_applied = False
         if boundary:

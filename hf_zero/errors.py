@@ -14,8 +14,8 @@ The old import paths (``hf_zero.engine.UsageError``, ``hf_zero.config.ConfigErro
 from __future__ import annotations
 
 __all__ = [
-    "CheckpointError", "CheckpointTagError", "ConfigError", "HostMemoryError", "HubError", "LaunchError", "LossScaleFloorError", "NonFiniteLossError",
-    "OptimizerConfigError", "PeerFailureError", "PipelineError", "UsageError",
+    "CheckpointError", "CheckpointTagError", "ConfigError", "HostMemoryError", "HubError", "InitializeArgumentError", "LaunchError", "LossScaleFloorError", "NonFiniteLossError",
+    "OptimizerConfigError", "PeerFailureError", "PipelineError", "StepInNoSyncError", "UsageError",
 ]
 
 
@@ -37,6 +37,20 @@ class PipelineError(ValueError):
 
 class CheckpointError(ValueError):
     """A checkpoint cannot be written or read as asked."""
+
+
+class InitializeArgumentError(UsageError, AssertionError):
+    """``initialize`` got no model, or the model in the place of ``args`` (its first positional parameter).
+
+    An ``AssertionError`` too, because that is what DeepSpeed raises there (its own tests catch it).
+    """
+
+
+class StepInNoSyncError(UsageError, AssertionError):
+    """``engine.step()`` was called inside ``engine.no_sync()``.
+
+    An ``AssertionError`` too, because that is what DeepSpeed raises there (its own tests catch it).
+    """
 
 
 class CheckpointTagError(CheckpointError, AssertionError):

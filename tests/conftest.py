@@ -24,10 +24,10 @@ import pytest
 collect_ignore = ["conformance/deepspeed_unit"]
 
 UNIT = ("test_api.py test_optim.py test_sequence_parallel.py test_config.py test_config_rules.py test_ds_corpus.py "
-        "test_fill_auto.py test_layering.py test_trainer_args.py test_pipe_schedule.py")
+        "test_fill_auto.py test_layering.py test_trainer_args.py test_pipe_schedule.py test_ds_surface.py")
 ORACLE = ("test_cpu_adam.py test_deepspeed_checkpoints.py test_deepspeed_parity.py test_ds_config_oracle.py "
           "test_ds_semantics.py test_estimate_offload.py test_tensor_parallel.py test_trl.py test_peft.py "
-          "test_any_module.py")
+          "test_any_module.py test_conformance.py")
 INTEGRATION = ("test_accelerate.py test_accelerate_deepspeed_yaml.py test_bench_checkpoint.py test_bench_finetune.py "
                "test_cli.py test_ds_corpus_trainer.py test_examples.py test_finetune.py test_host_overhead.py "
                "test_hub.py test_model_cards.py test_reliability_secrets.py test_sequence_parallel_trainer.py "
@@ -37,7 +37,8 @@ DIST = ("test_activation_checkpointing.py test_async_checkpoint.py test_checkpoi
         "test_compile.py test_ds_api.py test_host_threads.py test_memory.py test_offload.py test_offload_parity.py "
         "test_overlap_param_gather.py test_parity.py test_pipe.py test_pipe_checkpoint.py test_precision.py "
         "test_reliability.py test_reliability_rank_death.py test_sequence_parallel_dist.py "
-        "test_sequence_parallel_engine.py test_stage3.py test_stage3_tools.py test_zero_init.py test_planner.py test_hybrid_shard.py test_grid_parity.py")
+        "test_sequence_parallel_engine.py test_stage3.py test_stage3_tools.py test_zero_init.py test_planner.py "
+        "test_hybrid_shard.py test_grid_parity.py")
 KINDS: dict[str, str] = {f: kind for kind, files in (("unit", UNIT), ("dist", DIST), ("oracle", ORACLE),
                                                        ("integration", INTEGRATION)) for f in files.split()}
 

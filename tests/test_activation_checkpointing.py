@@ -24,7 +24,7 @@ def _peaks(rank: int, world: int) -> dict:
             torch.manual_seed(0)
             model = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
                                                  num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256))
-            cfg = {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+            cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_clipping": 0.0, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
                    "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 100},
                    "activation_checkpointing": {"checkpoint_blocks": on}}
             engine, _, _, _ = hf_zero.initialize(model=model, config=cfg)
@@ -110,7 +110,7 @@ def _units_gathered(rank: int, world: int) -> dict:
                 if kind != "off":
                     model.enable_input_require_grads()  # as the Trainer does for a peft model under checkpointing
             # a layer holds 41,088 elements: the budget prefetches one unit ahead, so two are gathered at once
-            cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+            cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.0, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
                    "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
                                          "stage3_prefetch_bucket_size": 40000}}
             engine, _, _, _ = hf_zero.initialize(model=model, config=cfg)

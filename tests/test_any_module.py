@@ -343,7 +343,7 @@ def _oracle(kind: str, world: int) -> tuple[list[float], dict[str, torch.Tensor]
 
 def _config(stage: int) -> dict:
     return {
-        "train_micro_batch_size_per_gpu": MICRO,
+        "train_micro_batch_size_per_gpu": MICRO, "gradient_clipping": 0.0,
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "eps": EPS, "weight_decay": 0.01}},
         # every parameter sharded at stage 3 (the root's position table and class token too)
         "zero_optimization": {"stage": stage, "reduce_bucket_size": 20000, "stage3_param_persistence_threshold": 0},

@@ -13,7 +13,7 @@ import hf_zero
 from hf_zero import ConfigError, UsageError
 from tests.models import make_data, make_model, param_groups
 
-CFG = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}}
+CFG = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.0, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}}
 
 
 def test_engine_keeps_names_and_counts_steps() -> None:
@@ -86,8 +86,8 @@ def test_callables_args_namespace_and_training_data(tmp_path) -> None:
         (dict(model=[1, 2], config=CFG), r"initialize\(model=\.\.\.\) expects a torch.nn.Module, got list"),
         (dict(model=torch.nn.ReLU(), config=CFG), "no parameters"),
         (dict(model="m", config=CFG), "got str"),
+        (dict(args=torch.nn.Linear(2, 2), config=CFG), "first positional argument, which is args"),
         (dict(optimizer="adam", config={"train_batch_size": 2}), r"initialize\(optimizer=\.\.\.\)"),
-        (dict(optimizer=lambda p: torch.optim.SGD(p, lr=1), config=CFG), "keep only one"),
         (dict(optimizer=lambda p: 3, config={"train_batch_size": 2}), "must return a torch.optim.Optimizer"),
         (dict(lr_scheduler=3, config=CFG), r"initialize\(lr_scheduler=\.\.\.\)"),
         (dict(model_parameters=torch.zeros(3), config=CFG), "single tensor"),
@@ -98,8 +98,10 @@ def test_callables_args_namespace_and_training_data(tmp_path) -> None:
 )
 def test_initialize_rejects_bad_arguments(kwargs: dict, match: str) -> None:
     kwargs.setdefault("model", make_model())
-    with pytest.raises((UsageError, ConfigError), match=match):
+    with pytest.raises((UsageError, ConfigError), match=match) as err:
         hf_zero.initialize(**kwargs)
+    if "model" in match or "args" in match:  # DeepSpeed asserts on these two: its AssertionError as well
+        assert isinstance(err.value, AssertionError)
 
 
 def test_config_errors_surface_from_initialize(tmp_path) -> None:
@@ -124,6 +126,10 @@ def test_engine_usage_errors() -> None:
         engine.backward(engine(ids[0], labels[0]))
     with pytest.raises(UsageError, match="never reduced"):
         engine.step()
+    # DeepSpeed's rule: step() inside no_sync is refused, with its AssertionError and sentence
+    with engine.no_sync():
+        with pytest.raises(AssertionError, match="It is illegal to call Engine.step.. inside no_sync context manager"):
+            engine.step()
     e3, _, _, _ = hf_zero.initialize(model=make_model(), config=dict(CFG, zero_optimization={"stage": 3}))
     with pytest.raises(UsageError, match="stage 3"):
         with e3.no_sync():

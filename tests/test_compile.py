@@ -29,7 +29,7 @@ def _train(rank: int, world: int, how: str) -> dict:
         torch.manual_seed(0)
         model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
                                              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16))
-        cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+        cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.0, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
                "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 40},
                "activation_checkpointing": {"checkpoint_blocks": ckpt}}
         if how_here == "config":

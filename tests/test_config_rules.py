@@ -386,13 +386,24 @@ def test_offload_sections_parse_in_full_with_deepspeeds_defaults() -> None:
      'zero_optimization.offload_optimizer.device: "nvme" (ZeRO-Infinity) is not supported; use "cpu"'),
     ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/x"}}},
      'zero_optimization.offload_param.device: "nvme" (ZeRO-Infinity) is not supported'),
-    ({"zero_optimization": {"cpu_offload": True}},
-     'zero_optimization.cpu_offload: got True, but this is DeepSpeed\'s deprecated spelling; write "offload_optimizer"'),
 ])
 def test_offload_is_refused_in_one_sentence(given: dict, sentence: str) -> None:
     """What of offload does not run is refused (optimizer offload to the CPU runs: tests/test_offload.py).
     (Sequence parallelism, refused here until it landed, is tests/test_sequence_parallel.py's.)"""
     assert sentence in refusal({**MB, **given})
+
+
+def test_deepspeeds_deprecated_cpu_offload_is_read_as_deepspeed_reads_it() -> None:
+    """``"cpu_offload": true`` (DeepSpeed's ZeRO-Offload tutorial spelling, still accepted by 0.19.8 with a
+    deprecation warning) is optimizer offload to the CPU; false is none; beside offload_optimizer it is refused."""
+    cfg, said = load({**MB, "zero_optimization": {"stage": 2, "cpu_offload": True}})
+    assert cfg.zero_optimization.offload_optimizer == OffloadOptimizerConfig(device="cpu")
+    assert len(said) == 1 and 'zero_optimization.cpu_offload: true is DeepSpeed\'s deprecated spelling' in said[0]
+    cfg, said = load({**MB, "zero_optimization": {"stage": 2, "cpu_offload": False}})
+    assert cfg.zero_optimization.offload_optimizer is None and said == []
+    assert "cpu_offload: given together with offload_optimizer" in refusal(
+        {**MB, "zero_optimization": {"stage": 2, "cpu_offload": True, "offload_optimizer": {"device": "cpu"}}})
+    assert "offload needs ZeRO stage 1, 2 or 3" in refusal({**MB, "zero_optimization": {"cpu_offload": True}})
 
 
 def test_what_asks_for_nothing_is_accepted() -> None:
@@ -412,3 +423,13 @@ def test_classify_names_what_happens_to_a_key() -> None:
     assert classify("zero_optimization.zenflow.topk_ratio") == "refused" and classify("amp.opt_level") == "refused"
     assert classify("comms_config") is None and classify("zero_optimization.aio") is None
     assert all(path == "" or classify(path) == "acted" for path in SECTIONS)
+
+
+def test_zero_and_one_are_booleans_as_deepspeed_reads_them() -> None:
+    """DeepSpeed reads 0 and 1 as false and true (pydantic's lax bool in its sections, truthiness at the top level;
+    its own tests write ``"zero_allow_untested_optimizer": 1``); a string or another number stays refused."""
+    cfg, said = load({**MB, "zero_allow_untested_optimizer": 1, "bf16": {"enabled": 1}, "wall_clock_breakdown": 0})
+    assert cfg.bf16.enabled is True and cfg.wall_clock_breakdown is False and said == []
+    assert "bf16.enabled: got 'true', expected true or false" in refusal({**MB, "bf16": {"enabled": "true"}})
+    assert "zero_allow_untested_optimizer: got 2, expected true or false" in refusal(
+        {**MB, "zero_allow_untested_optimizer": 2})

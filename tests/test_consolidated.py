@@ -34,7 +34,7 @@ def _save(rank: int, world: int, cases: list) -> list:
     for kind, stage, bf16, directory in cases:
         model = _model(kind)
         cfg = {
-            "train_micro_batch_size_per_gpu": 2,
+            "train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.0,
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
             "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 50},
             "bf16": {"enabled": bf16},

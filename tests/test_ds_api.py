@@ -66,7 +66,7 @@ def _script(rank: int, world: int, root: str, cpu_checkpointing: bool) -> dict:
     from hf_zero.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     cfg_path = Path(root, f"ds_config_{rank}.json")
-    cfg = {"train_micro_batch_size_per_gpu": MICRO, "zero_optimization": {"stage": 2}, "steps_per_print": 1000,
+    cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_clipping": 0.0, "zero_optimization": {"stage": 2}, "steps_per_print": 1000,
            "activation_checkpointing": {"partition_activations": True, "cpu_checkpointing": cpu_checkpointing}}
     cfg_path.write_text(json.dumps(cfg))
     parser = argparse.ArgumentParser()
@@ -201,7 +201,7 @@ def _one_rank_checkpoint(rank: int, world: int, root: str) -> dict:
     model = _llama()
     model.model.norm.weight.requires_grad_(False)  # a frozen parameter, for exclude_frozen_parameters
     engine, _, _, _ = hf_zero.initialize(model=model, config={
-        "train_micro_batch_size_per_gpu": MICRO, "optimizer": {"type": "AdamW", "params": {"lr": LR}},
+        "train_micro_batch_size_per_gpu": MICRO, "gradient_clipping": 0.0, "optimizer": {"type": "AdamW", "params": {"lr": LR}},
         "zero_optimization": {"stage": 3}, "bf16": {"enabled": True}, "steps_per_print": 1000})
     ids = _data()[0, :MICRO]
     engine.backward(engine(input_ids=ids, labels=ids).loss)
@@ -253,7 +253,7 @@ def _engine_methods(rank: int, world: int, root: str) -> dict:
     model = _llama()
     model.model.norm.weight.requires_grad_(False)  # one frozen parameter, for exclude_frozen_parameters
     engine, _, _, _ = deepspeed.initialize(model=model, config={
-        "train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 2,
+        "train_micro_batch_size_per_gpu": MICRO, "gradient_clipping": 0.0, "gradient_accumulation_steps": 2,
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": [0.8, 0.99]}},
         "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}, "bf16": {"enabled": True},
         "steps_per_print": 1000})

@@ -204,3 +204,17 @@ def test_both_directions(deepspeed: dict, name: str, config: dict, refused_by_de
     named = {"fractional": "fp16.min_loss_scale", "legacy curriculum": "curriculum_learning"}
     key = next((k for prefix, k in named.items() if name.startswith(prefix)), name.split()[1] if name.startswith("removed") else None)
     assert key in v.legacy, (key, v.legacy)
+
+
+def test_gradient_clipping_defaults_to_deepspeeds() -> None:
+    """A config without ``gradient_clipping`` clips as DeepSpeed's does: its default, read from DeepSpeed 0.19.8's
+    own parser (``DeepSpeedConfig`` on a config that leaves the key out), is hf_zero's."""
+    from hf_zero.config import ZeroConfig
+
+    done = dsenv.run_python("""
+        from deepspeed.runtime.config import get_gradient_clipping
+        from deepspeed.runtime.constants import GRADIENT_CLIPPING_DEFAULT
+        print(get_gradient_clipping({"train_batch_size": 2}), GRADIENT_CLIPPING_DEFAULT)
+    """)
+    theirs, constant = map(float, done.stdout.split()[-2:])
+    assert theirs == constant == ZeroConfig.load({"train_batch_size": 2}).gradient_clipping == 1.0

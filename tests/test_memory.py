@@ -21,7 +21,7 @@ def _measure(rank: int, world: int, cases: list) -> list:
     for stage, dtype in cases:
         model = make_model()
         cfg = {
-            "train_micro_batch_size_per_gpu": 2,
+            "train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.0,
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
             "zero_optimization": {"stage": stage, "reduce_bucket_size": 60, "stage3_param_persistence_threshold": 0},
             "bf16": {"enabled": dtype == "bf16"},
@@ -73,7 +73,7 @@ def _between_micro_steps(rank: int, world: int, stages: list) -> list:
     for stage in stages:
         model = make_model()
         engine, _, _, _ = hf_zero.initialize(model=model, config={
-            "train_micro_batch_size_per_gpu": 2,
+            "train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.0,
             "gradient_accumulation_steps": 3,
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
             "zero_optimization": {"stage": stage, "reduce_bucket_size": 60},

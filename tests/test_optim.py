@@ -15,16 +15,8 @@ import warnings
 import pytest
 import torch
 
-from hf_zero.optim import (
-    SUPPORTED_OPTIMIZERS,
-    SUPPORTED_SCHEDULERS,
-    OptimizerConfigError,
-    WarmupCosineLR,
-    WarmupDecayLR,
-    WarmupLR,
-    build_optimizer,
-    build_scheduler,
-)
+from hf_zero.optim import SUPPORTED_OPTIMIZERS, FusedAdam, OptimizerConfigError, build_optimizer
+from hf_zero.schedules import SUPPORTED_SCHEDULERS, WarmupCosineLR, WarmupDecayLR, WarmupLR, build_scheduler
 
 # ----------------------------------------------------------------------------- reference formulas
 # "it" is DeepSpeed's last_batch_iteration: -1 right after construction, +1 per scheduler.step().
@@ -61,6 +53,9 @@ def ref_cosine_lr(it: int, base: float, min_ratio: float, warmup: int, total: in
 
 
 # ----------------------------------------------------------------------------- helpers
+
+
+WARMUP_SCHEDULES = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR")  # OneCycle, LRRangeTest: see the end
 
 
 def two_group_optimizer(lrs=(5e-4, 2e-3)) -> torch.optim.Optimizer:
@@ -101,7 +96,7 @@ def expected(name: str, p: dict, it: int, group: int, base_lrs=(5e-4, 2e-3)) -> 
 
 
 @pytest.mark.parametrize("warmup_type", ["log", "linear"])
-@pytest.mark.parametrize("name", SUPPORTED_SCHEDULERS)
+@pytest.mark.parametrize("name", WARMUP_SCHEDULES)
 def test_schedule_matches_deepspeed_formulas(name, warmup_type):
     params = dict(SCHEDULE_CASES[name], warmup_type=warmup_type)
     opt = two_group_optimizer()
@@ -144,7 +139,7 @@ def test_schedule_defaults_follow_deepspeed():
     assert lr_sequence(s, opt, 6)[-1] == pytest.approx([1e-4])  # cos_min_ratio default, held after the end
 
 
-@pytest.mark.parametrize("name", SUPPORTED_SCHEDULERS)
+@pytest.mark.parametrize("name", WARMUP_SCHEDULES)
 def test_state_dict_round_trip(name):
     params = dict(SCHEDULE_CASES[name], warmup_type="linear")
     opt = two_group_optimizer()
@@ -268,16 +263,19 @@ def test_adam_w_mode_false_is_l2_adam_and_adamw_type_ignores_it():
     ref = train(lambda ps: torch.optim.Adam(ps, lr=0.01, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1))
     assert_same(ours, ref)
     opt = build_optimizer("AdamW", params, [torch.zeros(2)])
-    assert type(opt) is torch.optim.AdamW  # DeepSpeed: type AdamW forces decoupled decay
+    assert opt.param_groups[0]["decoupled_weight_decay"]  # DeepSpeed: type AdamW forces decoupled decay
 
 
 def test_adam_defaults_are_deepspeeds():
     opt = build_optimizer("adam", {}, [torch.zeros(2)])
     g = opt.param_groups[0]
-    assert type(opt) is torch.optim.AdamW
+    # DeepSpeed builds its FusedAdam (adam_w_mode on); torch's classes only with torch_adam or amsgrad
+    assert type(opt) is FusedAdam and g["decoupled_weight_decay"]
+    assert type(build_optimizer("Adam", {"amsgrad": True}, [torch.zeros(2)])) is torch.optim.AdamW
     assert (g["lr"], g["betas"], g["eps"], g["weight_decay"], g["amsgrad"]) == (1e-3, (0.9, 0.999), 1e-8, 0.0, False)
     # torch_adam hands the params to torch.optim.AdamW, whose weight-decay default is 0.01
-    assert build_optimizer("Adam", {"torch_adam": True}, [torch.zeros(2)]).param_groups[0]["weight_decay"] == 0.01
+    torch_adamw = build_optimizer("Adam", {"torch_adam": True}, [torch.zeros(2)])
+    assert type(torch_adamw) is torch.optim.AdamW and torch_adamw.param_groups[0]["weight_decay"] == 0.01
     l2 = build_optimizer("Adam", {"torch_adam": True, "adam_w_mode": False}, [torch.zeros(2)])
     assert type(l2) is torch.optim.Adam and l2.param_groups[0]["weight_decay"] == 0.0
 
@@ -372,7 +370,6 @@ SCHED_ERRORS = [
     ("WarmupLR", {"total_num_steps": 10}, "scheduler.params.total_num_steps: unknown parameter for WarmupLR;"),
     ("WarmupLR", {"warmup_num_steps": 10.5}, "scheduler.params.warmup_num_steps: got 10.5, expected a positive integer"),
     ("WarmupLR", {"warmup_num_steps": 0}, "scheduler.params.warmup_num_steps: got 0, expected a positive integer"),
-    ("WarmupLR", {"warmup_type": "cosine"}, "scheduler.params.warmup_type: got 'cosine', expected 'log' or 'linear'"),
     ("WarmupLR", {"warmup_min_lr": "0"}, "scheduler.params.warmup_min_lr: got '0', expected a number"),
     ("WarmupLR", {"warmup_max_lr": [1e-3] * 3}, "scheduler.params.warmup_max_lr: got 3 values, expected one per param group (2)"),
     ("WarmupDecayLR", {"warmup_num_steps": 10}, "scheduler.params.total_num_steps: missing; WarmupDecayLR needs the total number of optimizer steps"),
@@ -380,7 +377,17 @@ SCHED_ERRORS = [
     ("WarmupDecayLR", {"total_num_steps": 0}, "scheduler.params.total_num_steps: got 0, expected a positive integer"),
     ("WarmupCosineLR", {"total_num_steps": 9, "warmup_num_steps": 3, "cos_min_ratio": 2}, "scheduler.params.cos_min_ratio: got 2, expected a number between 0 and 1"),
     ("WarmupLR", {"last_batch_iteration": -2}, "scheduler.params.last_batch_iteration: got -2, expected an integer >= -1"),
-    ("OneCycle", {}, "scheduler.type: got 'OneCycle', expected one of WarmupLR, WarmupDecayLR, WarmupCosineLR"),
+    ("OneCycle", {}, "scheduler.params.cycle_min_lr: missing; OneCycle needs the lr at the bottom and top of its cycle"),
+    ("OneCycle", {"cycle_min_lr": 0, "cycle_max_lr": 0.1, "cycle_first_step_size": 0},
+     "scheduler.params.cycle_first_step_size: got 0, expected a positive number of iterations"),
+    ("OneCycle", {"cycle_min_lr": 0, "cycle_max_lr": 0.1, "cycle_second_step_size": -1},
+     "scheduler.params.cycle_second_step_size: got -1, expected a number >= 0"),
+    ("OneCycle", {"cycle_min_lr": [0.1] * 3, "cycle_max_lr": 0.1},
+     "scheduler.params.cycle_min_lr: got 3 values, expected one per param group (2)"),
+    ("OneCycle", {"cycle_min_lr": 0, "cycle_max_lrr": 0.1},
+     "scheduler.params.cycle_max_lrr: unknown parameter for OneCycle; did you mean 'cycle_max_lr'?"),
+    ("LRRangeTest", {"lr_range_test_step_size": 0}, "scheduler.params.lr_range_test_step_size: got 0, expected a positive integer"),
+    ("Cyclic", {}, "scheduler.type: got 'Cyclic', expected one of WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle, LRRangeTest"),
 ]
 
 
@@ -391,6 +398,18 @@ def test_scheduler_errors(sched_type, params, message):
     assert str(err.value).startswith(message), str(err.value)
 
 
+@pytest.mark.parametrize("name", WARMUP_SCHEDULES)
+def test_unknown_warmup_type_warns_and_ramps_as_log(name):
+    """DeepSpeed accepts any ``warmup_type`` and warms up logarithmically for one it does not know; so does hf_zero."""
+    params = dict(SCHEDULE_CASES[name])
+    opt_log, opt_odd = two_group_optimizer(), two_group_optimizer()
+    log = build_scheduler(name, dict(params, warmup_type="log"), opt_log)
+    with pytest.warns(UserWarning, match="warmup_type: got 'cosine', expected 'log' or 'linear'; using 'log'"):
+        odd = build_scheduler(name, dict(params, warmup_type="cosine"), opt_odd)
+    assert odd.warmup_type == "log"
+    assert lr_sequence(odd, opt_odd, 12) == lr_sequence(log, opt_log, 12)
+
+
 def test_bad_scheduler_state():
     sched = build_scheduler("warmuplr", {}, two_group_optimizer())
     with pytest.raises(ValueError, match="scheduler state: got .*expected \\{'last_batch_iteration': int\\}"):
@@ -399,4 +418,89 @@ def test_bad_scheduler_state():
 
 def test_supported_names():
     assert SUPPORTED_OPTIMIZERS == ("Adam", "AdamW", "SGD")
-    assert SUPPORTED_SCHEDULERS == ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
+    assert SUPPORTED_SCHEDULERS == ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest")
+
+
+# ----------------------------------------------------------------------------- OneCycle and LRRangeTest
+
+# Run on both sides (``M`` is deepspeed.runtime.lr_schedules or hf_zero.schedules): each case builds a schedule
+# on a two-group optimizer and records the groups' lr and betas after construction and after every step.
+_CYCLIC_CASES = """
+import json, warnings
+import torch
+
+def groups(opt_cls, **kw):
+    a, b = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(3))
+    return opt_cls([{"params": [a], "lr": 0.1}, {"params": [b], "lr": 0.2}], **kw)
+
+CASES = [
+    ("OneCycle", "adam", dict(cycle_min_lr=1e-4, cycle_max_lr=1e-2, cycle_first_step_size=5, cycle_second_step_size=3,
+                              decay_lr_rate=0.1, decay_step_size=2, decay_mom_rate=0.05, cycle_min_mom=0.85,
+                              cycle_max_mom=0.95), 20, None),
+    ("OneCycle", "adam", dict(cycle_min_lr=[1e-3, 2e-3], cycle_max_lr=[1e-2, 3e-2], cycle_first_step_size=8,
+                              cycle_second_step_size=6, cycle_first_stair_count=2, cycle_second_stair_count=3,
+                              cycle_min_mom=[0.8, 0.85], cycle_max_mom=[0.9, 0.95]), 18, None),
+    ("OneCycle", "adam", dict(cycle_min_lr=1e-3, cycle_max_lr=1e-2, cycle_first_step_size=4, cycle_momentum=False), 12, None),
+    ("OneCycle", "sgd", dict(cycle_min_lr=1e-3, cycle_max_lr=1e-2, cycle_first_step_size=3, decay_lr_rate=0.5,
+                             decay_step_size=1), 9, None),
+    ("OneCycle", "adam", dict(cycle_min_lr=1e-3, cycle_max_lr=1e-2, cycle_first_step_size=4, cycle_second_step_size=0), 10, [2, 7, 3]),
+    ("LRRangeTest", "adam", dict(lr_range_test_min_lr=1e-3, lr_range_test_step_size=3, lr_range_test_step_rate=0.5), 10, None),
+    ("LRRangeTest", "sgd", dict(lr_range_test_min_lr=[1e-3, 5e-4], lr_range_test_step_size=2, lr_range_test_step_rate=2.0,
+                                lr_range_test_staircase=True), 9, [4, 0]),
+]
+out = []
+for name, opt, kw, steps, jumps in CASES:
+    opt = groups(torch.optim.Adam, betas=(0.9, 0.999)) if opt == "adam" else groups(torch.optim.SGD, momentum=0.5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        sched = getattr(M, name)(opt, **kw)
+    seen = []
+    def record():
+        seen.append([[float(g["lr"]) for g in opt.param_groups], [list(g.get("betas", ())) for g in opt.param_groups],
+                     [float(x) for x in sched.get_lr()]])
+    record()
+    for _ in range(steps):
+        sched.step()
+        record()
+    for it in jumps or []:
+        sched.step(it)
+        record()
+    out.append(seen)
+print(json.dumps(out))
+"""
+
+
+def test_one_cycle_and_lr_range_test_match_deepspeed() -> None:
+    """Every lr and beta of DeepSpeed 0.19.8's own OneCycle and LRRangeTest, on cycles, stairs, decay, per-group
+    lists, an optimizer without betas and jumps to a given iteration, equals hf_zero's (exactly: same arithmetic)."""
+    from tests import dsenv
+
+    ds = json.loads(dsenv.run_python("from deepspeed.runtime import lr_schedules as M\n" + _CYCLIC_CASES,
+                                     timeout=300).stdout.strip().splitlines()[-1])
+    import io
+    from contextlib import redirect_stdout
+
+    from hf_zero.runtime import lr_schedules as M
+
+    buf = io.StringIO()
+    with redirect_stdout(buf):
+        exec(_CYCLIC_CASES, {"M": M})  # noqa: S102 - the same cases on both sides
+    ours = json.loads(buf.getvalue())
+    assert len(ours) == len(ds) == 7
+    for case, (mine, theirs) in enumerate(zip(ours, ds)):
+        assert mine == theirs, f"case {case}: {mine} != {theirs}"
+
+
+def test_one_cycle_and_lr_range_test_from_the_config() -> None:
+    """``scheduler.type`` OneCycle / LRRangeTest build the schedule from ``params``; its lr is the floor at once."""
+    opt = two_group_optimizer()
+    one = build_scheduler("onecycle", {"cycle_min_lr": 1e-4, "cycle_max_lr": 1e-3, "cycle_first_step_size": 2}, opt)
+    assert [g["lr"] for g in opt.param_groups] == [1e-4, 1e-4] and [g["betas"] for g in opt.param_groups] == [(0.8, 0.99)] * 2
+    one.step()
+    one.step()
+    assert [g["lr"] for g in opt.param_groups] == pytest.approx([1e-3, 1e-3])
+    assert one.state_dict() == {"last_batch_iteration": 1}
+    opt = two_group_optimizer()
+    rng = build_scheduler("LRRangeTest", {"lr_range_test_min_lr": 1e-3, "lr_range_test_step_size": 1}, opt)
+    rng.step()
+    assert rng.get_last_lr() == pytest.approx([2e-3, 2e-3])

@@ -54,7 +54,7 @@ def _fp16_and_bf16(rank: int, world: int) -> dict:
     # fp16 with an absurd initial scale: the first steps overflow and are skipped, weights untouched
     model = make_model()
     cfg = {
-        "train_micro_batch_size_per_gpu": 2,
+        "train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.0,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
         "zero_optimization": {"stage": 2},
         "fp16": {"enabled": True, "initial_scale_power": 40, "hysteresis": 1, "loss_scale_window": 100},
@@ -78,7 +78,7 @@ def _fp16_and_bf16(rank: int, world: int) -> dict:
     for bf16 in (False, True):
         model = make_model()
         cfg = {
-            "train_micro_batch_size_per_gpu": 2,
+            "train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.0,
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
             "zero_optimization": {"stage": 1},
             "bf16": {"enabled": bf16},
@@ -110,7 +110,7 @@ def _fp16_and_bf16(rank: int, world: int) -> dict:
         setattr(collectives, name, counting)
     for stage in (1, 2):
         model = make_model()
-        cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 3,
+        cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.0, "gradient_accumulation_steps": 3,
                "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
                "zero_optimization": {"stage": stage, "reduce_bucket_size": 50}}
         engine, _, _, _ = hf_zero.initialize(model=model, config=cfg)
@@ -188,7 +188,7 @@ def _bf16_masters(rank: int, world: int, ckpt: str) -> dict:
     ids, labels = make_data(3, 2 * world)
     for stage in (1, 2, 3):
         model = make_model()  # the awkward shapes: uneven shards, a frozen layer, a tied weight
-        cfg = {"train_micro_batch_size_per_gpu": 2, "bf16": BF16_MASTERS,
+        cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.0, "bf16": BF16_MASTERS,
                "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
         engine, *_ = hf_zero.initialize(model=model, optimizer=torch.optim.AdamW(
             [p for p in model.parameters() if p.requires_grad], lr=1e-2), config=cfg)
@@ -210,7 +210,7 @@ def _bf16_masters(rank: int, world: int, ckpt: str) -> dict:
     for masters in (True, False):
         model = make_model(seed=5)
         bf16 = BF16_MASTERS if masters else {"enabled": True}
-        cfg = {"train_micro_batch_size_per_gpu": 2, "bf16": bf16, "zero_optimization": {"stage": 3 if masters else 1}}
+        cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.0, "bf16": bf16, "zero_optimization": {"stage": 3 if masters else 1}}
         engine, *_ = hf_zero.initialize(model=model, optimizer=torch.optim.AdamW(
             [p for p in model.parameters() if p.requires_grad], lr=1e-2), config=cfg)
         engine.load_checkpoint(ckpt, tag="z2")
@@ -257,7 +257,7 @@ def _norm_only(rank: int, world: int) -> dict:
     out: dict = {}
     for case in ("plain", "inf"):
         model = make_model()
-        cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+        cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.0, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
                "zero_optimization": {"stage": 2}}
         engine, *_ = hf_zero.initialize(model=model, config=cfg)
         coefs: list = []

@@ -167,7 +167,7 @@ def _loader_and_resume(rank: int, world: int, tmp: str) -> dict:
     steps, per_step = 3, MICRO * world // 2  # samples per optimizer step at sp 2
     data = _data(steps, per_step, ragged=False)  # equal target counts: dp's mean of means is the token mean
     samples = [{k: v[t, i] for k, v in data.items()} for t in range(steps) for i in range(per_step)]
-    cfg = {"train_micro_batch_size_per_gpu": MICRO, "zero_optimization": {"stage": 2}, "sequence_parallel_size": 2,
+    cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_clipping": 0.0, "zero_optimization": {"stage": 2}, "sequence_parallel_size": 2,
            "steps_per_print": 1000, "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01, "eps": EPS}}}
     engine, _, loader, _ = hf_zero.initialize(model=_llama(), config=cfg, training_data=samples)
     loader.sampler.shuffle = False  # the oracle reads the samples in order
@@ -180,7 +180,7 @@ def _loader_and_resume(rank: int, world: int, tmp: str) -> dict:
     engine.save_checkpoint(tmp, tag="sp2")
     # resume at sp 1: every rank is its own data-parallel replica, with a micro-batch half the size
     resumed, _, _, _ = hf_zero.initialize(model=_llama(), config={
-        "train_micro_batch_size_per_gpu": MICRO // 2, "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 64},
+        "train_micro_batch_size_per_gpu": MICRO // 2, "gradient_clipping": 0.0, "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 64},
         "steps_per_print": 1000, "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01, "eps": EPS}}})
     resumed.load_checkpoint(tmp, tag="sp2")
     last = _train(resumed, data, range(2, 3), MICRO // 2, 1)

@@ -165,7 +165,7 @@ def _embedding_held(rank: int, world: int) -> dict:
                           num_key_value_heads=1, max_position_embeddings=SEQ, tie_word_embeddings=tied)
         model = LlamaForCausalLM(cfg)
         engine, _, _, _ = hf_zero.initialize(model=model, config={
-            "train_micro_batch_size_per_gpu": MICRO, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+            "train_micro_batch_size_per_gpu": MICRO, "gradient_clipping": 0.0, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
             "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}, "steps_per_print": 1000})
         weight = model.model.embed_tokens.weight
         seen: dict = {}
@@ -238,7 +238,7 @@ def _lora_world1(rank: int, world: int) -> dict:
 
     model = build()
     engine, _, _, _ = hf_zero.initialize(model=model, config={
-        "train_micro_batch_size_per_gpu": MICRO, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "eps": EPS}},
+        "train_micro_batch_size_per_gpu": MICRO, "gradient_clipping": 0.0, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "eps": EPS}},
         "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}, "steps_per_print": 1000})
     base = model.base_model.model
     watched = [base.lm_head, base.model.embed_tokens, base.model.layers[1].mlp.down_proj.base_layer]

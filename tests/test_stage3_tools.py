@@ -19,7 +19,7 @@ def _gathered(rank: int, world: int) -> dict:
 
     model = _model("llama")
     cfg = {
-        "train_micro_batch_size_per_gpu": 1,
+        "train_micro_batch_size_per_gpu": 1, "gradient_clipping": 0.0,
         "optimizer": {"type": "AdamW", "params": {"lr": 0.0, "weight_decay": 0.0}},
         "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 100},
         "bf16": {"enabled": True},
@@ -60,7 +60,7 @@ def _prefetched(budget: int) -> dict:
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=61, hidden_size=30, intermediate_size=47, num_hidden_layers=4,
                                          num_attention_heads=3, num_key_value_heads=1))
-    cfg = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+    cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_clipping": 0.0, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 100,
                                  "stage3_prefetch_bucket_size": budget}}
     engine, _, _, _ = hf_zero.initialize(model=model, config=cfg)
@@ -114,7 +114,7 @@ def _generate(rank: int, world: int) -> dict:
 
     ref = _model("llama").eval()
     model = _model("llama")
-    cfg = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+    cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_clipping": 0.0, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 100}}
     engine, _, _, _ = hf_zero.initialize(model=model, config=cfg)
     engine.eval()

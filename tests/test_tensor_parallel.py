@@ -233,7 +233,7 @@ def _refusals(tmp: str) -> dict:
     said = {}
     for what, fn in {
         "other_degree": lambda: hf_zero.initialize(model=_llama(), config={
-            "train_micro_batch_size_per_gpu": MICRO, "zero_optimization": {"stage": 2}, "steps_per_print": 1000,
+            "train_micro_batch_size_per_gpu": MICRO, "gradient_clipping": 0.0, "zero_optimization": {"stage": 2}, "steps_per_print": 1000,
             "optimizer": {"type": "AdamW", "params": {"lr": LR}}})[0].load_checkpoint(tmp, tag="tp2"),
         "no_plan": lambda: hf_zero.initialize(model=_gpt2(), config=_config(2, 1, 0.0), optimizer=torch.optim.SGD,),
         "heads": lambda: hf_zero.initialize(model=_llama(num_key_value_heads=1), config=_config(2, 1, 0.0),

@@ -135,7 +135,9 @@ def test_trainer_refuses_a_section_and_an_object_for_the_same_thing(tmp_path: Pa
     hf_zero.Trainer(model=model, args=_args(tmp_path, zero_config={"scheduler": SECTIONS["scheduler"]}), optimizers=(opt, None))
     trainer = hf_zero.Trainer(model=model, args=_args(tmp_path, zero_config={"optimizer": SECTIONS["optimizer"]}))
     built = trainer.create_optimizer()
-    assert type(built) is torch.optim.AdamW and len(built.param_groups) == 1  # DeepSpeed's one group
+    # DeepSpeed's class (its FusedAdam, AdamW arithmetic) and its one group
+    assert type(built) is hf_zero.ops.adam.FusedAdam and built.param_groups[0]["decoupled_weight_decay"]
+    assert len(built.param_groups) == 1
     assert built.param_groups[0]["lr"] == trainer.args.learning_rate
 
 

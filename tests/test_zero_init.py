@@ -68,7 +68,7 @@ def _oracle(model: torch.nn.Module, world: int, seed: int) -> tuple[list[float],
 
 
 CFG = {
-    "train_micro_batch_size_per_gpu": MICRO,
+    "train_micro_batch_size_per_gpu": MICRO, "gradient_clipping": 0.0,
     "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01, "eps": 1e-4}},
     "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 100},
     "steps_per_print": 1000,

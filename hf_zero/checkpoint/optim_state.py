@@ -126,6 +126,9 @@ def load_optimizer(state: TrainState, reader: CheckpointReader, hypers: list[dic
                 d[k] = pg[k]
             else:
                 d.pop(k, None)
+        for k, v in d.items():  # JSON has no tuples: a hyper-parameter the optimizer holds as one (betas) is one again
+            if isinstance(pg.get(k), tuple) and isinstance(v, list):
+                d[k] = tuple(v)
         d["params"] = [master_index[id(m)] for m in pg["params"]]
         groups.append(d)
     opt.load_state_dict({"state": new_state, "param_groups": groups})

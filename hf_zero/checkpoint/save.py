@@ -111,11 +111,14 @@ def _checked_tag(state: TrainState, tag: str | None) -> str:
     if state.optimizer is None:
         raise CheckpointError("save_checkpoint needs an engine with an optimizer")
     micro, gas = state.progress.micro_steps, state.gradient_accumulation_steps
-    if micro % gas != 0:
-        raise CheckpointError(
-            f"save_checkpoint was called in the middle of gradient accumulation (micro step {micro}, "
-            f"accumulation {gas}); call it after the boundary's engine.step()"
-        )
+    if micro % gas != 0 and state.layout.rank == 0:
+        # DeepSpeed saves here too (its tutorial's loop saves every N micro-batches); what it writes is the last
+        # boundary's state, and so is hf_zero's (checkpoint_meta writes that boundary's micro-step count)
+        logger.warning(
+            "save_checkpoint in the middle of gradient accumulation (micro step %d, accumulation %d): the checkpoint "
+            "holds the weights and optimizer state of global step %d; the %d micro-batches accumulated since are not "
+            "in it, and a run resumed from it starts a new accumulation window there, as DeepSpeed's does",
+            micro, gas, state.progress.global_steps, micro % gas)
     tag = str(tag) if tag is not None else f"global_step{state.progress.global_steps}"
     if not tag or "/" in tag or tag.startswith(".") or tag == LATEST:
         raise CheckpointError(f"save_checkpoint(tag={tag!r}): a tag must be a plain, non-hidden directory name other than '{LATEST}'")
@@ -358,7 +361,8 @@ def checkpoint_meta(state: TrainState, table: dict, stage_tables: list[dict], cl
         "zero_stage": state.zero_stage,
         "compute_dtype": str(state.compute_dtype).removeprefix("torch."),
         "global_steps": progress.global_steps,
-        "micro_steps": progress.micro_steps,
+        # the last accumulation boundary's count: a save between boundaries holds that boundary's state
+        "micro_steps": progress.micro_steps - progress.micro_steps % state.gradient_accumulation_steps,
         "gradient_accumulation_steps": state.gradient_accumulation_steps,
         "global_samples": progress.global_samples,
         "skipped_steps": progress.skipped_steps,

@@ -62,7 +62,7 @@ class ZeroConfig:
     train_batch_size: int | None = None
     train_micro_batch_size_per_gpu: int | None = None
     gradient_accumulation_steps: int | None = None
-    gradient_clipping: float = 0.0
+    gradient_clipping: float = 1.0  # DeepSpeed 0.19.8's GRADIENT_CLIPPING_DEFAULT: clip at 1.0 unless the config says
     optimizer: OptimizerConfig | None = None
     scheduler: SchedulerConfig | None = None
     fp16: FP16Config = field(default_factory=FP16Config)
@@ -214,6 +214,23 @@ def _read_json(path: str) -> Any:
     try:
         return json.loads(text, object_pairs_hook=_no_duplicate_keys)
     except json.JSONDecodeError as e:
-        raise ConfigError(f"config: {path!r} is not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})") from None
+        return _read_hjson(path, text, e)
+    except ConfigError as e:
+        raise ConfigError(f"config: in {path!r}, {e}") from None
+
+
+def _read_hjson(path: str, text: str, error: json.JSONDecodeError) -> Any:
+    """DeepSpeed reads its config files as HJSON (JSON plus comments, unquoted keys, trailing commas): so does this."""
+    where = f"{error.msg} at line {error.lineno}, column {error.colno}"
+    try:
+        import hjson
+    except ImportError:
+        raise ConfigError(f"config: {path!r} is not valid JSON ({where}); DeepSpeed also reads HJSON (comments, "
+                          "unquoted keys), which needs the hjson package: pip install hjson") from None
+    try:
+        return hjson.loads(text, object_pairs_hook=_no_duplicate_keys)
+    except hjson.HjsonDecodeError as e:
+        raise ConfigError(f"config: {path!r} is not valid JSON ({where}), nor HJSON, which DeepSpeed also reads "
+                          f"({e.msg} at line {e.lineno}, column {e.colno})") from None
     except ConfigError as e:
         raise ConfigError(f"config: in {path!r}, {e}") from None

@@ -515,11 +515,30 @@ class Parser:
             stage3_param_persistence_threshold=obj.get("stage3_param_persistence_threshold", Int(0),
                                                        d.stage3_param_persistence_threshold),
             stage3_max_live_parameters=obj.get("stage3_max_live_parameters", Int(0), d.stage3_max_live_parameters),
-            offload_optimizer=self.offload(obj, "offload_optimizer", OffloadOptimizerConfig),
+            offload_optimizer=self.offload_optimizer(obj),
             offload_param=self.offload(obj, "offload_param", OffloadParamConfig),
             overlap_param_gather=obj.get("overlap_param_gather", Bool(), d.overlap_param_gather),
             mics_shard_size=obj.get("mics_shard_size", Int(None), d.mics_shard_size),
         )
+
+    def offload_optimizer(self, zero: _Object) -> OffloadOptimizerConfig | None:
+        """``offload_optimizer``, or DeepSpeed's deprecated ``cpu_offload`` converted as DeepSpeed 0.19.8 converts it.
+
+        DeepSpeed still reads ``"cpu_offload": true`` (the ZeRO-Offload tutorial's spelling, in older configs) as
+        ``"offload_optimizer": {"device": "cpu"}`` with a deprecation warning, ``false`` as no offload, and refuses
+        it beside ``offload_optimizer``; hf_zero does the same (``false``, which asks for nothing, without a warning).
+        """
+        if "cpu_offload" not in zero.values:
+            return self.offload(zero, "offload_optimizer", OffloadOptimizerConfig)
+        on = zero.get("cpu_offload", Bool(), False, nullable=True)
+        if "offload_optimizer" in zero.values:
+            raise ConfigError(f"{zero.where('cpu_offload')}: given together with offload_optimizer, which replaces it; "
+                              "keep only offload_optimizer")
+        if on and ("deprecated", zero.where("cpu_offload")) not in _WARNED:
+            _WARNED.add(("deprecated", zero.where("cpu_offload")))
+            warnings.warn(f"{zero.where('cpu_offload')}: true is DeepSpeed's deprecated spelling, read as DeepSpeed reads "
+                          'it; write "offload_optimizer": {"device": "cpu"} instead', UserWarning, stacklevel=4)
+        return OffloadOptimizerConfig(device="cpu") if on else None
 
     def offload(self, zero: _Object, key: str, cls: type) -> Any:
         """An offload section in full, DeepSpeed's defaults for what it leaves out; None when absent."""

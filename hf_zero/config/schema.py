@@ -77,8 +77,8 @@ SUPPORTED_OPTIMIZERS: tuple[str, ...] = ("Adam", "AdamW", "SGD")
 DEEPSPEED_ONLY_OPTIMIZERS = (
     "Adagrad", "Lamb", "OneBitAdam", "ZeroOneAdam", "OneBitLamb", "MuAdam", "MuAdamW", "MuSGD", "Lion", "Muon",
 )
-SUPPORTED_SCHEDULERS: tuple[str, ...] = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
-DEEPSPEED_ONLY_SCHEDULERS = ("LRRangeTest", "OneCycle")
+SUPPORTED_SCHEDULERS: tuple[str, ...] = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest")
+DEEPSPEED_ONLY_SCHEDULERS: tuple[str, ...] = ()
 COMMUNICATION_DTYPES = ("fp32", "fp16", "bf16")
 # "skip" (the default): the step is skipped and counted in skipped_steps, as fp16 overflows are;
 # "stop": the run raises; "off": no check (DeepSpeed's behaviour, and no host sync per step).
@@ -201,6 +201,7 @@ ZERO = Section(
         # MiCS's (DeepSpeed before 0.19.8): shard inside groups of N consecutive data-parallel ranks, replicate across
         # them; hf_zero runs it as hybrid sharding at stages 1-3 (hf_zero/parallel/grid.py, the dp_replicate axis)
         "mics_shard_size",
+        "cpu_offload",  # DeepSpeed's deprecated spelling of offload_optimizer on the cpu, converted as DeepSpeed does
     ),
     # DeepSpeed's field names beside their stage3_* aliases, and the deprecated fp16 spelling
     aliases={
@@ -241,7 +242,6 @@ ZERO = Section(
         "mics_hierarchical_params_gather": False,
     },
     unsupported={
-        "cpu_offload": (False, 'this is DeepSpeed\'s deprecated spelling; write "offload_optimizer": {"device": "cpu"} instead'),
         "cpu_offload_param": (False, "parameter offload is not supported yet; remove the key"),
         "zero_quantized_weights": (False, "ZeRO++ quantized weights are not supported yet"),
         "zero_quantized_nontrainable_weights": (False, "ZeRO++ quantized weights are not supported yet"),

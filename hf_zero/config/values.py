@@ -36,11 +36,15 @@ def _is_number(value: Any) -> bool:
 
 @dataclass(frozen=True)
 class Bool:
-    """A real JSON boolean: ``1`` and ``"true"`` are refused, since a typo there flips a feature silently."""
+    """A JSON boolean, or the integers 0 and 1, which DeepSpeed reads as false and true (pydantic's and Python's
+    truth, e.g. ``"zero_allow_untested_optimizer": 1`` in its own tests); strings such as ``"true"`` and other
+    numbers are refused, since there a typo would flip a feature silently."""
 
     what: str = "true or false"
 
     def __call__(self, value: Any, path: str) -> bool:
+        if isinstance(value, int) and not isinstance(value, bool) and value in (0, 1):
+            return bool(value)
         if not isinstance(value, bool):
             raise ConfigError(f"{path}: got {show(value)}, expected {self.what}")
         return value

@@ -242,9 +242,14 @@ class Accelerator(accelerate.Accelerator):
             )
         if cfg.get("train_batch_size") == "auto":
             del cfg["train_batch_size"]
-        if cfg.get("gradient_clipping") == "auto":
-            # Accelerate fills DeepSpeed's "auto" with 1.0; a zero_config's leaves clipping to clip_grad_norm_
-            cfg["gradient_clipping"] = 1.0 if from_plugin else 0.0
+        if cfg.get("gradient_clipping", "auto") == "auto":
+            # Accelerate fills DeepSpeed's "auto" with 1.0, and an absent key is DeepSpeed's default, 1.0 too; but
+            # a plugin given gradient_clipping=0 (--gradient_clipping 0) leaves the key out (Accelerate writes it only
+            # when truthy), and that 0 is honoured as no clipping. A zero_config's "auto" or absent key leaves
+            # clipping to accelerator.clip_grad_norm_
+            given = getattr(self._deepspeed_plugin, "gradient_clipping", None) if from_plugin else None
+            explicit = isinstance(given, (int, float)) and not isinstance(given, bool)
+            cfg["gradient_clipping"] = (float(given) if explicit else 1.0) if from_plugin else 0.0
         mp = str(self.mixed_precision)
         clash = fill_precision(cfg, mp in ("bf16", "fp8"), mp == "fp16", must_match=False)
         if clash:

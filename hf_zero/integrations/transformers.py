@@ -218,7 +218,7 @@ class Trainer(transformers.Trainer):
         section = self._section("scheduler")
         if section is None or self.lr_scheduler is not None:
             return super().create_scheduler(num_training_steps, optimizer)
-        from hf_zero.optim import build_scheduler
+        from hf_zero.schedules import build_scheduler
 
         params = trainer_scheduler_params(section, self.args, num_training_steps)
         opt = optimizer if optimizer is not None else self.optimizer

@@ -25,13 +25,14 @@ from hf_zero.utils.tensor_fragment import (
     safe_set_local_fp32_param,
     safe_set_local_grad,
     safe_set_local_optimizer_state,
+    safe_update_full_grad_vectorized,
 )
 
 __all__ = [
     "logger", "log_dist", "zero_to_fp32", "groups", "RepeatingLoader", "safe_get_full_fp32_param", "safe_get_full_grad",
     "safe_get_full_optimizer_state", "safe_get_local_fp32_param", "safe_get_local_grad", "safe_get_local_optimizer_state",
     "safe_set_full_fp32_param", "safe_set_full_grad", "safe_set_full_optimizer_state", "safe_set_local_fp32_param",
-    "safe_set_local_grad", "safe_set_local_optimizer_state",
+    "safe_set_local_grad", "safe_set_local_optimizer_state", "safe_update_full_grad_vectorized",
 ]
 
 logger = logging.getLogger("hf_zero")

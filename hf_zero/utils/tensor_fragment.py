@@ -35,6 +35,7 @@ the setters do nothing, as DeepSpeed's. A parameter of no engine (or of a destro
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -294,3 +295,22 @@ def safe_set_local_optimizer_state(param: torch.nn.Parameter, value: torch.Tenso
         raise UsageError(f"safe_set_local_optimizer_state: the optimizer's {optim_state_key!r} is one value for a whole "
                          "group of parameters, not per element")
     _local_set(_local(g, slot, t), value, "safe_set_local_optimizer_state")
+
+
+def safe_update_full_grad_vectorized(param_list: list[torch.nn.Parameter],
+                                     update_func: Callable[[torch.Tensor, torch.nn.Parameter], torch.Tensor]) -> None:
+    """DeepSpeed's ``safe_update_full_grad_vectorized``: replace each parameter's averaged gradient by
+    ``update_func(full_grad, param)``, in ``param_list``'s order.
+
+    As DeepSpeed's: a parameter whose ``.grad`` is set has it updated in place; otherwise the gradient the step
+    will use is read whole (:func:`safe_get_full_grad`, collective) and set back (:func:`safe_set_full_grad`), so
+    every rank calls it with the same list. A trainable parameter with no gradient yet is left alone.
+    """
+    for p in param_list:
+        if p.grad is not None and _place(p) is None:
+            with torch.no_grad():
+                p.grad.copy_(update_func(p.grad, p))
+        elif p.requires_grad:
+            full = safe_get_full_grad(p)
+            if full is not None:
+                safe_set_full_grad(p, update_func(full, p))
