@@ -180,6 +180,7 @@ def run_engine(name: str, args: argparse.Namespace) -> dict:
         cfg = {
             "train_micro_batch_size_per_gpu": args.micro,
             "gradient_accumulation_steps": args.gas,
+            "gradient_clipping": 0.0,  # as the FSDP2 and DDP rows: no clipping (DeepSpeed's default would be 1.0)
             "bf16": {"enabled": True},
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-5, "weight_decay": 0.0}},
             "zero_optimization": {**hf_zero_section(stage, args, name),
@@ -223,6 +224,7 @@ def run_engine(name: str, args: argparse.Namespace) -> dict:
 
         ds_cfg = {
             "train_micro_batch_size_per_gpu": args.micro,
+            "gradient_clipping": 0.0,
             "gradient_accumulation_steps": 1,
             "bf16": {"enabled": True},
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-5, "weight_decay": 0.0}},

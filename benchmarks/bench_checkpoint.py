@@ -148,7 +148,7 @@ def run_hf(args: argparse.Namespace, out: str) -> dict:
     import hf_zero
 
     cfg = {
-        "train_micro_batch_size_per_gpu": args.micro, "steps_per_print": None,
+        "train_micro_batch_size_per_gpu": args.micro, "gradient_clipping": 0.0, "steps_per_print": None,
         "bf16": {"enabled": _cuda(args)},
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-5, "weight_decay": 0.0}},
         "zero_optimization": {"stage": args.stage},
@@ -246,7 +246,7 @@ def run_dcp(args: argparse.Namespace, out: str) -> dict:
 def run_ds(args: argparse.Namespace, out: str) -> dict:
     import deepspeed
 
-    cfg = {"train_micro_batch_size_per_gpu": args.micro, "steps_per_print": 10**9, "bf16": {"enabled": True},
+    cfg = {"train_micro_batch_size_per_gpu": args.micro, "gradient_clipping": 0.0, "steps_per_print": 10**9, "bf16": {"enabled": True},
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-5, "weight_decay": 0.0}},
            "zero_optimization": {"stage": args.stage}}
     engine, _, _, _ = deepspeed.initialize(model=build_model(args), config=cfg)

@@ -110,7 +110,7 @@ def _zero_config(stage: int, micro_batch: int, threshold: int, overlap: bool = F
     zero: dict = {"stage": stage, **({"overlap_param_gather": True} if overlap else {})}
     if stage == 3:
         zero["stage3_param_persistence_threshold"] = threshold
-    return {"train_micro_batch_size_per_gpu": micro_batch, "gradient_accumulation_steps": 1,
+    return {"train_micro_batch_size_per_gpu": micro_batch, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
             "steps_per_print": None, "zero_optimization": zero}
 
 

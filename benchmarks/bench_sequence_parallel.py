@@ -83,7 +83,7 @@ def hf_engine(args: argparse.Namespace, device: torch.device) -> Any:
     import hf_zero
     from hf_zero.sequence import shard_batch
 
-    cfg = {"train_micro_batch_size_per_gpu": args.batch, "bf16": {"enabled": args.device != "cpu"},
+    cfg = {"train_micro_batch_size_per_gpu": args.batch, "gradient_clipping": 0.0, "bf16": {"enabled": args.device != "cpu"},
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-5, "weight_decay": 0.0}},
            "zero_optimization": {"stage": 3, **({"stage3_prefetch_bucket_size": int(args.prefetch)} if args.prefetch else {})},
            "sequence_parallel_size": args.sp, "steps_per_print": 10**9,
@@ -131,7 +131,7 @@ def ds_engine(args: argparse.Namespace, device: torch.device) -> Any:
         return TiledMLP.apply(mlp, self, x, int(shards), [self.down_proj.weight, self.gate_proj.weight, self.up_proj.weight])
 
     modeling_llama.LlamaMLP.forward = tiled_mlp_forward
-    cfg = {"train_micro_batch_size_per_gpu": args.batch, "bf16": {"enabled": args.device != "cpu"},
+    cfg = {"train_micro_batch_size_per_gpu": args.batch, "gradient_clipping": 0.0, "bf16": {"enabled": args.device != "cpu"},
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-5, "weight_decay": 0.0}},
            "zero_optimization": {"stage": 3, "overlap_comm": True, "contiguous_gradients": True}, "sequence_parallel_size": args.sp,
            "steps_per_print": 10**9, "activation_checkpointing": {"cpu_checkpointing": args.offload}}

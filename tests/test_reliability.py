@@ -108,7 +108,7 @@ def _numerics(rank: int, world: int) -> dict:
     snaps, norm_calls = {}, {}
     for mode in ("skip", "off"):
         cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": ADAMW, "zero_optimization": {"stage": 2},
-               "bf16": {"enabled": True}, "nonfinite_loss": mode}
+               "bf16": {"enabled": True}, "nonfinite_loss": mode, "gradient_clipping": 0.0}  # (DeepSpeed's default: 1.0)
         engine, _, _, _ = hf_zero.initialize(model=make_model(), config=cfg)
         calls: list[int] = []
         inner = step_policy.grad_stats  # the global norm's pass over the shards, wherever it is asked for
