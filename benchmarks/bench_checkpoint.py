@@ -144,16 +144,13 @@ def _dd(path: str, nbytes: int) -> float:
 # ------------------------------------------------------------------------------ engines
 
 
-def run_hf(args: argparse.Namespace, out: str) -> dict:
-    import hf_zero
-
-    cfg = {
-        "train_micro_batch_size_per_gpu": args.micro, "gradient_clipping": 0.0, "steps_per_print": None,
-        "bf16": {"enabled": _cuda(args)},
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-5, "weight_decay": 0.0}},
-        "zero_optimization": {"stage": args.stage},
-    }
-    engine, _, _, _ = hf_zero.initialize(model=build_model(args), config=cfg)
+def _engine_and_step(initialize: Callable[..., tuple], args: argparse.Namespace, *, bf16: bool) -> tuple[Any, Callable[[], None], float]:
+    """A DeepSpeed-API engine (hf_zero's or DeepSpeed's ``initialize``) of the same config, its training step, and the
+    median step time after the warm-up: what both engines' rows start from."""
+    cfg = {"train_micro_batch_size_per_gpu": args.micro, "gradient_clipping": 0.0, "steps_per_print": 10**9,
+           "bf16": {"enabled": bf16}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-5, "weight_decay": 0.0}},
+           "zero_optimization": {"stage": args.stage}}
+    engine = initialize(model=build_model(args), config=cfg)[0]
     batch = _batches(args)
 
     def step() -> None:
@@ -162,7 +159,13 @@ def run_hf(args: argparse.Namespace, out: str) -> dict:
         engine.step()
 
     _timed_steps(step, args.warmup, args)
-    base = statistics.median(_timed_steps(step, args.steps, args))
+    return engine, step, statistics.median(_timed_steps(step, args.steps, args))
+
+
+def run_hf(args: argparse.Namespace, out: str) -> dict:
+    import hf_zero
+
+    engine, step, base = _engine_and_step(hf_zero.initialize, args, bf16=_cuda(args))
     row: dict[str, Any] = {"step_s": _slowest(base, args)}
     # checkpoint.save_on_signal's agreement (one all-reduce per step, read a step later): what it costs a step
     from hf_zero import preemption
@@ -246,19 +249,7 @@ def run_dcp(args: argparse.Namespace, out: str) -> dict:
 def run_ds(args: argparse.Namespace, out: str) -> dict:
     import deepspeed
 
-    cfg = {"train_micro_batch_size_per_gpu": args.micro, "gradient_clipping": 0.0, "steps_per_print": 10**9, "bf16": {"enabled": True},
-           "optimizer": {"type": "AdamW", "params": {"lr": 1e-5, "weight_decay": 0.0}},
-           "zero_optimization": {"stage": args.stage}}
-    engine, _, _, _ = deepspeed.initialize(model=build_model(args), config=cfg)
-    batch = _batches(args)
-
-    def step() -> None:
-        ids = batch()
-        engine.backward(engine(input_ids=ids, labels=ids).loss)
-        engine.step()
-
-    _timed_steps(step, args.warmup, args)
-    base = statistics.median(_timed_steps(step, args.steps, args))
+    engine, step, base = _engine_and_step(deepspeed.initialize, args, bf16=True)
     row: dict[str, Any] = {"step_s": _slowest(base, args)}
     d = os.path.join(out, "ds")
     call, blocked, _ = _blocked(lambda: engine.save_checkpoint(d), step, base, args)

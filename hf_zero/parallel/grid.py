@@ -215,12 +215,13 @@ class ParallelGrid:
 
     @property
     def shard_group(self) -> dist.ProcessGroup | None:
-        """The group ZeRO partitions over: the ZeRO group under flat sharding, :data:`SHARD_AXES` under hybrid sharding."""
-        return self.group(*SHARD_AXES) if self.hybrid else self.zero_group
+        """The group ZeRO partitions over (:data:`SHARD_AXES`); without hybrid sharding ``dp_replicate`` is 1, so it
+        is the ZeRO group itself (an axis of size 1 is no part of a group's key)."""
+        return self.group(*SHARD_AXES)
 
     @property
     def shard_size(self) -> int:
-        return self.size(*SHARD_AXES) if self.hybrid else self.zero_size
+        return self.size(*SHARD_AXES)
 
     @property
     def replicate_group(self) -> dist.ProcessGroup | None:
