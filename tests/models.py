@@ -51,6 +51,19 @@ def make_data(steps: int, global_batch: int, seed: int = 1) -> tuple[torch.Tenso
     return ids, labels
 
 
+def tiny_causal_lm(kind: str, **shape: int) -> torch.nn.Module:
+    """A transformers Llama (untied head) or Qwen2 of ``shape`` (vocab_size, hidden_size, ...), seeded: the grid tests'
+    decoder models, built from configs (no download)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    if kind == "qwen2":
+        return Qwen2ForCausalLM(Qwen2Config(**shape))
+    if kind != "llama":
+        raise ValueError(f"tiny_causal_lm: got {kind!r}, expected 'llama' or 'qwen2'")
+    return LlamaForCausalLM(LlamaConfig(**shape, tie_word_embeddings=False))
+
+
 def train_one_process(
     model: torch.nn.Module, micro_batches: list[list[dict]], *, lr: float, eps: float, clip: float = 0.0
 ) -> tuple[list[float], dict[str, torch.Tensor]]:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from tests.distributed import spawn
-from tests.models import train_one_process
+from tests.models import tiny_causal_lm, train_one_process
 
 STEPS, MICRO, SEQ, VOCAB, LR, EPS = 3, 2, 24, 96, 1e-2, 1e-4
 CLIP = 0.5
@@ -35,15 +35,9 @@ LAYOUTS_8 = [
 
 
 def _model(kind: str) -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(0)
     # 8 heads over 4 key/value heads: 2 attention heads per rank even at tp 2 x sp 2
-    shape = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=56, num_hidden_layers=2, num_attention_heads=8,
-                 num_key_value_heads=4, max_position_embeddings=64)
-    if kind == "qwen2":
-        return Qwen2ForCausalLM(Qwen2Config(**shape))
-    return LlamaForCausalLM(LlamaConfig(**shape, tie_word_embeddings=False))
+    return tiny_causal_lm(kind, vocab_size=VOCAB, hidden_size=32, intermediate_size=56, num_hidden_layers=2,
+                          num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=64)
 
 
 def _data(samples: int) -> dict:

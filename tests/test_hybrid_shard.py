@@ -25,20 +25,15 @@ import torch
 from hf_zero.config import ConfigError, ZeroConfig
 from hf_zero.parallel import replicas_for
 from tests.distributed import spawn
+from tests.models import tiny_causal_lm
 
 SEQ, VOCAB, LR, CLIP, STEPS, EPS = 8, 32, 5e-3, 0.3, 3, 1e-8
 WORLD = 4
 
 
 def _model(kind: str) -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(0)
-    shape = dict(vocab_size=VOCAB, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, max_position_embeddings=SEQ)
-    if kind == "qwen2":
-        return Qwen2ForCausalLM(Qwen2Config(**shape))
-    return LlamaForCausalLM(LlamaConfig(**shape, tie_word_embeddings=False))
+    return tiny_causal_lm(kind, vocab_size=VOCAB, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ)
 
 
 def _data(steps: int, batch: int) -> torch.Tensor:

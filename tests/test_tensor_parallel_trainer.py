@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from tests.distributed import spawn
+from tests.models import tiny_causal_lm
 
 SEQ, VOCAB = 8, 32
 
@@ -29,14 +30,8 @@ def _reset() -> None:
 
 
 def _model(kind: str):  # noqa: ANN202
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(0)
-    shape = dict(vocab_size=VOCAB, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, max_position_embeddings=SEQ)
-    if kind == "qwen2":
-        return Qwen2ForCausalLM(Qwen2Config(**shape))
-    return LlamaForCausalLM(LlamaConfig(**shape, tie_word_embeddings=False))
+    return tiny_causal_lm(kind, vocab_size=VOCAB, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ)
 
 
 def _life(case: dict) -> dict:
