@@ -9,6 +9,14 @@ Run on the GPU machine:
     python benchmarks/bench.py --gpus 1 --model 2.8b --engines hf2o,hf2og,fsdp2o --bucket 1e8   # the CPU step beside the next forward
     python benchmarks/bench.py --gpus 1 --model 1.1b --engines hf2,tr2,hf3,tr3   # the Trainer path against the raw engine
     python benchmarks/bench.py --gpus 2 --model 1.1b --engines hf2,hf2g,fsdp2 --bucket 1e8   # the step's all-gather in the next forward
+    python benchmarks/bench.py --gpus 4 --model 8b --micro 1 --engines hf3,hf3h,hf3tp,fsdp2,fsdp2tp --bucket 1e8   # composed layouts
+
+Composed layouts (each as a user configures it): ``hf3h`` ZeRO-3 with hybrid sharding (``mics_shard_size`` =
+``--shard``, default half the GPUs; 1 x 2 on 2 GPUs), ``hf3tp`` AutoTP ``--tp`` (default 2) x ZeRO-3 over the
+remaining ranks, ``fsdp2tp`` FSDP2 over a (dp, tp) DeviceMesh after torch's ``parallelize_module`` (torchtitan's
+composition). Their rows are named with their layout; tokens/s stays per GPU (a tp group shares one micro-batch of
+``--micro``); under the table, the planner's predicted communication and step time for hf3, hf3h and hf3tp stand
+beside the measured step.
 
 Each engine runs in its own torchrun (one process per GPU), so no engine's memory or caches
 leak into the next one's peak. ``ds2``/``ds3`` need DeepSpeed importable.
@@ -83,6 +91,163 @@ def hf_zero_section(stage: int, args: argparse.Namespace, name: str = "") -> dic
     return {"stage": stage, "reduce_bucket_size": args.bucket, "allgather_bucket_size": args.bucket,
             **({"stage3_prefetch_bucket_size": int(args.prefetch)} if args.prefetch is not None else {}),
             **({"overlap_param_gather": True} if name.endswith("g") else {})}
+
+
+# ------------------------------------------------------------------------------------------------ composed layouts
+# hf3h: ZeRO-3 with hybrid sharding (zero_optimization.mics_shard_size = --shard: parameters, gradients and optimizer
+#   state sharded inside groups of --shard ranks, gradients all-reduced across the world/--shard replicas);
+# hf3tp: tensor parallelism (tensor_parallel.autotp_size = --tp, transformers' own base_model_tp_plan) x ZeRO-3 over
+#   the world/--tp data-parallel ranks;
+# fsdp2tp: torch's own composition as torchtitan builds it (fsdp2_step with tp > 1).
+COMPOSED = ("hf3h", "hf3tp", "fsdp2tp")
+
+
+def hybrid_shard(args: argparse.Namespace, world: int) -> int:
+    """hf3h's ``mics_shard_size``: ``--shard``, else half the GPUs (2 replicas x world/2), else on 2 GPUs all of
+    them (1 x 2: hybrid sharding's code path at flat ZeRO-3's layout, issue 31 item 5's first row)."""
+    if args.shard:
+        return args.shard
+    return world // 2 if world >= 4 else world
+
+
+def layout_of(name: str, args: argparse.Namespace, world: int) -> dict:
+    """``tp`` (ranks that share one batch), ``label`` (the row's printed name, the layout spelled out) and the
+    planner's ``GridShape`` degrees of an engine; every engine outside :data:`COMPOSED` is its name at tp 1."""
+    if name == "hf3h":
+        shard = hybrid_shard(args, world)
+        return {"tp": 1, "label": f"hf3h (replicate {world // shard} x shard {shard})",
+                "grid": {"dp_replicate": world // shard, "dp_shard": shard}}
+    if name in ("hf3tp", "fsdp2tp"):
+        return {"tp": args.tp, "label": f"{name} (tp {args.tp} x dp {world // args.tp})",
+                "grid": {"tp": args.tp, "dp_shard": world // args.tp}}
+    if name == "hf3":
+        return {"tp": 1, "label": name, "grid": {"dp_shard": world}}
+    return {"tp": 1, "label": name}
+
+
+def check_layouts(args: argparse.Namespace, world: int) -> None:
+    """One sentence, before any torchrun starts, for a --shard or --tp the world or the shape cannot take."""
+    names = args.engines.split(",")
+    if "hf3h" in names:
+        shard = hybrid_shard(args, world)
+        if shard < 1 or world % shard:
+            raise SystemExit(f"--shard {shard} does not divide the {world} GPUs; pass a divisor of --gpus")
+    if any(n in ("hf3tp", "fsdp2tp") for n in names):
+        heads, kv = SHAPES[args.model]["num_attention_heads"], SHAPES[args.model]["num_key_value_heads"]
+        if args.tp < 2 or world % args.tp or heads % args.tp or kv % args.tp:
+            raise SystemExit(f"--tp {args.tp} must be at least 2 and divide the {world} GPUs and the {args.model} shape's "
+                             f"{heads} heads and {kv} kv heads; pass such a --tp")
+
+
+def hf_engine_config(name: str, args: argparse.Namespace, world: int, offload: bool = False,
+                     param_section: dict | None = None) -> dict:
+    """An hf row's DeepSpeed-style config, as a user writes it: stage N from the name, buckets from the flags, and
+    for the composed rows the one key that makes the layout (``mics_shard_size`` / ``tensor_parallel``).
+
+    ``args.dtype`` (no flag; ``"bf16"`` unless set) ``"fp32"`` drops the bf16 section, for the CPU check in
+    tests/test_bench_layouts.py."""
+    stage = int(name[2])
+    zero = {**hf_zero_section(stage, args, name),
+            **({"offload_optimizer": {"device": "cpu", "pin_memory": True}} if offload else {}),
+            **(param_section or {})}
+    if name == "hf3h":
+        zero["mics_shard_size"] = hybrid_shard(args, world)
+    cfg = {
+        "train_micro_batch_size_per_gpu": args.micro,
+        "gradient_accumulation_steps": args.gas,
+        "gradient_clipping": 0.0,  # as the FSDP2 and DDP rows: no clipping (DeepSpeed's default would be 1.0)
+        **({"bf16": {"enabled": True}} if getattr(args, "dtype", "bf16") == "bf16" else {}),
+        "optimizer": {"type": "AdamW", "params": {"lr": getattr(args, "lr", 1e-5), "weight_decay": 0.0}},
+        "zero_optimization": zero,
+        **({"tensor_parallel": {"autotp_size": args.tp}} if name == "hf3tp" else {}),
+        "steps_per_print": 10**9,
+        "activation_checkpointing": {"checkpoint_blocks": bool(args.checkpoint_blocks)},
+        "wall_clock_breakdown": bool(args.breakdown),
+        **json.loads(args.hf_config),
+    }
+    return cfg
+
+
+#: torchtitan's plan for a Llama block (torchtitan/models/llama3/infra/parallelize.py, apply_tp), on the module
+#: names of transformers' LlamaDecoderLayer: q/k/v and gate/up split by output features (each rank computes its own
+#: heads / its slice of the MLP), o and down by input features (their outputs all-reduced over tp).
+LLAMA_TP_PLAN = {"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_attn.v_proj": "colwise",
+                 "self_attn.o_proj": "rowwise", "mlp.gate_proj": "colwise", "mlp.up_proj": "colwise",
+                 "mlp.down_proj": "rowwise"}
+
+
+def fsdp2_step(model: torch.nn.Module, args: argparse.Namespace, offload: bool = False,
+               tp: int = 1) -> tuple[Callable, int]:
+    """FSDP2 (``fully_shard`` per block, then at the root; bf16 parameters, fp32 reduction): ``(step, data_rank)``.
+
+    With ``tp`` > 1, tensor parallelism first, as torchtitan composes them: a 2-D DeviceMesh ``(dp, tp)`` (tp the
+    inner, contiguous ranks, as hf_zero's grid), ``parallelize_module`` with :data:`LLAMA_TP_PLAN` on every block
+    over the ``tp`` sub-mesh, then ``fully_shard`` over the ``dp`` sub-mesh. Unlike torchtitan, the embedding, the
+    norms and the head stay whole on each tp rank (no sequence parallelism, no loss parallelism): the same
+    split as hf_zero's AutoTP, so the rows compare like with like. transformers' Llama attention views q/k/v as
+    ``(..., -1, head_dim)`` and keeps ``num_key_value_groups`` (a ratio tp does not change), so the local shapes
+    work as they are; older versions kept ``num_heads``, ``num_key_value_heads`` and ``hidden_size`` on the module
+    for those reshapes, and those are divided by tp where present (as torchtitan divides its own ``n_heads``).
+
+    ``args.dtype`` ``"fp32"`` (no flag) keeps the parameters in fp32, for the CPU check; ``args.lr`` likewise."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    bf16 = getattr(args, "dtype", "bf16") == "bf16"
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32)
+    policy = CPUOffloadPolicy(pin_memory=True) if offload else OffloadPolicy()
+    device = next(model.parameters()).device
+    mesh, data_rank = None, dist.get_rank()  # mesh None: fully_shard's default, every rank (the plain fsdp2 row)
+    if tp > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        world = dist.get_world_size()
+        mesh2d = init_device_mesh(device.type, (world // tp, tp), mesh_dim_names=("dp", "tp"))
+        styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+        for layer in model.model.layers:
+            parallelize_module(layer, mesh2d["tp"], {k: styles[v]() for k, v in LLAMA_TP_PLAN.items()})
+            for attr in ("num_heads", "num_key_value_heads", "hidden_size"):
+                if isinstance(getattr(layer.self_attn, attr, None), int):
+                    setattr(layer.self_attn, attr, getattr(layer.self_attn, attr) // tp)
+        mesh, data_rank = mesh2d["dp"], mesh2d["dp"].get_local_rank()
+    for layer in model.model.layers:
+        if args.compile:  # as torchtitan does: compile each block, then shard it
+            layer.compile()
+        fully_shard(layer, mesh=mesh, mp_policy=mp, offload_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=policy)
+    opt = torch.optim.AdamW(model.parameters(), lr=getattr(args, "lr", 1e-5), weight_decay=0.0,
+                            fused=device.type == "cuda")
+
+    def step(ids: torch.Tensor) -> torch.Tensor:
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    return step, data_rank
+
+
+def planned_step(name: str, args: argparse.Namespace, world: int, device_name: str) -> dict:
+    """The planner's figures for an hf ZeRO-3 row's layout on one node of ``world`` GPUs (hf_zero/planner.py's
+    ``plan``: the engine's own units and collectives, ring bytes over NVLink at the H100/H200 default bandwidth,
+    nothing overlapped): communication seconds per step, the step if nothing overlapped (arithmetic at the
+    planner's 400 TFLOP/s + communication) and memory per GPU, to print beside the measured step and peak."""
+    from transformers import LlamaConfig
+
+    from hf_zero import planner
+    from hf_zero.parallel import GridShape
+
+    cfg = LlamaConfig(max_position_embeddings=args.seq, use_cache=False, **{"vocab_size": 32000, **SHAPES[args.model]})
+    facts = planner.model_facts(cfg, args.model)
+    gpu = planner.GPUS["h200" if "H200" in device_name.upper() else "h100"]
+    machines = planner.Machines(nodes=1, gpus_per_node=world, memory_gib=gpu["memory_gib"], intra_gbs=gpu["intra_gbs"],
+                                inter_gbs=gpu["inter_gbs"])
+    training = planner.Training(micro_batch=args.micro, seq=args.seq, zero_stage=3, grad_accum=args.gas,
+                                recompute="full" if args.checkpoint_blocks else "none", bucket_numel=args.bucket)
+    p = planner.plan(facts, GridShape(**layout_of(name, args, world)["grid"]), machines, training)
+    return {"comm_s": p.seconds, "compute_s": p.compute, "step_s": p.step, "tflops": machines.tflops,
+            "intra_gbs": machines.intra_gbs, "layout": planner.describe(p.shape, 3), "memory_gib": p.memory.total / 2**30}
 
 
 def run_trainer(name: str, args: argparse.Namespace, model: torch.nn.Module, fpt: float, nparams: int) -> dict:
@@ -173,25 +338,14 @@ def run_engine(name: str, args: argparse.Namespace) -> dict:
     offload = name.removesuffix("g") in ("hf1o", "hf2o", "hf3o", "ds2o", "ds3o", "fsdp2o", "hf3op", "ds3op")
     offload_param = name in ("hf3op", "ds3op")
     param_section = {"offload_param": {"device": "cpu", "pin_memory": True}} if offload_param else {}
+    data_rank = rank  # the batch stream this rank draws: the ranks of one tensor-parallel group draw the same
     if name.startswith("hf"):
         import hf_zero
 
-        stage = int(name[2])
-        cfg = {
-            "train_micro_batch_size_per_gpu": args.micro,
-            "gradient_accumulation_steps": args.gas,
-            "gradient_clipping": 0.0,  # as the FSDP2 and DDP rows: no clipping (DeepSpeed's default would be 1.0)
-            "bf16": {"enabled": True},
-            "optimizer": {"type": "AdamW", "params": {"lr": 1e-5, "weight_decay": 0.0}},
-            "zero_optimization": {**hf_zero_section(stage, args, name),
-                                  **({"offload_optimizer": {"device": "cpu", "pin_memory": True}} if offload else {}),
-                                  **param_section},
-            "steps_per_print": 10**9,
-            "activation_checkpointing": {"checkpoint_blocks": bool(args.checkpoint_blocks)},
-            "wall_clock_breakdown": bool(args.breakdown),
-            **json.loads(args.hf_config),
-        }
+        cfg = hf_engine_config(name, args, world, offload, param_section)
         engine, _, _, _ = hf_zero.initialize(model=model, config=cfg)
+        if name == "hf3tp":
+            data_rank = engine.tensor_parallel_groups.dp_rank
         if args.compile:
             engine.compile()  # inductor, block by block; the warm-up steps absorb the compilation
 
@@ -247,29 +401,13 @@ def run_engine(name: str, args: argparse.Namespace) -> dict:
             ds_engine.step()
             return loss
 
-    elif name in ("fsdp2", "fsdp2o"):
-        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        policy = CPUOffloadPolicy(pin_memory=True) if offload else OffloadPolicy()
-        for layer in model.model.layers:
-            if args.compile:  # as torchtitan does: compile each block, then shard it
-                layer.compile()
-            fully_shard(layer, mp_policy=mp, offload_policy=policy)
-        fully_shard(model, mp_policy=mp, offload_policy=policy)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.0, fused=True)
-
-        def step(ids: torch.Tensor) -> torch.Tensor:
-            loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            return loss
+    elif name in ("fsdp2", "fsdp2o", "fsdp2tp"):
+        step, data_rank = fsdp2_step(model, args, offload=offload, tp=args.tp if name == "fsdp2tp" else 1)
 
     else:
         raise SystemExit(f"unknown engine {name!r}")
 
-    g = torch.Generator(device="cuda").manual_seed(1234 + rank)
+    g = torch.Generator(device="cuda").manual_seed(1234 + data_rank)
     times = []
     losses = []
     for i in range(args.warmup + args.steps):
@@ -291,11 +429,13 @@ def run_engine(name: str, args: argparse.Namespace) -> dict:
     if name.startswith("hf") and args.breakdown:
         breakdown = engine.timers.means()  # noqa: F821 - the hf branch defines engine
     med = statistics.median(times)
-    tok = args.micro * args.seq * args.gas / med
+    # per GPU: a tensor-parallel group of tp GPUs works on one micro-batch stream
+    tok = args.micro * args.seq * args.gas / med / layout_of(name, args, world)["tp"]
     peak = torch.tensor(torch.cuda.max_memory_allocated() / 2**30, device="cuda")
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     out = {
-        "engine": name,
+        "engine": layout_of(name, args, world)["label"],
+        "step_s": med,
         "params": nparams,
         "tokens_per_s_per_gpu": tok,
         "mfu": tok * fpt / (PEAK_TFLOPS * 1e12),
@@ -555,6 +695,10 @@ def main() -> None:
     ap.add_argument("--breakdown", action="store_true",
                     help="hf_zero engines: wall_clock_breakdown on (forward, backward, step and the offloaded step's parts, "
                          "each span synchronised, so tokens/s drop a little); printed under the table")
+    ap.add_argument("--shard", type=int, default=0,
+                    help="hf3h: zero_optimization.mics_shard_size, the ranks one ZeRO-3 shard group spans "
+                         "(default: half the GPUs, replicated twice; on 2 GPUs both, 1 x 2)")
+    ap.add_argument("--tp", type=int, default=2, help="hf3tp and fsdp2tp: the tensor-parallel degree (dp = GPUs / tp)")
     ap.add_argument("--json", default="", help=argparse.SUPPRESS)
     args, _ = ap.parse_known_args()
     args.bucket = int(args.bucket)
@@ -569,6 +713,7 @@ def main() -> None:
         raise SystemExit(f"{', '.join(unused)} {'is' if len(unused) == 1 else 'are'} for the hf/ddp/fsdp2/ds engines, not pipeN; "
                          "run the pipeline engines without them")
     nproc = args.gpus or torch.cuda.device_count()
+    check_layouts(args, nproc)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.engines.split(","):
@@ -608,6 +753,13 @@ def main() -> None:
         if "breakdown_ms" in r:
             print(f"{r['engine']}: ms per call (mean over warm-up and timed steps): "
                   + ", ".join(f"{k} {v:.1f}" for k, v in r["breakdown_ms"].items()))
+        plain = r["engine"].split(" ")[0]
+        if any(e in COMPOSED for e in args.engines.split(",")) and plain in ("hf3", "hf3h", "hf3tp") and "step_s" in r:
+            pl = planned_step(plain, args, nproc, torch.cuda.get_device_name())
+            print(f"{r['engine']}: measured step {r['step_s']:.3f} s; planner ({pl['layout']}): communication "
+                  f"{pl['comm_s']:.3f} s, arithmetic at {pl['tflops']:.0f} TFLOP/s {pl['compute_s']:.3f} s, "
+                  f"step with nothing overlapped {pl['step_s']:.3f} s (links at {pl['intra_gbs']:.0f} GB/s); "
+                  f"memory {pl['memory_gib']:.1f} GiB per GPU against the measured peak {r['peak_gib']:.1f}")
         if "build_peak_gib" in r:
             print(f"{r['engine']}: built under zero.Init with a peak of {r['build_peak_gib']:.2f} GiB per GPU "
                   f"(the whole model in fp32 is {r['full_model_gib']:.2f} GiB)")
