@@ -726,6 +726,9 @@ def main() -> None:
                 continue
             with open(path) as f:
                 rows.append(json.load(f))
+            # each row as soon as its engine is done: a call cut short by a timeout keeps the rows it finished
+            print(f"row {name}: {rows[-1]['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU, peak {rows[-1]['peak_gib']:.1f} GiB",
+                  flush=True)
     if not rows:
         raise SystemExit(1)
     print(f"\nmodel {args.model} ({rows[0]['params'] / 1e9:.2f}B params), {nproc} GPUs, micro-batch {args.micro}, seq {args.seq}, "
