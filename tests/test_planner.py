@@ -2,7 +2,8 @@
 
 One spawn of 4 gloo ranks runs hf_zero's engine on a transformers Llama (built from a config) for two steps per
 case: ZeRO 0, 1, 2 and 3 over all 4 ranks, stage 2 and 3 with two micro-steps per step, and tensor parallelism 2
-x ZeRO-1 over 2. Inside the ranks every torch.distributed collective the engine calls is wrapped and recorded
+x ZeRO-1 and x ZeRO-3 over 2; a spawn of 8 runs flat ZeRO-3, hybrid sharding 2 x 4 at stages 2 and 3, and tp 2 x
+ZeRO-3 over 4. Inside the ranks every torch.distributed collective the engine calls is wrapped and recorded
 (operation, group, phase of the step, numel x element size); the second step is compared with what
 :func:`hf_zero.planner.plan` says for the same model, layout and step:
 
@@ -29,9 +30,14 @@ SEQ, MICRO = 8, 2
 LLAMA = {"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
          "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 16, "tie_word_embeddings": False}
 THRESHOLD = 40  # stage3_param_persistence_threshold: the 32-element norms stay whole, every matrix is sharded
-# (name, zero stage, micro-steps per step, tensor-parallel degree)
-CASES = [("zero0", 0, 1, 1), ("zero1", 1, 1, 1), ("zero2", 2, 1, 1), ("zero3", 3, 1, 1),
-         ("zero2 accum 2", 2, 2, 1), ("zero3 accum 2", 3, 2, 1), ("tp2 x zero1", 1, 1, 2)]
+# (name, zero stage, micro-steps per step, tensor-parallel degree, hybrid shard size or 0 for flat)
+CASES = [("zero0", 0, 1, 1, 0), ("zero1", 1, 1, 1, 0), ("zero2", 2, 1, 1, 0), ("zero3", 3, 1, 1, 0),
+         ("zero2 accum 2", 2, 2, 1, 0), ("zero3 accum 2", 3, 2, 1, 0), ("tp2 x zero1", 1, 1, 2, 0),
+         ("tp2 x zero3", 3, 1, 2, 0)]
+# world 8: flat ZeRO-3 over 8, hybrid sharding (2 replicas of shard groups of 4) at stages 2 and 3, tp 2 x ZeRO-3 dp 4
+WORLD8 = 8
+CASES8 = [("zero3", 3, 1, 1, 0), ("hybrid 2x4 zero3", 3, 1, 1, 4), ("hybrid 2x4 zero2 accum 2", 2, 2, 1, 4),
+          ("tp2 x zero3", 3, 1, 2, 0)]
 
 
 def _count(rank: int, world: int, cases: list) -> list:
@@ -64,7 +70,7 @@ def _count(rank: int, world: int, cases: list) -> list:
     dist.reduce_scatter_tensor = wrap("reduce_scatter", dist.reduce_scatter_tensor, lambda a, k: a[1])
 
     out = []
-    for name, stage, accum, tp in cases:
+    for name, stage, accum, tp, shard in cases:
         torch.manual_seed(0)
         values = dict(LLAMA)
         model = LlamaForCausalLM(AutoConfig.for_model(values.pop("model_type"), **values))
@@ -73,6 +79,8 @@ def _count(rank: int, world: int, cases: list) -> list:
                   "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": THRESHOLD}}
         if tp > 1:
             config["tensor_parallel"] = {"autotp_size": tp}
+        if shard:
+            config["zero_optimization"]["mics_shard_size"] = shard
         engine, _, _, _ = hf_zero.initialize(model=model, config=config)
         g = torch.Generator().manual_seed(rank // tp)  # the ranks of a tensor-parallel group share their batches
         for _ in range(2):  # the second step is counted: the first has its one-off checks
@@ -92,7 +100,7 @@ def _count(rank: int, world: int, cases: list) -> list:
     return out
 
 
-def _kind(entry: dict, rank: int, tp: int) -> str:
+def _kind(entry: dict, rank: int, tp: int, hybrid: bool) -> str:
     """The planner's name for a counted collective."""
     op, phase = entry["op"], entry["phase"]
     if op == "reduce_scatter":
@@ -106,13 +114,18 @@ def _kind(entry: dict, rank: int, tp: int) -> str:
         first = rank - rank % tp
         if tp > 1 and entry["ranks"] == list(range(first, first + tp)):
             return f"tp all-reduce ({phase})"
-        return "grad all-reduce"
+        return "grad all-reduce across replicas" if hybrid else "grad all-reduce"
     return f"unexpected {op}"
 
 
 @pytest.fixture(scope="module")
 def counted() -> list:
     return spawn(_count, WORLD, [list(c) for c in CASES])
+
+
+@pytest.fixture(scope="module")
+def counted8() -> list:
+    return spawn(_count, WORLD8, [list(c) for c in CASES8])
 
 
 def _facts():  # noqa: ANN202
@@ -124,23 +137,23 @@ def _facts():  # noqa: ANN202
     return planner.model_facts(AutoConfig.for_model(values.pop("model_type"), **values), "tiny llama")
 
 
-def test_planned_bytes_equal_counted_collectives(counted: list) -> None:
+def _check_counts(counted: list, world: int, cases: list) -> None:
     from hf_zero import planner
     from hf_zero.parallel import GridShape
 
     facts = _facts()
-    machines = planner.Machines(nodes=1, gpus_per_node=WORLD)
+    machines = planner.Machines(nodes=1, gpus_per_node=world)
     for rank, per_rank in enumerate(counted):
-        for (name, stage, accum, tp), case in zip(CASES, per_rank):
+        for (name, stage, accum, tp, shard), case in zip(cases, per_rank):
             assert case["name"] == name
-            shape = GridShape.fill(WORLD, tp=tp)
+            shape = GridShape.fill(world, tp=tp, dp_replicate=world // tp // shard if shard else 1)
             training = planner.Training(micro_batch=MICRO, seq=SEQ, zero_stage=stage, grad_accum=accum, dtype="bf16",
                                         optimizer="adamw", recompute="none", persistence_threshold=THRESHOLD)
             p = planner.plan(facts, shape, machines, training)
             planned = {t.kind: t for t in p.traffic}
             got: dict[str, list[dict]] = {}
             for entry in case["log"]:
-                got.setdefault(_kind(entry, rank, tp), []).append(entry)
+                got.setdefault(_kind(entry, rank, tp, shape.dp_replicate > 1), []).append(entry)
             assert set(got) == set(planned), (name, sorted(got), sorted(planned))
             for kind, entries in got.items():
                 want = planned[kind]
@@ -157,6 +170,15 @@ def test_planned_bytes_equal_counted_collectives(counted: list) -> None:
             slack = case["buffers"] * (shape.size("dp_shard") - 1) * 4 * 5
             for key, want_bytes in (("params", mem.weights), ("grads", mem.grads), ("optim", mem.optim)):
                 assert abs(held[key] - want_bytes) <= slack, (name, key, held[key], want_bytes, mem.formula)
+
+
+def test_planned_bytes_equal_counted_collectives(counted: list) -> None:
+    _check_counts(counted, WORLD, CASES)
+
+
+def test_planned_bytes_equal_counted_collectives_at_world_8(counted8: list) -> None:
+    """Flat and hybrid sharding and tp x ZeRO-3 at 8 ranks: the hybrid replicas' all-reduce is counted too."""
+    _check_counts(counted8, WORLD8, CASES8)
 
 
 def test_zero3_counts_are_the_units_the_engine_gathers(counted: list) -> None:
