@@ -160,7 +160,10 @@ def load(
         hypers, sched_state, refused = _optimizer_problems(state, meta, path, load_optimizer_states)
         problems += refused
     reader = CheckpointReader(path, int(meta["world_size"]))
-    names = sorted(dict(state.module.named_parameters())) if lay.pipe_stage is not None and lay.dp_rank == 0 else None
+    # a pipeline stage's stored names (a tensor-parallel slice: every rank's of its group), pooled to find what no
+    # stage holds
+    names = (sorted({m for n, p in state.module.named_parameters() for m in stored_names(n, p)})
+             if lay.pipe_stage is not None and lay.dp_rank == 0 else None)
     # JSON in tensors: loading a checkpoint never unpickles
     errors, held = gather_findings(problems + reader.damaged(lay.rank, lay.world), names, lay.group)
     if lay.pipe_stage is not None and not errors:
