@@ -125,7 +125,7 @@ def _matrix(rank: int, world: int, layouts: list, folder: str | None = None) -> 
     out = {f"{name}, ZeRO-{stage}, {kind}": _run(kind, extra, stage, gas) for name, extra, cases, gas in layouts
            for stage, kind in cases}
     if folder is not None:
-        out["checkpoint"] = _tp_pipeline_checkpoint(rank, folder)
+        out["checkpoint"] = _checkpoints(rank, folder)
     return out
 
 
@@ -169,33 +169,45 @@ def _all_weights(engine) -> dict:  # noqa: ANN001
     return {n: w for part in held for n, w in part.items()}
 
 
-def _tp_pipeline_checkpoint(rank: int, folder: str) -> dict:
-    """tp 2 x pp 2 saves a resume checkpoint after a step; the next step resumed at tp 2 x pp 2 and at tp 2 x dp 2
-    (no pipeline: the same 2 micro-batches as 1 per data-parallel rank) equals the uninterrupted one, and
-    save_pretrained writes whole weights that from_pretrained loads."""
-    data = _data(2 * MICRO)
-    engine = _engine(2, 2, 2)
-    _step(engine, data, 0, 2)
-    engine.save_checkpoint(f"{folder}/resume")
-    loss = _step(engine, data, 1, 2)
-    engine.save_pretrained(f"{folder}/whole")
-    want = _all_weights(engine)
-    engine.destroy()
-    out = {}
-    for name, (tp, pp, gas) in {"tp 2 x pp 2": (2, 2, 2), "tp 2 x dp 2": (2, 1, 1)}.items():
-        again = _engine(tp, pp, gas)
-        again.load_checkpoint(f"{folder}/resume")
-        got_loss = _step(again, data, 1, gas)
-        got = _all_weights(again)
-        again.destroy()
-        out[name] = {"loss_err": abs(got_loss - loss) / loss, "names": sorted(got) == sorted(want),
-                     "w_err": max(float((got[n] - w).norm() / w.norm()) for n, w in want.items() if n in got)}
-    if rank == 0:
-        from transformers import AutoModelForCausalLM
+# (tp, pp, gradient accumulation) of a layout at world 4; the layouts of one checkpoint share their global batch
+CHECKPOINTS = {
+    "tp 2 x pp 2": ((2, 2, 2), {"tp 2 x pp 2": (2, 2, 2), "tp 2 x dp 2": (2, 1, 1), "pp 2 x dp 2": (1, 2, 1)}),
+    "tp 2 x dp 2": ((2, 1, 2), {"dp 4": (1, 1, 1)}),
+    "dp 4": ((1, 1, 1), {"tp 2 x dp 2": (2, 1, 2)}),
+}
 
-        loaded = dict(AutoModelForCausalLM.from_pretrained(f"{folder}/whole").named_parameters())
-        out["save_pretrained"] = {"names": sorted(loaded) == sorted(want),
-                                  "w_err": max(float((loaded[n] - w).norm() / w.norm()) for n, w in want.items())}
+
+def _checkpoints(rank: int, folder: str) -> dict:
+    """Each layout of :data:`CHECKPOINTS` saves a resume checkpoint after a step; the next step resumed at each of its
+    layouts (the same one; another tensor-parallel degree, with or without a pipeline) equals the uninterrupted one,
+    and save_pretrained writes whole weights that from_pretrained loads."""
+    data = _data(4 * MICRO)
+    out: dict = {}
+    for saved, ((tp, pp, gas), resumed) in CHECKPOINTS.items():
+        where = f"{folder}/{saved.replace(' ', '')}"
+        engine = _engine(tp, pp, gas)
+        _step(engine, data, 0, gas)
+        engine.save_checkpoint(f"{where}/resume")
+        loss = _step(engine, data, 1, gas)
+        engine.save_pretrained(f"{where}/whole")
+        want = _all_weights(engine)
+        engine.destroy()
+        for name, (tp2, pp2, gas2) in resumed.items():
+            again = _engine(tp2, pp2, gas2)
+            again.load_checkpoint(f"{where}/resume")
+            got_loss = _step(again, data, 1, gas2)
+            got = _all_weights(again)
+            again.destroy()
+            out[f"{saved} -> {name}"] = {
+                "loss_err": abs(got_loss - loss) / loss, "names": sorted(got) == sorted(want),
+                "w_err": max(float((got[n] - w).norm() / w.norm()) for n, w in want.items() if n in got)}
+        if rank == 0:
+            from transformers import AutoModelForCausalLM
+
+            loaded = dict(AutoModelForCausalLM.from_pretrained(f"{where}/whole").named_parameters())
+            out[f"{saved} save_pretrained"] = {
+                "names": sorted(loaded) == sorted(want),
+                "w_err": max(float((loaded[n] - w).norm() / w.norm()) for n, w in want.items())}
     return out
 
 
@@ -204,7 +216,8 @@ def _check(results: dict, layouts: list) -> None:
     results = dict(results)
     checkpoint = results.pop("checkpoint", None)
     for case, r in (checkpoint or {}).items():  # the same layout and the fp32 weights bit for bit, another layout 1e-6
-        tol = 1e-6 if case == "tp 2 x dp 2" else 0.0
+        same = case.endswith("save_pretrained") or case.split(" -> ")[0] == case.split(" -> ")[-1]
+        tol = 0.0 if same else 1e-6
         assert r["names"] and r["w_err"] <= tol and r.get("loss_err", 0.0) <= tol, (case, r)
     assert set(results) == expected
     for case, r in results.items():
@@ -219,9 +232,10 @@ def _check(results: dict, layouts: list) -> None:
 
 def test_two_axis_layouts_on_four_ranks_equal_one_process(tmp_path) -> None:  # noqa: ANN001
     per_rank = spawn(_matrix, 4, LAYOUTS_4, str(tmp_path))
-    assert "save_pretrained" in per_rank[0]["checkpoint"]
+    resumed = {f"{saved} -> {name}" for saved, (_, layouts) in CHECKPOINTS.items() for name in layouts}
+    assert set(per_rank[0]["checkpoint"]) == resumed | {f"{saved} save_pretrained" for saved in CHECKPOINTS}
     for results in per_rank:
-        assert set(results["checkpoint"]) >= {"tp 2 x pp 2", "tp 2 x dp 2"}
+        assert resumed <= set(results["checkpoint"])
         _check(results, LAYOUTS_4)
 
 
