@@ -179,8 +179,8 @@ CHECKPOINTS = {
 
 def _checkpoints(rank: int, folder: str) -> dict:
     """Each layout of :data:`CHECKPOINTS` saves a resume checkpoint after a step; the next step resumed at each of its
-    layouts (the same one; another tensor-parallel degree, with or without a pipeline) equals the uninterrupted one,
-    and save_pretrained writes whole weights that from_pretrained loads."""
+    layouts (the same one; another tensor-parallel degree, with or without a pipeline) equals the uninterrupted one;
+    save_pretrained and offline consolidation (hf-zero consolidate) write whole weights that from_pretrained loads."""
     data = _data(4 * MICRO)
     out: dict = {}
     for saved, ((tp, pp, gas), resumed) in CHECKPOINTS.items():
@@ -188,6 +188,7 @@ def _checkpoints(rank: int, folder: str) -> dict:
         engine = _engine(tp, pp, gas)
         _step(engine, data, 0, gas)
         engine.save_checkpoint(f"{where}/resume")
+        at_save = _all_weights(engine)
         loss = _step(engine, data, 1, gas)
         engine.save_pretrained(f"{where}/whole")
         want = _all_weights(engine)
@@ -204,10 +205,14 @@ def _checkpoints(rank: int, folder: str) -> dict:
         if rank == 0:
             from transformers import AutoModelForCausalLM
 
-            loaded = dict(AutoModelForCausalLM.from_pretrained(f"{where}/whole").named_parameters())
-            out[f"{saved} save_pretrained"] = {
-                "names": sorted(loaded) == sorted(want),
-                "w_err": max(float((loaded[n] - w).norm() / w.norm()) for n, w in want.items())}
+            from hf_zero.checkpoint.consolidated import consolidate
+
+            consolidate(f"{where}/resume", f"{where}/offline", progress=False)  # hf-zero consolidate
+            for what, folder_of, weights in (("save_pretrained", "whole", want), ("consolidate", "offline", at_save)):
+                loaded = dict(AutoModelForCausalLM.from_pretrained(f"{where}/{folder_of}").named_parameters())
+                out[f"{saved} {what}"] = {
+                    "names": sorted(loaded) == sorted(weights),
+                    "w_err": max(float((loaded[n] - w).norm() / w.norm()) for n, w in weights.items())}
     return out
 
 
@@ -216,7 +221,7 @@ def _check(results: dict, layouts: list) -> None:
     results = dict(results)
     checkpoint = results.pop("checkpoint", None)
     for case, r in (checkpoint or {}).items():  # the same layout and the fp32 weights bit for bit, another layout 1e-6
-        same = case.endswith("save_pretrained") or case.split(" -> ")[0] == case.split(" -> ")[-1]
+        same = case.endswith(("save_pretrained", "consolidate")) or case.split(" -> ")[0] == case.split(" -> ")[-1]
         tol = 0.0 if same else 1e-6
         assert r["names"] and r["w_err"] <= tol and r.get("loss_err", 0.0) <= tol, (case, r)
     assert set(results) == expected
@@ -233,7 +238,8 @@ def _check(results: dict, layouts: list) -> None:
 def test_two_axis_layouts_on_four_ranks_equal_one_process(tmp_path) -> None:  # noqa: ANN001
     per_rank = spawn(_matrix, 4, LAYOUTS_4, str(tmp_path))
     resumed = {f"{saved} -> {name}" for saved, (_, layouts) in CHECKPOINTS.items() for name in layouts}
-    assert set(per_rank[0]["checkpoint"]) == resumed | {f"{saved} save_pretrained" for saved in CHECKPOINTS}
+    assert set(per_rank[0]["checkpoint"]) == resumed | {f"{saved} {how}" for saved in CHECKPOINTS
+                                                         for how in ("save_pretrained", "consolidate")}
     for results in per_rank:
         assert resumed <= set(results["checkpoint"])
         _check(results, LAYOUTS_4)
