@@ -129,12 +129,13 @@ def _matrix(rank: int, world: int, layouts: list, folder: str | None = None) -> 
     return out
 
 
-def _engine(tp: int, pp: int, gas: int):  # noqa: ANN202 - a ZeroEngine or PipelineEngine
+def _engine(tp: int, pp: int, gas: int, zero: int):  # noqa: ANN202 - a ZeroEngine or PipelineEngine
     import hf_zero
     from hf_zero.pipe import split_causal_lm
 
     cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": gas, "gradient_clipping": CLIP,
-           "zero_optimization": {"stage": 1, "reduce_bucket_size": 2000}, "steps_per_print": 1000,
+           "zero_optimization": {"stage": zero, "reduce_bucket_size": 2000, "stage3_param_persistence_threshold": 64},
+           "steps_per_print": 1000,
            "tensor_parallel": {"autotp_size": tp}}
     model = split_causal_lm(_model("llama"), pp) if pp > 1 else _model("llama")
     return hf_zero.initialize(model=model, config=cfg, optimizer=lambda ps: torch.optim.AdamW(ps, lr=LR, eps=EPS))[0]
@@ -169,23 +170,25 @@ def _all_weights(engine) -> dict:  # noqa: ANN001
     return {n: w for part in held for n, w in part.items()}
 
 
-# (tp, pp, gradient accumulation) of a layout at world 4; the layouts of one checkpoint share their global batch
+# (tp, pp, gradient accumulation, ZeRO stage) of a layout at world 4; the layouts of one checkpoint share their
+# global batch
 CHECKPOINTS = {
-    "tp 2 x pp 2": ((2, 2, 2), {"tp 2 x pp 2": (2, 2, 2), "tp 2 x dp 2": (2, 1, 1), "pp 2 x dp 2": (1, 2, 1)}),
-    "tp 2 x dp 2": ((2, 1, 2), {"dp 4": (1, 1, 1)}),
-    "dp 4": ((1, 1, 1), {"tp 2 x dp 2": (2, 1, 2)}),
+    "tp 2 x pp 2": ((2, 2, 2, 1), {"tp 2 x pp 2": (2, 2, 2, 1), "tp 2 x dp 2": (2, 1, 1, 2), "pp 2 x dp 2": (1, 2, 1, 1)}),
+    "tp 2 x dp 2": ((2, 1, 2, 3), {"dp 4": (1, 1, 1, 2)}),
+    "dp 4": ((1, 1, 1, 1), {"tp 2 x dp 2": (2, 1, 2, 3)}),
 }
 
 
 def _checkpoints(rank: int, folder: str) -> dict:
     """Each layout of :data:`CHECKPOINTS` saves a resume checkpoint after a step; the next step resumed at each of its
-    layouts (the same one; another tensor-parallel degree, with or without a pipeline) equals the uninterrupted one;
+    layouts (the same one; another tensor-parallel degree, with or without a pipeline, at another ZeRO stage: tp 2 x
+    ZeRO-3 dp 2 to and from dp 4) equals the uninterrupted one;
     save_pretrained and offline consolidation (hf-zero consolidate) write whole weights that from_pretrained loads."""
     data = _data(4 * MICRO)
     out: dict = {}
-    for saved, ((tp, pp, gas), resumed) in CHECKPOINTS.items():
+    for saved, ((tp, pp, gas, zero), resumed) in CHECKPOINTS.items():
         where = f"{folder}/{saved.replace(' ', '')}"
-        engine = _engine(tp, pp, gas)
+        engine = _engine(tp, pp, gas, zero)
         _step(engine, data, 0, gas)
         engine.save_checkpoint(f"{where}/resume")
         at_save = _all_weights(engine)
@@ -193,8 +196,8 @@ def _checkpoints(rank: int, folder: str) -> dict:
         engine.save_pretrained(f"{where}/whole")
         want = _all_weights(engine)
         engine.destroy()
-        for name, (tp2, pp2, gas2) in resumed.items():
-            again = _engine(tp2, pp2, gas2)
+        for name, (tp2, pp2, gas2, zero2) in resumed.items():
+            again = _engine(tp2, pp2, gas2, zero2)
             again.load_checkpoint(f"{where}/resume")
             got_loss = _step(again, data, 1, gas2)
             got = _all_weights(again)
