@@ -221,19 +221,21 @@ def initialize(
     cfg = ZeroConfig.load(_config_from(args, config, config_params))
     hz_dist.init_distributed(distributed_port=distributed_port)
     pipeline = isinstance(model, PipelineModule)
-    if pipeline and cfg.tensor_parallel_size > 1:
-        raise UsageError("tensor_parallel.autotp_size cannot be combined with a PipelineModule yet; train the model "
-                         "unsplit (a plain transformers model) or set autotp_size to 1")
-    # The one grid of the run: a PipelineModule cut it when it was built (its stage had to be known then).
-    # Hybrid sharding (mics_shard_size) is its dp_replicate axis; what it does not compose with is refused here.
+    # The one grid of the run. A PipelineModule cut its pp axis when it was built (its stage had to be known then);
+    # the config cuts each stage's ranks further (tensor parallelism, hybrid sharding) and the module adopts that.
+    # Hybrid sharding (mics_shard_size) is the dp_replicate axis; what it does not compose with is refused here.
     world = dist.get_world_size()
+    pp = model.grid.size("pp") if pipeline else 1
+    # sequence parallelism with a pipeline is refused (setup_sequence_parallel's sentence) before any grid is cut
+    sp = setup_sequence_parallel(model, cfg, model.grid, True) if pipeline else None
     replicas = replicas_for(world, cfg.zero_optimization.mics_shard_size, zero_stage=cfg.zero_optimization.stage,
-                            pp=model.grid.size("pp") if pipeline else 1, sp=cfg.sequence_parallel_size,
-                            tp=cfg.tensor_parallel_size)
-    grid = model.grid if pipeline else grid_for(
-        GridShape.fill(world, sp=cfg.sequence_parallel_size, tp=cfg.tensor_parallel_size, dp_replicate=replicas),
-        hz_dist.get_device().type)
-    sp = setup_sequence_parallel(model, cfg, grid, pipeline)  # None unless sequence_parallel_size > 1
+                            pp=pp, sp=cfg.sequence_parallel_size, tp=cfg.tensor_parallel_size)
+    shape = GridShape.fill(world, pp=pp, sp=cfg.sequence_parallel_size, tp=cfg.tensor_parallel_size, dp_replicate=replicas)
+    grid = grid_for(shape, hz_dist.get_device().type)
+    if pipeline and grid is not model.grid:
+        model.adopt_grid(grid)
+    if not pipeline:
+        sp = setup_sequence_parallel(model, cfg, grid, False)  # None unless sequence_parallel_size > 1
     setup_tensor_parallel(model, cfg, grid, hz_dist.get_device())  # splits the model when autotp_size > 1
     _resolve_batch_sizes_on_every_rank(cfg, grid.dp_size)
 

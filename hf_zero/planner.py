@@ -237,21 +237,19 @@ def model_facts(config: Any, name: str = "") -> ModelFacts:
 def refusal(shape: GridShape, zero_stage: int) -> str | None:
     """Why hf_zero cannot run this layout today (one sentence, the engine's own refusal), or None.
 
-    Mirrors the refusals of hf_zero/config/parse.py (tensor parallelism with a pipeline), hf_zero/pipe/engine.py (a pipeline with ZeRO-3) and hf_zero/sequence/setup.py (sequence
-    parallelism with a pipeline); tests/test_planner.py checks the config ones against the parser. Hybrid sharding
-    (``dp_replicate``) is taken as runnable at ZeRO 1-3 alone (issue 31 item 1), not yet with another axis.
+    Mirrors the refusals of hf_zero/pipe/engine.py (a pipeline with ZeRO-3), hf_zero/sequence/setup.py (sequence
+    parallelism with a pipeline) and hf_zero/parallel/grid.py (hybrid sharding with tp or sp); tests/test_planner.py
+    checks them against the parser and the grid. Tensor parallelism and hybrid sharding run inside a pipeline's stages.
     """
     tp, pp, sp, rep = shape.tp, shape.pp, shape.sp, shape.dp_replicate
-    if tp > 1 and pp > 1:
-        return "tp x pp is refused"
     if pp > 1 and zero_stage == 3:
         return "pp x ZeRO-3 is refused"
     if pp > 1 and sp > 1:
         return "pp x sp is refused"
     if rep > 1 and zero_stage == 0:
         return "hybrid sharding needs ZeRO 1-3"
-    if rep > 1 and (tp > 1 or pp > 1 or sp > 1):
-        return "hybrid sharding with tp, pp or sp is not built yet"
+    if rep > 1 and (tp > 1 or sp > 1):
+        return "hybrid sharding with tp or sp is not built yet"
     return None
 
 

@@ -35,7 +35,7 @@ from hf_zero import peft_model as hz_peft
 from hf_zero.errors import ConfigError, UsageError
 from hf_zero.module_setup import broadcast_module, move_to_device
 from hf_zero.parallel import GridShape, ParallelGrid, grid_for
-from hf_zero.parallel.grid import device_type_of_default_group
+from hf_zero.parallel.grid import AXES, device_type_of_default_group
 from hf_zero.tp_split import TPSplit, mark
 from hf_zero.zero.preshard import is_presharded
 
@@ -46,8 +46,9 @@ SPLIT_STYLES = {"colwise": 0, "local_colwise": 0, "rowwise": 1, "local_rowwise":
 
 @dataclass(frozen=True)
 class TensorParallelGroups:
-    """This rank's place in the ``dp x tp`` grid; ``parent`` is the group the grid was cut from (None: the world).
-    ``dp_group`` (what ZeRO shards over) is a group even when it holds this rank alone."""
+    """This rank's place in the ``dp x tp`` grid; ``parent`` is the group of the ranks holding the same layers, which
+    the split starts from (None: the world; under a pipeline, the stage's ranks). ``dp_group`` (what ZeRO shards
+    over) is a group even when it holds this rank alone."""
 
     tp_size: int
     tp_rank: int
@@ -70,9 +71,11 @@ def view_of(grid: ParallelGrid) -> TensorParallelGroups | None:
     if tp == 1:
         return None
     tp_group = grid.group("tp")
+    # the ranks holding the same layers: the world, or under a pipeline this rank's stage (every axis but pp)
+    parent = grid.group(*(a for a in AXES if a != "pp"))
     return TensorParallelGroups(tp_size=tp, tp_rank=grid.rank("tp"), tp_group=dist.group.WORLD if tp_group is None else tp_group,
                                 dp_size=grid.zero_size, dp_rank=grid.zero_rank, dp_group=grid.zero_group or dist.group.WORLD,
-                                parent=None, tp_ranks=grid.ranks("tp"))
+                                parent=parent, tp_ranks=grid.ranks("tp"))
 
 
 def make_groups(tp_size: int, group: dist.ProcessGroup | None = None) -> TensorParallelGroups:
@@ -158,8 +161,11 @@ def _plan_of(model: torch.nn.Module, tp: int) -> tuple[torch.nn.Module, dict[str
                          "autotp_size 1 (ZeRO alone)")
     if any(is_presharded(p) for p in model.parameters()):
         raise UsageError(f"{what} a model built under zero.Init cannot be split yet; build it without zero.Init")
-    base = getattr(model, "base_model", model)
     config = getattr(model, "config", None)
+    base = getattr(model, "base_model", None)
+    if base is None:  # a pipeline stage of a transformers model (split_causal_lm) names its base model's path
+        prefix = getattr(model, "base_model_prefix", None)
+        base = model._modules.get(prefix, torch.nn.Module()) if isinstance(prefix, str) else model
     plan = dict(getattr(config, "base_model_tp_plan", None) or {})
     if not plan:
         raise UsageError(f"{what} {type(model).__name__} has no tensor-parallel plan (config.base_model_tp_plan), which "

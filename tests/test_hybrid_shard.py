@@ -354,7 +354,6 @@ def test_refusals_are_one_sentence_on_every_rank(runs: tuple) -> None:
 
 
 @pytest.mark.parametrize("kwargs, sentence", [
-    (dict(pp=2), "zero_optimization.mics_shard_size 2 (hybrid sharding) cannot be combined with a pipeline yet"),
     (dict(tp=2), "cannot be combined with tensor parallelism (tensor_parallel.autotp_size) yet"),
     (dict(sp=2), "cannot be combined with sequence parallelism (sequence_parallel_size) yet"),
 ])
@@ -362,6 +361,7 @@ def test_what_hybrid_sharding_does_not_compose_with_is_refused(kwargs: dict, sen
     with pytest.raises(ConfigError, match=sentence.replace("(", r"\(").replace(")", r"\)")):
         replicas_for(8, 2, zero_stage=3, **kwargs)
     assert replicas_for(8, 2, zero_stage=3) == 4 and replicas_for(8, 8, zero_stage=0) == 1
+    assert replicas_for(8, 2, zero_stage=2, pp=2) == 2  # inside each pipeline stage (tests/test_grid_parity.py)
     assert replicas_for(8, -1, zero_stage=0) == 1 and replicas_for(8, 1, zero_stage=1) == 8
 
 

@@ -6,8 +6,9 @@ weights of one process running plain torch AdamW on the same samples (fp32, rel.
 spawn checks the engine's own loader (the ranks of a tp group draw the same batch), a resume
 checkpoint saved at tp 2 and resumed at tp 2 at another stage, ``save_pretrained`` and offline
 ``hf-zero consolidate`` (whole weights that ``from_pretrained`` loads), and the sentences for what
-cannot run: a checkpoint resumed at another tensor-parallel degree, a model without a plan, head
-counts the degree does not divide, and ranks of one group fed different batches.
+cannot run: a model without a plan, head counts the degree does not divide, and ranks of one group fed
+different batches (a checkpoint resumed at another tensor-parallel degree loads: tests/test_grid_parity.py has its
+numbers).
 """
 
 from __future__ import annotations
@@ -288,7 +289,7 @@ def test_tp2_on_two_ranks_equals_one_process() -> None:
         assert res["resume_loss_err"] < 1e-5 and res["resume_w_err"] < 1e-5, res
         assert res["saved_err"] < 1e-5 and res["offline_err"] < 1e-5, res
         said = per_rank[len(CASES_2) + 1]
-        assert "saved with tensor-parallel degree 2 and this run has 1" in said["other_degree"], said
+        assert said["other_degree"] is None, said  # the tp 2 checkpoint loads at tp 1 (re-cut from its slices)
         assert "has no tensor-parallel plan" in said["no_plan"], said
         assert "num_key_value_heads is 1, which 2 does not divide" in said["heads"], said
         assert "got different batches" in said["batches"], said

@@ -204,6 +204,9 @@ class CheckpointReader:
         self.rank_meta: list[dict] = []
         self.digests: dict[str, str] = {}
         self.buffers: dict[str, tuple[int, str]] = {}  # name -> (rank, key): rank 0 or, in a pipeline, its stage's
+        # (kind, name) -> a value made from other stored names (another tensor-parallel split: checkpoint/tp_reshard.py)
+        self.derived: dict[tuple[str, str], Any] = {}
+        self._last: tuple[tuple[str, str], torch.Tensor] | None = None
         for r in range(world):
             self._add_rank(r)
         self.files0 = self.rank_meta[0]["files"]
@@ -254,6 +257,12 @@ class CheckpointReader:
 
     def read(self, kind: str, name: str, lo: int, hi: int, out: torch.Tensor) -> None:
         """Fill ``out`` (``hi - lo`` elements) with elements ``[lo, hi)`` of ``name``'s ``kind`` tensor."""
+        if (kind, name) in self.derived:  # made whole once, while its ranges are read
+            if self._last is None or self._last[0] != (kind, name):
+                self._last = None
+                self._last = ((kind, name), self.derived[(kind, name)].value())
+            out.copy_(self._last[1][lo:hi])
+            return
         pieces = self.index.get((kind, name))
         if not pieces:
             raise CheckpointError(f"{self.path} has no '{kind}' values for parameter '{name}'")

@@ -1,4 +1,4 @@
-"""Loading a resume checkpoint at any world size, ZeRO stage or pipeline layout.
+"""Loading a resume checkpoint at any world size, ZeRO stage, pipeline layout or tensor-parallel degree.
 
 Every rank computes what it owns (its shard groups' ranges, by parameter name) and reads exactly
 that from whichever files hold it (:class:`hf_zero.checkpoint.format.CheckpointReader`). Before
@@ -24,6 +24,7 @@ from hf_zero.checkpoint.format import (
 from hf_zero.checkpoint.optim_state import load_optimizer, optimizer_plan
 from hf_zero.checkpoint.ranks import gather_findings
 from hf_zero.checkpoint.state import Progress, TrainState
+from hf_zero.checkpoint.tp_reshard import base_name, install, whole_shapes
 from hf_zero.errors import CheckpointError
 from hf_zero.tp_split import checkpoint_name, parse_slice_name, split_of, stored_names
 
@@ -38,12 +39,18 @@ def _model_problems(state: TrainState, meta: dict, path: str) -> list[str]:
     saved_params = meta["params"]
     here = {checkpoint_name(n, p): p for n, p in state.module.named_parameters()}
     problems: list[str] = []
-    saved_tp = {s[2] for s in map(parse_slice_name, saved_params) if s}
-    here_tp = {split_of(p).size for p in here.values() if split_of(p) is not None}
-    if saved_tp != here_tp:
-        saved_deg, here_deg = max(saved_tp, default=1), max(here_tp, default=1)
-        return [f"{path} was saved with tensor-parallel degree {saved_deg} and this run has {here_deg}; resume it with "
-                f"tensor_parallel.autotp_size {saved_deg}, or consolidate it (hf-zero consolidate) and start from the weights"]
+    if _other_split(state, meta):  # another tensor-parallel degree: compared by parameter and whole shape
+        saved_whole = whole_shapes(saved_params)
+        here_whole = {base_name(k): tuple(split_of(p).full_shape if split_of(p) is not None else p.shape)
+                      for k, p in here.items()}
+        missing = sorted(set(here_whole) - set(saved_whole))
+        extra = [] if state.layout.pipe_stage is not None else sorted(set(saved_whole) - set(here_whole))
+        if missing or extra:
+            return [_different_model(path, missing, extra)]
+        for n, shape in here_whole.items():
+            if shape != saved_whole[n]:
+                return [f"{path}: parameter '{n}' has shape {list(saved_whole[n])} there and {list(shape)} here"]
+        return []
     missing = sorted(set(here) - set(saved_params))
     # the other ranks of this rank's tensor-parallel group hold the other slices
     others = {m for n, p in state.module.named_parameters() for m in stored_names(n, p)}
@@ -57,6 +64,13 @@ def _model_problems(state: TrainState, meta: dict, path: str) -> list[str]:
             problems.append(f"{path}: parameter '{n}' has shape {saved_params[n]['shape']} there and {list(p.shape)} here")
             break
     return problems
+
+
+def _other_split(state: TrainState, meta: dict) -> bool:
+    """Whether the checkpoint's tensor-parallel degree differs from this run's (its slices are then re-cut)."""
+    saved = {s[2] for s in map(parse_slice_name, meta["params"]) if s}
+    here = {split_of(p).size for p in state.module.parameters() if split_of(p) is not None}
+    return max(saved, default=1) != max(here, default=1)
 
 
 def _optimizer_problems(
@@ -160,15 +174,21 @@ def load(
         hypers, sched_state, refused = _optimizer_problems(state, meta, path, load_optimizer_states)
         problems += refused
     reader = CheckpointReader(path, int(meta["world_size"]))
-    names = sorted(dict(state.module.named_parameters())) if lay.pipe_stage is not None and lay.dp_rank == 0 else None
+    # a pipeline stage's stored names (a tensor-parallel slice: every rank's of its group), pooled to find what no
+    # stage holds
+    names = (sorted({m for n, p in state.module.named_parameters() for m in stored_names(n, p)})
+             if lay.pipe_stage is not None and lay.dp_rank == 0 else None)
     # JSON in tensors: loading a checkpoint never unpickles
     errors, held = gather_findings(problems + reader.damaged(lay.rank, lay.world), names, lay.group)
     if lay.pipe_stage is not None and not errors:
-        extra = sorted(set(meta["params"]) - {n for part in held for n in (part or [])})
+        pooled = {base_name(n) for part in held for n in (part or [])}
+        extra = sorted({base_name(n) for n in meta["params"]} - pooled)
         if extra:
             errors.append(_different_model(path, [], extra))
     if errors:  # every rank raises the same sentence, before anything was loaded
         raise CheckpointError(errors[0])
+    if _other_split(state, meta):  # each rank's slices re-cut from the saved ones (or whole from the slices)
+        install(reader, meta["params"], {checkpoint_name(n, p): split_of(p) for n, p in state.module.named_parameters()})
     with torch.no_grad():
         _restore_weights(state, reader)
     if hypers is not None and load_optimizer_states:

@@ -15,6 +15,7 @@ import torch
 
 from hf_zero.checkpoint.format import CheckpointReader, from_json, saved_optimizers
 from hf_zero.checkpoint.state import TrainState
+from hf_zero.checkpoint.tp_reshard import base_name
 from hf_zero.errors import CheckpointError
 
 # Keys that say how an optimizer steps (fused on GPU, loops on CPU), not what it computes: they
@@ -47,9 +48,12 @@ def optimizer_plan(state: TrainState, meta: dict, path: str) -> tuple[list[dict 
             )
         return list(saved[0]["param_groups"]), saved[0]["lr_scheduler"]
     where = {n: (vi, gi) for vi, v in enumerate(saved) for gi, names in enumerate(v["group_names"]) for n in names}
+    for n, at in list(where.items()):  # a slice's group is its parameter's, at any tensor-parallel degree
+        where.setdefault(base_name(n), at)
     hypers: list[dict | None] = []
     picks: list[tuple[int, int] | None] = []
     for i, names in enumerate(zo.group_names):
+        names = [n if n in where else base_name(n) for n in names]
         hits = sorted({where[n] for n in names if n in where})
         lost = [n for n in names if n not in where]
         if lost:

@@ -604,9 +604,6 @@ def refuse_missing_features(cfg: Any) -> list[str]:
         if cfg.compile.enabled:
             raise ConfigError(f"tensor_parallel.autotp_size: got {tp} with compile enabled, but compiled blocks cannot "
                               'hold the tensor-parallel all-reduces yet; set "compile": {"enabled": false} or autotp_size 1')
-        if cfg.pipeline.stages not in (None, 1):
-            raise ConfigError(f"tensor_parallel.autotp_size: got {tp} with pipeline.stages {cfg.pipeline.stages}, but "
-                              "tensor parallelism cannot be combined with a pipeline yet; keep one of them")
     ignored = []
     if par is not None and par.device == "cpu" and zo.stage != 3:
         ignored.append("zero_optimization.offload_param (DeepSpeed reads it at stage 3 only)")

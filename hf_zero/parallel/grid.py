@@ -100,7 +100,8 @@ def replicas_for(world: int, shard_size: int, *, zero_stage: int, pp: int = 1, s
     """The ``dp_replicate`` degree of hybrid sharding with shard groups of ``shard_size`` consecutive data-parallel
     ranks (``zero_optimization.mics_shard_size``; 0 or below: off, 1 returned). ``where`` names the setting in the
     one-sentence refusals (default: ``zero_optimization.mics_shard_size N``): a size that does not divide the
-    data-parallel ranks, ZeRO stage 0, and the parallelisms hybrid sharding does not compose with yet. Every rank
+    data-parallel ranks, ZeRO stage 0, and the parallelisms hybrid sharding does not compose with yet (tensor and
+    sequence parallelism; a pipeline's stages each shard and replicate over their own ranks). Every rank
     computes the same answer from the same config (no collective)."""
     if isinstance(shard_size, bool) or not isinstance(shard_size, int):
         raise ConfigError(f"{MICS_KEY}: got {shard_size!r}, expected an integer (the data-parallel ranks of one shard group)")
@@ -116,7 +117,7 @@ def replicas_for(world: int, shard_size: int, *, zero_stage: int, pp: int = 1, s
             f"{where} does not divide the {dp} data-parallel ranks of this run; give a divisor of {dp} "
             "(the ranks of one shard group, each replicated across the others), or leave it out for flat ZeRO"
         )
-    for what, n in (("a pipeline", pp), ("tensor parallelism (tensor_parallel.autotp_size)", tp),
+    for what, n in (("tensor parallelism (tensor_parallel.autotp_size)", tp),
                     ("sequence parallelism (sequence_parallel_size)", sp)):
         if n > 1:
             raise ConfigError(f"{where} (hybrid sharding) cannot be combined with {what} yet; leave one "

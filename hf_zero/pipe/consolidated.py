@@ -3,7 +3,8 @@
 Each stage holds only its layers, under the model's own names, so consolidating is a matter of
 rank 0 asking each stage for its tensors in stage order and streaming them into the writer of
 :mod:`hf_zero.checkpoint.consolidated`. The first data-parallel replica of each stage answers
-(stages 0-2 keep whole parameters on every replica). A tied weight is held by several stages
+(stages 0-2 keep whole parameters on every replica); under tensor parallelism that replica's tp group
+gathers each slice onto its tp rank 0, which answers. A tied weight is held by several stages
 under one name; the first stage's copy is written. The lists of names travel as JSON
 (``hf_zero.dist.gather_json``), never pickled.
 """
@@ -20,6 +21,7 @@ from hf_zero.checkpoint.state import TrainState
 from hf_zero.dist import gather_json
 from hf_zero.pipe.module import PipelineModule
 from hf_zero.precision import dtype_by_name
+from hf_zero.tp_split import split_of
 
 
 def save_pretrained(state: TrainState, save_directory: str, max_shard_size: int | str = "5GB",
@@ -30,16 +32,19 @@ def save_pretrained(state: TrainState, save_directory: str, max_shard_size: int 
     rank = dist.get_rank()
     if rank == 0:
         os.makedirs(save_directory, exist_ok=True)
+    tp = state.tensor_parallel
     mine: dict[str, torch.Tensor] = {}
     listing = []
-    if module.dp_rank == 0:
+    if module.dp_rank == 0:  # the first data-parallel replica of each stage: under tensor parallelism, its tp group
         seen: set[int] = set()
         for name, t in module.state_dict(keep_vars=True).items():
             if id(t) in seen:
                 continue
             seen.add(id(t))
             mine[name] = t
-            listing.append([name, str(t.dtype), list(t.shape)])
+            split = split_of(t)
+            if tp is None or tp.tp_rank == 0:  # tp rank 0 answers, with the whole shape of a slice
+                listing.append([name, str(t.dtype), list(split.full_shape if split is not None else t.shape)])
     everyone = gather_json(listing)
     owner: dict[str, tuple[int, torch.dtype, tuple[int, ...]]] = {}
     entries = []
@@ -52,6 +57,13 @@ def save_pretrained(state: TrainState, save_directory: str, max_shard_size: int 
 
     def produce(name: str) -> torch.Tensor | None:
         src, held, shape = owner[name]
+        split = split_of(mine[name]) if name in mine else None
+        if split is not None and tp is not None:  # the slices of src's tp group made whole on src (each member calls)
+            parts = [torch.empty_like(mine[name]) for _ in range(split.size)]
+            dist.all_gather(parts, mine[name].detach().contiguous(), group=tp.tp_group)
+            if rank != src:
+                return None
+            mine[name] = torch.cat(parts, dim=split.dim)
         if src == rank == 0:
             return mine[name].detach().to("cpu", copy=True)
         if rank == src:

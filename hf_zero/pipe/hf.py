@@ -365,6 +365,8 @@ def split_causal_lm(
         base_seed=seed,
     )
     pipe.config = config  # save_pretrained writes it as config.json
+    # where the model's base (its tensor-parallel plan's root: model.layers.*) sits, as on the transformers model
+    pipe.base_model_prefix = getattr(_architecture(config), "base_model_prefix", "") or ""
     if not given:
         _init_weights(pipe, config)
     return pipe

@@ -311,6 +311,23 @@ class PipelineModule(nn.Module):
                     self.p2p_groups[s] = pair
         self._connect_neighbours()
 
+    def adopt_grid(self, grid: Any) -> None:
+        """Take the run's whole grid once the config is read (``initialize``): the same ``pp`` axis, its ranks per
+        stage cut into ``dp_replicate x dp_shard x tp`` (hybrid sharding, tensor parallelism).
+
+        The module was built on ``pp`` alone (its stage had to be known before its layers). ``pp`` is the outermost
+        axis, so a rank's stage and its index inside the stage do not depend on how the stage's ranks are cut: the
+        point-to-point pairs and tie groups made then (ranks of neighbouring stages at the same index) join exactly
+        the ranks with the same coordinate on every other axis, as each tensor-parallel rank must talk to its
+        counterpart. Only the stage's groups (data-parallel, ZeRO) and ranks are re-read."""
+        if grid.size("pp") != self.num_stages or grid.pipe_stage != self.stage_id or grid.size() != self.grid.size():
+            raise PipelineError(f"the run's grid {grid.shape.describe()} does not match the PipelineModule's "
+                                f"{self.num_stages} stages over {self.grid.size()} ranks")
+        self.grid = grid
+        self.dp_rank, self.dp = grid.dp_rank, grid.dp_size
+        self.dp_group = grid.zero_group
+        self.pipe_group = grid.group("pp")
+
     def rank_of(self, stage: int) -> int:
         """The global rank of pipeline stage ``stage`` in this rank's data-parallel replica."""
         return self.grid.rank_at(pp=stage)
