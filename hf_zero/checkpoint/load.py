@@ -52,6 +52,13 @@ def _model_problems(state: TrainState, meta: dict, path: str) -> list[str]:
         extra = []  # a stage holds part of the model: what no stage holds is known once the names are pooled
     if missing or extra:
         problems.append(_different_model(path, missing, extra))
+    if meta.get("frozen_excluded"):
+        thawed = [n for n, p in here.items() if p.requires_grad and not saved_params.get(n, {}).get("trainable", True)]
+        if thawed:
+            problems.append(
+                f"{path} was saved with save_checkpoint(exclude_frozen_parameters=True) and holds no values for the "
+                f"parameters that were frozen then, but '{thawed[0]}' is trainable here; freeze it as it was before "
+                "loading (its value then stays the model's own)")
     for n, p in here.items():
         if n in saved_params and list(p.shape) != saved_params[n]["shape"]:
             problems.append(f"{path}: parameter '{n}' has shape {saved_params[n]['shape']} there and {list(p.shape)} here")
@@ -74,8 +81,16 @@ def _optimizer_problems(
         return None, saved[stage if stage is not None and stage < len(saved) else 0]["lr_scheduler"], []
 
 
-def _restore_weights(state: TrainState, reader: CheckpointReader) -> None:
-    """Masters (and frozen shards) of every shard group, whole frozen parameters, buffers; then publish."""
+def _held(reader: CheckpointReader, name: str) -> bool:
+    """Whether the checkpoint holds values of parameter ``name`` (frozen or trained)."""
+    return ("frozen", name) in reader.index or ("master", name) in reader.index
+
+
+def _restore_weights(state: TrainState, reader: CheckpointReader, frozen_excluded: bool = False) -> None:
+    """Masters (and frozen shards) of every shard group, whole frozen parameters, buffers; then publish.
+
+    ``frozen_excluded`` (a checkpoint saved with ``exclude_frozen_parameters=True``): the frozen parameters
+    keep the values they have (the model's own), the checkpoint holding none for them."""
     zo = state.optimizer
     assert zo is not None
     zo.release_inference()
@@ -83,6 +98,8 @@ def _restore_weights(state: TrainState, reader: CheckpointReader) -> None:
     for g in zo.groups:
         values = g.owned_values()
         for r in g.owned():
+            if frozen_excluded and not g.trainable and not _held(reader, r.slot.name):
+                continue
             n = r.hi - r.lo
             buf = torch.empty(n, dtype=values.dtype)
             kind = "master" if g.trainable or ("frozen", r.slot.name) not in reader.index else "frozen"
@@ -93,6 +110,8 @@ def _restore_weights(state: TrainState, reader: CheckpointReader) -> None:
         if id(p) in grouped:
             continue
         name = checkpoint_name(name, p)
+        if frozen_excluded and not p.requires_grad and not _held(reader, name):
+            continue
         buf = torch.empty(p.numel(), dtype=p.dtype)
         kind = "frozen" if ("frozen", name) in reader.index else "master"
         reader.read(kind, name, 0, p.numel(), buf)
@@ -170,7 +189,7 @@ def load(
     if errors:  # every rank raises the same sentence, before anything was loaded
         raise CheckpointError(errors[0])
     with torch.no_grad():
-        _restore_weights(state, reader)
+        _restore_weights(state, reader, bool(meta.get("frozen_excluded")))
     if hypers is not None and load_optimizer_states:
         load_optimizer(state, reader, hypers)
     progress = None
