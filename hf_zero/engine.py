@@ -722,17 +722,23 @@ class ZeroEngine(torch.nn.Module):
     def _get_optimizer_ckpt_name(self, checkpoints_path: str, tag: str | int, expp_rank: int | None = None) -> str:
         """The file holding a rank's optimizer state in checkpoint ``tag`` of ``checkpoints_path`` (DeepSpeed's name).
 
-        hf_zero keeps a rank's optimizer state beside its masters, by parameter name and element range, in
-        ``rankNNNNN-000.safetensors`` (a share over 2 GiB goes on in ``-001``, ..., as ``rankNNNNN.json`` lists;
-        ``hf_zero/checkpoint/format.py``). This rank's file unless ``expp_rank`` names another rank (DeepSpeed's
-        argument is the expert-parallel rank of its MoE optimizer files; hf_zero has no expert parallelism).
-        ``load_checkpoint`` asks for it only when it loads optimizer states; at the world size of the save that
-        file is what this rank reads them from, at another each rank reads its ranges from the files holding them.
+        hf_zero keeps optimizer state beside the masters, by parameter name and element range, in each saving
+        rank's ``rankNNNNN-000.safetensors`` (a share over 2 GiB goes on in ``-001``, ...; see
+        ``hf_zero/checkpoint/format.py``). For this rank: the file it reads its optimizer state from, as
+        :func:`hf_zero.checkpoint.load.optimizer_state_file` finds it in the checkpoint (in the layout of the save
+        its own file, at stage 0 the first rank's); where the checkpoint is not there yet or holds none for this
+        rank, and for ``expp_rank`` (DeepSpeed's argument: the expert-parallel rank of its MoE optimizer files;
+        hf_zero has no expert parallelism, so it names a rank), the file that rank writes. ``load_checkpoint``
+        asks for it only when it loads optimizer states, and logs it at debug level.
         """
-        from hf_zero.checkpoint.format import rank_file_name
+        from hf_zero.checkpoint.format import META, rank_file_name
+        from hf_zero.checkpoint.load import optimizer_state_file
 
-        rank = self.global_rank if expp_rank is None else int(expp_rank)
-        return os.path.join(checkpoints_path, str(tag), rank_file_name(rank, 0))
+        path = os.path.join(checkpoints_path, str(tag))
+        found = None
+        if expp_rank is None and self.zero_optimizer is not None and os.path.isfile(os.path.join(path, META)):
+            found = optimizer_state_file(path, self.zero_optimizer)
+        return found or os.path.join(path, rank_file_name(self.global_rank if expp_rank is None else int(expp_rank), 0))
 
     def _has_latest(self, load_dir: str) -> bool:
         """Whether ``load_dir`` names a checkpoint to load without a tag: its ``latest`` file (or the folder is a

@@ -288,6 +288,18 @@ def _frozen_and_views(rank: int, world: int, root: str) -> list[dict]:
             except CheckpointError as e:
                 r["thawed"] = str(e)
         out.append(r)
+    # stage 0: the first rank stores the optimizer state every rank reads
+    eng = engine_for(0, 0)
+    ids = data[0, rank * 2 : rank * 2 + 2]
+    eng.backward(eng(ids, ids))
+    eng.step()
+    eng.save_checkpoint(str(Path(root, "s0")))
+    out.append({"stage": 0, "has": [hasattr(eng.optimizer, a) for a in ("single_partition_of_fp32_groups",
+                                                                        "fp32_partitioned_groups_flat", "fp32_groups_flat")],
+                "isinstance": isinstance(eng.optimizer, FP16_Optimizer), "whole": [
+                    torch.equal(v, torch.cat([m.detach().reshape(-1) for m in pg["params"]]))
+                    for v, pg in zip(eng.optimizer.fp32_groups_flat, eng.optimizer.param_groups, strict=True)],
+                "file": os.path.basename(eng._get_optimizer_ckpt_name(str(Path(root, "s0")), "global_step1"))})
     return out
 
 
@@ -301,6 +313,9 @@ def test_exclude_frozen_parameters_round_trip_and_the_fp32_partition_views(tmp_p
 
     results = spawn(_frozen_and_views, 2, str(tmp_path))
     for per_rank in results:
+        s0 = per_rank.pop()
+        assert s0 == {"stage": 0, "has": [False, False, True], "isinstance": True, "whole": [True, True],
+                      "file": "rank00000-000.safetensors"}, s0
         for r in per_rank:
             stage = r["stage"]
             assert r["isinstance"] == [stage < 3, stage == 3, False], r["isinstance"]

@@ -9,6 +9,7 @@ and leaves the engine as it was; in a pipeline each stage checks what it holds.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -79,6 +80,24 @@ def _optimizer_problems(
             return None, None, [str(e)]
         saved = saved_optimizers(meta)  # only the scheduler is wanted: this stage's (or the one) as saved
         return None, saved[stage if stage is not None and stage < len(saved) else 0]["lr_scheduler"], []
+
+
+def optimizer_state_file(path: str, optimizer: Any) -> str | None:
+    """The file of checkpoint folder ``path`` this rank reads its optimizer state from, or None if it reads none.
+
+    The one holding the first element range of the masters this rank owns: in the layout of the save (world
+    size, ZeRO stage) all of the rank's optimizer state is there (its own file, at stage 0 the first rank's);
+    in another the ranges come from whichever ranks' files hold them, this the first of them.
+    """
+    reader = CheckpointReader(path, int(read_meta(path)["world_size"]))
+    kinds = sorted({kind for kind, _ in reader.index if kind.startswith("optim.")})
+    for g in optimizer.groups:
+        for r in g.owned() if g.master is not None else ():
+            for kind in kinds:
+                for fname, _key, a, b in reader.index.get((kind, r.slot.name), ()):
+                    if max(a, r.lo) < min(b, r.hi):
+                        return os.path.join(path, fname)
+    return None
 
 
 def _held(reader: CheckpointReader, name: str) -> bool:
