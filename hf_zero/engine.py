@@ -640,20 +640,21 @@ class ZeroEngine(torch.nn.Module):
         all but the N newest checkpoints in ``save_dir`` once this one is complete and ``latest``
         points at it; the one ``latest`` names is never deleted. With ``checkpoint.async_save`` it
         returns once this rank's share is in host memory, and the returned path exists once every
-        rank's background write is done (:meth:`wait_for_checkpoint`).
+        rank's background write is done (:meth:`wait_for_checkpoint`). ``exclude_frozen_parameters=True``
+        leaves the values of the parameters nothing trains out (a PEFT model's base weights); loading
+        it keeps the values the model has for them.
         """
         if not save_dir:
             raise UsageError(f"save_checkpoint(save_dir={save_dir!r}): name the folder to save the checkpoint in")
-        if exclude_frozen_parameters:
-            raise UsageError("save_checkpoint(exclude_frozen_parameters=True) is not supported yet; leave it False")
         if keep_last is None:
             keep_last = self.config.checkpoint_keep_last
         if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
             raise UsageError(f"save_checkpoint(keep_last=...): got {keep_last!r}, expected an integer >= 1 (or None to keep all)")
-        return self._save(save_dir, tag, client_state, save_latest, keep_last, background=self.config.checkpoint_async_save)
+        return self._save(save_dir, tag, client_state, save_latest, keep_last, background=self.config.checkpoint_async_save,
+                          exclude_frozen=bool(exclude_frozen_parameters))
 
     def _save(self, save_dir: str, tag: str | None = None, client_state: dict | None = None, save_latest: bool = True,
-              keep_last: int | None = None, background: bool = False) -> str:
+              keep_last: int | None = None, background: bool = False, exclude_frozen: bool = False) -> str:
         """``save_checkpoint`` once its arguments are checked; ``background``: return once the share is in host memory."""
         from hf_zero.checkpoint.background import BackgroundWriter
         from hf_zero.checkpoint.save import save
@@ -667,7 +668,7 @@ class ZeroEngine(torch.nn.Module):
             writer = self._background
         with hz_dist.peer_failure_guard("save_checkpoint"):
             path = save(self.train_state(), save_dir, tag, client_state, save_latest=save_latest, keep_last=keep_last,
-                        background=writer)
+                        background=writer, exclude_frozen=exclude_frozen)
         self._last_save_dir = save_dir
         return path
 
@@ -690,6 +691,7 @@ class ZeroEngine(torch.nn.Module):
         checkpoint" start-up code runs unchanged.
         """
         from hf_zero.checkpoint import deepspeed as ds_checkpoint
+        from hf_zero.checkpoint.format import read_latest
         from hf_zero.checkpoint.load import load
 
         if tag is None and not self._has_latest(load_dir):
@@ -705,13 +707,38 @@ class ZeroEngine(torch.nn.Module):
         self.wait_for_checkpoint()  # (async_save) the checkpoint being written may be the one asked for
         self.wait_params()  # the load writes the masters, which in fp32 are the gathered buffers
         with hz_dist.peer_failure_guard("load_checkpoint"):
-            reader = ds_checkpoint.load if ds_checkpoint.is_deepspeed_checkpoint(load_dir, tag) else load
+            theirs = ds_checkpoint.is_deepspeed_checkpoint(load_dir, tag)
+            reader = ds_checkpoint.load if theirs else load
+            if load_optimizer_states and not load_module_only and not theirs:
+                logger.debug("rank %d loads its optimizer state from %s", self.global_rank,
+                             self._get_optimizer_ckpt_name(load_dir, tag if tag is not None else read_latest(load_dir)))
             path, client, progress = reader(
                 self.train_state(), load_dir, tag, load_optimizer_states=load_optimizer_states,
                 load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
             )
         self.restore_progress(progress)
         return path, client
+
+    def _get_optimizer_ckpt_name(self, checkpoints_path: str, tag: str | int, expp_rank: int | None = None) -> str:
+        """The file holding a rank's optimizer state in checkpoint ``tag`` of ``checkpoints_path`` (DeepSpeed's name).
+
+        hf_zero keeps optimizer state beside the masters, by parameter name and element range, in each saving
+        rank's ``rankNNNNN-000.safetensors`` (a share over 2 GiB goes on in ``-001``, ...; see
+        ``hf_zero/checkpoint/format.py``). For this rank: the file it reads its optimizer state from, as
+        :func:`hf_zero.checkpoint.load.optimizer_state_file` finds it in the checkpoint (in the layout of the save
+        its own file, at stage 0 the first rank's); where the checkpoint is not there yet or holds none for this
+        rank, and for ``expp_rank`` (DeepSpeed's argument: the expert-parallel rank of its MoE optimizer files;
+        hf_zero has no expert parallelism, so it names a rank), the file that rank writes. ``load_checkpoint``
+        asks for it only when it loads optimizer states, and logs it at debug level.
+        """
+        from hf_zero.checkpoint.format import META, rank_file_name
+        from hf_zero.checkpoint.load import optimizer_state_file
+
+        path = os.path.join(checkpoints_path, str(tag))
+        found = None
+        if expp_rank is None and self.zero_optimizer is not None and os.path.isfile(os.path.join(path, META)):
+            found = optimizer_state_file(path, self.zero_optimizer)
+        return found or os.path.join(path, rank_file_name(self.global_rank if expp_rank is None else int(expp_rank), 0))
 
     def _has_latest(self, load_dir: str) -> bool:
         """Whether ``load_dir`` names a checkpoint to load without a tag: its ``latest`` file (or the folder is a

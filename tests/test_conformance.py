@@ -49,11 +49,11 @@ def test_alias_is_hf_zero_and_its_stubs_fail_loudly() -> None:
         os.environ["HF_ZERO_ALIAS_LOG"] = log
         import deepspeed, hf_zero, hf_zero.comm
         import deepspeed.comm as dist
-        from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
+        from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
         from deepspeed.moe.layer import MoE
         seen = {"initialize": deepspeed.initialize is hf_zero.initialize, "comm": dist.get_rank is hf_zero.comm.get_rank,
-                "isinstance": isinstance(object(), FP16_Optimizer), "hasattr": hasattr(deepspeed, "no_such_name")}
-        for name, use in (("call", lambda: MoE(8)), ("attr", lambda: FP16_Optimizer.step)):
+                "isinstance": isinstance(object(), FP16_UnfusedOptimizer), "hasattr": hasattr(deepspeed, "no_such_name")}
+        for name, use in (("call", lambda: MoE(8)), ("attr", lambda: FP16_UnfusedOptimizer.step)):
             try:
                 use()
             except NotImplementedError as e:
@@ -69,7 +69,7 @@ def test_alias_is_hf_zero_and_its_stubs_fail_loudly() -> None:
     seen = json.loads(out.stdout.strip().splitlines()[-1])
     assert seen["initialize"] and seen["comm"] and not seen["isinstance"] and not seen["hasattr"]
     assert seen["call"].startswith("InternalName: deepspeed.moe.layer.MoE is DeepSpeed-internal") and "calls it" in seen["call"]
-    assert "deepspeed.runtime.fp16.fused_optimizer.FP16_Optimizer" in seen["attr"] and "reads .step" in seen["attr"]
+    assert "deepspeed.runtime.fp16.unfused_optimizer.FP16_UnfusedOptimizer" in seen["attr"] and "reads .step" in seen["attr"]
     assert "No module named 'deepspeed.inference'" in seen["module"] and "neither maps nor stubs it" in seen["module"]
     assert "isinstance" in seen["log"] and "deepspeed.moe.layer.MoE" in seen["log"]
 

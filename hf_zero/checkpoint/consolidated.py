@@ -280,6 +280,11 @@ def consolidate(
     from tqdm.auto import tqdm
 
     path, entries, produce = checkpoint_weights(checkpoint_dir, tag, dtype)
+    if read_meta(path).get("frozen_excluded"):
+        raise CheckpointError(
+            f"{path} was saved with exclude_frozen_parameters=True and holds no values for the frozen parameters, so "
+            "it makes no from_pretrained folder alone; load it into the engine (the frozen values come from the "
+            "model) and call engine.save_pretrained")
     os.makedirs(out_dir, exist_ok=True)
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise CheckpointError(f"{path} has no config.json (the model was not a transformers model); nothing to build a from_pretrained folder from")
@@ -306,7 +311,8 @@ def checkpoint_weights(
 ) -> tuple[str, list[tuple[str, torch.dtype, tuple[int, ...]]], Any]:
     """A resume checkpoint's tensors: its folder, (name, dtype, shape) of each, and a function that reads one whole.
 
-    ``exclude_frozen`` leaves out the parameters that were saved as not trainable.
+    ``exclude_frozen`` leaves out the parameters that were saved as not trainable; a checkpoint saved with
+    ``exclude_frozen_parameters=True`` has no values for them, so they are left out of it anyway.
     """
     path = resolve_tag(checkpoint_dir, tag)
     meta = read_meta(path)
@@ -317,7 +323,7 @@ def checkpoint_weights(
     entries, kinds = [], {}
     slices: dict[str, list[str]] = {}  # a tensor-parallel weight: its slices' names, by rank (hf_zero/tp_split.py)
     for name, info in meta["params"].items():
-        if exclude_frozen and not info.get("trainable", True):
+        if (exclude_frozen or meta.get("frozen_excluded")) and not info.get("trainable", True):
             continue
         saved = getattr(torch, info["dtype"])
         dt = dtype if dtype is not None and saved.is_floating_point else saved
@@ -356,6 +362,14 @@ def checkpoint_weights(
 
     dtypes = {name: dt for name, dt, _ in entries}
     return path, entries, produce
+
+
+def frozen_left_out(checkpoint_dir: str, tag: str | None = None) -> set[str]:
+    """The frozen parameters a checkpoint saved with ``exclude_frozen_parameters=True`` holds no values for."""
+    meta = read_meta(resolve_tag(checkpoint_dir, tag))
+    if not meta.get("frozen_excluded"):
+        return set()
+    return {n for n, info in meta["params"].items() if not info.get("trainable", True)}
 
 
 def read_state_dict(

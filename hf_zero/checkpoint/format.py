@@ -17,10 +17,15 @@ Nothing is stored by flat-buffer position: every tensor is "elements [a, b) of p
 ``master`` (fp32), ``optim.<state>`` (e.g. ``optim.exp_avg``), ``frozen`` (a parameter nothing
 trains, in its own dtype) or ``buffer``; the rank's JSON maps each key to its file and to
 ``[name, a, b]`` (``ranges``), and holds each parameter's scalar optimizer state (``scalars``:
-Adam's ``step``). RNG tensors are ``rng.torch_cpu`` / ``rng.torch_cuda``. A run with any world
+Adam's ``step``; a one-element tensor's ``value`` and ``dtype``, with its ``shape`` unless it is 0-d). RNG tensors are ``rng.torch_cpu`` / ``rng.torch_cuda``. A run with any world
 size and any ZeRO stage computes which elements it owns and reads exactly those from whichever
 files hold them, so resharding needs no conversion step, and a pipeline layout (which only
 changes who owns what) fits the same format.
+
+A checkpoint saved with ``exclude_frozen_parameters=True`` has ``"frozen_excluded": true`` in
+``checkpoint.json`` and no ``frozen`` tensors: the parameter table still lists the frozen parameters
+(``"trainable": false``), and a load leaves their values as the model has them (the PEFT case: the
+base weights come from the pretrained model, the checkpoint holds what was trained).
 
 Pipelines: every rank of the world writes its own ``rankNNNNN`` files (by global rank), holding
 its stage's parameters under the model's own names; ``checkpoint.json`` carries the parameter

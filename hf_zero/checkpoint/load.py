@@ -9,6 +9,7 @@ and leaves the engine as it was; in a pipeline each stage checks what it holds.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -59,6 +60,13 @@ def _model_problems(state: TrainState, meta: dict, path: str) -> list[str]:
         extra = []  # a stage holds part of the model: what no stage holds is known once the names are pooled
     if missing or extra:
         problems.append(_different_model(path, missing, extra))
+    if meta.get("frozen_excluded"):
+        thawed = [n for n, p in here.items() if p.requires_grad and not saved_params.get(n, {}).get("trainable", True)]
+        if thawed:
+            problems.append(
+                f"{path} was saved with save_checkpoint(exclude_frozen_parameters=True) and holds no values for the "
+                f"parameters that were frozen then, but '{thawed[0]}' is trainable here; freeze it as it was before "
+                "loading (its value then stays the model's own)")
     for n, p in here.items():
         if n in saved_params and list(p.shape) != saved_params[n]["shape"]:
             problems.append(f"{path}: parameter '{n}' has shape {saved_params[n]['shape']} there and {list(p.shape)} here")
@@ -88,8 +96,34 @@ def _optimizer_problems(
         return None, saved[stage if stage is not None and stage < len(saved) else 0]["lr_scheduler"], []
 
 
-def _restore_weights(state: TrainState, reader: CheckpointReader) -> None:
-    """Masters (and frozen shards) of every shard group, whole frozen parameters, buffers; then publish."""
+def optimizer_state_file(path: str, optimizer: Any) -> str | None:
+    """The file of checkpoint folder ``path`` this rank reads its optimizer state from, or None if it reads none.
+
+    The one holding the first element range of the masters this rank owns: in the layout of the save (world
+    size, ZeRO stage) all of the rank's optimizer state is there (its own file, at stage 0 the first rank's);
+    in another the ranges come from whichever ranks' files hold them, this the first of them.
+    """
+    reader = CheckpointReader(path, int(read_meta(path)["world_size"]))
+    kinds = sorted({kind for kind, _ in reader.index if kind.startswith("optim.")})
+    for g in optimizer.groups:
+        for r in g.owned() if g.master is not None else ():
+            for kind in kinds:
+                for fname, _key, a, b in reader.index.get((kind, r.slot.name), ()):
+                    if max(a, r.lo) < min(b, r.hi):
+                        return os.path.join(path, fname)
+    return None
+
+
+def _held(reader: CheckpointReader, name: str) -> bool:
+    """Whether the checkpoint holds values of parameter ``name`` (frozen or trained)."""
+    return ("frozen", name) in reader.index or ("master", name) in reader.index
+
+
+def _restore_weights(state: TrainState, reader: CheckpointReader, frozen_excluded: bool = False) -> None:
+    """Masters (and frozen shards) of every shard group, whole frozen parameters, buffers; then publish.
+
+    ``frozen_excluded`` (a checkpoint saved with ``exclude_frozen_parameters=True``): the frozen parameters
+    keep the values they have (the model's own), the checkpoint holding none for them."""
     zo = state.optimizer
     assert zo is not None
     zo.release_inference()
@@ -97,6 +131,8 @@ def _restore_weights(state: TrainState, reader: CheckpointReader) -> None:
     for g in zo.groups:
         values = g.owned_values()
         for r in g.owned():
+            if frozen_excluded and not g.trainable and not _held(reader, r.slot.name):
+                continue
             n = r.hi - r.lo
             buf = torch.empty(n, dtype=values.dtype)
             kind = "master" if g.trainable or ("frozen", r.slot.name) not in reader.index else "frozen"
@@ -107,6 +143,8 @@ def _restore_weights(state: TrainState, reader: CheckpointReader) -> None:
         if id(p) in grouped:
             continue
         name = checkpoint_name(name, p)
+        if frozen_excluded and not p.requires_grad and not _held(reader, name):
+            continue
         buf = torch.empty(p.numel(), dtype=p.dtype)
         kind = "frozen" if ("frozen", name) in reader.index else "master"
         reader.read(kind, name, 0, p.numel(), buf)
@@ -190,7 +228,7 @@ def load(
     if _other_split(state, meta):  # each rank's slices re-cut from the saved ones (or whole from the slices)
         install(reader, meta["params"], {checkpoint_name(n, p): split_of(p) for n, p in state.module.named_parameters()})
     with torch.no_grad():
-        _restore_weights(state, reader)
+        _restore_weights(state, reader, bool(meta.get("frozen_excluded")))
     if hypers is not None and load_optimizer_states:
         load_optimizer(state, reader, hypers)
     progress = None

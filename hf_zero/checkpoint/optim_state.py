@@ -119,7 +119,10 @@ def load_optimizer(state: TrainState, reader: CheckpointReader, hypers: list[dic
                     v = v if v["value"] > prev["value"] else prev
                 scal[k] = v
         for k, v in scal.items():
-            st[k] = torch.tensor(v["value"], dtype=getattr(torch, v["dtype"])) if "dtype" in v else from_json(v["value"])
+            if "dtype" in v:  # a one-element tensor keeps its shape (a step counter of shape [1] stays one)
+                st[k] = torch.tensor(v["value"], dtype=getattr(torch, v["dtype"])).reshape(v.get("shape", []))
+            else:
+                st[k] = from_json(v["value"])
         if st:
             new_state[master_index[id(g.master)]] = st
     groups = []

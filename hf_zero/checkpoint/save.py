@@ -127,9 +127,12 @@ def _checked_tag(state: TrainState, tag: str | None) -> str:
 
 def save(
     state: TrainState, save_dir: str, tag: str | None, client_state: dict | None, save_latest: bool = True,
-    keep_last: int | None = None, background: BackgroundWriter | None = None,
+    keep_last: int | None = None, background: BackgroundWriter | None = None, exclude_frozen: bool = False,
 ) -> str:
     """Write a resume checkpoint of ``state``; collective (every rank calls it). Returns its path.
+
+    ``exclude_frozen`` leaves the parameters nothing trains out of it (their values: the table still lists
+    them, and the checkpoint says they were left out), so that a load keeps the model's own values for them.
 
     A failure on any rank (a full disk, a state JSON cannot hold) raises on every rank after the
     ranks agree on it, so none is left waiting; the half-written folder is removed and the
@@ -161,10 +164,11 @@ def save(
     err = attempt(lambda: _start(save_dir, partial))[1] if rank == 0 else None
     agree(pool(err, group), save_dir)
     if background is not None:
-        _launch(state, background, save_dir, tag, lambda: checkpoint_meta(state, table, stage_tables, client),
-                save_latest, keep_last)
+        _launch(state, background, save_dir, tag,
+                lambda: checkpoint_meta(state, table, stage_tables, client, exclude_frozen), save_latest, keep_last,
+                exclude_frozen)
         return os.path.join(save_dir, tag)
-    errors = pool(attempt(lambda: write_share(state, partial))[1], group)
+    errors = pool(attempt(lambda: write_share(state, partial, exclude_frozen))[1], group)
     if any(errors):  # a full disk on one rank must not leave the others waiting
         if rank == 0:  # free the space the half-written checkpoint took, before anyone returns
             shutil.rmtree(partial, ignore_errors=True)
@@ -172,7 +176,7 @@ def save(
         agree(errors, save_dir)
     err = None
     if rank == 0:
-        meta = lambda: checkpoint_meta(state, table, stage_tables, client)  # noqa: E731
+        meta = lambda: checkpoint_meta(state, table, stage_tables, client, exclude_frozen)  # noqa: E731
         err = attempt(lambda: _finish(state, meta(), save_dir, tag, save_latest, keep_last))[1]
         if err is not None:
             shutil.rmtree(partial, ignore_errors=True)  # not published; a tag moved aside comes back on the next save
@@ -182,7 +186,7 @@ def save(
 
 def _launch(
     state: TrainState, background: BackgroundWriter, save_dir: str, tag: str,
-    meta: Callable[[], dict], save_latest: bool, keep_last: int | None,
+    meta: Callable[[], dict], save_latest: bool, keep_last: int | None, exclude_frozen: bool = False,
 ) -> None:
     """A background save, once the partial folder exists: plan, check host memory, copy, then hand over to the thread."""
     lay = state.layout
@@ -195,7 +199,7 @@ def _launch(
             dist.barrier(group)
         agree(errors, save_dir)
 
-    share, err = attempt(lambda: plan_share(state))
+    share, err = attempt(lambda: plan_share(state, exclude_frozen))
     plan = share.pop("tensors") if share is not None else {}
     errors = background.prepare(plan, err, group, lay.world, rank)
     if any(errors):
@@ -237,7 +241,7 @@ def _start(save_dir: str, partial: str) -> None:
 Plan = dict[str, tuple[torch.Tensor, torch.dtype]]
 
 
-def _group_tensors(g: Any, opt_state: dict, lay: CheckpointLayout, out: dict[str, Any]) -> None:
+def _group_tensors(g: Any, opt_state: dict, lay: CheckpointLayout, out: dict[str, Any], exclude_frozen: bool) -> None:
     """The elements of one shard group this rank owns: master and optimizer state (or a frozen shard), by name and range."""
     values = g.owned_values()
     state = opt_state.get(g.master, {}) if g.master is not None else {}
@@ -248,6 +252,8 @@ def _group_tensors(g: Any, opt_state: dict, lay: CheckpointLayout, out: dict[str
             continue  # a tied weight: the first stage holding it stores it
         n = b - a
         if g.master is None:  # a frozen stage-3 group: its shard holds the values
+            if exclude_frozen:
+                continue
             view = values.detach()[m : m + n]
             tensors[f"frozen|{name}"] = (view, view.dtype)
             ranges[f"frozen|{name}"] = [name, a, b]
@@ -259,23 +265,26 @@ def _group_tensors(g: Any, opt_state: dict, lay: CheckpointLayout, out: dict[str
                 tensors[f"optim.{k}|{name}"] = (v.detach()[m : m + n], v.dtype)
                 ranges[f"optim.{k}|{name}"] = [name, a, b]
             elif torch.is_tensor(v) and v.numel() <= 1:
-                scalars.setdefault(name, {})[k] = {"value": v.item(), "dtype": str(v.dtype).removeprefix("torch.")}
+                scalars.setdefault(name, {})[k] = {"value": v.item(), "dtype": str(v.dtype).removeprefix("torch."),
+                                                   **({"shape": list(v.shape)} if v.dim() else {})}
             else:
                 scalars.setdefault(name, {})[k] = {"value": to_json(v, f"optimizer state '{k}'")}
 
 
-def plan_share(state: TrainState) -> dict[str, Any]:
-    """What this rank stores, as views (``tensors``: key -> (view, stored dtype)), with its ranges and scalar state."""
+def plan_share(state: TrainState, exclude_frozen: bool = False) -> dict[str, Any]:
+    """What this rank stores, as views (``tensors``: key -> (view, stored dtype)), with its ranges and scalar state.
+
+    ``exclude_frozen``: no ``frozen`` values (``save_checkpoint(exclude_frozen_parameters=True)``)."""
     zo, lay = state.optimizer, state.layout
     assert zo is not None
     out: dict[str, Any] = {"tensors": {}, "ranges": {}, "scalars": {}}
     for g in zo.groups:
         # stage 0: every rank holds the same values, the first stores them; hybrid sharding: replica 0's ranks store
         if (g.partitioned and lay.stores_shards) or lay.dp_rank == 0:
-            _group_tensors(g, zo.optimizer.state, lay, out)
+            _group_tensors(g, zo.optimizer.state, lay, out, exclude_frozen)
     grouped = {id(s.param) for g in zo.groups for s in g.slots} | lay.others
     if lay.dp_rank == 0:
-        for name, p in state.module.named_parameters():
+        for name, p in () if exclude_frozen else state.module.named_parameters():
             if id(p) not in grouped:  # frozen and whole on every rank (of the stage)
                 key = checkpoint_name(name, p)
                 out["tensors"][f"frozen|{key}"] = (p.detach().reshape(-1), p.dtype)
@@ -340,9 +349,9 @@ def write_rank(tensors: dict[str, torch.Tensor], rank_meta: dict[str, Any], part
     atomic.write_json(os.path.join(partial, rank_meta_name(rank)), {"files": files, "sha256": digests, **rank_meta})
 
 
-def write_share(state: TrainState, partial: str) -> None:
+def write_share(state: TrainState, partial: str, exclude_frozen: bool = False) -> None:
     """This rank's part of a checkpoint: its shards, optimizer state and RNG in safetensors, and its index."""
-    share = plan_share(state)
+    share = plan_share(state, exclude_frozen)
     tensors = {k: v.to("cpu", d, copy=True) for k, (v, d) in share.pop("tensors").items()}
     rng_tensors, rng_meta = rng_state(state.device)
     tensors.update(rng_tensors)
@@ -352,7 +361,8 @@ def write_share(state: TrainState, partial: str) -> None:
 # ----------------------------------------------------------------------- publishing
 
 
-def checkpoint_meta(state: TrainState, table: dict, stage_tables: list[dict], client: Any) -> dict:
+def checkpoint_meta(state: TrainState, table: dict, stage_tables: list[dict], client: Any,
+                    exclude_frozen: bool = False) -> dict:
     """``checkpoint.json``: the counters, scaler and tables (a pipeline's per stage) and the client state."""
     lay, progress = state.layout, state.progress
     meta = {
@@ -372,6 +382,8 @@ def checkpoint_meta(state: TrainState, table: dict, stage_tables: list[dict], cl
         "params": table["params"],
         "client_state": client,
     }
+    if exclude_frozen:
+        meta["frozen_excluded"] = True  # the frozen parameters' values are not in it (hf_zero/checkpoint/format.py)
     if stage_tables:
         params: dict[str, Any] = {}
         for s, t in enumerate(stage_tables):

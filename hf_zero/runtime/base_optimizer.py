@@ -7,7 +7,11 @@ every stage (:class:`hf_zero.zero.optimizer.ShardedOptimizer`), so these classes
 - ``DeepSpeedOptimizer``: any hf_zero wrapper (DeepSpeed wraps stage 0 under fp16/bf16 too);
 - ``ZeROOptimizer``: a wrapper at ZeRO stage 1, 2 or 3;
 - ``deepspeed.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer``: stage 1 or 2;
-- ``deepspeed.runtime.zero.stage3.DeepSpeedZeroOptimizer_Stage3``: stage 3.
+- ``deepspeed.runtime.zero.stage3.DeepSpeedZeroOptimizer_Stage3``: stage 3;
+- ``deepspeed.runtime.fp16.fused_optimizer.FP16_Optimizer``: stage 0 (in fp16 or bf16: in fp32 there is no wrapper).
+
+Each wrapper answers DeepSpeed's attribute for its masters (``single_partition_of_fp32_groups``,
+``fp32_partitioned_groups_flat``, ``fp32_groups_flat``) at those stages only; see ``ShardedOptimizer``.
 
 At stage 0 without mixed precision ``initialize`` returns the client's own optimizer, as DeepSpeed does,
 so none of them holds there.

@@ -43,10 +43,19 @@ def load_state_dict_from_zero_checkpoint(model: torch.nn.Module, checkpoint_dir:
     """Load the checkpoint's fp32 weights into ``model`` (a plain, unwrapped module) and return it.
 
     Unlike DeepSpeed's (``strict=False``), names the checkpoint has and the model lacks, or the
-    other way round, are an error: a silently half-loaded model is worse than a refusal.
+    other way round, are an error: a silently half-loaded model is worse than a refusal. The frozen
+    parameters a checkpoint saved with ``exclude_frozen_parameters=True`` left out keep the model's values;
+    a tied weight (stored once, under its first name) is loaded under every name it has.
     """
     state = get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag)
     missing, unexpected = model.load_state_dict(state, strict=False)
+    if missing:
+        from hf_zero.checkpoint.consolidated import frozen_left_out
+
+        mine = model.state_dict(keep_vars=True)
+        loaded = {id(mine[n]) for n in state if n in mine}
+        left_out = frozen_left_out(*_split(checkpoint_dir, tag))
+        missing = [n for n in missing if id(mine[n]) not in loaded and n not in left_out]
     if missing or unexpected:
         raise UsageError(
             f"the checkpoint in {checkpoint_dir} does not fit {type(model).__name__}: missing {sorted(missing)[:5]}, "

@@ -384,6 +384,52 @@ class ShardedOptimizer:
         if self.runtime is not None:
             self.runtime.release_inference()
 
+    # ------------------------------------- DeepSpeed's names for this rank's masters (read-only copies)
+
+    def _per_param_group(self) -> list[torch.Tensor]:
+        """This rank's masters of each optimizer param group, bucket after bucket, as one new tensor per group."""
+        out = []
+        for pg in self.optimizer.param_groups:
+            parts = [m.detach().reshape(-1) for m in pg["params"]]
+            out.append(torch.cat(parts) if parts else torch.empty(0, dtype=self.place.master_dtype, device=self.device))
+        return out
+
+    def _only_at(self, name: str, stages: tuple[int, ...]) -> None:
+        if self.stage not in stages:  # DeepSpeed's other wrappers have no such attribute: hasattr answers as there
+            raise AttributeError(f"{name} is DeepSpeed's name for the masters at ZeRO stage(s) {stages}; this "
+                                 f"optimizer is at stage {self.stage}")
+
+    @property
+    def single_partition_of_fp32_groups(self) -> list[torch.Tensor]:
+        """Stages 1-2: this rank's partition of each param group's fp32 masters (DeepSpeed's ``DeepSpeedZeroOptimizer``).
+
+        One tensor per param group, as DeepSpeed has it: the rank's share of every bucket of the group, in
+        bucket order (a bucket's share on the last rank ends in its padding, as DeepSpeed's partitions do).
+        hf_zero keeps a master per bucket, so these are copies taken now: reading them (logging, comparing
+        two runs) works as in DeepSpeed; writing into them changes nothing, use
+        ``deepspeed.utils.safe_set_full_fp32_param`` / ``safe_set_local_fp32_param`` for that.
+        """
+        self._only_at("single_partition_of_fp32_groups", (1, 2))
+        return self._per_param_group()
+
+    @property
+    def fp32_partitioned_groups_flat(self) -> list[torch.Tensor]:
+        """Stage 3: this rank's partition of each sub-group's fp32 master (DeepSpeed's ``DeepSpeedZeroOptimizer_Stage3``).
+
+        One tensor per hf_zero shard group with a master (DeepSpeed's sub-groups are its ``sub_group_size``
+        pieces; hf_zero's are its units' and the whole small parameters' buckets): copies taken now, as
+        :attr:`single_partition_of_fp32_groups`.
+        """
+        self._only_at("fp32_partitioned_groups_flat", (3,))
+        return [m.detach().clone() for m in self.master_params()]
+
+    @property
+    def fp32_groups_flat(self) -> list[torch.Tensor]:
+        """Stage 0 in fp16/bf16: each param group's fp32 masters, whole (DeepSpeed's ``FP16_Optimizer``); copies
+        taken now, as :attr:`single_partition_of_fp32_groups`."""
+        self._only_at("fp32_groups_flat", (0,))
+        return self._per_param_group()
+
     @property
     def param_groups(self) -> list[dict]:
         return self.optimizer.param_groups

@@ -186,7 +186,6 @@ STUBS: dict[str, tuple[str, ...]] = {
     "runtime.zero.config": ("DeepSpeedZeroConfig",),
     "runtime.zero.utils": ("ZeRORuntimeException",),
     "runtime.fp16": (),
-    "runtime.fp16.fused_optimizer": ("FP16_Optimizer",),
     "runtime.fp16.unfused_optimizer": ("FP16_UnfusedOptimizer",),
     "runtime.bf16_optimizer": ("BF16_Optimizer",),
     "runtime.engine": (),
