@@ -221,7 +221,7 @@ class ZeroEngine(torch.nn.Module):
             stage=zc.stage, bucket_numel=max(1, int(zc.reduce_bucket_size)),
             persistence_threshold=int(zc.stage3_param_persistence_threshold),
             prefetch_numel=int(zc.stage3_prefetch_bucket_size), max_live_numel=int(zc.stage3_max_live_parameters),
-            overlap_param_gather=zc.overlap_param_gather,
+            overlap_param_gather=zc.overlap_param_gather, ignore_unused_parameters=zc.ignore_unused_parameters,
         )
         off, par = zc.offload_optimizer, zc.offload_param  # offload_param: stage 3 only (the config says it is ignored elsewhere)
         offload_optimizer = off is not None and off.device == "cpu" and not self.inference_only
@@ -517,6 +517,7 @@ class ZeroEngine(torch.nn.Module):
                 "engine.step() reached an accumulation boundary but the gradients were never reduced across "
                 "ranks (every backward ran inside engine.no_sync()); run the boundary's backward outside no_sync()"
             )
+        zo.check_unused_parameters()  # zero_optimization.ignore_unused_parameters false: before any rank steps
         result = self.step_policy.step(zo, clip=self.gradient_clipping(), step=self.global_steps,
                                        skipped=self.skipped_steps)
         zo.zero_grad()

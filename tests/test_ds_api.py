@@ -284,6 +284,18 @@ def _engine_methods(rank: int, world: int, root: str) -> dict:
         out["equal_to_pretrained"] = full.keys() == ref.keys() and all(torch.equal(full[k], ref[k]) for k in ref)
         out["dtypes"] = sorted({str(t.dtype) for t in full.values()})
         out["excluded"] = sorted(set(full) - set(trainable))
+    # "ignore_unused_parameters": false with a head that only rank 0 runs: every rank stops the step, naming it
+    torch.manual_seed(0)
+    heads = torch.nn.ModuleDict({"a": torch.nn.Linear(4, 4), "b": torch.nn.Linear(4, 4)})
+    e2, _, _, _ = deepspeed.initialize(model=heads, config={
+        "train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": LR}},
+        "zero_optimization": {"stage": 2, "ignore_unused_parameters": False}})
+    x = torch.ones(1, 4)
+    e2.backward(sum(e2.module[n](x).sum() for n in ("ab" if rank == 0 else "a")))
+    try:
+        e2.step()
+    except deepspeed.errors.UnusedParameterError as e:
+        out["unused"] = str(e)
     return out
 
 
@@ -295,6 +307,8 @@ def test_engine_save_16bit_model_and_the_small_engine_methods(tmp_path: Path) ->
         assert r["gathered_after_eval"] > 0 and r["gathered_after_empty"] == 0, r
         assert r["bin"] == ("save_16bit_model(save_filename='pytorch_model.bin'): hf_zero writes safetensors only (a pickled "
                             ".bin can run code when loaded); pass a name ending in .safetensors, such as 'model.safetensors'"), r
+        assert r["unused"].startswith("2 trainable parameter(s) got no gradient in this step's backward passes on at "
+                                      "least one rank (b.bias, b.weight)"), r
     r0 = results[0]
     assert r0["equal_to_pretrained"] and r0["dtypes"] == ["torch.bfloat16"], r0
     assert r0["excluded"] == ["model.norm.weight"], r0
