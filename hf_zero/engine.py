@@ -463,6 +463,9 @@ class ZeroEngine(torch.nn.Module):
             )
         if self.zero_optimizer is None or self.inference_only:
             raise UsageError("engine.backward() needs an optimizer; give one in the config or to initialize()")
+        if self.zero_optimizer.runtime is not None and self.zero_optimizer.runtime.held_whole:
+            raise UsageError("engine.backward() inside unwrap_model_for_generation(engine), which holds the ZeRO-3 "
+                             "parameters whole for generation only; call it after the with-block")
         scaled = self.step_policy.scale_loss(loss, self.gradient_accumulation_steps() if scale_wrt_gas else 1)
         zo = self.zero_optimizer
         boundary = self.is_gradient_accumulation_boundary()

@@ -198,3 +198,35 @@ def test_ignore_unused_parameters_false_stops_the_step_naming_the_parameters(sta
         engine.backward(engine(x, "a"))
         engine.step()
         assert engine.global_steps == 1, zero
+
+
+def test_unwrap_model_for_generation_holds_the_zero3_weights_whole_for_the_block() -> None:
+    from hf_zero.runtime.zero import unwrap_model_for_generation  # DeepSpeed's path (deepspeed.runtime.zero)
+
+    ids, labels = make_data(3, 2)
+    cfg = dict(CFG, zero_optimization={"stage": 3, "stage3_param_persistence_threshold": 0})
+    runs = []
+    for unwrap in (False, True):
+        engine, _, _, _ = hf_zero.initialize(model=make_model(), config=cfg)
+        w = engine.module.fc1.weight
+        held = w.untyped_storage().nbytes  # an int, so that a failure never prints a sharded tensor
+        for t in range(3):
+            if unwrap and t == 1:
+                with torch.no_grad():
+                    ref = engine(ids[0], labels[0])
+                engine.empty_partition_cache()
+                assert held() == 0  # sharded between uses
+                with unwrap_model_for_generation(engine) as m:
+                    assert m is engine and held() >= 4 * w.numel()
+                    with torch.no_grad():
+                        out = engine(ids[0], labels[0])
+                    loss = engine(ids[0], labels[0])  # a forward with grad does not release a block either
+                    assert held() > 0
+                    with pytest.raises(UsageError, match="inside unwrap_model_for_generation"):
+                        engine.backward(loss)
+                assert torch.equal(out, ref) and held() == 0
+            engine.backward(engine(ids[t], labels[t]))
+            engine.step()
+        with hf_zero.zero.GatheredParameters(list(engine.parameters())):
+            runs.append([p.detach().clone() for p in engine.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*runs))  # training went on as if the block had not been there

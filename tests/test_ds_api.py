@@ -270,6 +270,18 @@ def _engine_methods(rank: int, world: int, root: str) -> dict:
     out["gathered_after_eval"] = layer_w.untyped_storage().nbytes()
     engine.empty_partition_cache()
     out["gathered_after_empty"] = layer_w.untyped_storage().nbytes()
+    # DeepSpeed's unwrap_model_for_generation (TRL's pattern): greedy decoding on the whole weights, as without it
+    from hf_zero.runtime.zero import unwrap_model_for_generation
+
+    prompt = ids[0, rank : rank + 1, :3]
+    with torch.no_grad():
+        plain = engine.module.generate(prompt, max_new_tokens=3, do_sample=False)
+    engine.empty_partition_cache()
+    with unwrap_model_for_generation(engine) as unwrapped:
+        out["held_in_unwrap"] = layer_w.untyped_storage().nbytes()
+        fast = unwrapped.module.generate(prompt, max_new_tokens=3, do_sample=False)
+    out["generate_equal"] = torch.equal(plain, fast) and fast.shape[1] == SEQ
+    out["held_after_unwrap"] = layer_w.untyped_storage().nbytes()
     assert engine.save_16bit_model(str(Path(root, "w16"))) is True
     engine.save_16bit_model(str(Path(root, "w16")), "trainable.safetensors", exclude_frozen_parameters=True)
     engine.save_pretrained(str(Path(root, "pretrained")))  # the reference: save_pretrained's consolidation
@@ -305,6 +317,7 @@ def test_engine_save_16bit_model_and_the_small_engine_methods(tmp_path: Path) ->
         assert r["batch_info"] == [2 * MICRO * 2, MICRO, 2] and r["mom"] == [[0.8, 0.99]] and r["mp"] == 1, r
         assert r["types"] == ["torch.bfloat16", "torch.float32"], r
         assert r["gathered_after_eval"] > 0 and r["gathered_after_empty"] == 0, r
+        assert r["held_in_unwrap"] > 0 and r["generate_equal"] and r["held_after_unwrap"] == 0, r
         assert r["bin"] == ("save_16bit_model(save_filename='pytorch_model.bin'): hf_zero writes safetensors only (a pickled "
                             ".bin can run code when loaded); pass a name ending in .safetensors, such as 'model.safetensors'"), r
         assert r["unused"].startswith("2 trainable parameter(s) got no gradient in this step's backward passes on at "
