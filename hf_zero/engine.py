@@ -476,6 +476,31 @@ class ZeroEngine(torch.nn.Module):
         # DeepSpeed returns the loss divided by the accumulation steps (without the fp16 scale)
         return loss / self.gradient_accumulation_steps() if scale_wrt_gas else loss
 
+    def _backward_epilogue(self) -> None:
+        """What ``engine.backward`` does after autograd, for a backward the engine did not run.
+
+        DeepSpeed's documented way to train several models on one loss ("Jointly training models with shared
+        loss" in its training guide): ``loss.backward()`` through the engines' modules (``engine.module(...)``),
+        then each engine's ``_backward_epilogue()``, then each ``step()``. Here it reduces this micro-step's
+        gradients as ``engine.backward`` would (at the boundary, or every micro-step at stages 2-3; nothing inside
+        ``no_sync()``). As in DeepSpeed, the loss is not divided by the accumulation steps. Under fp16 the loss
+        was never multiplied by the loss scale that the step divides by, so it is refused there.
+        """
+        if self.zero_optimizer is None or self.inference_only:
+            raise UsageError("engine._backward_epilogue() needs an optimizer; give one in the config or to initialize()")
+        if self.loss_scaler is not None:
+            raise UsageError("engine._backward_epilogue() after a plain loss.backward() under fp16: the loss was never "
+                             "multiplied by the loss scale, so the step would divide unscaled gradients by it; call "
+                             "engine.backward(loss) on each engine's own loss instead")
+        zo = self.zero_optimizer
+        boundary = self.is_gradient_accumulation_boundary()
+        zo.prepare_backward(not self._no_sync and (boundary or zo.reduces_every_micro_step), final=boundary)
+        if self.world_size == 1:
+            zo.finish_backward()
+        else:
+            with hz_dist.peer_failure_guard(f"backward of step {self.global_steps}"):
+                zo.finish_backward()
+
     def step(self, lr_kwargs: dict | None = None) -> None:
         """Called after every micro-batch; applies the optimizer on accumulation boundaries."""
         del lr_kwargs
@@ -518,7 +543,8 @@ class ZeroEngine(torch.nn.Module):
         if not zo.reduced:
             raise UsageError(
                 "engine.step() reached an accumulation boundary but the gradients were never reduced across "
-                "ranks (every backward ran inside engine.no_sync()); run the boundary's backward outside no_sync()"
+                "ranks: every backward ran inside engine.no_sync() (run the boundary's backward outside it), or ran "
+                "as loss.backward() without engine.backward(loss) (call engine._backward_epilogue() after it)"
             )
         zo.check_unused_parameters()  # zero_optimization.ignore_unused_parameters false: before any rank steps
         result = self.step_policy.step(zo, clip=self.gradient_clipping(), step=self.global_steps,

@@ -308,6 +308,46 @@ def _engine_methods(rank: int, world: int, root: str) -> dict:
         e2.step()
     except deepspeed.errors.UnusedParameterError as e:
         out["unused"] = str(e)
+    return {**out, **_shared_loss(rank)}
+
+
+def _shared_loss(rank: int) -> dict:
+    """DeepSpeed's "jointly training models with shared loss": one loss.backward() over two engines' modules, then
+    each engine's _backward_epilogue() and step(); against each engine's own engine.backward of its part of the loss."""
+    import hf_zero as deepspeed
+
+    out: dict = {}
+    g = torch.Generator().manual_seed(rank)
+    xs = [torch.randn(2, 8, generator=g) for _ in range(2)]
+    for stage in (1, 2, 3):
+        finals = []
+        for shared in (True, False):
+            models = []
+            for i in range(2):
+                torch.manual_seed(i)
+                engine, _, _, _ = deepspeed.initialize(model=torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)), config={
+                    "train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.0,
+                    "optimizer": {"type": "AdamW", "params": {"lr": LR}},
+                    "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}})
+                models.append(engine)
+            for x in xs:
+                if shared:
+                    sum(m.module(x).square().mean() / (i + 1) for i, m in enumerate(models)).backward()
+                    for m in models:
+                        m._backward_epilogue()
+                else:
+                    for i, m in enumerate(models):
+                        m.backward(m(x).square().mean() / (i + 1))
+                for m in models:
+                    m.step()
+            with deepspeed.zero.GatheredParameters([p for m in models for p in m.parameters()]):
+                finals.append([p.detach().clone() for m in models for p in m.parameters()])
+        out[f"shared_equal_{stage}"] = all(torch.equal(a, b) for a, b in zip(*finals))
+    models[0].module(xs[0]).sum().backward()  # and without the epilogue: step says what is missing
+    try:
+        models[0].step()
+    except deepspeed.UsageError as e:
+        out["no_epilogue"] = str(e)
     return out
 
 
@@ -322,6 +362,8 @@ def test_engine_save_16bit_model_and_the_small_engine_methods(tmp_path: Path) ->
                             ".bin can run code when loaded); pass a name ending in .safetensors, such as 'model.safetensors'"), r
         assert r["unused"].startswith("2 trainable parameter(s) got no gradient in this step's backward passes on at "
                                       "least one rank (b.bias, b.weight)"), r
+        assert r["shared_equal_1"] and r["shared_equal_2"] and r["shared_equal_3"], r
+        assert "loss.backward() without engine.backward(loss) (call engine._backward_epilogue() after it)" in r["no_epilogue"], r
     r0 = results[0]
     assert r0["equal_to_pretrained"] and r0["dtypes"] == ["torch.bfloat16"], r0
     assert r0["excluded"] == ["model.norm.weight"], r0
