@@ -221,7 +221,7 @@ class ZeroEngine(torch.nn.Module):
             stage=zc.stage, bucket_numel=max(1, int(zc.reduce_bucket_size)),
             persistence_threshold=int(zc.stage3_param_persistence_threshold),
             prefetch_numel=int(zc.stage3_prefetch_bucket_size), max_live_numel=int(zc.stage3_max_live_parameters),
-            overlap_param_gather=zc.overlap_param_gather,
+            overlap_param_gather=zc.overlap_param_gather, ignore_unused_parameters=zc.ignore_unused_parameters,
         )
         off, par = zc.offload_optimizer, zc.offload_param  # offload_param: stage 3 only (the config says it is ignored elsewhere)
         offload_optimizer = off is not None and off.device == "cpu" and not self.inference_only
@@ -463,6 +463,9 @@ class ZeroEngine(torch.nn.Module):
             )
         if self.zero_optimizer is None or self.inference_only:
             raise UsageError("engine.backward() needs an optimizer; give one in the config or to initialize()")
+        if self.zero_optimizer.runtime is not None and self.zero_optimizer.runtime.held_whole:
+            raise UsageError("engine.backward() inside unwrap_model_for_generation(engine), which holds the ZeRO-3 "
+                             "parameters whole for generation only; call it after the with-block")
         scaled = self.step_policy.scale_loss(loss, self.gradient_accumulation_steps() if scale_wrt_gas else 1)
         zo = self.zero_optimizer
         boundary = self.is_gradient_accumulation_boundary()
@@ -472,6 +475,31 @@ class ZeroEngine(torch.nn.Module):
         self.zero_optimizer.finish_backward()
         # DeepSpeed returns the loss divided by the accumulation steps (without the fp16 scale)
         return loss / self.gradient_accumulation_steps() if scale_wrt_gas else loss
+
+    def _backward_epilogue(self) -> None:
+        """What ``engine.backward`` does after autograd, for a backward the engine did not run.
+
+        DeepSpeed's documented way to train several models on one loss ("Jointly training models with shared
+        loss" in its training guide): ``loss.backward()`` through the engines' modules (``engine.module(...)``),
+        then each engine's ``_backward_epilogue()``, then each ``step()``. Here it reduces this micro-step's
+        gradients as ``engine.backward`` would (at the boundary, or every micro-step at stages 2-3; nothing inside
+        ``no_sync()``). As in DeepSpeed, the loss is not divided by the accumulation steps. Under fp16 the loss
+        was never multiplied by the loss scale that the step divides by, so it is refused there.
+        """
+        if self.zero_optimizer is None or self.inference_only:
+            raise UsageError("engine._backward_epilogue() needs an optimizer; give one in the config or to initialize()")
+        if self.loss_scaler is not None:
+            raise UsageError("engine._backward_epilogue() after a plain loss.backward() under fp16: the loss was never "
+                             "multiplied by the loss scale, so the step would divide unscaled gradients by it; call "
+                             "engine.backward(loss) on each engine's own loss instead")
+        zo = self.zero_optimizer
+        boundary = self.is_gradient_accumulation_boundary()
+        zo.prepare_backward(not self._no_sync and (boundary or zo.reduces_every_micro_step), final=boundary)
+        if self.world_size == 1:
+            zo.finish_backward()
+        else:
+            with hz_dist.peer_failure_guard(f"backward of step {self.global_steps}"):
+                zo.finish_backward()
 
     def step(self, lr_kwargs: dict | None = None) -> None:
         """Called after every micro-batch; applies the optimizer on accumulation boundaries."""
@@ -515,8 +543,10 @@ class ZeroEngine(torch.nn.Module):
         if not zo.reduced:
             raise UsageError(
                 "engine.step() reached an accumulation boundary but the gradients were never reduced across "
-                "ranks (every backward ran inside engine.no_sync()); run the boundary's backward outside no_sync()"
+                "ranks: every backward ran inside engine.no_sync() (run the boundary's backward outside it), or ran "
+                "as loss.backward() without engine.backward(loss) (call engine._backward_epilogue() after it)"
             )
+        zo.check_unused_parameters()  # zero_optimization.ignore_unused_parameters false: before any rank steps
         result = self.step_policy.step(zo, clip=self.gradient_clipping(), step=self.global_steps,
                                        skipped=self.skipped_steps)
         zo.zero_grad()

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 __all__ = [
     "CheckpointError", "CheckpointTagError", "ConfigError", "HostMemoryError", "HubError", "InitializeArgumentError", "LaunchError", "LossScaleFloorError", "NonFiniteLossError",
-    "OptimizerConfigError", "PeerFailureError", "PipelineError", "StepInNoSyncError", "UsageError",
+    "OptimizerConfigError", "PeerFailureError", "PipelineError", "StepInNoSyncError", "UnusedParameterError",
+    "UsageError",
 ]
 
 
@@ -48,6 +49,13 @@ class InitializeArgumentError(UsageError, AssertionError):
 
 class StepInNoSyncError(UsageError, AssertionError):
     """``engine.step()`` was called inside ``engine.no_sync()``.
+
+    An ``AssertionError`` too, because that is what DeepSpeed raises there (its own tests catch it).
+    """
+
+
+class UnusedParameterError(UsageError, AssertionError):
+    """``zero_optimization.ignore_unused_parameters`` is false and a trainable parameter got no gradient in a step.
 
     An ``AssertionError`` too, because that is what DeepSpeed raises there (its own tests catch it).
     """

@@ -11,6 +11,7 @@ import torch
 
 import hf_zero
 from hf_zero import ConfigError, UsageError
+from hf_zero.errors import UnusedParameterError
 from tests.models import make_data, make_model, param_groups
 
 CFG = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.0, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}}
@@ -153,3 +154,79 @@ def test_no_sync_then_synced_backward_equals_plain_accumulation() -> None:
             engine.step()
         results.append(torch.cat([p.detach().reshape(-1) for p in engine.module.parameters()]))
     assert torch.equal(results[0], results[1])
+
+
+class _Branchy(torch.nn.Module):
+    """Two heads; ``forward(x, use)`` runs the ones named in ``use`` (a dynamic network's unused parameters)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = torch.nn.Linear(4, 4)
+        self.b = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, use: str = "ab") -> torch.Tensor:
+        return sum(getattr(self, n)(x).square().mean() for n in use)
+
+
+@pytest.mark.parametrize("stage,offload", [(1, False), (2, True)])
+def test_ignore_unused_parameters_false_stops_the_step_naming_the_parameters(stage: int, offload: bool) -> None:
+    zero = {"stage": stage, "ignore_unused_parameters": False}
+    if offload:
+        zero["offload_optimizer"] = {"device": "cpu"}
+    x = torch.randn(2, 4)
+    engine, _, _, _ = hf_zero.initialize(model=_Branchy(), config=dict(CFG, gradient_accumulation_steps=2,
+                                                                       zero_optimization=zero))
+    for use in ("a", "b"):  # each head in one micro-step of the step: every parameter got a gradient
+        engine.backward(engine(x, use))
+        engine.step()
+    assert engine.global_steps == 1
+    engine.backward(engine(x, "a"))
+    engine.step()  # not a boundary: nothing is checked yet
+    engine.backward(engine(x, "a"))
+    before = [p.detach().clone() for p in engine.module.parameters()]
+    # DeepSpeed raises an AssertionError naming the key; here it names the parameters too, and nothing steps
+    with pytest.raises(AssertionError, match=r"2 trainable parameter\(s\) got no gradient .*\(b\.bias, b\.weight\)"
+                                             r".*ignore_unused_parameters is false") as e:
+        engine.step()
+    assert isinstance(e.value, UnusedParameterError) and engine.global_steps == 1
+    assert all(torch.equal(p, q) for p, q in zip(before, engine.module.parameters()))
+    # DeepSpeed's default (true), and stages 0 and 3, which DeepSpeed does not check: the unused head is left alone
+    for zero in ({"stage": 2}, {"stage": 3, "ignore_unused_parameters": False},
+                 {"stage": 0, "ignore_unused_parameters": False}):
+        engine, _, _, _ = hf_zero.initialize(model=_Branchy(), config=dict(CFG, zero_optimization=zero))
+        engine.backward(engine(x, "a"))
+        engine.step()
+        assert engine.global_steps == 1, zero
+
+
+def test_unwrap_model_for_generation_holds_the_zero3_weights_whole_for_the_block() -> None:
+    from hf_zero.runtime.zero import unwrap_model_for_generation  # DeepSpeed's path (deepspeed.runtime.zero)
+
+    ids, labels = make_data(3, 2)
+    cfg = dict(CFG, zero_optimization={"stage": 3, "stage3_param_persistence_threshold": 0})
+    runs = []
+    for unwrap in (False, True):
+        engine, _, _, _ = hf_zero.initialize(model=make_model(), config=cfg)
+        w = engine.module.fc1.weight
+        held = w.untyped_storage().nbytes  # an int, so that a failure never prints a sharded tensor
+        for t in range(3):
+            if unwrap and t == 1:
+                with torch.no_grad():
+                    ref = engine(ids[0], labels[0])
+                engine.empty_partition_cache()
+                assert held() == 0  # sharded between uses
+                with unwrap_model_for_generation(engine) as m:
+                    assert m is engine and held() >= 4 * w.numel()
+                    with torch.no_grad():
+                        out = engine(ids[0], labels[0])
+                    loss = engine(ids[0], labels[0])  # a forward with grad does not release a block either
+                    assert held() > 0
+                    with pytest.raises(UsageError, match="inside unwrap_model_for_generation"):
+                        engine.backward(loss)
+                assert torch.equal(out, ref) and held() == 0
+            engine.backward(engine(ids[t], labels[t]))
+            engine.step()
+        with hf_zero.zero.GatheredParameters(list(engine.parameters())):
+            runs.append([p.detach().clone() for p in engine.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*runs))  # training went on as if the block had not been there

@@ -33,6 +33,27 @@ def test_fast_part_passes_as_recorded(tmp_path: Path) -> None:
     assert not broken, f"DeepSpeed tests recorded as passing under hf_zero now fail: {broken}"
 
 
+def test_an_unmet_pytest_raises_in_a_rank_comes_back_as_a_failure() -> None:
+    """The plugin's pool chunk runner: a rank's pytest ``Failed`` (a BaseException, which would end the pool worker
+    unreported and hang DistributedTest) is raised as an AssertionError; results and other errors pass as they were."""
+    import pytest
+
+    from tests.conformance.plugin import _starmapstar
+
+    def unmet() -> None:
+        with pytest.raises(AssertionError):
+            pass
+
+    def broken() -> None:
+        raise KeyError("k")
+
+    assert _starmapstar((lambda a, b: a + b, [(1, 2), (3, 4)])) == [3, 7]
+    with pytest.raises(AssertionError, match="in a rank process: DID NOT RAISE <class 'AssertionError'>"):
+        _starmapstar((unmet, [()]))
+    with pytest.raises(KeyError):
+        _starmapstar((broken, [()]))
+
+
 def _alias(code: str) -> subprocess.CompletedProcess:
     """Run ``code`` with the alias first on the path, in a process of its own (never ``import deepspeed`` here)."""
     env = {"PYTHONPATH": f"{ALIAS}:{REPO}", "PATH": "/usr/bin:/bin", "CUDA_VISIBLE_DEVICES": ""}

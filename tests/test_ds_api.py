@@ -270,6 +270,18 @@ def _engine_methods(rank: int, world: int, root: str) -> dict:
     out["gathered_after_eval"] = layer_w.untyped_storage().nbytes()
     engine.empty_partition_cache()
     out["gathered_after_empty"] = layer_w.untyped_storage().nbytes()
+    # DeepSpeed's unwrap_model_for_generation (TRL's pattern): greedy decoding on the whole weights, as without it
+    from hf_zero.runtime.zero import unwrap_model_for_generation
+
+    prompt = ids[0, rank : rank + 1, :3]
+    with torch.no_grad():
+        plain = engine.module.generate(prompt, max_new_tokens=3, do_sample=False)
+    engine.empty_partition_cache()
+    with unwrap_model_for_generation(engine) as unwrapped:
+        out["held_in_unwrap"] = layer_w.untyped_storage().nbytes()
+        fast = unwrapped.module.generate(prompt, max_new_tokens=3, do_sample=False)
+    out["generate_equal"] = torch.equal(plain, fast) and fast.shape[1] == SEQ
+    out["held_after_unwrap"] = layer_w.untyped_storage().nbytes()
     assert engine.save_16bit_model(str(Path(root, "w16"))) is True
     engine.save_16bit_model(str(Path(root, "w16")), "trainable.safetensors", exclude_frozen_parameters=True)
     engine.save_pretrained(str(Path(root, "pretrained")))  # the reference: save_pretrained's consolidation
@@ -284,6 +296,58 @@ def _engine_methods(rank: int, world: int, root: str) -> dict:
         out["equal_to_pretrained"] = full.keys() == ref.keys() and all(torch.equal(full[k], ref[k]) for k in ref)
         out["dtypes"] = sorted({str(t.dtype) for t in full.values()})
         out["excluded"] = sorted(set(full) - set(trainable))
+    # "ignore_unused_parameters": false with a head that only rank 0 runs: every rank stops the step, naming it
+    torch.manual_seed(0)
+    heads = torch.nn.ModuleDict({"a": torch.nn.Linear(4, 4), "b": torch.nn.Linear(4, 4)})
+    e2, _, _, _ = deepspeed.initialize(model=heads, config={
+        "train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": LR}},
+        "zero_optimization": {"stage": 2, "ignore_unused_parameters": False}})
+    x = torch.ones(1, 4)
+    e2.backward(sum(e2.module[n](x).sum() for n in ("ab" if rank == 0 else "a")))
+    try:
+        e2.step()
+    except deepspeed.errors.UnusedParameterError as e:
+        out["unused"] = str(e)
+    return {**out, **_shared_loss(rank)}
+
+
+def _shared_loss(rank: int) -> dict:
+    """DeepSpeed's "jointly training models with shared loss": one loss.backward() over two engines' modules, then
+    each engine's _backward_epilogue() and step(); against each engine's own engine.backward of its part of the loss."""
+    import hf_zero as deepspeed
+
+    out: dict = {}
+    g = torch.Generator().manual_seed(rank)
+    xs = [torch.randn(2, 8, generator=g) for _ in range(2)]
+    for stage in (1, 2, 3):
+        finals = []
+        for shared in (True, False):
+            models = []
+            for i in range(2):
+                torch.manual_seed(i)
+                engine, _, _, _ = deepspeed.initialize(model=torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)), config={
+                    "train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.0,
+                    "optimizer": {"type": "AdamW", "params": {"lr": LR}},
+                    "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}})
+                models.append(engine)
+            for x in xs:
+                if shared:
+                    sum(m.module(x).square().mean() / (i + 1) for i, m in enumerate(models)).backward()
+                    for m in models:
+                        m._backward_epilogue()
+                else:
+                    for i, m in enumerate(models):
+                        m.backward(m(x).square().mean() / (i + 1))
+                for m in models:
+                    m.step()
+            with deepspeed.zero.GatheredParameters([p for m in models for p in m.parameters()]):
+                finals.append([p.detach().clone() for m in models for p in m.parameters()])
+        out[f"shared_equal_{stage}"] = all(torch.equal(a, b) for a, b in zip(*finals))
+    models[0].module(xs[0]).sum().backward()  # and without the epilogue: step says what is missing
+    try:
+        models[0].step()
+    except deepspeed.UsageError as e:
+        out["no_epilogue"] = str(e)
     return out
 
 
@@ -293,8 +357,13 @@ def test_engine_save_16bit_model_and_the_small_engine_methods(tmp_path: Path) ->
         assert r["batch_info"] == [2 * MICRO * 2, MICRO, 2] and r["mom"] == [[0.8, 0.99]] and r["mp"] == 1, r
         assert r["types"] == ["torch.bfloat16", "torch.float32"], r
         assert r["gathered_after_eval"] > 0 and r["gathered_after_empty"] == 0, r
+        assert r["held_in_unwrap"] > 0 and r["generate_equal"] and r["held_after_unwrap"] == 0, r
         assert r["bin"] == ("save_16bit_model(save_filename='pytorch_model.bin'): hf_zero writes safetensors only (a pickled "
                             ".bin can run code when loaded); pass a name ending in .safetensors, such as 'model.safetensors'"), r
+        assert r["unused"].startswith("2 trainable parameter(s) got no gradient in this step's backward passes on at "
+                                      "least one rank (b.bias, b.weight)"), r
+        assert r["shared_equal_1"] and r["shared_equal_2"] and r["shared_equal_3"], r
+        assert "loss.backward() without engine.backward(loss) (call engine._backward_epilogue() after it)" in r["no_epilogue"], r
     r0 = results[0]
     assert r0["equal_to_pretrained"] and r0["dtypes"] == ["torch.bfloat16"], r0
     assert r0["excluded"] == ["model.norm.weight"], r0

@@ -519,6 +519,7 @@ class Parser:
             offload_param=self.offload(obj, "offload_param", OffloadParamConfig),
             overlap_param_gather=obj.get("overlap_param_gather", Bool(), d.overlap_param_gather),
             mics_shard_size=obj.get("mics_shard_size", Int(None), d.mics_shard_size),
+            ignore_unused_parameters=obj.get("ignore_unused_parameters", Bool(), d.ignore_unused_parameters),
         )
 
     def offload_optimizer(self, zero: _Object) -> OffloadOptimizerConfig | None:

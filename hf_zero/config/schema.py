@@ -201,6 +201,7 @@ ZERO = Section(
         # MiCS's (DeepSpeed before 0.19.8): shard inside groups of N consecutive data-parallel ranks, replicate across
         # them; hf_zero runs it as hybrid sharding at stages 1-3 (hf_zero/parallel/grid.py, the dp_replicate axis)
         "mics_shard_size",
+        "ignore_unused_parameters",  # false: a trainable parameter with no gradient is an error at stages 1-2
         "cpu_offload",  # DeepSpeed's deprecated spelling of offload_optimizer on the cpu, converted as DeepSpeed does
     ),
     # DeepSpeed's field names beside their stage3_* aliases, and the deprecated fp16 spelling
@@ -228,7 +229,7 @@ ZERO = Section(
         "allgather_bucket_size": 500_000_000, "stage3_max_reuse_distance": 1_000_000_000,
         "stage3_gather_16bit_weights_on_model_save": True,
         "load_from_fp32_weights": True, "elastic_checkpoint": False, "sub_group_size": 1_000_000_000,
-        "ignore_unused_parameters": True, "legacy_stage1": False, "round_robin_gradients": False,
+        "legacy_stage1": False, "round_robin_gradients": False,
         "use_multi_rank_bucket_allreduce": True, "stage3_model_persistence_threshold": None,
         "stage3_module_granularity_threshold": 0, "stage3_use_all_reduce_for_fetch_params": False,
         "stage3_allgather_sequential": False, "memory_efficient_linear": True, "override_module_apply": True,

@@ -131,6 +131,10 @@ class ZeroOptimizationConfig:
     # MiCS's key (DeepSpeed before 0.19.8): above 0, hybrid sharding with shard groups of this many consecutive
     # data-parallel ranks, replicated across the rest (hf_zero/parallel/grid.py); -1 (DeepSpeed's default) or 0: off
     mics_shard_size: int = -1
+    # DeepSpeed's: false makes a trainable parameter that got no gradient in an optimizer step's backward passes an
+    # error at stages 1-2 (ShardedOptimizer.check_unused_parameters); true (the default) tolerates it, as DDP's
+    # find_unused_parameters does
+    ignore_unused_parameters: bool = True
 
 
 @dataclass

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hf_zero.errors import UnusedParameterError
 from hf_zero.tp_split import checkpoint_name, split_of
 from hf_zero.zero import collectives as C
 from hf_zero.zero.flat import FlatGroup
@@ -201,7 +202,8 @@ class ZeroPolicy:
     (which hold their defaults), read at stage 3 only. ``overlap_param_gather``: at stages 0-2 the step returns
     with the parameters' all-gathers in flight and the next forward waits for each group where it first reads it
     (:mod:`hf_zero.zero.overlap`); with the optimizer offloaded the CPU step of each group is deferred the same way;
-    at stage 3 it changes nothing.
+    at stage 3 it changes nothing. ``ignore_unused_parameters`` False: at stages 1-2, a trainable parameter that got
+    no gradient in a step's backward passes stops that step (:meth:`ShardedOptimizer.check_unused_parameters`).
     """
 
     stage: int
@@ -210,6 +212,7 @@ class ZeroPolicy:
     prefetch_numel: int
     max_live_numel: int
     overlap_param_gather: bool = False
+    ignore_unused_parameters: bool = True
 
     def __post_init__(self) -> None:
         if self.stage not in (0, 1, 2, 3):
@@ -274,6 +277,9 @@ class ShardedOptimizer:
                 self._bucket_of[id(s.param)] = (i, s)
                 self._hooks.append(s.param.register_post_accumulate_grad_hook(self._on_grad_ready))
         self._arrived = [0] * len(self.flat_groups)  # gradients of this backward, per bucket
+        # ignore_unused_parameters false (DeepSpeed checks it at stages 1-2): the parameters that got a gradient since
+        # the last step; None when nothing is checked
+        self._got_grad: set[int] | None = set() if stage in (1, 2) and not zero.ignore_unused_parameters else None
         self.overlap: DeferredPublish | None = None
         if zero.overlap_param_gather and stage <= 2 and self.flat_groups:
             self.overlap = DeferredPublish(module, self.flat_groups)
@@ -471,6 +477,8 @@ class ShardedOptimizer:
     def _on_grad_ready(self, param: torch.Tensor) -> None:
         i, slot = self._bucket_of[id(param)]
         self.flat_groups[i].adopt_grad(slot)
+        if self._got_grad is not None:
+            self._got_grad.add(id(param))
         if not self._sync:
             return
         self._arrived[i] += 1
@@ -493,6 +501,32 @@ class ShardedOptimizer:
         C.wait_for(self.comm_stream)
         self.reduced = True
         self._sync = False
+
+    def check_unused_parameters(self) -> None:
+        """``ignore_unused_parameters: false``: stop the step when a trainable parameter got no gradient since the last.
+
+        DeepSpeed's stage 1-2 optimizer asserts it (naming the config key) when it takes the step's gradient norm; here
+        the ranks first agree on which parameters are missing on any of them (one all-reduce of a flag per parameter),
+        so every rank raises the same error, naming them, instead of one rank raising while the others wait for it.
+        A no-op where the option is on (DeepSpeed's default) or the stage is 0 or 3.
+        """
+        if self._got_grad is None:
+            return
+        slots = [s for fg in self.flat_groups for s in fg.slots]
+        missing = torch.tensor([id(s.param) not in self._got_grad for s in slots], dtype=torch.int32, device=self.device)
+        if self.world_size > 1:
+            torch.distributed.all_reduce(missing, op=torch.distributed.ReduceOp.MAX, group=self.group)
+        if self.place.replicate is not None:  # hybrid sharding: the other shard groups' ranks too
+            torch.distributed.all_reduce(missing, op=torch.distributed.ReduceOp.MAX, group=self.place.replicate)
+        names = [s.name for s, m in zip(slots, missing.tolist()) if m]
+        if names:
+            shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+            raise UnusedParameterError(
+                f"{len(names)} trainable parameter(s) got no gradient in this step's backward passes on at least one "
+                f"rank ({shown}) and zero_optimization.ignore_unused_parameters is false: make every trainable "
+                "parameter take part in the loss, freeze the unused ones (requires_grad=False), or set "
+                "ignore_unused_parameters to true"
+            )
 
     # --------------------------------------------------------------- step
 
@@ -525,6 +559,8 @@ class ShardedOptimizer:
         for g in self.groups:
             g.zero_grads()
         self.reduced = False
+        if self._got_grad is not None:
+            self._got_grad.clear()
 
     def step(self, closure: object = None) -> None:
         raise RuntimeError(

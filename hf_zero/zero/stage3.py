@@ -47,7 +47,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -451,6 +451,8 @@ class Stage3Runtime:
         self.grad_forward = False
         self.in_forward = False  # between the root's pre- and post-hook
         self.inference_gathered = False
+        # > 0 while unwrap_model_for_generation holds every parameter whole: the forward hooks stand aside
+        self.held_whole = 0
         # False for a model that only ever runs forward (a reference model): each unit is resharded after
         # its forward as in training, since no training forward would ever release what inference kept.
         self.keep_gathered_for_inference = True
@@ -535,7 +537,22 @@ class Stage3Runtime:
                 self.root_unit.reshard()
             self.inference_gathered = False
 
+    @contextlib.contextmanager
+    def standing_aside(self) -> Iterator[None]:
+        """The forward hooks do nothing inside: the caller holds every parameter whole (``unwrap_model_for_generation``).
+
+        No unit is gathered, released, prefetched or recorded into the forward order by the forwards that run in
+        here, so the caller's gather holds for the whole block, with or without grad mode.
+        """
+        self.held_whole += 1
+        try:
+            yield
+        finally:
+            self.held_whole -= 1
+
     def _root_pre(self, module: torch.nn.Module, args: tuple) -> None:
+        if self.held_whole:
+            return
         self._recording = []
         self.grad_forward = torch.is_grad_enabled()
         self.in_forward = True
@@ -553,6 +570,8 @@ class Stage3Runtime:
         return self._root_and_pinned
 
     def _root_post(self, module: torch.nn.Module, args: tuple, output: object) -> None:
+        if self.held_whole:
+            return
         self.grad_forward = False
         self.in_forward = False
         recorded = [u for u in self._recording if not u.pinned]
@@ -644,6 +663,8 @@ class Stage3Runtime:
 
     def _make_pre(self, unit: Unit):
         def pre(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+            if self.held_whole:
+                return None
             if _recomputing():
                 if unit.pinned:
                     return None
@@ -674,6 +695,8 @@ class Stage3Runtime:
 
     def _make_post(self, unit: Unit):
         def post(module: torch.nn.Module, args: tuple, output: object) -> None:
+            if self.held_whole:
+                return
             if _recomputing():
                 # The recomputation's backward is about to use these parameters; the unit is released
                 # when its gradients are reduced (_reduce), as in a backward without checkpointing.

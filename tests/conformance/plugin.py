@@ -27,8 +27,27 @@ PRELOAD = ["torch", "torch.distributed", "deepspeed", "deepspeed.comm", "unit.co
 
 def pytest_configure(config: pytest.Config) -> None:
     import multiprocessing
+    import multiprocessing.pool
 
     multiprocessing.set_forkserver_preload(PRELOAD)
+    multiprocessing.pool.starmapstar = _starmapstar  # looked up when DistributedTest's pool.starmap_async is called
+
+
+def _starmapstar(args: tuple[Any, Any]) -> list[Any]:
+    """multiprocessing's ``starmapstar`` (one chunk of ``Pool.starmap``), with pytest's ``Failed`` reported.
+
+    A ``pytest.raises`` that sees no exception (or a ``pytest.fail``) inside a DistributedTest rank raises
+    ``Failed``, a BaseException: the pool worker lets it end the process without reporting the task, so
+    DeepSpeed's DistributedTest waits for it until its timeout and its teardown hangs for good. Raised as an
+    AssertionError, the pool hands it back to the test, which fails at once with pytest's line, as it would
+    outside a rank. Nothing else changes, on either side: every other outcome passes through as it was.
+    """
+    import itertools
+
+    try:
+        return list(itertools.starmap(args[0], args[1]))
+    except pytest.fail.Exception as e:
+        raise AssertionError(f"in a rank process: {e.msg}") from None
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 

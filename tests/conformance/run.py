@@ -168,8 +168,7 @@ def main(argv: list[str] | None = None) -> int:
             fresh[node][side] = rec["outcome"]
             fresh[node][f"{side}_observed"] = rec.get("reason", "")
             fresh[node][f"{side}_seconds"] = rec.get("seconds", 0.0)
-            if rec.get("stubs"):
-                fresh[node][f"{side}_stubs"] = rec["stubs"]
+            fresh[node][f"{side}_stubs"] = rec.get("stubs", [])  # none this time: the recorded ones go
         print(f"{side}: {seconds[side]:.0f} s", file=sys.stderr, flush=True)
     merged = {}
     for node in ids:

@@ -1,5 +1,6 @@
 """``deepspeed.runtime.zero`` under hf_zero: ``hf_zero.zero``'s names (DeepSpeed's ``deepspeed.zero`` is this
-package too), and its submodules ``partition_parameters``, ``stage3`` and ``stage_1_and_2``."""
+package too), ``unwrap_model_for_generation`` (from ``stage3``, as in DeepSpeed), and its submodules
+``partition_parameters``, ``stage3`` and ``stage_1_and_2``."""
 
 from __future__ import annotations
 
@@ -7,9 +8,10 @@ import importlib
 from typing import Any
 
 from hf_zero import zero as _zero
+from hf_zero.runtime.zero.stage3 import unwrap_model_for_generation
 from hf_zero.zero import *  # noqa: F403 - every name of hf_zero.zero, under DeepSpeed's path
 
-__all__ = list(_zero.__all__)
+__all__ = [*_zero.__all__, "unwrap_model_for_generation"]
 
 
 def __getattr__(name: str) -> Any:

@@ -179,7 +179,6 @@ PUBLIC_ELSEWHERE: dict[str, tuple[str, ...]] = {
 
 # DeepSpeed internals imported at module level by the vendored files (module path -> names)
 STUBS: dict[str, tuple[str, ...]] = {
-    "runtime.zero": ("unwrap_model_for_generation",),
     "runtime.zero.stage3": ("DeepSpeedZeroOptimizer_Stage3",),
     "runtime.zero.stage_1_and_2": ("DeepSpeedZeroOptimizer",),
     "runtime.zero.partition_parameters": ("MultipleAllGatherHandles",),
