@@ -408,23 +408,59 @@ class ZeroEngine(torch.nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self._destroyed:
             raise UsageError("engine.destroy() was called on this engine; build a new one with hf_zero.initialize() to run the model")
-        cast = self.compute_dtype if self.compute_dtype != torch.float32 else None
+        # As DeepSpeed's engine, floating inputs go in as given (a bf16 weight times an fp32 input is fp32 by
+        # PyTorch's promotion); only fp16.auto_cast casts them, to fp16. The Trainer casts its batches itself.
+        fp16 = self.config.fp16
+        cast = torch.float16 if fp16.enabled and fp16.auto_cast else None
         args = to_device(args, self.device, cast)
         kwargs = to_device(kwargs, self.device, cast)
         runtime = self.zero_optimizer.runtime if self.zero_optimizer is not None else None
         with self.autocast(), self.timers.span("forward"):
-            if runtime is None:
-                return self._call_module(args, kwargs)
-            # Stage 3: the first forwards find parameters read outside their unit's forward (hf_zero/zero/external.py);
-            # a later such read, on a path they did not take, fails in PyTorch: say what it was and what to do.
             try:
-                with runtime.watch():
+                if runtime is None:
                     return self._call_module(args, kwargs)
+                # Stage 3: the first forwards find parameters read outside their unit's forward
+                # (hf_zero/zero/external.py); a later such read, on a path they did not take, fails in PyTorch:
+                # say what it was and what to do.
+                try:
+                    with runtime.watch():
+                        return self._call_module(args, kwargs)
+                except RuntimeError as e:
+                    sentence = runtime.explain(e)
+                    if sentence is None:
+                        raise
+                    raise UsageError(sentence) from e
             except RuntimeError as e:
-                sentence = runtime.explain(e)
+                sentence = self._explain_input_dtype(e, (args, kwargs))
                 if sentence is None:
                     raise
                 raise UsageError(sentence) from e
+
+    def _explain_input_dtype(self, error: RuntimeError, inputs: Any) -> str | None:
+        """A dtype mismatch in forward while floating inputs differ from the weights' dtype: say what to cast."""
+        if self.compute_dtype == torch.float32 or not any(
+                w in str(error) for w in ("dtype", "did not match", "scalar type", "Input type")):
+            return None
+        found: list[torch.dtype] = []
+
+        def visit(obj: Any) -> None:
+            if torch.is_tensor(obj):
+                if obj.is_floating_point() and obj.dtype != self.compute_dtype:
+                    found.append(obj.dtype)
+            elif isinstance(obj, (list, tuple)):
+                for v in obj:
+                    visit(v)
+            elif isinstance(obj, dict):
+                for v in obj.values():
+                    visit(v)
+
+        visit(inputs)
+        if not found:
+            return None
+        want = str(self.compute_dtype).removeprefix("torch.")
+        return (f"the model's weights are {want} but engine(...) got {str(found[0]).removeprefix('torch.')} inputs, "
+                f"which it passes as given, as DeepSpeed does ({error}); cast them first (x.to(torch.{want})), "
+                "or under fp16 set \"fp16\": {\"auto_cast\": true} to have the engine cast them")
 
     def _call_module(self, args: tuple, kwargs: dict) -> Any:
         if self.world_size == 1:
