@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -30,12 +31,13 @@ from hf_zero.parallel import GridShape, ParallelGrid, grid_for
 from hf_zero.precision import loss_scaler_for, reduce_dtype
 from hf_zero.recompute import checkpoint_blocks
 from hf_zero.sequence.groups import view_of as sequence_view_of
-from hf_zero.step import NormScope, StepPolicy
+from hf_zero.step import NormScope, StepPolicy, StepResult
 from hf_zero.tensor_parallel import TensorParallelGroups
 from hf_zero.tensor_parallel import view_of as tensor_view_of
 from hf_zero.timers import StepTimers
 from hf_zero.tp_split import split_of
 from hf_zero.zero import attach
+from hf_zero.zero import collectives as C
 from hf_zero.zero.group import Placement
 from hf_zero.zero.offload import OffloadPolicy, host_step_threads
 from hf_zero.zero.optimizer import ShardedOptimizer, ZeroPolicy
@@ -160,6 +162,9 @@ class ZeroEngine(torch.nn.Module):
         # ZeRO wrapper otherwise. Either way the engine steps through zero_optimizer.
         unwrapped = stage == 0 and self.compute_dtype == torch.float32
         self.optimizer = self.basic_optimizer if unwrapped else self.zero_optimizer if not self.inference_only else None
+        if self.optimizer is self.zero_optimizer and self.optimizer is not None:
+            step = weakref.WeakMethod(self._optimizer_step)  # DeepSpeed's optimizer.step() is the engine's step
+            self.zero_optimizer.step_fn = lambda: step()()  # type: ignore[misc]
         self.lr_scheduler = lr_scheduler
         self.training_dataloader: Any = None  # initialize's loader, when it made one (its sampler is the data position)
         self._init_long_runs()
@@ -352,6 +357,14 @@ class ZeroEngine(torch.nn.Module):
         """Stage 3: release the blocks that no-grad forwards (evaluation, ``generate``) left gathered."""
         if self.zero_optimizer is not None:
             self.zero_optimizer.release_inference()
+
+    def allreduce_gradients(self, bucket_size: int | None = None) -> None:
+        """DeepSpeed's: finish reducing this backward's gradients. ``engine.backward`` already did (and waited, as
+        DeepSpeed's backward calls this itself): at stages 2-3 on every micro-step, at stages 0-1 at the boundary,
+        so a call after it changes nothing. ``bucket_size`` is DeepSpeed's; hf_zero's buckets are the config's."""
+        del bucket_size
+        if self.zero_optimizer is not None:
+            C.wait_for(self.zero_optimizer.comm_stream)
 
     def get_global_grad_norm(self) -> float | None:
         """Norm of the averaged gradients before clipping, at the last applied step."""
@@ -546,16 +559,7 @@ class ZeroEngine(torch.nn.Module):
         scheduler and ``global_steps``; a skipped one drops the gradients and counts in
         ``skipped_steps`` too. Every rank reaches the same verdict (the norm is global).
         """
-        zo = self.zero_optimizer
-        assert zo is not None
-        if not zo.reduced:
-            raise UsageError(
-                "engine.step() reached an accumulation boundary but the gradients were never reduced across "
-                "ranks (every backward ran inside engine.no_sync()); run the boundary's backward outside no_sync()"
-            )
-        result = self.step_policy.step(zo, clip=self.gradient_clipping(), step=self.global_steps,
-                                       skipped=self.skipped_steps)
-        zo.zero_grad()
+        result = self._optimizer_step()
         self.global_steps += 1
         if not result.applied:
             self.skipped_steps += 1
@@ -569,6 +573,28 @@ class ZeroEngine(torch.nn.Module):
             lrs = ", ".join(f"{lr:.3e}" for lr in self.get_lr())
             extra = f", loss_scale={result.loss_scale:g}" if self.loss_scaler is not None else ""
             logger.info("step=%d, skipped=%d, lr=[%s]%s", self.global_steps, self.skipped_steps, lrs, extra)
+
+    def _optimizer_step(self) -> StepResult:
+        """What DeepSpeed's ZeRO ``optimizer.step()`` does: the step policy's step on the reduced gradients, which
+        are dropped after; the engine's counters and LR scheduler are :meth:`_take_model_step`'s."""
+        zo = self.zero_optimizer
+        assert zo is not None
+        if not zo.reduced and zo.grads_dropped:
+            raise UsageError(
+                "the optimizer step found no gradients: they were dropped (optimizer.zero_grad() or the previous "
+                "step) after the last backward; call zero_grad() after the step, or run a backward before stepping"
+            )
+        if not zo.reduced:
+            raise UsageError(
+                "engine.step() reached an accumulation boundary but the gradients were never reduced across "
+                "ranks (every backward ran inside engine.no_sync()); run the boundary's backward outside no_sync()"
+            )
+        result = self.step_policy.step(zo, clip=self.gradient_clipping(), step=self.global_steps,
+                                       skipped=self.skipped_steps)
+        zo.zero_grad()
+        if result.applied and result.norm is not None:
+            zo._global_grad_norm = result.norm  # a 0-d tensor, as the engine's own: no host sync here
+        return result
 
     def destroy(self) -> None:
         """DeepSpeed's ``engine.destroy()``: release what the engine holds; a second call does nothing.
@@ -592,6 +618,7 @@ class ZeroEngine(torch.nn.Module):
                 self._preemption = None
         zo = self.zero_optimizer
         if zo is not None:
+            zo.step_fn = None  # optimizer.step() on the optimizer initialize returned now says the engine is gone
             if self.world_size == 1:
                 attach.detach(self.module, zo)
             else:
