@@ -133,8 +133,8 @@ def _hf_only(rank: int, world: int, root: str) -> dict:
     chain = sem.Chain()
     cfg = sem._config(3, "bf16", optimizer={"type": "Adam", "params": {"lr": 1.0}}, gradient_accumulation_steps=1)
     engine, *_ = hf_zero.initialize(model=chain, model_parameters=chain.parameters(), config=cfg)
-    for i, p in enumerate((chain.a.weight, chain.b.weight)):
-        p.ds_tensor.data = torch.full_like(p.ds_tensor.data, (i + 1) * (1 + rank))
+    chain.a.weight.ds_tensor.data = torch.full_like(chain.a.weight.ds_tensor.data, 1 + rank)
+    chain.b.weight.ds_tensor.fill_(2 * (1 + rank))  # in place, outside no_grad: a view outside autograd
     try:
         chain.a.weight.ds_tensor.data = torch.zeros(3)
         out["ds_tensor_wrong_size"] = "accepted"

@@ -75,8 +75,9 @@ class Partition(torch.Tensor):
 
 
 def as_partition(local: torch.Tensor) -> Partition:
-    """``local`` (a view of where a partition lives) as a :class:`Partition`, sharing its storage."""
-    return local if isinstance(local, Partition) else local.as_subclass(Partition)
+    """``local`` (a view of where a partition lives) as a :class:`Partition`, sharing its storage, outside autograd
+    (an fp32 master is an optimizer leaf: a write through ``ds_tensor`` needs no ``torch.no_grad()``)."""
+    return local if isinstance(local, Partition) else local.detach().as_subclass(Partition)
 
 
 def mark(param: torch.nn.Parameter, shape: torch.Size | tuple[int, ...], local: torch.Tensor,
