@@ -579,15 +579,16 @@ class ZeroEngine(torch.nn.Module):
         are dropped after; the engine's counters and LR scheduler are :meth:`_take_model_step`'s."""
         zo = self.zero_optimizer
         assert zo is not None
-        if not zo.reduced and zo.grads_dropped:
+        if not zo.reduced and zo.unreduced_backward:
             raise UsageError(
-                "the optimizer step found no gradients: they were dropped (optimizer.zero_grad() or the previous "
-                "step) after the last backward; call zero_grad() after the step, or run a backward before stepping"
+                "the optimizer step found gradients never reduced across ranks (every backward since the last step "
+                "ran inside engine.no_sync(), or before the accumulation boundary); run the boundary's backward "
+                "outside no_sync()"
             )
         if not zo.reduced:
             raise UsageError(
-                "engine.step() reached an accumulation boundary but the gradients were never reduced across "
-                "ranks (every backward ran inside engine.no_sync()); run the boundary's backward outside no_sync()"
+                "the optimizer step found no gradients: no backward ran since the last step or zero_grad(), which "
+                "drop them; run engine.backward(loss) first, and zero_grad() only after the step"
             )
         result = self.step_policy.step(zo, clip=self.gradient_clipping(), step=self.global_steps,
                                        skipped=self.skipped_steps)

@@ -293,7 +293,7 @@ class ShardedOptimizer:
         self._sync = False
         self._next_launch = 0
         self.reduced = False
-        self.grads_dropped = False
+        self.unreduced_backward = False  # a backward since the last step / zero_grad left its gradients unreduced
 
     def _shard_sizes(self, module: torch.nn.Module, group_named: list[NamedParams]) -> ShardSizes:
         """This rank's trainable and frozen shards, and a bound on its largest trainable group, before any group exists."""
@@ -426,7 +426,7 @@ class ShardedOptimizer:
                 g.copy_after_reduce = sync and final
         if not sync:
             self.reduced = False
-        self.grads_dropped = False
+            self.unreduced_backward = True
         self._next_launch = 0
         self._arrived = [0] * len(self.flat_groups)
         for fg in self.flat_groups:
@@ -492,7 +492,7 @@ class ShardedOptimizer:
         for g in self.groups:
             g.zero_grads()
         self.reduced = False
-        self.grads_dropped = True  # until the next backward: a step now has nothing to step with
+        self.unreduced_backward = False
 
     def step(self, closure: object = None) -> None:
         """DeepSpeed's ZeRO ``optimizer.step()``: the engine's optimizer step (global norm, fp16 / non-finite rule,
