@@ -451,8 +451,10 @@ class ZeroEngine(torch.nn.Module):
 
     def _explain_input_dtype(self, error: RuntimeError, inputs: Any) -> str | None:
         """A dtype mismatch in forward while floating inputs differ from the weights' dtype: say what to cast."""
-        if self.compute_dtype == torch.float32 or not any(
-                w in str(error) for w in ("dtype", "did not match", "scalar type", "Input type")):
+        text = str(error)
+        clash = any(w in text for w in ("same dtype", "did not match", "should be the same", "mixed dtype")) or (
+            "expected scalar type" in text and "but found" in text)  # not "one of the following scalar types"
+        if self.compute_dtype == torch.float32 or not clash:
             return None
         found: list[torch.dtype] = []
 
