@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -30,12 +31,13 @@ from hf_zero.parallel import GridShape, ParallelGrid, grid_for
 from hf_zero.precision import loss_scaler_for, reduce_dtype
 from hf_zero.recompute import checkpoint_blocks
 from hf_zero.sequence.groups import view_of as sequence_view_of
-from hf_zero.step import NormScope, StepPolicy
+from hf_zero.step import NormScope, StepPolicy, StepResult
 from hf_zero.tensor_parallel import TensorParallelGroups
 from hf_zero.tensor_parallel import view_of as tensor_view_of
 from hf_zero.timers import StepTimers
 from hf_zero.tp_split import split_of
 from hf_zero.zero import attach
+from hf_zero.zero import collectives as C
 from hf_zero.zero.group import Placement
 from hf_zero.zero.offload import OffloadPolicy, host_step_threads
 from hf_zero.zero.optimizer import ShardedOptimizer, ZeroPolicy
@@ -160,6 +162,9 @@ class ZeroEngine(torch.nn.Module):
         # ZeRO wrapper otherwise. Either way the engine steps through zero_optimizer.
         unwrapped = stage == 0 and self.compute_dtype == torch.float32
         self.optimizer = self.basic_optimizer if unwrapped else self.zero_optimizer if not self.inference_only else None
+        if self.optimizer is self.zero_optimizer and self.optimizer is not None:
+            step = weakref.WeakMethod(self._optimizer_step)  # DeepSpeed's optimizer.step() is the engine's step
+            self.zero_optimizer.step_fn = lambda: step()()  # type: ignore[misc]
         self.lr_scheduler = lr_scheduler
         self.training_dataloader: Any = None  # initialize's loader, when it made one (its sampler is the data position)
         self._init_long_runs()
@@ -353,6 +358,14 @@ class ZeroEngine(torch.nn.Module):
         if self.zero_optimizer is not None:
             self.zero_optimizer.release_inference()
 
+    def allreduce_gradients(self, bucket_size: int | None = None) -> None:
+        """DeepSpeed's: finish reducing this backward's gradients. ``engine.backward`` already did (and waited, as
+        DeepSpeed's backward calls this itself): at stages 2-3 on every micro-step, at stages 0-1 at the boundary,
+        so a call after it changes nothing. ``bucket_size`` is DeepSpeed's; hf_zero's buckets are the config's."""
+        del bucket_size
+        if self.zero_optimizer is not None:
+            C.wait_for(self.zero_optimizer.comm_stream)
+
     def get_global_grad_norm(self) -> float | None:
         """Norm of the averaged gradients before clipping, at the last applied step."""
         return None if self._global_grad_norm is None else float(self._global_grad_norm)
@@ -408,23 +421,61 @@ class ZeroEngine(torch.nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self._destroyed:
             raise UsageError("engine.destroy() was called on this engine; build a new one with hf_zero.initialize() to run the model")
-        cast = self.compute_dtype if self.compute_dtype != torch.float32 else None
+        # As DeepSpeed's engine, floating inputs go in as given (a bf16 weight times an fp32 input is fp32 by
+        # PyTorch's promotion); only fp16.auto_cast casts them, to fp16. The Trainer casts its batches itself.
+        fp16 = self.config.fp16
+        cast = torch.float16 if fp16.enabled and fp16.auto_cast else None
         args = to_device(args, self.device, cast)
         kwargs = to_device(kwargs, self.device, cast)
         runtime = self.zero_optimizer.runtime if self.zero_optimizer is not None else None
         with self.autocast(), self.timers.span("forward"):
-            if runtime is None:
-                return self._call_module(args, kwargs)
-            # Stage 3: the first forwards find parameters read outside their unit's forward (hf_zero/zero/external.py);
-            # a later such read, on a path they did not take, fails in PyTorch: say what it was and what to do.
             try:
-                with runtime.watch():
+                if runtime is None:
                     return self._call_module(args, kwargs)
+                # Stage 3: the first forwards find parameters read outside their unit's forward
+                # (hf_zero/zero/external.py); a later such read, on a path they did not take, fails in PyTorch:
+                # say what it was and what to do.
+                try:
+                    with runtime.watch():
+                        return self._call_module(args, kwargs)
+                except RuntimeError as e:
+                    sentence = runtime.explain(e)
+                    if sentence is None:
+                        raise
+                    raise UsageError(sentence) from e
             except RuntimeError as e:
-                sentence = runtime.explain(e)
+                sentence = self._explain_input_dtype(e, (args, kwargs))
                 if sentence is None:
                     raise
                 raise UsageError(sentence) from e
+
+    def _explain_input_dtype(self, error: RuntimeError, inputs: Any) -> str | None:
+        """A dtype mismatch in forward while floating inputs differ from the weights' dtype: say what to cast."""
+        text = str(error)
+        clash = any(w in text for w in ("same dtype", "did not match", "should be the same", "mixed dtype")) or (
+            "expected scalar type" in text and "but found" in text)  # not "one of the following scalar types"
+        if self.compute_dtype == torch.float32 or not clash:
+            return None
+        found: list[torch.dtype] = []
+
+        def visit(obj: Any) -> None:
+            if torch.is_tensor(obj):
+                if obj.is_floating_point() and obj.dtype != self.compute_dtype:
+                    found.append(obj.dtype)
+            elif isinstance(obj, (list, tuple)):
+                for v in obj:
+                    visit(v)
+            elif isinstance(obj, dict):
+                for v in obj.values():
+                    visit(v)
+
+        visit(inputs)
+        if not found:
+            return None
+        want = str(self.compute_dtype).removeprefix("torch.")
+        return (f"the model's weights are {want} but engine(...) got {str(found[0]).removeprefix('torch.')} inputs, "
+                f"which it passes as given, as DeepSpeed does ({error}); cast them first (x.to(torch.{want})), "
+                "or under fp16 set \"fp16\": {\"auto_cast\": true} to have the engine cast them")
 
     def _call_module(self, args: tuple, kwargs: dict) -> Any:
         if self.world_size == 1:
@@ -538,18 +589,7 @@ class ZeroEngine(torch.nn.Module):
         scheduler and ``global_steps``; a skipped one drops the gradients and counts in
         ``skipped_steps`` too. Every rank reaches the same verdict (the norm is global).
         """
-        zo = self.zero_optimizer
-        assert zo is not None
-        if not zo.reduced:
-            raise UsageError(
-                "engine.step() reached an accumulation boundary but the gradients were never reduced across "
-                "ranks: every backward ran inside engine.no_sync() (run the boundary's backward outside it), or ran "
-                "as loss.backward() without engine.backward(loss) (call engine._backward_epilogue() after it)"
-            )
-        zo.check_unused_parameters()  # zero_optimization.ignore_unused_parameters false: before any rank steps
-        result = self.step_policy.step(zo, clip=self.gradient_clipping(), step=self.global_steps,
-                                       skipped=self.skipped_steps)
-        zo.zero_grad()
+        result = self._optimizer_step()
         self.global_steps += 1
         if not result.applied:
             self.skipped_steps += 1
@@ -563,6 +603,31 @@ class ZeroEngine(torch.nn.Module):
             lrs = ", ".join(f"{lr:.3e}" for lr in self.get_lr())
             extra = f", loss_scale={result.loss_scale:g}" if self.loss_scaler is not None else ""
             logger.info("step=%d, skipped=%d, lr=[%s]%s", self.global_steps, self.skipped_steps, lrs, extra)
+
+    def _optimizer_step(self) -> StepResult:
+        """What DeepSpeed's ZeRO ``optimizer.step()`` does: the step policy's step on the reduced gradients, which
+        are dropped after; the engine's counters and LR scheduler are :meth:`_take_model_step`'s."""
+        zo = self.zero_optimizer
+        assert zo is not None
+        if not zo.reduced and zo.unreduced_backward:
+            raise UsageError(
+                "the optimizer step found gradients never reduced across ranks (every backward since the last step "
+                "ran inside engine.no_sync(), or before the accumulation boundary); run the boundary's backward "
+                "outside no_sync()"
+            )
+        if not zo.reduced:
+            raise UsageError(
+                "the optimizer step found no gradients: no backward ran since the last step or zero_grad(), which "
+                "drop them; run engine.backward(loss) first, and zero_grad() only after the step (after a plain "
+                "loss.backward(), call engine._backward_epilogue() to reduce them)"
+            )
+        zo.check_unused_parameters()  # zero_optimization.ignore_unused_parameters false: before any rank steps
+        result = self.step_policy.step(zo, clip=self.gradient_clipping(), step=self.global_steps,
+                                       skipped=self.skipped_steps)
+        zo.zero_grad()
+        if result.applied and result.norm is not None:
+            zo._global_grad_norm = result.norm  # a 0-d tensor, as the engine's own: no host sync here
+        return result
 
     def destroy(self) -> None:
         """DeepSpeed's ``engine.destroy()``: release what the engine holds; a second call does nothing.
@@ -586,6 +651,7 @@ class ZeroEngine(torch.nn.Module):
                 self._preemption = None
         zo = self.zero_optimizer
         if zo is not None:
+            zo.step_fn = None  # optimizer.step() on the optimizer initialize returned now says the engine is gone
             if self.world_size == 1:
                 attach.detach(self.module, zo)
             else:

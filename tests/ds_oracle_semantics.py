@@ -48,6 +48,43 @@ class Net(torch.nn.Module):
         return torch.nn.functional.mse_loss(out.float(), y)
 
 
+class Scale(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(3, 5))  # 15 elements: padded to 16 on two ranks
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * x
+
+
+class Chain(torch.nn.Module):
+    """Two elementwise scales, each one parameter (so DeepSpeed's per-parameter partitions and hf_zero's
+    per-unit shards are cut alike), for ``ds_tensor`` writes and ``get_fp32_grad_partitions``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = Scale(), Scale()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x))
+
+
+class InitsChild(torch.nn.Module):
+    """A parent whose ``self.apply`` re-initialises its child's weight, differently on each rank."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(12, 1)
+        self.apply(self._init)
+
+    def _init(self, module: torch.nn.Module) -> None:
+        import torch.distributed as dist
+
+        if isinstance(module, torch.nn.Linear):
+            with torch.no_grad():
+                module.weight.fill_(1 + dist.get_rank())
+
+
 def _net() -> Net:
     torch.manual_seed(0)
     return Net()
@@ -151,6 +188,44 @@ def facts(ds: Any, rank: int, world: int, root: str) -> dict:
         out["z3_gathered"] = [list(w.shape), w.ds_status.name]
     out["z3_after"] = w.ds_status.name
     engine.destroy()
+
+    # a stage-3 bf16 engine: floating inputs go in as given (bf16 weight * fp32 input is fp32); a write to
+    # ds_tensor.data is what the next forward gathers; get_fp32_grad_partitions is this rank's fp32 partition
+    # of each parameter's averaged gradient; optimizer.step() steps and leaves every parameter partitioned
+    chain = Chain()
+    cfg3_bf16 = _config(3, "bf16", optimizer={"type": "Adam", "params": {"lr": 1.0, "torch_adam": True}},
+                        gradient_accumulation_steps=1)
+    engine, *_ = ds.initialize(model=chain, model_parameters=chain.parameters(), config=cfg3_bf16)
+    for i, p in enumerate((chain.a.weight, chain.b.weight)):
+        p.ds_tensor.data = torch.full_like(p.ds_tensor.data, (i + 1) * (1 + rank))
+    out["z3_ds_tensor_numel"] = [chain.a.weight.ds_tensor.numel(), chain.b.weight.ds_tensor.numel()]
+    y = engine(torch.ones(3, 5, device=engine.device))
+    out["z3_forward"] = [str(y.dtype), y.detach().float().flatten().tolist()]
+    engine.backward(y.sum())
+    parts = engine.optimizer.get_fp32_grad_partitions()
+    out["z3_grad_partitions"] = {str(g): [[str(t.dtype), t.float().tolist()] for _, t in sorted(per.items())]
+                                 for g, per in parts.items()}
+    engine.optimizer.step()
+    out["z3_optimizer_step"] = [round(float(engine.optimizer._global_grad_norm), 3),
+                                sorted({p.ds_status.name for p in chain.parameters()})]
+    engine.destroy()
+
+    # a trainable parameter in no optimizer group (an empty group beside the biases'): accepted, never stepped
+    model = _net()
+    groups = [{"params": [], "weight_decay": 0.01}, {"params": [model.fc1.bias, model.fc2.bias], "weight_decay": 0.0}]
+    engine, *_ = ds.initialize(model=model, optimizer=torch.optim.AdamW(groups, lr=0.1), config=_config(3))
+    with ds.zero.GatheredParameters(list(model.parameters())):
+        before = [p.detach().clone() for p in (model.fc1.weight, model.fc1.bias)]
+    for t in range(GAS):
+        _step(engine, t, rank, world)
+    with ds.zero.GatheredParameters(list(model.parameters())):
+        out["ungrouped_trained"] = [not torch.equal(b, p) for b, p in zip(before, (model.fc1.weight, model.fc1.bias))]
+    engine.destroy()
+
+    # zero.Init: a parent's self.apply(fn) reaches its child's sliced weight, rank 0's values kept
+    with ds.zero.Init(config_dict_or_path=cfg3):
+        parent = InitsChild()
+    out["init_parent_apply"] = [parent.linear.weight.ds_tensor.numel(), parent.linear.weight.ds_tensor.tolist()]
 
     # checkpoint.tag_validation: DeepSpeed's three values (any case); another refused at parse
     try:

@@ -52,12 +52,20 @@ def test_client_optimizer_and_scheduler_instances_keep_working() -> None:
         engine.backward(engine(ids[t], labels[t]))
         engine.step()
     assert engine.get_lr() == [0.025, 0.025]
-    # from stage 1 (or in fp16/bf16) the ZeRO wrapper, which keeps the client's and steps only through the engine
+    # from stage 1 (or in fp16/bf16) the ZeRO wrapper, which keeps the client's; its step() is DeepSpeed's: the
+    # engine's optimizer step without the engine's counters or LR scheduler
     model = make_model()
     opt = torch.optim.AdamW(param_groups(model), lr=0.1)
     engine, zopt, _, _ = hf_zero.initialize(model=model, optimizer=opt, config={"train_batch_size": 2, "zero_optimization": {"stage": 1}})
     assert zopt is engine.optimizer and zopt.optimizer is opt and len(zopt.param_groups) == 2
-    with pytest.raises(RuntimeError, match="engine.step"):
+    with pytest.raises(UsageError, match="found no gradients: no backward ran since the last step"):
+        zopt.step()
+    before = [p.detach().clone() for p in model.parameters()]
+    engine.backward(engine(ids[0], labels[0]))
+    zopt.step()
+    moved = [not torch.equal(b, p) for b, p in zip(before, model.parameters())]
+    assert engine.global_steps == 0 and moved == [p.requires_grad for p in model.parameters()], moved
+    with pytest.raises(UsageError, match="found no gradients"):  # the step dropped them, as DeepSpeed's does
         zopt.step()
 
 

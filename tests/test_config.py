@@ -311,7 +311,7 @@ def test_ignored_keys_are_named_in_exactly_one_warning() -> None:
         "tensorboard": {"enabled": True, "output_path": "tb"},
         "flops_profiler": {"enabled": False, "profile_step": 1},  # asks for nothing: not named
         "dump_state": False,  # DeepSpeed's default: not named
-        "fp16": {"enabled": True, "auto_cast": True},
+        "fp16": {"enabled": True, "auto_cast": True},  # read: engine(...) casts floating inputs to fp16
         "zero_optimization": {"stage": 2, "round_robin_gradients": True, "sub_group_size": 1e8, "ignore_unused_parameters": True},
         "amp": {"enabled": False, "opt_level": "O1"},
         "sparse_gradients": False,
@@ -321,7 +321,7 @@ def test_ignored_keys_are_named_in_exactly_one_warning() -> None:
         cfg = ZeroConfig.load(given)
     assert len(caught) == 2 and {w.category for w in caught} == {UserWarning}
     assert str(caught[0].message) == (
-        "hf_zero accepts but ignores these DeepSpeed keys: memory_breakdown, tensorboard, fp16.auto_cast, "
+        "hf_zero accepts but ignores these DeepSpeed keys: memory_breakdown, tensorboard, "
         "zero_optimization.round_robin_gradients, zero_optimization.sub_group_size"
     )
     # disabled, but removed from DeepSpeed, whose 0.19.8 refuses them on sight: named in their own warning
@@ -329,7 +329,7 @@ def test_ignored_keys_are_named_in_exactly_one_warning() -> None:
         "hf_zero accepts these keys, which older DeepSpeed accepted but DeepSpeed 0.19.8 refuses: "
         "amp (Apex AMP, removed from DeepSpeed), sparse_gradients (removed from DeepSpeed)"
     )
-    assert cfg.fp16.enabled and cfg.zero_optimization.stage == 2
+    assert cfg.fp16.enabled and cfg.fp16.auto_cast and cfg.zero_optimization.stage == 2
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         ZeroConfig.load({**MB, "memory_breakdown": False, "wall_clock_breakdown": True, "tensorboard": {"enabled": False}})

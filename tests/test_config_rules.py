@@ -298,7 +298,6 @@ INERT_ASKING = [  # issue 16: ZeRO fields nothing in hf_zero reads, given values
     ("zero_optimization", "stage3_max_reuse_distance", 0, 1e9),
     ("zero_optimization", "stage3_gather_16bit_weights_on_model_save", False, True),
     ("zero_optimization", "compute_grad_norm", False, True),
-    ("fp16", "auto_cast", True, False),
     ("bf16", "check_grad_overflow", False, True),
     ("", "prescale_gradients", True, False),
     ("", "gradient_predivide_factor", 2.0, 1.0),

@@ -128,6 +128,41 @@ def _hf_only(rank: int, world: int, root: str) -> dict:
         out["latest_on_one_rank"] = str(e).replace(f"rank{rank}", "rankN")
     engine.destroy()
 
+    # a write to ds_tensor is the parameter's value from then on (hf_zero's partition is the fp32 master; DeepSpeed's
+    # master keeps its old values); optimizer.step() moves no counter; inputs as given, cast only by fp16.auto_cast
+    chain = sem.Chain()
+    cfg = sem._config(3, "bf16", optimizer={"type": "Adam", "params": {"lr": 1.0}}, gradient_accumulation_steps=1)
+    engine, *_ = hf_zero.initialize(model=chain, model_parameters=chain.parameters(), config=cfg)
+    chain.a.weight.ds_tensor.data = torch.full_like(chain.a.weight.ds_tensor.data, 1 + rank)
+    chain.b.weight.ds_tensor.fill_(2 * (1 + rank))  # in place, outside no_grad: a view outside autograd
+    try:
+        chain.a.weight.ds_tensor.data = torch.zeros(3)
+        out["ds_tensor_wrong_size"] = "accepted"
+    except ValueError as e:
+        out["ds_tensor_wrong_size"] = str(e)
+    engine.backward(engine(torch.ones(3, 5)).sum())
+    engine.optimizer.step()
+    with hf_zero.zero.GatheredParameters(list(chain.parameters())):
+        out["after_optimizer_step"] = [chain.a.weight.float().flatten().tolist(), chain.b.weight.float().flatten().tolist(),
+                                       engine.global_steps]
+    zo = engine.optimizer
+    engine.destroy()
+    out["optimizer_step_after_destroy"] = _raises(zo.step)
+    linear = torch.nn.Linear(4, 2)
+    engine, *_ = hf_zero.initialize(model=linear, optimizer=torch.optim.SGD(linear.parameters(), lr=0.1),
+                                    config=sem._config(0, "bf16"))
+    out["fp32_into_bf16_linear"] = _raises(lambda: engine(torch.ones(2, 4)))
+    out["bf16_into_bf16_linear"] = str(engine(torch.ones(2, 4, dtype=torch.bfloat16)).dtype)
+    engine.destroy()
+    for auto_cast in (True, False):
+        scale = sem.Scale()
+        engine, *_ = hf_zero.initialize(model=scale, optimizer=torch.optim.SGD(scale.parameters(), lr=0.1),
+                                        config=sem._config(2, fp16={"enabled": True, "auto_cast": auto_cast}))
+        out[f"fp16_auto_cast_{auto_cast}"] = str(engine(torch.ones(3, 5)).dtype)
+        engine.destroy()
+    out["apply_restored"] = torch.nn.Module.apply is torch.nn.Module.__dict__["apply"] and getattr(
+        torch.nn.Module.apply, "__wrapped__", None) is None
+
     # local accessors and the gradient setter, at every stage: a set gradient is the one the step uses
     for stage in (0, 1, 2, 3):
         model = sem._net()
@@ -169,6 +204,14 @@ def _hf_only(rank: int, world: int, root: str) -> dict:
                      groups.get_tensor_model_parallel_world_size(), groups._get_broadcast_src_rank()]
     logging.getLogger("hf_zero").removeHandler(log)
     return out
+
+
+def _raises(fn: Any) -> str:
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the sentence is what is checked
+        return f"{type(e).__name__}: {e}"
+    return "ran"
 
 
 def _hooks(model: torch.nn.Module) -> int:
@@ -223,6 +266,9 @@ def test_what_a_script_observes_is_deepspeeds(hf: tuple[Path, list[dict]], ds: t
     assert f["load_nothing"] == [[None, None], [None, None]] and f["load_nothing_untouched"], f
     assert f["init_outside"] == [0, [8, 5], 40, "NOT_AVAILABLE", True] and f["init_after"] == [0, "NOT_AVAILABLE"], f
     assert f["tag_foo"] == "DeepSpeedConfigError" and f["tag_fail"] == "AssertionError" and f["tag_Warn"] == "saved", f
+    assert f["z3_forward"][0] == "torch.float32" and f["z3_ds_tensor_numel"] == [8, 8], f  # an input as given
+    assert f["z3_optimizer_step"][1] == ["NOT_AVAILABLE"] and f["ungrouped_trained"] == [False, True], f
+    assert f["init_parent_apply"] == [6, [1.0] * 6] and ds[1][1]["facts"]["init_parent_apply"] == [6, [1.0] * 6], f
     assert f["device_count_local_size"] == 5 and f["repeating"] == [1, 2, 3, 1, 2, 3, 1] and f["sp_group"] == "KeyError", f
 
 
@@ -282,4 +328,13 @@ def test_destroy_tags_load_and_local_accessors(hf: tuple[Path, list[dict]]) -> N
     for stage in (0, 1, 2, 3):
         assert all(r0[f"local_z{stage}"].values()) and all(r1[f"local_z{stage}"].values()), (stage, r0, r1)
     assert r0["after_destroy"] == "no-op", r0
+    assert "holds 8 elements, t has 3" in r0["ds_tensor_wrong_size"], r0
+    a, b, steps = r0["after_optimizer_step"]  # written (1 / 2 per rank, times 1 / 2 per weight), then Adam's first step: -1
+    want = [0.0] * 8 + [1.0] * 7, [1.0] * 8 + [3.0] * 7  # Adam's first step moves by lr * g / (|g| + eps)
+    assert max(abs(x - y) for got, w in zip((a, b), want) for x, y in zip(got, w)) < 1e-6 and steps == 0, r0
+    assert r0["optimizer_step_after_destroy"].startswith("UsageError: this optimizer belongs to no engine"), r0
+    msg = r0["fp32_into_bf16_linear"]
+    assert msg.startswith("UsageError: the model's weights are bfloat16 but engine(...) got float32 inputs"), msg
+    assert r0["bf16_into_bf16_linear"] == "torch.bfloat16" and r0["apply_restored"], r0
+    assert r0["fp16_auto_cast_True"] == "torch.float16" and r0["fp16_auto_cast_False"] == "torch.float32", r0
     assert r0["groups"] == [2, 2, 1, 0], r0

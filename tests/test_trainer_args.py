@@ -169,3 +169,25 @@ def test_accelerate_refuses_what_it_refuses_under_deepspeed() -> None:
     for config, opt_kind, sched_kind, message in cases:
         with pytest.raises(UsageError, match=message):
             attempt(config, opt_kind, sched_kind)
+
+
+def test_trainer_casts_floating_inputs_to_the_configs_dtype(tmp_path: Path) -> None:
+    """The engine passes inputs as given, as DeepSpeed's does; the Trainer casts floating ones to the config's
+    dtype, as transformers' ``_prepare_input`` does under DeepSpeed (``hf_ds_config.dtype()``)."""
+    import hf_zero
+
+    batch = {"pixel_values": torch.ones(2, 3), "input_ids": torch.ones(2, 3, dtype=torch.long),
+             "nested": [torch.zeros(1, dtype=torch.float64)]}
+    for kw, want in (({"bf16": True}, torch.bfloat16), ({}, torch.float32)):
+        _reset_state()
+        args = _args(tmp_path, zero_config={"bf16": {"enabled": "auto"}, "zero_optimization": {"stage": 2}}, **kw)
+        got = hf_zero.Trainer(model=torch.nn.Linear(3, 2), args=args)._prepare_input(batch)
+        assert got["pixel_values"].dtype == want and got["nested"][0].dtype == want, (kw, got)
+        assert got["input_ids"].dtype == torch.long
+
+
+def _reset_state() -> None:
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()

@@ -479,6 +479,7 @@ class Parser:
             hysteresis=obj.get("hysteresis", Int(1), d.hysteresis),
             consecutive_hysteresis=obj.get("consecutive_hysteresis", Bool(), d.consecutive_hysteresis),
             min_loss_scale=min_loss_scale,
+            auto_cast=obj.get("auto_cast", Bool(), d.auto_cast),
         )
 
     def pipeline(self, top: _Object) -> PipelineConfig:

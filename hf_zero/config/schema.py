@@ -170,9 +170,8 @@ SWITCHES_ACCEPTING_AUTO = frozenset({"amp"})  # transformers fills amp.enabled f
 
 FP16 = Section(
     keys=("enabled", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "consecutive_hysteresis",
-          "min_loss_scale"),
+          "min_loss_scale", "auto_cast"),
     auto=frozenset({"enabled"}),
-    inert={"auto_cast": False},
     unsupported={"fp16_master_weights_and_grads": (False, "fp16 master weights are not supported; masters are fp32")},
     closed=True,
 )

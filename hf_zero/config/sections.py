@@ -40,6 +40,8 @@ class FP16Config:
     hysteresis: int = 2
     consecutive_hysteresis: bool = False
     min_loss_scale: float = 1.0
+    # DeepSpeed's fp16.auto_cast: engine(...) casts its floating inputs to fp16 (without it they go in as given)
+    auto_cast: bool = False
 
 
 @dataclass

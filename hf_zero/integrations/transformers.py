@@ -124,6 +124,22 @@ class Trainer(transformers.Trainer):
     def zero_enabled(self) -> bool:
         return getattr(self.args, "zero_config_dict", None) is not None
 
+    def _prepare_input(self, data: Any) -> Any:
+        """Floating inputs in the engine's dtype, as transformers casts them for DeepSpeed (``hf_ds_config.dtype()``):
+        the engine, as DeepSpeed's, passes them as given, and a bf16 model's ``pixel_values`` or audio must match it."""
+        if self.zero_enabled and isinstance(data, torch.Tensor) and torch.is_floating_point(data):
+            return data.to(device=self.args.device, dtype=self._zero_input_dtype())
+        return super()._prepare_input(data)
+
+    def _zero_input_dtype(self) -> torch.dtype:
+        cfg = getattr(self.accelerator, "zero_config", None) or self.args.zero_config_dict
+
+        def on(key: str) -> bool:
+            section = cfg.get(key)
+            return isinstance(section, dict) and section.get("enabled") is True
+
+        return torch.bfloat16 if on("bf16") or on("bfloat16") else torch.float16 if on("fp16") else torch.float32
+
     @property
     def engine(self) -> Any:
         engines = getattr(self.accelerator, "_zero_engines", [])

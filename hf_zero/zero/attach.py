@@ -39,12 +39,10 @@ def mark_stage3(module: torch.nn.Module, zo: Any) -> None:
     done: set[int] = set()
     for g in zo.groups:
         values = g.owned_values()  # the master, or a frozen group's shard
-        local = {id(r.slot): values[r.at : r.at + r.hi - r.lo] for r in g.owned()}
         sharded = isinstance(g, ShardedParamGroup)
         status = DS_STATUS[g.state] if sharded else ZeroParamStatus.AVAILABLE
-        for s in g.slots:
-            empty = torch.empty(0, dtype=s.param.dtype, device=g.device)
-            mark(s.param, s.shape, local.get(id(s), empty), status, persist=not sharded)
+        for s, at, n in g.partitions():
+            mark(s.param, s.shape, values[at : at + n], status, persist=not sharded)
             done.add(id(s.param))
     for p in module.parameters():  # frozen and too small to shard: whole on every rank
         if id(p) not in done:

@@ -183,6 +183,17 @@ class ShardGroup(abc.ABC):
             if a < b:
                 yield OwnedRange(s, a - s.offset, b - s.offset, a - lo)
 
+    def partitions(self) -> Iterator[tuple[ParamSlot, int, int]]:
+        """Each parameter's partition in this rank's range, as DeepSpeed's per-parameter ones: ``(slot, at, n)``,
+        elements ``[at, at + n)`` of the shard (:meth:`owned_values`, the gradient shard); empty where this rank
+        holds none of it. The padding that ends the group is the last parameter's, as DeepSpeed pads each
+        parameter to a multiple of the ranks (where a group holds one parameter, the two layouts are the same)."""
+        lo, hi = self.shard_lo, self.shard_hi
+        for i, s in enumerate(self.slots):
+            a = max(s.offset, lo)
+            b = hi if i == len(self.slots) - 1 else min(s.offset + s.numel, hi)
+            yield s, a - lo, max(b - a, 0)
+
     def owned_values(self) -> torch.Tensor:
         """The tensor :meth:`owned`'s ``at`` offsets index: the fp32 master (a frozen group: its shard)."""
         assert self.master is not None

@@ -54,9 +54,11 @@ class Init:
     shape is ``ds_shape`` (with DeepSpeed's other ``ds_*`` attributes); inside it, while modules are
     built, it keeps its shape on the ``meta`` device (``hf_zero/zero/preshard.py`` says why).
 
-    Like DeepSpeed, only what a module does to its *own* parameters in its ``__init__`` is seen:
-    a parent that re-initialises a child's weights after building it must do so inside
-    ``GatheredParameters(..., modifier_rank=0)``.
+    A parent that re-initialises its children's weights after building them through ``self.apply(fn)``
+    (the usual ``self.apply(self._init_weights)``) reaches them as DeepSpeed's ``zero.Init`` lets it: inside
+    the block ``Module.apply`` gathers each module's own parameters before ``fn`` runs on it and keeps rank
+    0's values after (``GatheredParameters(..., modifier_rank=0)``, module by module). Any other edit of a
+    child's already-sliced weight must be made inside ``GatheredParameters(..., modifier_rank=0)``.
     """
 
     _active: Init | None = None
@@ -99,6 +101,8 @@ class Init:
         self._saved_from_pretrained: Any = None
         self._device_ctx: torch.device | None = None
         self._pretrained_cls: type = torch.nn.Module
+        self._saved_apply: Any = None
+        self._saved_to_empty: Any = None
         if enabled:
             hz_dist.init_distributed()
             self.device = hz_dist.get_device()
@@ -149,6 +153,9 @@ class Init:
             return from_pretrained_sharded(cls, ctx, *args, **kw)
 
         modeling_utils.PreTrainedModel.from_pretrained = classmethod(from_pretrained)  # type: ignore[assignment]
+        self._saved_apply, self._saved_to_empty = torch.nn.Module.apply, torch.nn.Module.to_empty
+        torch.nn.Module.apply = _gathering_apply(self._saved_apply)  # type: ignore[method-assign]
+        torch.nn.Module.to_empty = _slicing_to_empty(self._saved_to_empty)  # type: ignore[method-assign]
         return self
 
     def __exit__(self, exc_type: type | None, exc: BaseException | None, tb: TracebackType | None) -> None:
@@ -157,6 +164,8 @@ class Init:
         from transformers import modeling_utils
 
         modeling_utils.PreTrainedModel.from_pretrained = self._saved_from_pretrained
+        torch.nn.Module.apply = self._saved_apply  # type: ignore[method-assign]
+        torch.nn.Module.to_empty = self._saved_to_empty  # type: ignore[method-assign]
         if "__init_subclass__" in torch.nn.Module.__dict__:
             del torch.nn.Module.__init_subclass__
         if self._device_ctx is not None:
@@ -240,6 +249,55 @@ class Init:
                     owner._init_weights(mod)
 
         visit(model, model)  # type: ignore[arg-type]
+
+
+def _gathering_apply(orig_apply: Any) -> Any:
+    """``Module.apply`` inside ``zero.Init``: ``fn`` sees each module's own parameters whole, rank 0's result kept.
+
+    As DeepSpeed's ``zero.Init`` wraps it (``_override_module_apply``). Every rank calls ``apply`` (the gathers are
+    collectives), module by module in the order ``apply`` visits them. Inside a ``transformers`` model's own
+    construction ``fn`` runs as given: its ``_init_weights`` is replayed on gathered parameters afterwards
+    (``Init._replay_transformers_init``), so it is not gathered for twice.
+    """
+
+    @functools.wraps(orig_apply)
+    def apply(module: torch.nn.Module, fn: Any) -> torch.nn.Module:
+        ctx = Init._active
+        if ctx is None or ctx._pretrained_depth > 0 or ctx.skeleton:
+            return orig_apply(module, fn)
+
+        def gathered_fn(m: torch.nn.Module) -> None:
+            own = [p for p in m.parameters(recurse=False) if is_presharded(p)]
+            if not own:
+                fn(m)
+                return
+            with GatheredParameters(own, modifier_rank=0):
+                fn(m)
+
+        return orig_apply(module, gathered_fn)
+
+    return apply
+
+
+def _slicing_to_empty(orig_to_empty: Any) -> Any:
+    """``Module.to_empty`` inside ``zero.Init``: the parameters it makes real are sliced at once.
+
+    ``torch.nn.utils.skip_init`` builds a module on ``meta`` (which ``zero.Init`` leaves alone: nothing to slice)
+    and then calls ``to_empty``; as under DeepSpeed's ``zero.Init``, the module then holds per-rank slices like any
+    other (of rank 0's uninitialised values, which skip_init's caller is to overwrite, under
+    ``GatheredParameters(..., modifier_rank=0)``).
+    """
+
+    @functools.wraps(orig_to_empty)
+    def to_empty(module: torch.nn.Module, *args: Any, **kwargs: Any) -> torch.nn.Module:
+        out = orig_to_empty(module, *args, **kwargs)
+        ctx = Init._active
+        if ctx is not None and not ctx.skeleton:
+            for m in module.modules():
+                ctx._shard_own_params(m)
+        return out
+
+    return to_empty
 
 
 _DS_INIT_FLAGS = (

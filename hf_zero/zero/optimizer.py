@@ -30,13 +30,14 @@ not a branch here.
 from __future__ import annotations
 
 import math
+import warnings
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
 
-from hf_zero.errors import UnusedParameterError
+from hf_zero.errors import UnusedParameterError, UsageError
 from hf_zero.tp_split import checkpoint_name, split_of
 from hf_zero.zero import collectives as C
 from hf_zero.zero.flat import FlatGroup
@@ -113,12 +114,17 @@ def _trainable_by_param_group(module: torch.nn.Module, optimizer: torch.optim.Op
             if p.requires_grad:
                 named.append((names[id(p)], p))
         group_named.append(named)
-    missing = [n for n, p in module.named_parameters() if p.requires_grad and id(p) not in seen]
+    missing = [(n, p) for n, p in module.named_parameters() if p.requires_grad and id(p) not in seen]
     if missing:
-        raise ValueError(
-            f"parameter '{missing[0]}' requires grad but is in no optimizer param group; "
-            "freeze it (requires_grad=False) or pass it in model_parameters"
-        )
+        # DeepSpeed accepts such a parameter and never steps it (its gradient is computed and kept, unused); here
+        # it is frozen outright, so that it is laid out, cast and saved as the frozen parameter it is in effect.
+        warnings.warn(
+            f"{len(missing)} parameter(s) require grad but are in no optimizer param group ("
+            + ", ".join(f"'{n}'" for n, _ in missing[:3]) + (", ..." if len(missing) > 3 else "")
+            + "): as under DeepSpeed they are not trained; hf_zero freezes them (requires_grad=False). Add them to "
+            "a param group (or model_parameters) to train them", stacklevel=2)
+        for _, p in missing:
+            p.requires_grad_(False)
     return group_named
 
 
@@ -253,6 +259,10 @@ class ShardedOptimizer:
 
         group_named = _trainable_by_param_group(module, optimizer)
         self.group_names = [[n for n, _ in named] for named in group_named]  # checkpoints record them
+        self._group_params = [[p for _, p in named] for named in group_named]  # get_fp32_grad_partitions' order
+        # optimizer.step() (DeepSpeed's: the ZeRO optimizer steps itself): the engine's step, set by the engine
+        self.step_fn: Callable[[], None] | None = None
+        self._global_grad_norm: torch.Tensor | None = None  # DeepSpeed's attribute: the last applied step's norm
         plan = HostPlan.FITS
         if offload.host_memory:  # before any host buffer exists; every rank gets the same answer
             plan = plan_host_memory(offload, self._shard_sizes(module, group_named),
@@ -288,6 +298,7 @@ class ShardedOptimizer:
         self._sync = False
         self._next_launch = 0
         self.reduced = False
+        self.unreduced_backward = False  # a backward since the last step / zero_grad left its gradients unreduced
 
     def _shard_sizes(self, module: torch.nn.Module, group_named: list[NamedParams]) -> ShardSizes:
         """This rank's trainable and frozen shards, and a bound on its largest trainable group, before any group exists."""
@@ -466,6 +477,7 @@ class ShardedOptimizer:
                 g.copy_after_reduce = sync and final
         if not sync:
             self.reduced = False
+            self.unreduced_backward = True
         self._next_launch = 0
         self._arrived = [0] * len(self.flat_groups)
         for fg in self.flat_groups:
@@ -561,12 +573,53 @@ class ShardedOptimizer:
         self.reduced = False
         if self._got_grad is not None:
             self._got_grad.clear()
+        self.unreduced_backward = False
 
     def step(self, closure: object = None) -> None:
-        raise RuntimeError(
-            "hf_zero applies the optimizer inside engine.step(); call engine.step() after engine.backward(loss) "
-            "instead of optimizer.step()"
-        )
+        """DeepSpeed's ZeRO ``optimizer.step()``: the engine's optimizer step (global norm, fp16 / non-finite rule,
+        clip, step, publish; the reduced gradients are dropped after) without its counters or LR scheduler, which
+        only ``engine.step()`` moves, as under DeepSpeed."""
+        if closure is not None:
+            raise UsageError("optimizer.step(closure): a ZeRO optimizer takes no closure; run forward and "
+                             "engine.backward(loss) first, then step")
+        if self.step_fn is None:
+            raise UsageError("this optimizer belongs to no engine (it was destroyed, or built outside "
+                             "hf_zero.initialize); step through engine.step()")
+        self.step_fn()
+
+    @property
+    def averaged_gradients(self) -> dict[int, list[torch.Tensor]]:
+        """DeepSpeed's ZeRO optimizers' attribute: ``[param group index]`` -> this rank's averaged gradient
+        partitions, one per parameter, in order (:meth:`get_fp32_grad_partitions` as lists; read-only views)."""
+        return {g: [t for _, t in sorted(per.items())] for g, per in self.get_fp32_grad_partitions().items()}
+
+    def get_fp32_grad_partitions(self) -> dict[int, dict[int, torch.Tensor]]:
+        """DeepSpeed's: ``[param group index][parameter index]`` -> this rank's fp32 partition of that parameter's
+        averaged gradient, between an accumulation boundary's backward and the step.
+
+        The indices count the trainable parameters of each optimizer param group, in the group's order. Each
+        entry is a view of the reduced gradient shard (an edit changes what the step uses) over the parameter's
+        partition (:meth:`ShardGroup.partitions`, where its ``ds_tensor`` is too at stage 3): at stages 1-3 this
+        rank's part of it (empty where another rank holds all of it), at stage 0 all of it. A parameter whose
+        gradient is not reduced yet (or was dropped by ``zero_grad`` / the step) is left out; offloaded, it is
+        the host copy once the device shard is released.
+        """
+        where: dict[int, tuple[ShardGroup, int, int]] = {}
+        for g in self.groups:
+            for s, at, n in g.partitions():
+                where[id(s.param)] = (g, at, n)
+        out: dict[int, dict[int, torch.Tensor]] = {}
+        for gi, params in enumerate(self._group_params):
+            for pi, p in enumerate(params):
+                if id(p) not in where:
+                    continue
+                g, at, n = where[id(p)]
+                grad = g.grad_values()
+                if grad is None:
+                    continue
+                part = grad[at : at + n]
+                out.setdefault(gi, {})[pi] = part if part.dtype == torch.float32 else part.float()
+        return out
 
     # ------------------------------------------------------------ helpers
 

@@ -14,7 +14,11 @@ scripts check ``ds_status`` around ``GatheredParameters``. hf_zero keeps its own
   all-gather runs;
 - ``ds_tensor``: this rank's elements of the parameter, flat (under ``zero.Init`` its padded slice;
   in a stage-3 engine the part of the fp32 master, or of a frozen shard, that this rank owns, which
-  may be empty: hf_zero shards a unit's parameters together, not each parameter by itself);
+  may be empty: hf_zero shards a unit's parameters together, not each parameter by itself; the padding
+  that ends a shard group counts to its last parameter, as DeepSpeed pads each parameter's partition).
+  It is a view of where the values live (a :class:`Partition`), so a write changes the parameter: in place
+  (``ds_tensor.fill_(v)``) or, as scripts and DeepSpeed's tests write it, ``ds_tensor.data = t``, which
+  here copies ``t`` in (DeepSpeed rebinds its partition to ``t``; the next gather reads it either way);
 - ``ds_persist``: True for a parameter a stage-3 engine keeps whole on every rank.
 
 Where they differ from DeepSpeed: between gathers a parameter of a stage-3 *engine* keeps its shape
@@ -45,6 +49,37 @@ class ZeroParamStatus(enum.Enum):
 _ids = itertools.count()
 
 
+class Partition(torch.Tensor):
+    """``ds_tensor``: a view of the storage a parameter's partition lives in, whose ``.data = t`` copies ``t`` in.
+
+    ``ds_tensor.data = t`` is how code written for DeepSpeed sets a partition (DeepSpeed gathers from whatever
+    tensor ``ds_tensor`` holds). hf_zero's partition is a view of its shard (the fp32 master, a frozen shard,
+    ``zero.Init``'s slice), so rebinding the view would change nothing; the assignment writes through instead,
+    and refuses a tensor of another element count. Every other operation is a plain tensor's (the subclass
+    does not propagate through ops).
+    """
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @property
+    def data(self) -> torch.Tensor:
+        return torch.Tensor.data.__get__(self)
+
+    @data.setter
+    def data(self, value: torch.Tensor) -> None:
+        if value.numel() != self.numel():
+            raise ValueError(f"ds_tensor.data = t: this rank's partition holds {self.numel()} elements, t has "
+                             f"{value.numel()}; write a tensor of the partition's size (torch.full_like(ds_tensor, v))")
+        with torch.no_grad():
+            torch.Tensor.copy_(self, value.reshape(self.shape))
+
+
+def as_partition(local: torch.Tensor) -> Partition:
+    """``local`` (a view of where a partition lives) as a :class:`Partition`, sharing its storage, outside autograd
+    (an fp32 master is an optimizer leaf: a write through ``ds_tensor`` needs no ``torch.no_grad()``)."""
+    return local if isinstance(local, Partition) else local.detach().as_subclass(Partition)
+
+
 def mark(param: torch.nn.Parameter, shape: torch.Size | tuple[int, ...], local: torch.Tensor,
          status: ZeroParamStatus, persist: bool = False) -> None:
     """Set DeepSpeed's attributes on ``param`` (its ``ds_id`` is kept once given)."""
@@ -52,7 +87,7 @@ def mark(param: torch.nn.Parameter, shape: torch.Size | tuple[int, ...], local: 
         param.ds_id = next(_ids)
     param.ds_shape = torch.Size(shape)
     param.ds_numel = math.prod(param.ds_shape)
-    param.ds_tensor = local
+    param.ds_tensor = as_partition(local)
     param.ds_status = status
     param.ds_persist = persist
 
