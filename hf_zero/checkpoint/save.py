@@ -38,6 +38,7 @@ from hf_zero.checkpoint.format import (
     LATEST,
     MAX_FILE_BYTES,
     META,
+    io_pool,
     rank_file_name,
     rank_meta_name,
     rng_state,
@@ -318,14 +319,24 @@ def _write_files(tensors: dict[str, torch.Tensor], partial: str, rank: int) -> t
             size = 0
         chunks[-1][key] = t.contiguous()
         size += nbytes
-    for index, chunk in enumerate(c for c in chunks if c):
-        fname = rank_file_name(rank, index)
-        path = os.path.join(partial, fname)
-        save_file(chunk, path, metadata={"format": FORMAT})
+
+    def settle(path: str) -> str:
+        """Flush a written file to the disk and hash it (both release the GIL: they overlap the next write)."""
         with open(path, "rb+") as f:
             os.fsync(f.fileno())
-        digests[fname] = sha256(path)
-        files.update(dict.fromkeys(chunk, fname))
+        return sha256(path)
+
+    written = [c for c in chunks if c]
+    pending = {}
+    with io_pool(len(written)) as io:
+        for index, chunk in enumerate(written):
+            fname = rank_file_name(rank, index)
+            path = os.path.join(partial, fname)
+            save_file(chunk, path, metadata={"format": FORMAT})
+            pending[fname] = io.submit(settle, path)
+            files.update(dict.fromkeys(chunk, fname))
+        for fname, digest in pending.items():
+            digests[fname] = digest.result()
     return files, digests
 
 
