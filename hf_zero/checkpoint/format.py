@@ -46,7 +46,8 @@ import json
 import os
 import random
 from collections import defaultdict
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -86,8 +87,23 @@ IO_THREADS = 4
 
 
 def io_pool(jobs: int) -> ThreadPoolExecutor:
-    """A thread pool for ``jobs`` file hashes or writes of one rank (at most :data:`IO_THREADS` at once)."""
+    """A thread pool for ``jobs`` file hashes or writes of one rank (at most :data:`IO_THREADS` at once); give it
+    work through :func:`io_submit`."""
     return ThreadPoolExecutor(max_workers=max(1, min(jobs, IO_THREADS)), thread_name_prefix="hf_zero-ckpt-io")
+
+
+def io_submit(pool: ThreadPoolExecutor, fn: Callable[..., Any], *args: Any) -> Future:
+    """``pool.submit(fn, *args)``, or ``fn`` run here when no thread may start: a background checkpoint write that
+    the process's end waits for runs while the interpreter shuts down, when executors refuse new work."""
+    try:
+        return pool.submit(fn, *args)
+    except RuntimeError:  # "cannot schedule new futures after interpreter shutdown" (or no new thread then)
+        done: Future = Future()
+        try:
+            done.set_result(fn(*args))
+        except BaseException as e:  # noqa: BLE001 - handed to whoever reads the result, as a pool would
+            done.set_exception(e)
+        return done
 
 
 # ------------------------------------------------------------------------ JSON
@@ -262,7 +278,7 @@ class CheckpointReader:
                   if not os.path.isfile(os.path.join(self.path, f))]
         present = [f for f in mine if os.path.isfile(os.path.join(self.path, f))]
         with io_pool(len(present)) as pool:  # this rank's files hashed side by side
-            digests = list(pool.map(lambda f: sha256(os.path.join(self.path, f)), present))
+            digests = [d.result() for d in [io_submit(pool, sha256, os.path.join(self.path, f)) for f in present]]
         errors += [f"{os.path.join(self.path, f)} does not match the checksum recorded when it was saved; the file is "
                    "damaged" for f, d in zip(present, digests) if d != self.digests[f]]
         return errors

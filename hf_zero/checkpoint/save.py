@@ -39,6 +39,7 @@ from hf_zero.checkpoint.format import (
     MAX_FILE_BYTES,
     META,
     io_pool,
+    io_submit,
     rank_file_name,
     rank_meta_name,
     rng_state,
@@ -333,7 +334,7 @@ def _write_files(tensors: dict[str, torch.Tensor], partial: str, rank: int) -> t
             fname = rank_file_name(rank, index)
             path = os.path.join(partial, fname)
             save_file(chunk, path, metadata={"format": FORMAT})
-            pending[fname] = io.submit(settle, path)
+            pending[fname] = io_submit(io, settle, path)
             files.update(dict.fromkeys(chunk, fname))
         for fname, digest in pending.items():
             digests[fname] = digest.result()
