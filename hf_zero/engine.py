@@ -429,22 +429,15 @@ class ZeroEngine(torch.nn.Module):
         kwargs = to_device(kwargs, self.device, cast)
         runtime = self.zero_optimizer.runtime if self.zero_optimizer is not None else None
         with self.autocast(), self.timers.span("forward"):
+            # Stage 3: the first forwards find parameters read outside their unit's forward (hf_zero/zero/external.py);
+            # a later such read, on a path they did not take, fails in PyTorch, as does a dtype clash of the inputs
+            # (passed as given): say what it was and what to do.
             try:
-                if runtime is None:
+                with runtime.watch() if runtime is not None else contextlib.nullcontext():
                     return self._call_module(args, kwargs)
-                # Stage 3: the first forwards find parameters read outside their unit's forward
-                # (hf_zero/zero/external.py); a later such read, on a path they did not take, fails in PyTorch:
-                # say what it was and what to do.
-                try:
-                    with runtime.watch():
-                        return self._call_module(args, kwargs)
-                except RuntimeError as e:
-                    sentence = runtime.explain(e)
-                    if sentence is None:
-                        raise
-                    raise UsageError(sentence) from e
             except RuntimeError as e:
-                sentence = self._explain_input_dtype(e, (args, kwargs))
+                sentence = (runtime.explain(e) if runtime is not None else None) or self._explain_input_dtype(
+                    e, (args, kwargs))
                 if sentence is None:
                     raise
                 raise UsageError(sentence) from e
