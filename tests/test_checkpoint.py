@@ -134,23 +134,23 @@ def test_reshard_world4_stage2_to_world2_stage1_and_world3_stage3(tmp_path: Path
 
 
 def _killed_mid_save(rank: int, world: int, directory: str, async_save: bool) -> None:
-    import safetensors.torch
+    from hf_zero.checkpoint import save
 
     case = {"stage": 2, "micro": 3, "gas": 1, "until": 2, "save_at": 1, "dir": directory, "async_save": async_save}
     _train(rank, world, case)  # checkpoint global_step1 is complete, latest -> global_step1
-    real = safetensors.torch.save_file
+    real = save.write_file  # what writes each safetensors file of a rank's share
     calls = []
 
-    def dying(tensors, path, metadata=None):  # noqa: ANN001, ANN202
+    def dying(path, items, metadata=None, sync=True):  # noqa: ANN001, ANN202
         calls.append(path)
         if len(calls) == 1:
-            real(tensors, path, metadata=metadata)
+            real(path, items, metadata, sync)
             with open(path, "r+b") as f:  # and die halfway through the bytes of the next write
                 f.truncate(os.path.getsize(path) // 2)
             os._exit(17)
-        return real(tensors, path, metadata=metadata)
+        return real(path, items, metadata, sync)
 
-    safetensors.torch.save_file = dying
+    save.write_file = dying
     _train(rank, world, dict(case, until=2, save_at=2))
 
 

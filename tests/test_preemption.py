@@ -48,26 +48,25 @@ def _wait_for_signal(out: Path, rank: int) -> None:
 
 
 def _slow_saves(out: Path, rank: int) -> None:
-    """Make one checkpoint write of this process slow (see the module doc), by wrapping safetensors' writer."""
+    """Make one checkpoint write of this process slow (see the module doc), by wrapping the writer of each file."""
     spec = os.environ.get("HFZ_TEST_SLOW_SAVE")
     if not spec:
         return
-    import safetensors.torch
-
     from hf_zero import preemption
+    from hf_zero.checkpoint import save
 
     when, seconds = spec.split(":")
-    real, done = safetensors.torch.save_file, []
+    real, done = save.write_file, []
 
-    def slow(tensors, path, metadata=None):  # noqa: ANN001, ANN202
+    def slow(path, items, metadata=None, sync=True):  # noqa: ANN001, ANN202
         hit = f".{when}." in path or (when == "preempt" and preemption._WATCH.done)
         if hit and not done:
             done.append(path)
             (out / f"saving_rank{rank}").write_text(path)
             time.sleep(float(seconds))
-        return real(tensors, path, metadata=metadata)
+        return real(path, items, metadata, sync)
 
-    safetensors.torch.save_file = slow
+    save.write_file = slow
 
 
 def engine_main(out: Path, rank: int) -> None:

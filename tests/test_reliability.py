@@ -471,10 +471,8 @@ def _save_faults(rank: int, world: int, root: str) -> dict:
     """A save that fails on one rank, or on all: every rank raises at once, nothing saved before is lost."""
     import time
 
-    import safetensors.torch
-
     import hf_zero.checkpoint.consolidated as consolidated
-    from hf_zero.checkpoint import CheckpointError
+    from hf_zero.checkpoint import CheckpointError, save
 
     d = Path(root, "run")
     engine = _engine({"zero_optimization": {"stage": 2}})
@@ -494,18 +492,18 @@ def _save_faults(rank: int, world: int, root: str) -> dict:
         out[name]["latest"] = (d / "latest").read_text()
 
     _one_step(engine, 1)
-    real_save_file = safetensors.torch.save_file
+    real_write_file = save.write_file  # what writes each safetensors file of a rank's share
 
     def disk_full(*args, **kwargs) -> None:  # noqa: ANN002, ANN003
         raise OSError(28, "No space left on device")
 
     # 1. rank 1's disk fills up while it writes its shards
     if rank == 1:
-        safetensors.torch.save_file = disk_full
+        save.write_file = disk_full
     try:
         attempt("disk_full_rank1")
     finally:
-        safetensors.torch.save_file = real_save_file
+        save.write_file = real_write_file
 
     # 2. rank 0 fails after every share is written, while it writes the index
     real_config = consolidated.save_model_config

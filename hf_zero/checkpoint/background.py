@@ -67,7 +67,7 @@ def _size(n: int) -> str:
 class WriteJob:
     """One background save: the host copies, what describes them, and where they go."""
 
-    tensors: dict[str, torch.Tensor]
+    tensors: dict[str, tuple[torch.Tensor, torch.dtype]]  # host copies and the dtype each is stored in
     rank_meta: dict[str, Any]
     write: Callable[[], None]  # this rank's files and index
     finish: Callable[[], None] | None  # rank 0: checkpoint.json, publish, rotate

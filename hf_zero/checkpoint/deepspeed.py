@@ -36,8 +36,8 @@ import torch
 from hf_zero.checkpoint.atomic import write_json as _write_json
 from hf_zero.checkpoint.deepspeed_map import DS_KEYS, Plan, plan, read_share
 from hf_zero.checkpoint.deepspeed_read import DeepSpeedCheckpointError, is_deepspeed_checkpoint, load_pickle
+from hf_zero.checkpoint.fileio import write_file
 from hf_zero.checkpoint.format import FORMAT, LATEST, MAX_FILE_BYTES, to_json
-from hf_zero.checkpoint.format import sha256 as _sha256
 from hf_zero.errors import CheckpointError
 
 if TYPE_CHECKING:
@@ -74,11 +74,9 @@ def _seeded_rng() -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
 def _write_files(tensors: dict[str, torch.Tensor], rank: int, out: str) -> tuple[dict[str, str], dict[str, str]]:
     """``rankNNNNN-iii.safetensors`` files of at most MAX_FILE_BYTES: ``{key: file}`` and ``{file: sha256}``.
 
-    Each file is written as soon as it is full: the tensors are views of memory-mapped DeepSpeed
-    files, so only one file's worth is ever copied into memory.
+    Each file is written as soon as it is full, straight from the tensors (views of memory-mapped DeepSpeed
+    files) and hashed as it is written (:func:`hf_zero.checkpoint.fileio.write_file`).
     """
-    from safetensors.torch import save_file
-
     files: dict[str, str] = {}
     digests: dict[str, str] = {}
     chunk: dict[str, torch.Tensor] = {}
@@ -88,8 +86,7 @@ def _write_files(tensors: dict[str, torch.Tensor], rank: int, out: str) -> tuple
         nonlocal chunk, size
         fname = f"rank{rank:05d}-{len({*files.values()}):03d}.safetensors"
         path = os.path.join(out, fname)
-        save_file(chunk, path, metadata={"format": FORMAT})
-        digests[fname] = _sha256(path)
+        digests[fname] = write_file(path, [(k, v, v.dtype) for k, v in chunk.items()], {"format": FORMAT})
         files.update({k: fname for k in chunk})
         chunk, size = {}, 0
 
@@ -97,7 +94,7 @@ def _write_files(tensors: dict[str, torch.Tensor], rank: int, out: str) -> tuple
         nbytes = t.numel() * t.element_size()
         if chunk and size + nbytes > MAX_FILE_BYTES:
             flush()
-        chunk[key] = t.detach().contiguous().clone()  # a copy: safetensors refuses views sharing one buffer
+        chunk[key] = t.detach()
         size += nbytes
     flush()
     return files, digests

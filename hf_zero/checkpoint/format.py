@@ -53,6 +53,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from hf_zero.checkpoint.fileio import Piece, io_threads, read_file_pieces, read_header
 from hf_zero.errors import CheckpointError
 
 FORMAT = "hf_zero.resume/1"
@@ -80,16 +81,14 @@ def sha256(path: str) -> str:
     return h.hexdigest()
 
 
-# Files hashed (or written and hashed) at once by one rank. sha256 runs at about 1 GB/s on one core, half a fast
-# disk's write speed, and a rank's share is several 2 GiB files; hashlib and file I/O release the GIL, so threads
-# overlap them. Few: the ranks of a machine share its cores and its disk.
-IO_THREADS = 4
+MIN_FILE_BYTES = 256 * 2**20  # a rank's share is cut into as many files as it has I/O threads, none smaller than this
 
 
 def io_pool(jobs: int) -> ThreadPoolExecutor:
-    """A thread pool for ``jobs`` file hashes or writes of one rank (at most :data:`IO_THREADS` at once); give it
-    work through :func:`io_submit`."""
-    return ThreadPoolExecutor(max_workers=max(1, min(jobs, IO_THREADS)), thread_name_prefix="hf_zero-ckpt-io")
+    """A thread pool for ``jobs`` file writes or hashes of one rank (at most :func:`io_threads` at once: file I/O,
+    sha256 and device copies release the GIL, so files of one rank move side by side); give it work through
+    :func:`io_submit`."""
+    return ThreadPoolExecutor(max_workers=max(1, min(jobs, io_threads())), thread_name_prefix="hf_zero-ckpt-io")
 
 
 def io_submit(pool: ThreadPoolExecutor, fn: Callable[..., Any], *args: Any) -> Future:
@@ -232,6 +231,7 @@ class CheckpointReader:
         self.path = path
         self._open = safe_open
         self.handles: dict[str, Any] = {}
+        self.headers: dict[str, tuple[int, dict[str, Any]]] = {}
         self.index: dict[tuple[str, str], list[tuple[str, str, int, int]]] = defaultdict(list)
         self.scalars: dict[str, dict[str, Any]] = {}
         self.rank_meta: list[dict] = []
@@ -309,6 +309,38 @@ class CheckpointReader:
                 covered += y - x
         if covered != hi - lo:
             raise CheckpointError(f"{self.path} covers {covered} of elements [{lo}, {hi}) of '{name}' ({kind}); it is damaged")
+
+    def read_many(self, requests: list[tuple[str, str, int, int, torch.Tensor]]) -> None:
+        """:meth:`read` of every ``(kind, name, lo, hi, out)``, the files read side by side (one per thread, each
+        with ``preadv`` into a reused buffer and copied to ``out`` wherever it lives): how a load reads a rank's
+        share. Every request's coverage is checked before anything is copied."""
+        by_file: dict[str, list[Piece]] = defaultdict(list)
+        for kind, name, lo, hi, out in requests:
+            if (kind, name) in self.derived or not out.is_contiguous():
+                self.read(kind, name, lo, hi, out)
+                continue
+            pieces = self.index.get((kind, name))
+            if not pieces:
+                raise CheckpointError(f"{self.path} has no '{kind}' values for parameter '{name}'")
+            flat, covered = out.reshape(-1), 0
+            for fname, key, a, b in pieces:
+                x, y = max(a, lo), min(b, hi)
+                if x < y:
+                    by_file[fname].append(Piece(key, x - a, y - a, flat[x - lo : y - lo]))
+                    covered += y - x
+            if covered != hi - lo:
+                raise CheckpointError(f"{self.path} covers {covered} of elements [{lo}, {hi}) of '{name}' ({kind}); it is damaged")
+        headers = {f: self.header(f) for f in by_file}
+        with io_pool(len(by_file)) as pool:
+            done = [io_submit(pool, read_file_pieces, os.path.join(self.path, f), ps, headers[f]) for f, ps in by_file.items()]
+            for d in done:
+                d.result()
+
+    def header(self, fname: str) -> tuple[int, dict[str, Any]]:
+        """One file's data offset and safetensors header (read once)."""
+        if fname not in self.headers:
+            self.headers[fname] = read_header(os.path.join(self.path, fname))
+        return self.headers[fname]
 
     def tensor(self, rank: int, key: str) -> torch.Tensor:
         """A whole tensor of one rank's share (a buffer, an RNG state)."""

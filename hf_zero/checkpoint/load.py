@@ -128,16 +128,14 @@ def _restore_weights(state: TrainState, reader: CheckpointReader, frozen_exclude
     assert zo is not None
     zo.release_inference()
     grouped: set[int] = set()
+    requests: list[tuple[str, str, int, int, torch.Tensor]] = []  # read into place, the files side by side
     for g in zo.groups:
         values = g.owned_values()
         for r in g.owned():
             if frozen_excluded and not g.trainable and not _held(reader, r.slot.name):
                 continue
-            n = r.hi - r.lo
-            buf = torch.empty(n, dtype=values.dtype)
             kind = "master" if g.trainable or ("frozen", r.slot.name) not in reader.index else "frozen"
-            reader.read(kind, r.slot.name, r.lo, r.hi, buf)
-            values[r.at : r.at + n].copy_(buf)
+            requests.append((kind, r.slot.name, r.lo, r.hi, values[r.at : r.at + r.hi - r.lo]))
         grouped.update(id(s.param) for s in g.slots)
     for name, p in state.module.named_parameters():
         if id(p) in grouped:
@@ -145,10 +143,9 @@ def _restore_weights(state: TrainState, reader: CheckpointReader, frozen_exclude
         name = checkpoint_name(name, p)
         if frozen_excluded and not p.requires_grad and not _held(reader, name):
             continue
-        buf = torch.empty(p.numel(), dtype=p.dtype)
         kind = "frozen" if ("frozen", name) in reader.index else "master"
-        reader.read(kind, name, 0, p.numel(), buf)
-        p.data.copy_(buf.view(p.shape))
+        requests.append((kind, name, 0, p.numel(), p.data))
+    reader.read_many(requests)
     for name, b in state.module.state_dict(keep_vars=True).items():
         if not isinstance(b, torch.nn.Parameter) and torch.is_tensor(b) and name in reader.buffers:
             b.copy_(reader.tensor(*reader.buffers[name]))

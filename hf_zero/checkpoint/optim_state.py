@@ -97,19 +97,26 @@ def load_optimizer(state: TrainState, reader: CheckpointReader, hypers: list[dic
     master_index = {id(m): i for i, m in enumerate(m for pg in opt.param_groups for m in pg["params"])}
     state_keys = sorted({kind.removeprefix("optim.") for kind, _ in reader.index if kind.startswith("optim.")})
     new_state: dict[int, dict[str, Any]] = {}
+    requests: list[tuple[str, str, int, int, torch.Tensor]] = []  # read into place, the files side by side
     for g in zo.groups:
         if g.master is None:
             continue
         st: dict[str, Any] = {}
+        held = opt.state.get(g.master, {})
         for k in state_keys:
-            full = torch.zeros(g.master.numel(), dtype=torch.float32)
-            any_part = False
-            for r in g.owned():
-                if (f"optim.{k}", r.slot.name) in reader.index:
-                    reader.read(f"optim.{k}", r.slot.name, r.lo, r.hi, full[r.at : r.at + r.hi - r.lo])
-                    any_part = True
-            if any_part:
-                st[k] = full
+            parts = [r for r in g.owned() if (f"optim.{k}", r.slot.name) in reader.index]
+            if not parts:
+                continue
+            # Into the state tensor the optimizer has (no second copy of the state on the device, none on the host),
+            # else a new one beside the master; elements no saved range covers start at zero, as a fresh state does.
+            mine = held.get(k)
+            if not (torch.is_tensor(mine) and mine.shape == g.master.shape and mine.device == g.master.device
+                    and mine.is_floating_point()):
+                mine = torch.empty(g.master.shape, dtype=torch.float32, device=g.master.device)
+            if sum(r.hi - r.lo for r in parts) != mine.numel():
+                mine.zero_()
+            requests += [(f"optim.{k}", r.slot.name, r.lo, r.hi, mine[r.at : r.at + r.hi - r.lo]) for r in parts]
+            st[k] = mine
         scal: dict[str, Any] = {}
         for r in g.owned():
             for k, v in reader.scalars.get(r.slot.name, {}).items():
@@ -125,6 +132,7 @@ def load_optimizer(state: TrainState, reader: CheckpointReader, hypers: list[dic
                 st[k] = from_json(v["value"])
         if st:
             new_state[master_index[id(g.master)]] = st
+    reader.read_many(requests)
     groups = []
     for pg, saved in zip(opt.param_groups, hypers):
         d = dict(from_json(saved)) if saved is not None else {k: v for k, v in pg.items() if k != "params"}

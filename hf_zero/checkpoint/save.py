@@ -33,17 +33,18 @@ import torch.distributed as dist
 
 from hf_zero.checkpoint import atomic, consolidated
 from hf_zero.checkpoint.background import BackgroundWriter, WriteJob
+from hf_zero.checkpoint.fileio import io_threads, nbytes, write_file
 from hf_zero.checkpoint.format import (
     FORMAT,
     LATEST,
     MAX_FILE_BYTES,
     META,
+    MIN_FILE_BYTES,
     io_pool,
     io_submit,
     rank_file_name,
     rank_meta_name,
     rng_state,
-    sha256,
     to_json,
 )
 from hf_zero.checkpoint.ranks import CheckpointLayout, agree, attempt, pool
@@ -211,7 +212,7 @@ def _launch(
     def copy() -> tuple:
         tensors, event = background.copy(plan)
         rng_tensors, rng_meta = rng_state(state.device)  # this step's streams, as a synchronous save takes them
-        tensors = {**tensors, **rng_tensors}
+        tensors = {k: (v, v.dtype) for k, v in {**tensors, **rng_tensors}.items()}  # host copies, stored as they are
         return tensors, event, rank_index(state, share, rng_meta), meta() if rank == 0 else None
 
     copied, err = attempt(copy)
@@ -302,42 +303,48 @@ def plan_bytes(plan: Plan) -> int:
     return sum(v.numel() * torch.empty((), dtype=d).element_size() for v, d in plan.values())
 
 
-def _write_files(tensors: dict[str, torch.Tensor], partial: str, rank: int) -> tuple[dict[str, str], dict[str, str]]:
-    """Write the tensors in files of at most MAX_FILE_BYTES (so no rank stages everything in one buffer).
+def split_files(sizes: list[int], threads: int) -> list[list[int]]:
+    """Indices of ``sizes`` (bytes, in order) cut into consecutive files of near-equal size, written side by side.
 
+    As many files as there are I/O threads, while each keeps at least :data:`MIN_FILE_BYTES` (a small share is one
+    file), and never over :data:`MAX_FILE_BYTES` unless one tensor alone is larger.
+    """
+    total = sum(sizes)
+    n = max(-(-total // MAX_FILE_BYTES), min(threads, total // MIN_FILE_BYTES), 1)
+    target = -(-total // n)
+    files: list[list[int]] = [[]]
+    size = 0
+    for i, b in enumerate(sizes):
+        if files[-1] and (size + b > MAX_FILE_BYTES or size >= target):
+            files.append([])
+            size = 0
+        files[-1].append(i)
+        size += b
+    return files
+
+
+def _write_files(tensors: dict[str, tuple[torch.Tensor, torch.dtype]], partial: str,
+                 rank: int) -> tuple[dict[str, str], dict[str, str]]:
+    """Write (key -> (tensor, stored dtype)) as this rank's files, side by side on :func:`io_threads` threads.
+
+    Each file streams its tensors from where they are (device tensors through a small host buffer, never a host
+    copy of the whole share), hashes the bytes it writes and is fsynced (:func:`hf_zero.checkpoint.fileio.write_file`).
     Returns which file holds each key and each file's sha256.
     """
-    from safetensors.torch import save_file
-
+    keys = list(tensors)
+    if any(t.device.type == "cuda" for t, _ in tensors.values()):
+        torch.cuda.synchronize()  # the writing threads copy on their own (default) streams
+    threads = io_threads()
+    parts = split_files([nbytes(*tensors[k]) for k in keys], threads)
     files: dict[str, str] = {}
-    digests: dict[str, str] = {}
-    chunks: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for key, t in tensors.items():
-        nbytes = t.numel() * t.element_size()
-        if chunks[-1] and size + nbytes > MAX_FILE_BYTES:
-            chunks.append({})
-            size = 0
-        chunks[-1][key] = t.contiguous()
-        size += nbytes
-
-    def settle(path: str) -> str:
-        """Flush a written file to the disk and hash it (both release the GIL: they overlap the next write)."""
-        with open(path, "rb+") as f:
-            os.fsync(f.fileno())
-        return sha256(path)
-
-    written = [c for c in chunks if c]
     pending = {}
-    with io_pool(len(written)) as io:
-        for index, chunk in enumerate(written):
+    with io_pool(len(parts)) as io:
+        for index, part in enumerate(parts):
             fname = rank_file_name(rank, index)
-            path = os.path.join(partial, fname)
-            save_file(chunk, path, metadata={"format": FORMAT})
-            pending[fname] = io_submit(io, settle, path)
-            files.update(dict.fromkeys(chunk, fname))
-        for fname, digest in pending.items():
-            digests[fname] = digest.result()
+            items = [(keys[i], *tensors[keys[i]]) for i in part]
+            pending[fname] = io_submit(io, write_file, os.path.join(partial, fname), items, {"format": FORMAT})
+            files.update({keys[i]: fname for i in part})
+        digests = {fname: done.result() for fname, done in pending.items()}
     return files, digests
 
 
@@ -355,8 +362,8 @@ def rank_index(state: TrainState, share: dict[str, Any], rng_meta: dict) -> dict
     return rank_meta
 
 
-def write_rank(tensors: dict[str, torch.Tensor], rank_meta: dict[str, Any], partial: str, rank: int) -> None:
-    """Write one rank's host tensors and then its index (the index names the files and their sha256)."""
+def write_rank(tensors: dict[str, tuple[torch.Tensor, torch.dtype]], rank_meta: dict[str, Any], partial: str, rank: int) -> None:
+    """Write one rank's tensors (key -> (tensor, stored dtype)), then its index (which names the files and their sha256)."""
     files, digests = _write_files(tensors, partial, rank)
     atomic.write_json(os.path.join(partial, rank_meta_name(rank)), {"files": files, "sha256": digests, **rank_meta})
 
@@ -364,9 +371,9 @@ def write_rank(tensors: dict[str, torch.Tensor], rank_meta: dict[str, Any], part
 def write_share(state: TrainState, partial: str, exclude_frozen: bool = False) -> None:
     """This rank's part of a checkpoint: its shards, optimizer state and RNG in safetensors, and its index."""
     share = plan_share(state, exclude_frozen)
-    tensors = {k: v.to("cpu", d, copy=True) for k, (v, d) in share.pop("tensors").items()}
+    tensors = share.pop("tensors")  # written from where they are, a file's worth of chunks at a time
     rng_tensors, rng_meta = rng_state(state.device)
-    tensors.update(rng_tensors)
+    tensors.update({k: (v, v.dtype) for k, v in rng_tensors.items()})
     write_rank(tensors, rank_index(state, share, rng_meta), partial, state.layout.rank)
 
 
