@@ -26,6 +26,11 @@ What is timed, per engine (every figure is the slowest rank's):
   (``oflag=direct``, or ``conv=fdatasync`` where direct I/O is refused) at the same time, to the same folder:
   the disk's bandwidth for this write pattern, ``bytes / dd_s``.
 
+Each checkpoint is removed once it has been timed, so the disk needs room for one at a time (8B with Adam: 96 GB,
+DeepSpeed's with its 16-bit weights 112 GB); ``--sync-only`` leaves out the background saves (the 8B rows on a
+128 GiB disk in a 10-minute call) and ``--no-dd`` the ``dd`` write. ``--profile N`` prints the N costliest
+functions of hf_zero's save and load (cProfile, rank 0).
+
 Rows are printed as a table and as JSON lines (``RESULT {...}``).
 """
 
@@ -81,6 +86,14 @@ def _slowest(seconds: float, args: argparse.Namespace) -> float:
     if dist.get_world_size() > 1:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t[0])
+
+
+def _drop(path: str) -> None:
+    """Remove a checkpoint folder once every rank is done with it (rank 0 removes it), so the next one has the disk."""
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(path, ignore_errors=True)
+    dist.barrier()
 
 
 def _folder_bytes(path: str) -> int:
@@ -141,6 +154,25 @@ def _dd(path: str, nbytes: int) -> float:
     raise RuntimeError(f"dd failed: {done.stderr.strip()}")
 
 
+def _profiled(call: Callable[[], Any], what: str, args: argparse.Namespace) -> Callable[[], Any]:
+    """``call``, under cProfile on rank 0 when ``--profile`` is given (its top functions printed after it)."""
+    if not args.profile or dist.get_rank() != 0:
+        return call
+
+    def run() -> Any:
+        import cProfile
+        import pstats
+
+        prof = cProfile.Profile()
+        result = prof.runcall(call)
+        for key in ("tottime", "cumulative"):
+            print(f"--- profile of hf {what}, by {key}, rank 0", flush=True)
+            pstats.Stats(prof, stream=sys.stdout).sort_stats(key).print_stats(args.profile)
+        return result
+
+    return run
+
+
 # ------------------------------------------------------------------------------ engines
 
 
@@ -175,26 +207,31 @@ def run_hf(args: argparse.Namespace, out: str) -> dict:
     engine._preemption.close()
     engine._preemption = None
     sync_dir, async_dir = os.path.join(out, "hf_sync"), os.path.join(out, "hf_async")
-    call, blocked, _ = _blocked(lambda: engine.save_checkpoint(sync_dir), step, base, args)
+    call, blocked, _ = _blocked(_profiled(lambda: engine.save_checkpoint(sync_dir), "save", args), step, base, args)
     row["save_s"], row["blocked_s"] = _slowest(call, args), _slowest(blocked, args)
-    engine.config.checkpoint_async_save = True
-    engine._save(async_dir, background=True)  # the first background save allocates (and pins) its host buffers
-    engine.wait_for_checkpoint()
-    call, blocked, _ = _blocked(lambda: engine.save_checkpoint(async_dir), step, base, args)
-    t0 = time.perf_counter()
-    engine.wait_for_checkpoint()
-    row["call_async_s"], row["blocked_async_s"] = _slowest(call, args), _slowest(blocked, args)
-    row["drain_s"] = _slowest(time.perf_counter() - t0, args)
     dist.barrier()
     t0 = time.perf_counter()
-    engine.load_checkpoint(sync_dir)
+    _profiled(lambda: engine.load_checkpoint(sync_dir), "load", args)()
     row["load_s"] = _slowest(time.perf_counter() - t0, args)
     tag = os.path.join(sync_dir, open(os.path.join(sync_dir, "latest")).read().strip())
     rank = dist.get_rank()
     mine = sum(f.stat().st_size for f in Path(tag).glob(f"rank{rank:05d}*"))  # this rank's share, for its dd
     row["bytes"] = _folder_bytes(tag)
-    dist.barrier()
-    row["dd_s"] = _slowest(_dd(os.path.join(out, f"dd.rank{rank}"), mine), args)
+    _drop(sync_dir)  # the disk holds one checkpoint at a time (8B: 96 GB)
+    if not args.sync_only:
+        engine.config.checkpoint_async_save = True
+        engine._save(async_dir, background=True)  # the first background save allocates (and pins) its host buffers
+        engine.wait_for_checkpoint()
+        _drop(async_dir)
+        call, blocked, _ = _blocked(lambda: engine.save_checkpoint(async_dir), step, base, args)
+        t0 = time.perf_counter()
+        engine.wait_for_checkpoint()
+        row["call_async_s"], row["blocked_async_s"] = _slowest(call, args), _slowest(blocked, args)
+        row["drain_s"] = _slowest(time.perf_counter() - t0, args)
+        _drop(async_dir)
+    if not args.no_dd:
+        dist.barrier()
+        row["dd_s"] = _slowest(_dd(os.path.join(out, f"dd.rank{rank}"), mine), args)
     engine.destroy()
     return row
 
@@ -229,13 +266,6 @@ def run_dcp(args: argparse.Namespace, out: str) -> dict:
     sync_dir, async_dir = os.path.join(out, "dcp_sync"), os.path.join(out, "dcp_async")
     call, blocked, _ = _blocked(lambda: dcp.save(state(), checkpoint_id=sync_dir), step, base, args)
     row["save_s"], row["blocked_s"] = _slowest(call, args), _slowest(blocked, args)
-    dcp.async_save(state(), checkpoint_id=async_dir + "_warm", process_group=writers).result()  # its staging buffers
-    call, blocked, future = _blocked(lambda: dcp.async_save(state(), checkpoint_id=async_dir, process_group=writers),
-                                     step, base, args)
-    t0 = time.perf_counter()
-    future.result()
-    row["call_async_s"], row["blocked_async_s"] = _slowest(call, args), _slowest(blocked, args)
-    row["drain_s"] = _slowest(time.perf_counter() - t0, args)
     dist.barrier()
     t0 = time.perf_counter()
     sd = state()
@@ -243,6 +273,17 @@ def run_dcp(args: argparse.Namespace, out: str) -> dict:
     set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
     row["load_s"] = _slowest(time.perf_counter() - t0, args)
     row["bytes"] = _folder_bytes(sync_dir)
+    _drop(sync_dir)
+    if not args.sync_only:
+        dcp.async_save(state(), checkpoint_id=async_dir + "_warm", process_group=writers).result()  # its staging buffers
+        _drop(async_dir + "_warm")
+        call, blocked, future = _blocked(lambda: dcp.async_save(state(), checkpoint_id=async_dir, process_group=writers),
+                                         step, base, args)
+        t0 = time.perf_counter()
+        future.result()
+        row["call_async_s"], row["blocked_async_s"] = _slowest(call, args), _slowest(blocked, args)
+        row["drain_s"] = _slowest(time.perf_counter() - t0, args)
+        _drop(async_dir)
     return row
 
 
@@ -271,7 +312,7 @@ def run_engine(name: str, args: argparse.Namespace) -> dict:
     row = {"hf": run_hf, "dcp": run_dcp, "ds": run_ds}[name](args, out)
     row.update(engine=name, model=args.model, world=dist.get_world_size(), device=args.device,
                stage=args.stage if name != "dcp" else "fsdp2")
-    if args.keep is False and dist.get_rank() == 0:
+    if dist.get_rank() == 0:
         shutil.rmtree(out, ignore_errors=True)
     return row
 
@@ -325,8 +366,12 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "bench_checkpoint"),
                     help="where the checkpoints go: the disk being measured")
-    ap.add_argument("--keep", action="store_true", help="keep the checkpoints written")
+    ap.add_argument("--sync-only", action="store_true",
+                    help="no background saves (async_save, dcp.async_save): the synchronous save, what it blocks, the load")
+    ap.add_argument("--no-dd", action="store_true", help="leave out dd's write of the same bytes")
     ap.add_argument("--timeout", type=int, default=3600)
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="print the N costliest functions of hf_zero's synchronous save and its load (cProfile, rank 0)")
     ap.add_argument("--json", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.json:  # a child: one engine
