@@ -344,7 +344,7 @@ class OffloadedFrozenGroup(_HostParamShard):
     """A stage-3 group of frozen parameters (a LoRA base model, say) whose shard lives in host memory."""
 
     def __init__(self, named_params: list[tuple[str, torch.nn.Parameter]], place: Placement, *, pin: bool) -> None:
-        ShardedParamGroup.__init__(self, named_params, place, trainable=False)
+        ShardedParamGroup.__init__(self, named_params, place, trainable=False, build_on_host=True)
         self._move_param_shard_to_host(pin)
 
 
@@ -354,11 +354,11 @@ class OffloadedShardedParamGroup(_HostMaster, _HostParamShard):
 
     def __init__(self, named_params: list[tuple[str, torch.nn.Parameter]], place: Placement, *, trainable: bool,
                  pin: bool, params_on_host: bool = False, stream_grads: bool = False) -> None:
-        ShardedParamGroup.__init__(self, named_params, place, trainable=trainable)
+        ShardedParamGroup.__init__(self, named_params, place, trainable=trainable, build_on_host=trainable)
         if not trainable:
             return
-        assert self.master is not None
-        self.param_shard = self.master.to(self.compute_dtype, copy=True)
+        assert self.master is not None  # cut in host memory (build_on_host): no second copy of the unit on the GPU
+        self.param_shard = self.master.to(self.device if not params_on_host else "cpu", self.compute_dtype, copy=True)
         self._move_master_to_host(pin, stream_grads)
         if params_on_host:
             self._move_param_shard_to_host(pin)
