@@ -335,6 +335,8 @@ class CheckpointReader:
             done = [io_submit(pool, read_file_pieces, os.path.join(self.path, f), ps, headers[f]) for f, ps in by_file.items()]
             for d in done:
                 d.result()
+        if any(out.is_cuda for _, _, _, _, out in requests):
+            torch.cuda.synchronize()  # a copy from pageable memory may still be in flight when it returns
 
     def header(self, fname: str) -> tuple[int, dict[str, Any]]:
         """One file's data offset and safetensors header (read once)."""
