@@ -11,7 +11,7 @@ hf_zero's sync save took 14.4 s and its load 9.4 s against DeepSpeed's 10.5 s an
   buffer per file, hashing the bytes as they are written (no second read of the file) and fsyncing at the end.
   Files of one rank are written by a pool of threads (:func:`io_threads`): file writes, sha256 and device copies
   all release the GIL.
-- :func:`read_pieces` reads byte ranges of files straight into their destinations (device or host tensors) with
+- :func:`read_file_pieces` reads byte ranges of files straight into their destinations (device or host tensors) with
   ``preadv`` into a reused buffer per thread, one file per thread.
 
 Files written here are plain safetensors files: ``safe_open`` reads them (the tests check it).

@@ -315,9 +315,10 @@ class CheckpointReader:
         with ``preadv`` into a reused buffer and copied to ``out`` wherever it lives): how a load reads a rank's
         share. Every request's coverage is checked before anything is copied."""
         by_file: dict[str, list[Piece]] = defaultdict(list)
+        one_by_one = []  # re-cut tensor-parallel slices and strided destinations: read() after the checks
         for kind, name, lo, hi, out in requests:
             if (kind, name) in self.derived or not out.is_contiguous():
-                self.read(kind, name, lo, hi, out)
+                one_by_one.append((kind, name, lo, hi, out))
                 continue
             pieces = self.index.get((kind, name))
             if not pieces:
@@ -330,6 +331,8 @@ class CheckpointReader:
                     covered += y - x
             if covered != hi - lo:
                 raise CheckpointError(f"{self.path} covers {covered} of elements [{lo}, {hi}) of '{name}' ({kind}); it is damaged")
+        for request in one_by_one:
+            self.read(*request)
         headers = {f: self.header(f) for f in by_file}
         with io_pool(len(by_file)) as pool:
             done = [io_submit(pool, read_file_pieces, os.path.join(self.path, f), ps, headers[f]) for f, ps in by_file.items()]
