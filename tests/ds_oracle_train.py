@@ -44,6 +44,9 @@ CASES = [
       for s in (1, 2, 3)),
     *({"name": f"z{s}_autocast", "stage": s, "dtype": "autocast", "steps_before_save": 2, "micro_after": 6}
       for s in (0, 2, 3)),
+    # save_checkpoint(exclude_frozen_parameters=True), as transformers' Trainer saves PEFT models: no frozen values
+    *({"name": f"z{s}_exclfrozen", "stage": s, "dtype": "fp32", "steps_before_save": 2, "micro_after": 6,
+       "exclude_frozen": True} for s in (2, 3)),
 ]
 _RUN: dict[str, Any] = {}
 
@@ -187,7 +190,8 @@ def run_case(case: dict, out_dir: str, world: int, rank: int) -> None:
     gas = cfg["gradient_accumulation_steps"]
     before = case["steps_before_save"] * gas
     result: dict[str, Any] = {"losses": _losses(engine, 0, before, world, rank)}
-    engine.save_checkpoint(save_dir, client_state={"epoch": 3, "note": "from deepspeed"})
+    excl = bool(case.get("exclude_frozen"))
+    engine.save_checkpoint(save_dir, client_state={"epoch": 3, "note": "from deepspeed"}, exclude_frozen_parameters=excl)
     tag_a = f"global_step{engine.global_steps}"
     engine.eval()
     with torch.no_grad():
@@ -195,7 +199,7 @@ def run_case(case: dict, out_dir: str, world: int, rank: int) -> None:
         result["fixed_loss"] = float(engine(input_ids=ids, labels=ids).loss.float())
     engine.train()
     result["losses"] += _losses(engine, before, case["micro_after"], world, rank)
-    engine.save_checkpoint(save_dir)
+    engine.save_checkpoint(save_dir, exclude_frozen_parameters=excl)
     tag_b = f"global_step{engine.global_steps}"
     result.update(tags=[tag_a, tag_b], save_dir=save_dir, skipped_steps=engine.skipped_steps)
     if engine.zero_optimization_stage() == 3:
