@@ -247,7 +247,12 @@ def run(args: argparse.Namespace, engine: str, seq: int, sp: int) -> dict | None
            __file__, "--worker", "--engine", engine, "--seq", str(seq), "--sp", str(sp), "--model", args.model,
            "--device", args.device, "--batch", str(args.batch), "--steps", str(args.steps), "--warmup", str(args.warmup), "--keep_attention", args.keep_attention, "--prefetch", str(args.prefetch)] + (["--no_offload"] if not args.offload else [])
     env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True")
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
+    except subprocess.TimeoutExpired:  # too slow to finish its steps here: not counted as a length that trains
+        print(f"[bench_sp] {engine} seq {seq} sp {sp}: no result (ran past --timeout {args.timeout} s; "
+              "whether it fits is not known)", flush=True)
+        return None
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[len("RESULT "):])
