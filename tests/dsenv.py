@@ -99,7 +99,7 @@ def clear_stale_lock(op: str, *, older_than_s: float = 1200) -> None:
     """Remove ``op``'s build lock when no build can hold it: its library exists, or it is older than any build."""
     import time
 
-    for lock in extensions_dir().glob(f"*/{op}/lock"):
+    for lock in _op_dirs_glob(op, "lock"):
         built = any(lock.parent.glob(f"{op}*.so"))
         if built or time.time() - lock.stat().st_mtime > older_than_s:
             lock.unlink(missing_ok=True)
@@ -107,7 +107,14 @@ def clear_stale_lock(op: str, *, older_than_s: float = 1200) -> None:
 
 def op_built(op: str) -> bool:
     """Whether DeepSpeed's CPU op ``op`` is already compiled in :func:`extensions_dir`."""
-    return any(extensions_dir().glob(f"*/{op}/{op}*.so"))
+    return any(_op_dirs_glob(op, f"{op}*.so"))
+
+
+def _op_dirs_glob(op: str, pattern: str) -> list[Path]:
+    """``pattern`` in ``op``'s build folder: ``<dir>/<op>`` where TORCH_EXTENSIONS_DIR names the folder (as
+    :func:`ds_environ` does), ``<dir>/py311_cpu/<op>`` where torch picked a folder per Python and device itself."""
+    root = extensions_dir()
+    return [*root.glob(f"{op}/{pattern}"), *root.glob(f"*/{op}/{pattern}")]
 
 
 def ds_environ(**extra: str) -> dict[str, str]:

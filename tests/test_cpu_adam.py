@@ -426,3 +426,19 @@ def test_equals_deepspeeds_own_cpu_adam(tmp_path: Path) -> None:
             else:  # fp32 arithmetic in both, rounded to bf16 each step: at most a last-bit difference
                 ulp = want.abs().clamp_min(1e-30) * 2.0 ** -7
                 assert ((p.float() - want).abs() <= ulp).all(), (name, i)
+
+
+def test_a_stale_build_lock_is_found_where_torch_puts_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch waits without limit on a JIT build's ``lock``; with TORCH_EXTENSIONS_DIR set (tests/dsenv.py sets it) the
+    build folder is ``<dir>/<op>``, not ``<dir>/py311_cpu/<op>``: a lock left there by a killed build once hung this
+    file's DeepSpeed run for 14 minutes while the harness looked one level down."""
+    from tests import dsenv
+
+    monkeypatch.setenv(dsenv.ENV_VAR, str(tmp_path))
+    for folder in (tmp_path / "torch_extensions" / "cpu_adam", tmp_path / "torch_extensions" / "py311_cpu" / "cpu_adam"):
+        folder.mkdir(parents=True)
+        (folder / "lock").touch()
+        (folder / "cpu_adam.so").touch()
+    assert dsenv.op_built("cpu_adam")
+    dsenv.clear_stale_lock("cpu_adam")
+    assert not list((tmp_path / "torch_extensions").rglob("lock"))
