@@ -291,39 +291,26 @@ class CheckpointReader:
 
     def read(self, kind: str, name: str, lo: int, hi: int, out: torch.Tensor) -> None:
         """Fill ``out`` (``hi - lo`` elements) with elements ``[lo, hi)`` of ``name``'s ``kind`` tensor."""
-        if (kind, name) in self.derived:  # made whole once, while its ranges are read
-            if self._last is None or self._last[0] != (kind, name):
-                self._last = None
-                self._last = ((kind, name), self.derived[(kind, name)].value())
-            out.copy_(self._last[1][lo:hi])
-            return
-        pieces = self.index.get((kind, name))
-        if not pieces:
-            raise CheckpointError(f"{self.path} has no '{kind}' values for parameter '{name}'")
-        covered = 0
-        for fname, key, a, b in pieces:
-            x, y = max(a, lo), min(b, hi)
-            if x < y:
-                sl = self.handle(fname).get_slice(key)
-                out[x - lo : y - lo].copy_(sl[x - a : y - a])
-                covered += y - x
-        if covered != hi - lo:
-            raise CheckpointError(f"{self.path} covers {covered} of elements [{lo}, {hi}) of '{name}' ({kind}); it is damaged")
+        self.read_many([(kind, name, lo, hi, out)])
 
     def read_many(self, requests: list[tuple[str, str, int, int, torch.Tensor]]) -> None:
-        """:meth:`read` of every ``(kind, name, lo, hi, out)``, the files read side by side (one per thread, each
-        with ``preadv`` into a reused buffer and copied to ``out`` wherever it lives): how a load reads a rank's
-        share. Every request's coverage is checked before anything is copied."""
+        """Fill each ``out`` of ``(kind, name, lo, hi, out)`` with elements ``[lo, hi)`` of ``name``'s ``kind`` tensor
+        from whichever files hold them: every request's coverage checked first, then the files read side by side
+        (one per thread, ``preadv`` into a reused buffer, copied to ``out`` wherever it lives). How a load reads a
+        rank's share."""
         by_file: dict[str, list[Piece]] = defaultdict(list)
-        one_by_one = []  # re-cut tensor-parallel slices and strided destinations: read() after the checks
+        derived, strided = [], []
         for kind, name, lo, hi, out in requests:
-            if (kind, name) in self.derived or not out.is_contiguous():
-                one_by_one.append((kind, name, lo, hi, out))
+            if (kind, name) in self.derived:
+                derived.append((kind, name, lo, hi, out))
                 continue
+            flat = out.reshape(-1) if out.is_contiguous() else torch.empty(hi - lo, dtype=out.dtype, device=out.device)
+            if not out.is_contiguous():
+                strided.append((out, flat))
             pieces = self.index.get((kind, name))
             if not pieces:
                 raise CheckpointError(f"{self.path} has no '{kind}' values for parameter '{name}'")
-            flat, covered = out.reshape(-1), 0
+            covered = 0
             for fname, key, a, b in pieces:
                 x, y = max(a, lo), min(b, hi)
                 if x < y:
@@ -331,13 +318,18 @@ class CheckpointReader:
                     covered += y - x
             if covered != hi - lo:
                 raise CheckpointError(f"{self.path} covers {covered} of elements [{lo}, {hi}) of '{name}' ({kind}); it is damaged")
-        for request in one_by_one:
-            self.read(*request)
+        for kind, name, lo, hi, out in derived:  # a re-cut tensor-parallel slice: made whole once, then its ranges
+            if self._last is None or self._last[0] != (kind, name):
+                self._last = None
+                self._last = ((kind, name), self.derived[(kind, name)].value())
+            out.copy_(self._last[1][lo:hi].view(out.shape))
         headers = {f: self.header(f) for f in by_file}
         with io_pool(len(by_file)) as pool:
             done = [io_submit(pool, read_file_pieces, os.path.join(self.path, f), ps, headers[f]) for f, ps in by_file.items()]
             for d in done:
                 d.result()
+        for out, flat in strided:
+            out.copy_(flat.view(out.shape))
         if any(out.is_cuda for _, _, _, _, out in requests):
             torch.cuda.synchronize()  # a copy from pageable memory may still be in flight when it returns
 
