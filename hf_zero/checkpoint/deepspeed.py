@@ -36,8 +36,8 @@ import torch
 from hf_zero.checkpoint.atomic import write_json as _write_json
 from hf_zero.checkpoint.deepspeed_map import DS_KEYS, Plan, plan, read_share
 from hf_zero.checkpoint.deepspeed_read import DeepSpeedCheckpointError, is_deepspeed_checkpoint, load_pickle
-from hf_zero.checkpoint.fileio import write_file
-from hf_zero.checkpoint.format import FORMAT, LATEST, MAX_FILE_BYTES, to_json
+from hf_zero.checkpoint.format import FORMAT, LATEST, to_json
+from hf_zero.checkpoint.save import write_files
 from hf_zero.errors import CheckpointError
 
 if TYPE_CHECKING:
@@ -69,35 +69,6 @@ def _seeded_rng() -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     meta = {"python": [py[0], list(py[1]), py[2]],
             "numpy": [npst[0], npst[1].tolist(), int(npst[2]), int(npst[3]), float(npst[4])]}
     return {"rng.torch_cpu": torch.Generator().manual_seed(0).get_state()}, meta
-
-
-def _write_files(tensors: dict[str, torch.Tensor], rank: int, out: str) -> tuple[dict[str, str], dict[str, str]]:
-    """``rankNNNNN-iii.safetensors`` files of at most MAX_FILE_BYTES: ``{key: file}`` and ``{file: sha256}``.
-
-    Each file is written as soon as it is full, straight from the tensors (views of memory-mapped DeepSpeed
-    files) and hashed as it is written (:func:`hf_zero.checkpoint.fileio.write_file`).
-    """
-    files: dict[str, str] = {}
-    digests: dict[str, str] = {}
-    chunk: dict[str, torch.Tensor] = {}
-    size = 0
-
-    def flush() -> None:
-        nonlocal chunk, size
-        fname = f"rank{rank:05d}-{len({*files.values()}):03d}.safetensors"
-        path = os.path.join(out, fname)
-        digests[fname] = write_file(path, [(k, v, v.dtype) for k, v in chunk.items()], {"format": FORMAT})
-        files.update({k: fname for k in chunk})
-        chunk, size = {}, 0
-
-    for key, t in tensors.items():
-        nbytes = t.numel() * t.element_size()
-        if chunk and size + nbytes > MAX_FILE_BYTES:
-            flush()
-        chunk[key] = t.detach()
-        size += nbytes
-    flush()
-    return files, digests
 
 
 def _write_share(p: Plan, rank: int, out: str) -> None:
@@ -137,7 +108,8 @@ def _write_share(p: Plan, rank: int, out: str) -> None:
     rng_tensors, rng_meta = _seeded_rng()
     tensors.update(rng_tensors)
 
-    files, digests = _write_files(tensors, rank, out)
+    # written as hf_zero's own saves write them: files side by side, straight from the tensors, hashed as written
+    files, digests = write_files({k: (v, v.dtype) for k, v in tensors.items()}, out, rank)
     _write_json(os.path.join(out, f"rank{rank:05d}.json"),
                 {"files": files, "sha256": digests, "ranges": ranges, "scalars": scalars, "rng": rng_meta, "sampler": None})
 

@@ -323,7 +323,7 @@ def split_files(sizes: list[int], threads: int) -> list[list[int]]:
     return files
 
 
-def _write_files(tensors: dict[str, tuple[torch.Tensor, torch.dtype]], partial: str,
+def write_files(tensors: dict[str, tuple[torch.Tensor, torch.dtype]], partial: str,
                  rank: int) -> tuple[dict[str, str], dict[str, str]]:
     """Write (key -> (tensor, stored dtype)) as this rank's files, side by side on :func:`io_threads` threads.
 
@@ -364,7 +364,7 @@ def rank_index(state: TrainState, share: dict[str, Any], rng_meta: dict) -> dict
 
 def write_rank(tensors: dict[str, tuple[torch.Tensor, torch.dtype]], rank_meta: dict[str, Any], partial: str, rank: int) -> None:
     """Write one rank's tensors (key -> (tensor, stored dtype)), then its index (which names the files and their sha256)."""
-    files, digests = _write_files(tensors, partial, rank)
+    files, digests = write_files(tensors, partial, rank)
     atomic.write_json(os.path.join(partial, rank_meta_name(rank)), {"files": files, "sha256": digests, **rank_meta})
 
 
