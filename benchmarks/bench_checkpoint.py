@@ -100,6 +100,13 @@ def _folder_bytes(path: str) -> int:
     return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
 
 
+def _keep(row: dict, args: argparse.Namespace) -> None:
+    """Rank 0 writes the row measured so far where the driver reads it, so that a load that fails afterwards
+    (DeepSpeed ZeRO-3's at 8B on 80 GB cards runs out of memory) still reports the save it timed."""
+    if args.json and dist.get_rank() == 0:
+        Path(args.json).write_text(json.dumps(row))
+
+
 def build_model(args: argparse.Namespace) -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -209,14 +216,15 @@ def run_hf(args: argparse.Namespace, out: str) -> dict:
     sync_dir, async_dir = os.path.join(out, "hf_sync"), os.path.join(out, "hf_async")
     call, blocked, _ = _blocked(_profiled(lambda: engine.save_checkpoint(sync_dir), "save", args), step, base, args)
     row["save_s"], row["blocked_s"] = _slowest(call, args), _slowest(blocked, args)
-    dist.barrier()
-    t0 = time.perf_counter()
-    _profiled(lambda: engine.load_checkpoint(sync_dir), "load", args)()
-    row["load_s"] = _slowest(time.perf_counter() - t0, args)
     tag = os.path.join(sync_dir, open(os.path.join(sync_dir, "latest")).read().strip())
     rank = dist.get_rank()
     mine = sum(f.stat().st_size for f in Path(tag).glob(f"rank{rank:05d}*"))  # this rank's share, for its dd
     row["bytes"] = _folder_bytes(tag)
+    _keep(row, args)
+    dist.barrier()
+    t0 = time.perf_counter()
+    _profiled(lambda: engine.load_checkpoint(sync_dir), "load", args)()
+    row["load_s"] = _slowest(time.perf_counter() - t0, args)
     _drop(sync_dir)  # the disk holds one checkpoint at a time (8B: 96 GB)
     if not args.sync_only:
         engine.config.checkpoint_async_save = True
@@ -266,13 +274,14 @@ def run_dcp(args: argparse.Namespace, out: str) -> dict:
     sync_dir, async_dir = os.path.join(out, "dcp_sync"), os.path.join(out, "dcp_async")
     call, blocked, _ = _blocked(lambda: dcp.save(state(), checkpoint_id=sync_dir), step, base, args)
     row["save_s"], row["blocked_s"] = _slowest(call, args), _slowest(blocked, args)
+    row["bytes"] = _folder_bytes(sync_dir)
+    _keep(row, args)
     dist.barrier()
     t0 = time.perf_counter()
     sd = state()
     dcp.load(sd, checkpoint_id=sync_dir)
     set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
     row["load_s"] = _slowest(time.perf_counter() - t0, args)
-    row["bytes"] = _folder_bytes(sync_dir)
     _drop(sync_dir)
     if not args.sync_only:
         dcp.async_save(state(), checkpoint_id=async_dir + "_warm", process_group=writers).result()  # its staging buffers
@@ -295,11 +304,12 @@ def run_ds(args: argparse.Namespace, out: str) -> dict:
     d = os.path.join(out, "ds")
     call, blocked, _ = _blocked(lambda: engine.save_checkpoint(d), step, base, args)
     row["save_s"], row["blocked_s"] = _slowest(call, args), _slowest(blocked, args)
+    row["bytes"] = _folder_bytes(d)
+    _keep(row, args)
     dist.barrier()
     t0 = time.perf_counter()
     engine.load_checkpoint(d)
     row["load_s"] = _slowest(time.perf_counter() - t0, args)
-    row["bytes"] = _folder_bytes(d)
     return row
 
 
@@ -337,7 +347,7 @@ def table(rows: list[dict]) -> list[str]:
             f"{'blocked async s':>15} {'drain s':>8} {'load s':>8} {'GB/s write':>10} {'dd GB/s':>8}")
     lines = [head]
     for r in rows:
-        if "error" in r:
+        if "save_s" not in r:
             lines.append(f"{r['engine']:<7} failed: {r['error']}")
             continue
         gb = r["bytes"] / 1e9
@@ -349,7 +359,7 @@ def table(rows: list[dict]) -> list[str]:
         dd = f"{gb / r['dd_s']:>8.2f}" if r.get("dd_s") else f"{'-':>8}"
         lines.append(f"{r['engine']:<7} {gb:>8.3f} {f('step_s', 7)} {f('step_watch_s', 7)} {f('save_s', 8)} {f('blocked_s', 9)} "
                      f"{f('call_async_s', 12)} {f('blocked_async_s', 15)} {f('drain_s', 8)} {f('load_s', 8)} "
-                     f"{gb / r['save_s']:>10.2f} {dd}")
+                     f"{gb / r['save_s']:>10.2f} {dd}" + (f"  (then failed: {r['error']})" if "error" in r else ""))
     return lines
 
 
@@ -401,13 +411,18 @@ def main() -> None:
         child_args = [*sys.argv[1:], "--engines", name, "--json", result]
         argv = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={gpus}", __file__, *child_args]
         print(f"{name}: {' '.join(argv)}", flush=True)
-        done = subprocess.run(argv, timeout=args.timeout)
         try:
-            row = json.loads(Path(result).read_text()) if done.returncode == 0 else None
+            error = "" if (rc := subprocess.run(argv, timeout=args.timeout).returncode) == 0 else f"exit status {rc}"
+        except subprocess.TimeoutExpired:
+            error = f"ran past --timeout {args.timeout} s"
+        try:  # a failed child may still have kept the figures it measured before failing (its save)
+            row = json.loads(Path(result).read_text() or "{}")
         except (OSError, ValueError):
-            row = None
+            row = {}
         os.remove(result)
-        rows.append(row or {"engine": name, "error": f"exit status {done.returncode}"})
+        if error or "engine" not in row:
+            row = {**row, "engine": name, "error": error or "no result written"}
+        rows.append(row)
         print("RESULT " + json.dumps(rows[-1]), flush=True)
     print("\n".join(table(rows)))
 

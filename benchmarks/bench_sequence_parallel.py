@@ -292,6 +292,7 @@ def main() -> None:
             if args.max_seq:
                 seq, best = args.max_seq, None
                 while (r := run(args, engine, seq, sp)) is not None:
+                    print(json.dumps(r), flush=True)  # each length that trained, with its speed and memory
                     best, seq = r, seq * 2
                 print(json.dumps({"engine": engine, "sp": sp, "max_seq_trained": best and best["seq"], "failed_at": seq}), flush=True)
                 continue
