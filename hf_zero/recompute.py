@@ -167,7 +167,10 @@ def checkpoint_blocks(module: torch.nn.Module, offload: bool = False, keep_atten
 
     from hf_zero.sequence.tiling import checkpoint_offloaded
 
-    blocks = [block for _, block in find_units(module)]
+    # An embedding lookup is left as it is: its forward saves only the ids, so recomputing it saves nothing, and
+    # stage 3 does not gather its weight for backward (the weight's gradient needs no weights), so a recomputation
+    # would read a released parameter (a model whose units are its top-level children has one among them).
+    blocks = [block for _, block in find_units(module) if type(block) is not torch.nn.Embedding]
     keep_ops = attention_ops() if keep_attention else []
     saving = functools.partial(create_selective_checkpoint_contexts, keep_ops) if keep_ops else None
     for block in blocks:
