@@ -15,7 +15,7 @@ from __future__ import annotations
 
 __all__ = [
     "CheckpointError", "CheckpointTagError", "ConfigError", "HostMemoryError", "HubError", "InitializeArgumentError", "LaunchError", "LossScaleFloorError", "NonFiniteLossError",
-    "OptimizerConfigError", "PeerFailureError", "PipelineError", "StepInNoSyncError", "UnusedParameterError",
+    "OptimizerConfigError", "PeerFailureError", "PipelineError", "ReleasedParameterError", "StepInNoSyncError", "UnusedParameterError",
     "UsageError",
 ]
 
@@ -38,6 +38,18 @@ class PipelineError(ValueError):
 
 class CheckpointError(ValueError):
     """A checkpoint cannot be written or read as asked."""
+
+
+class ReleasedParameterError(UsageError, RuntimeError):
+    """An op read a stage-3 parameter between gathers, when it has no values (``hf_zero/zero/released.py``).
+
+    A ``RuntimeError`` too, because PyTorch's storage error is what such a read raised before (code that
+    catches it keeps working); ``param`` is the parameter, so the engine can say where in the forward it was read.
+    """
+
+    def __init__(self, message: str, param: object = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class InitializeArgumentError(UsageError, AssertionError):

@@ -19,12 +19,10 @@ weight. Three things here deal with that:
   (``deepspeed.zero.register_external_parameter``), for what the first forwards cannot see: a code path
   that first runs later. DeepSpeed gathers such a parameter with the module that registered it; here
   its unit is pinned, which gives the same numbers and holds it a little longer.
-- :func:`explain_unallocated`: a read that neither caught ends in a PyTorch storage error (``setStorage:
-  ... out of bounds for storage of size 0``). The engine turns it into one sentence naming the parameter
-  where it can be told and what to do. (An element-wise op reading such a parameter does not raise at
-  all on the CPU: it reads through a null pointer. Parameters under ``stage3_param_persistence_threshold``
-  are never sharded, so that case needs a large parameter read element-wise outside its unit, on a code
-  path the first forwards did not take.)
+- :func:`explain_unallocated`: a read that neither caught is refused by the parameter itself
+  (:mod:`hf_zero.zero.released`: between gathers its class refuses value reads) or, for one that reaches
+  PyTorch another way, ends in PyTorch's storage error (``setStorage: ... out of bounds for storage of size
+  0``). The engine turns either into one sentence naming the parameter, the line of code and what to do.
 """
 
 from __future__ import annotations
@@ -184,10 +182,12 @@ def explain_unallocated(
     of code and by the shape in PyTorch's message; the line of code is named always.
     """
     text = str(error)
-    if not isinstance(error, RuntimeError) or not any(s in text for s in _UNALLOCATED):
+    read = getattr(error, "param", None)  # hf_zero/zero/released.py's error knows the parameter it refused
+    if read is None and (not isinstance(error, RuntimeError) or not any(s in text for s in _UNALLOCATED)):
         return None
     frames = traceback.extract_tb(error.__traceback__)
-    user = [f for f in frames if "/torch/" not in f.filename.replace("\\", "/")]
+    user = [f for f in frames if "/torch/" not in (path := f.filename.replace("\\", "/"))
+            and not path.endswith("hf_zero/zero/released.py")]
     where = f"{user[-1].filename}:{user[-1].lineno} (`{(user[-1].line or '').strip()}`)" if user else "the model's forward"
     # the module whose code raised: the innermost frame with a `self` that is a module
     owner: torch.nn.Module | None = None
@@ -203,7 +203,10 @@ def explain_unallocated(
         shape = tuple(int(x) for x in m.group(1).replace(" ", "").split(",") if x)
     line = (user[-1].line or "") if user else ""
     candidates = []
-    for scope in [owner, root] if owner is not None and owner is not root else [root]:
+    if read is not None and id(read) in sharded:
+        candidates = [(sharded[id(read)], read, sharded[id(read)][0])]
+    scopes = [] if candidates else [owner, root] if owner is not None and owner is not root else [root]
+    for scope in scopes:
         for name, p in scope.named_parameters():
             info = sharded.get(id(p))
             if info is not None and p.untyped_storage().nbytes() == 0:

@@ -55,6 +55,7 @@ from hf_zero.zero import collectives as C
 from hf_zero.zero.external import OutsideReads, explain_unallocated, external_parameters
 from hf_zero.zero.group import Placement, ShardGroup, pack_grads
 from hf_zero.zero.param_attrs import ZeroParamStatus, set_status
+from hf_zero.zero.released import mark_released, mark_whole
 
 
 class ShardState(enum.Enum):
@@ -121,6 +122,7 @@ class ShardedParamGroup(ShardGroup):
             s.param.hf_zero_group = self  # lets GatheredParameters find a parameter's shards
         if not self.aliased:
             self.full.untyped_storage().resize_(0)
+        self._marked_released = False  # the parameters' class: ShardedParameter while released (hf_zero/zero/released.py)
         self.state = ShardState.SHARDED
         self._event: torch.cuda.Event | None = None
 
@@ -132,7 +134,12 @@ class ShardedParamGroup(ShardGroup):
     def state(self, state: ShardState) -> None:
         # DeepSpeed's ds_status of the parameters follows (hf_zero/zero/param_attrs.py), for code that asks it
         self._state = state
-        set_status((s.param for s in self.slots), DS_STATUS[state])
+        params = [s.param for s in self.slots]
+        set_status(params, DS_STATUS[state])
+        released = state is ShardState.SHARDED and not self.aliased  # an aliased group's views are never released
+        if released != self._marked_released:  # once per gather and once per release, not at every state
+            (mark_released if released else mark_whole)(params)
+            self._marked_released = released
 
     def owned_values(self) -> torch.Tensor:
         """The fp32 master shard, or a frozen group's shard in the compute dtype."""
