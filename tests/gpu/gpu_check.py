@@ -27,6 +27,7 @@ from tests import (  # noqa: E402
     test_offload,
     test_overlap_param_gather,
     test_parity,
+    test_released_params,
     test_stage3,
     test_tensor_parallel,
 )
@@ -230,6 +231,17 @@ def _overlap(rank: int, world: int) -> list[dict]:
     return rows
 
 
+def _released(rank: int, world: int) -> list[dict]:
+    """A stage-3 parameter read between gathers raises one sentence on the GPU too (no illegal memory access), and
+    training after the refused reads equals an engine nobody probed."""
+    r = test_released_params._reads(rank, world, f"/tmp/hf_zero_released_{rank}.pt")
+    wrong = test_released_params.problems(r)
+    if wrong:
+        print(f"rank {rank} released parameters: {wrong}", flush=True)
+    return [{"case": f"{len(r['errors'])} reads refused, training unchanged", "loss_err": 0.0 if not wrong else float("inf"),
+             "w_err": 0.0 if not wrong else float("inf")}]
+
+
 def main() -> int:
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl")
@@ -244,6 +256,7 @@ def main() -> int:
         "offload": lambda: _offload(rank, world),
         "tensor parallel": lambda: _tensor_parallel(rank, world),
         "overlap_param_gather": lambda: _overlap(rank, world),
+        "released parameters": lambda: _released(rank, world),
     }
     only = sys.argv[sys.argv.index("--only") + 1].split(",") if "--only" in sys.argv[:-1] else list(suites)
     unknown = [name for name in only if name not in suites]
