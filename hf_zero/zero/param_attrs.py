@@ -22,7 +22,8 @@ scripts check ``ds_status`` around ``GatheredParameters``. hf_zero keeps its own
 - ``ds_persist``: True for a parameter a stage-3 engine keeps whole on every rank.
 
 Where they differ from DeepSpeed: between gathers a parameter of a stage-3 *engine* keeps its shape
-(its storage is released, ``hf_zero/zero/stage3.py``), where DeepSpeed's is a 0-element tensor; a
+(its storage is released, ``hf_zero/zero/stage3.py``) and refuses ops that read its values
+(``hf_zero/zero/released.py``), where DeepSpeed's is a 0-element tensor; a
 parameter built under ``zero.Init`` is a 0-element tensor outside the ``with`` block, as DeepSpeed's.
 """
 
