@@ -88,6 +88,28 @@ def _resume(rank: int, world: int, out: str, cases: list, bad: list, trainer: di
             got["losses"] = losses
             engine.save_pretrained(os.path.join(out, "hf_zero", f"{name}-as-stage{stage}"))
         results[f"{name}->{stage}"] = got
+    for name, stage in [c for c in cases if "exclfrozen" in c[0]] if world == 2 else []:
+        # offline (hf-zero convert-deepspeed, no model at hand to name the left-out frozen parameters), then loaded
+        import torch.distributed as dist
+
+        from hf_zero.checkpoint import deepspeed as ds_checkpoint
+
+        res = oracle.result(out, name)
+        dst = os.path.join(out, "hf_zero", f"{name}-converted")
+        if rank == 0:
+            shutil.rmtree(dst, ignore_errors=True)
+            ds_checkpoint.convert(res["save_dir"], dst, tag=res["tags"][0], progress=False)
+        dist.barrier()
+        engine = _engine(stage, DTYPE[name])
+        engine.load_checkpoint(dst)
+        got = {"fixed": _fixed_loss(engine), "losses": []}
+        for t in range(2 * 2, 2 * 2 + AFTER):
+            ids = oracle.micro_batch(t, world, rank)
+            loss = engine(input_ids=ids, labels=ids).loss
+            engine.backward(loss)
+            engine.step()
+            got["losses"].append(float(loss.detach().float()))
+        results[f"offline {name}->{stage}"] = got
     for label, path in bad:
         engine = _engine(1, "fp32", n_layer=3 if label == "other model" else 2)
         try:
@@ -175,6 +197,23 @@ def test_world2_continues_as_deepspeed_did(world2: tuple[dict, Path], ds_out: st
             # Elementwise: GPT-2's key bias gets a gradient that is only rounding noise (softmax ignores it),
             # which Adam scales up to whole steps, so another stage's summation order moves it by ~1e-7.
             torch.testing.assert_close(t, final[n], rtol=1e-5, atol=1e-6, msg=n)
+
+
+@pytest.mark.parametrize("name", ["z2_exclfrozen", "z3_exclfrozen"])
+def test_offline_conversion_of_a_folder_saved_without_frozen_parameters_resumes(world2: tuple[dict, Path], ds_out: str,
+                                                                                name: str) -> None:
+    """``hf-zero convert-deepspeed`` has no model to name what ``exclude_frozen_parameters=True`` left out: the copy
+    says it was saved so, and a load keeps the model's own values for what is frozen there (as DeepSpeed's run did)."""
+    results, _ = world2
+    ref = oracle.result(ds_out, name)
+    keys = [k for k in results[0] if k.startswith(f"offline {name}->")]
+    assert keys
+    for key in keys:
+        for rank in (0, 1):
+            got = results[rank][key]
+            theirs = [step[rank] for step in ref["losses"][4 : 4 + AFTER]]
+            assert max(abs(a - b) / abs(b) for a, b in zip(got["losses"], theirs)) <= 1e-5, (key, got["losses"], theirs)
+            assert got["fixed"] == pytest.approx(ref["fixed_loss"], rel=1e-6)
 
 
 def test_world2_fp16_loss_scaler_and_scheduler(world2: tuple[dict, Path]) -> None:

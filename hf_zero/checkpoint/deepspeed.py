@@ -175,7 +175,9 @@ def _meta(p: Plan, client: Any, excluded: dict[str, tuple[list[int], torch.dtype
                       "param_groups": [_jsonable(h, f"optimizer param group {i}") for i, h in enumerate(p.hypers)]},
         "params": params, "client_state": client,
         "converted_from": {"deepspeed": str(m0.get("ds_version")), "path": p.folder.path, "tag": p.folder.tag},
-        **({"frozen_excluded": True} if excluded else {}),
+        # A folder saved without its frozen parameters says so (Plan.frozen_excluded) even where no model is at hand
+        # to name them (an offline conversion): a load then keeps the model's own values for whatever is frozen there.
+        **({"frozen_excluded": True} if excluded or p.frozen_excluded else {}),
     }
 
 

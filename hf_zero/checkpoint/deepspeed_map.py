@@ -84,6 +84,9 @@ class Plan:
     model0: dict
     optim0: dict | None
     partition: list[int] = field(default_factory=list)  # ZeRO 1-2 / bf16: elements per rank in each flat
+    # Saved with save_checkpoint(exclude_frozen_parameters=True): DeepSpeed then writes frozen_param_shapes as None at
+    # ZeRO 2-3 (a dict, empty without frozen parameters, otherwise) and leaves the frozen values out altogether.
+    frozen_excluded: bool = False
 
     @property
     def trainable(self) -> dict[str, tuple[int, ...]]:
@@ -119,6 +122,7 @@ def plan(load_dir: str, tag: str | None, order_hint: list[list[str]] | None = No
         p = _zero_plan(folder, m0, osd, world, dtype)
     else:
         p = _stage0_plan(folder, m0, world, dtype, order_hint)
+    p.frozen_excluded = p.stage >= 2 and "frozen_param_shapes" in m0 and m0["frozen_param_shapes"] is None
     trainable = p.trainable
     if p.kind == "zero3":  # ZeRO 3 records frozen shapes; tied aliases are in rank 0's shared_params
         p.frozen = {n: (tuple(s), dtype) for n, s in frozen_shapes.items()}

@@ -53,6 +53,8 @@ def _model_problems(state: TrainState, meta: dict, path: str) -> list[str]:
                 return [f"{path}: parameter '{n}' has shape {list(saved_whole[n])} there and {list(shape)} here"]
         return []
     missing = sorted(set(here) - set(saved_params))
+    if meta.get("frozen_excluded"):  # saved without its frozen parameters: those frozen here keep the model's values
+        missing = [n for n in missing if here[n].requires_grad]
     # the other ranks of this rank's tensor-parallel group hold the other slices
     others = {m for n, p in state.module.named_parameters() for m in stored_names(n, p)}
     extra = sorted(set(saved_params) - others)
