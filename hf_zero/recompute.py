@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from hf_zero.errors import UsageError
-from hf_zero.zero.stage3 import find_units
+from hf_zero.zero.stage3 import find_units, is_lookup
 
 __all__ = ["checkpoint", "checkpoint_blocks", "non_reentrant_checkpoint", "configure", "is_configured", "reset"]
 
@@ -168,9 +168,9 @@ def checkpoint_blocks(module: torch.nn.Module, offload: bool = False, keep_atten
     from hf_zero.sequence.tiling import checkpoint_offloaded
 
     # An embedding lookup is left as it is: its forward saves only the ids, so recomputing it saves nothing, and
-    # stage 3 does not gather its weight for backward (the weight's gradient needs no weights), so a recomputation
-    # would read a released parameter (a model whose units are its top-level children has one among them).
-    blocks = [block for _, block in find_units(module) if type(block) is not torch.nn.Embedding]
+    # stage 3 does not gather it for backward (is_lookup), so a recomputation would read a released weight (a model
+    # whose units are its top-level children has one among them).
+    blocks = [block for _, block in find_units(module) if not is_lookup(block)]
     keep_ops = attention_ops() if keep_attention else []
     saving = functools.partial(create_selective_checkpoint_contexts, keep_ops) if keep_ops else None
     for block in blocks:

@@ -283,6 +283,13 @@ def _descend(module: torch.nn.Module, prefix: str, inside: bool, out: list[tuple
             out.append((f"{prefix}{name}", child))
 
 
+def is_lookup(module: torch.nn.Module) -> bool:
+    """A plain ``torch.nn.Embedding``: its weight's gradient is a scatter of the output's gradient by the token ids, and
+    nothing upstream needs a gradient, so its backward never reads the weight and stage 3 does not gather it there.
+    (Nor does block checkpointing wrap it, :func:`hf_zero.recompute.checkpoint_blocks`: a recomputation would read it.)"""
+    return type(module) is torch.nn.Embedding
+
+
 def find_units(module: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     """The modules whose parameters are gathered together: transformer blocks, else what :func:`_descend` finds.
 
@@ -404,9 +411,7 @@ class Unit:
         # requires grad; or the weights are all frozen and no input needs a gradient; or it is a plain
         # embedding lookup): backward neither gathers it nor prefetches it.
         self.needs_backward = True
-        # A plain torch.nn.Embedding (input_embedding_unit): its weight's gradient is a scatter of the output's
-        # gradient by the token ids, and nothing upstream needs a gradient, so its backward never reads the weight.
-        self.lookup_only = type(module) is torch.nn.Embedding
+        self.lookup_only = is_lookup(module)  # an input embedding: its backward never reads its weight
         # For a unit without trainable groups: whether an input of its last forward required grad.
         self.inputs_need_grad = True
         # Calls of the unit's forward now running (between its pre- and post-hook): a read of its parameters
