@@ -148,19 +148,20 @@ def _gas(p: Plan) -> int:
     return 1
 
 
-def _meta(p: Plan, client: Any, excluded: dict[str, tuple[list[int], torch.dtype]] | None = None) -> dict:
+def _meta(p: Plan, client: Any, frozen_excluded: bool = False) -> dict:
     """``checkpoint.json`` of the converted checkpoint.
 
-    ``excluded``: the frozen parameters (name -> shape, dtype) a checkpoint saved with
-    ``exclude_frozen_parameters=True`` holds no values for, listed as hf_zero's own such checkpoints list them (in
-    the table, ``"frozen_excluded": true``), so that a load keeps the model's values for them."""
+    ``"frozen_excluded": true`` when the folder was saved with ``exclude_frozen_parameters=True`` (as transformers'
+    Trainer saves PEFT models under DeepSpeed): ``Plan.frozen_excluded`` tells it from the files at ZeRO 2-3,
+    ``frozen_excluded`` from the model being loaded (:func:`_same_model`). A load of it keeps the model's own values
+    for the parameters frozen there that it holds none of (``hf_zero/checkpoint/load.py``), as for hf_zero's own."""
     m0 = p.model0
     params: dict[str, Any] = {}
     for f, flat in enumerate(p.flats):
         for name, shape, _ in flat:
             params[name] = {"shape": list(shape), "dtype": _dtype_name(p.compute_dtype), "trainable": True,
                             "group": p.flat_group[f]}
-    for name, (shape, dtype) in {**p.frozen, **(excluded or {})}.items():
+    for name, (shape, dtype) in p.frozen.items():
         params[name] = {"shape": list(shape), "dtype": _dtype_name(dtype), "trainable": False, "group": None}
     steps = int(m0.get("global_steps") or 0)
     gas = _gas(p)
@@ -175,9 +176,7 @@ def _meta(p: Plan, client: Any, excluded: dict[str, tuple[list[int], torch.dtype
                       "param_groups": [_jsonable(h, f"optimizer param group {i}") for i, h in enumerate(p.hypers)]},
         "params": params, "client_state": client,
         "converted_from": {"deepspeed": str(m0.get("ds_version")), "path": p.folder.path, "tag": p.folder.tag},
-        # A folder saved without its frozen parameters says so (Plan.frozen_excluded) even where no model is at hand
-        # to name them (an offline conversion): a load then keeps the model's own values for whatever is frozen there.
-        **({"frozen_excluded": True} if excluded or p.frozen_excluded else {}),
+        **({"frozen_excluded": True} if frozen_excluded or p.frozen_excluded else {}),
     }
 
 
@@ -343,10 +342,10 @@ def _load(
     rank, world = dist.get_rank(), dist.get_world_size()
     zo = state.optimizer
     hint = [list(g) for g in zo.group_names] if zo is not None else None
-    p, err, excluded = None, None, {}
+    p, err, frozen_excluded = None, None, False
     try:
         p = plan(load_dir, tag, hint)
-        excluded = _same_model(p, state.module)
+        frozen_excluded = _same_model(p, state.module)
     except Exception as e:  # noqa: BLE001 - every rank must hear of it
         err = _reason(e)
     _agree(gather_json(err))
@@ -366,7 +365,7 @@ def _load(
         for r in range(rank, p.shares, world):
             _write_share(p, r, tmp)
         if rank == 0:
-            _write_json(os.path.join(tmp, "checkpoint.json"), _meta(p, {}, excluded))
+            _write_json(os.path.join(tmp, "checkpoint.json"), _meta(p, {}, frozen_excluded))
     except Exception as e:  # noqa: BLE001
         err = _reason(e)
     try:
@@ -386,19 +385,18 @@ def _load(
     return p.folder.path, client_state(p), p, progress
 
 
-def _same_model(p: Plan, module: Any) -> dict[str, tuple[list[int], torch.dtype]]:
+def _same_model(p: Plan, module: Any) -> bool:
     """Refuse a checkpoint that lacks parameters of this model, naming DeepSpeed's folder (not the converted copy).
 
-    Returns the frozen parameters it leaves out when it was saved with ``exclude_frozen_parameters=True`` (as
-    transformers' Trainer saves PEFT models under DeepSpeed): every missing parameter frozen here and no frozen
-    value in the checkpoint. The load then keeps the model's own values for them (the pretrained base weights).
+    Returns whether it was saved with ``exclude_frozen_parameters=True``: every missing parameter frozen here and no
+    frozen value in the checkpoint (the model at hand tells it at ZeRO 1 too, where DeepSpeed's files do not).
     """
     held = set(p.trainable) | set(p.frozen) | set(p.shared)
     missing = [(n, q) for n, q in module.named_parameters() if n not in held]
     if not missing:
-        return {}
+        return False
     if all(not q.requires_grad for _, q in missing) and not p.frozen:
-        return {n: (list(q.shape), q.dtype) for n, q in missing}
+        return True
     raise DeepSpeedCheckpointError(
         f"{p.folder.path} was saved from a different model: it has no '{missing[0][0]}' "
         f"({len(missing)} of this model's parameters missing); load it into the same architecture"
