@@ -101,7 +101,7 @@ def _tensors(args: Iterable[Any], kwargs: dict[str, Any]) -> Iterable[torch.Tens
             yield from (x for x in a if isinstance(x, torch.Tensor))
 
 
-def _guarded_call(cls: type, func: Callable, args: tuple, kwargs: dict[str, Any] | None) -> Any:
+def _guarded_call(func: Callable, args: tuple, kwargs: dict[str, Any] | None) -> Any:
     with torch._C.DisableTorchFunctionSubclass():  # the checks' own tensor calls (storage, numel) run unguarded
         return _checked_call(func, args, kwargs or {})
 
@@ -138,7 +138,7 @@ class ShardedParameter(torch.nn.Parameter):
 
     @classmethod
     def __torch_function__(cls, func: Callable, types: Iterable[type], args: tuple = (), kwargs: dict | None = None) -> Any:
-        return _guarded_call(cls, func, args, kwargs)
+        return _guarded_call(func, args, kwargs)
 
 
 class ReleasedView(torch.Tensor):
@@ -147,7 +147,7 @@ class ReleasedView(torch.Tensor):
 
     @classmethod
     def __torch_function__(cls, func: Callable, types: Iterable[type], args: tuple = (), kwargs: dict | None = None) -> Any:
-        return _guarded_call(cls, func, args, kwargs)
+        return _guarded_call(func, args, kwargs)
 
 
 def mark_released(params: Iterable[torch.nn.Parameter]) -> None:
