@@ -15,9 +15,16 @@ Trainer set-ups), ``dsenv.py`` (the DeepSpeed oracle), ``hub_server.py``, ``memt
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+
+# Every process a test starts (torchrun, `hf-zero launch`, `accelerate launch`, the examples) imports the hf_zero of
+# the checkout under test, not whichever tree an editable install last pointed at: a second clone's
+# `pip install -e` re-points the shared install, and its launch tests then failed with "No module named 'hf_zero'".
+_REPO = Path(__file__).resolve().parent.parent
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_REPO), os.environ.get("PYTHONPATH", "")]))
 
 # DeepSpeed's unit tests, vendored for the conformance harness (python -m tests.conformance.run), which runs
 # them in pytest sessions of their own under DeepSpeed and under hf_zero; they are not hf_zero's tests.
