@@ -921,18 +921,15 @@ class ZeroEngine(torch.nn.Module):
     ) -> bool:
         """The whole model's state dict in its compute dtype, in one file (every rank calls this; rank 0 writes).
 
-        DeepSpeed's method writes ``pytorch_model.bin``, a pickle; hf_zero writes safetensors only,
-        so the default name is ``model.safetensors`` and a ``.bin`` name is refused. Stage-3 blocks
-        are gathered one at a time (no ``stage3_gather_16bit_weights_on_model_save`` needed).
-        Tied weights are written once, under their first name. Returns True, as DeepSpeed does.
+        The default name is ``model.safetensors``: a safetensors file, tied weights written once under
+        their first name, streamed so rank 0 never holds the whole model. A name a DeepSpeed script
+        passes, such as ``pytorch_model.bin`` (DeepSpeed's default), gets what DeepSpeed writes there:
+        ``torch.save`` of the state dict, tied weights under each name (``torch.load(weights_only=True)``
+        and ``from_pretrained`` read it). Stage-3 blocks are gathered one at a time (no
+        ``stage3_gather_16bit_weights_on_model_save`` needed). Returns True, as DeepSpeed does.
         """
         from hf_zero.checkpoint import consolidated
 
-        if not str(save_filename).endswith(".safetensors"):
-            raise UsageError(
-                f"save_16bit_model(save_filename={save_filename!r}): hf_zero writes safetensors only (a pickled .bin "
-                "can run code when loaded); pass a name ending in .safetensors, such as 'model.safetensors'"
-            )
         self.wait_params()
         consolidated.save_single_file(self.train_state(), save_dir, save_filename, exclude_frozen=exclude_frozen_parameters)
         return True

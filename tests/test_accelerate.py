@@ -4,6 +4,8 @@ same weights as plain Accelerate (DDP over gloo) on the same data: gradient accu
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -162,13 +164,27 @@ def _save_load(rank: int, world: int, directory: str) -> dict:
     train(acc, model, opt, sched, seed=2)
     want = {k: v.reshape(-1).tolist() for k, v in acc.get_state_dict(model).items()}
     want_lr = sched.get_last_lr()
+    # save_model(safe_serialization=False): Accelerate's pickle, whole and in shards, the same values
+    pickled = {}
+    for name, size in (("bin", "10GB"), ("bin_shards", 200)):
+        acc.save_model(model, os.path.join(directory, name), max_shard_size=size, safe_serialization=False)
+        folder = os.path.join(directory, name)
+        files = sorted(f for f in os.listdir(folder) if f.endswith(".bin"))
+        state = {}
+        for f in files:
+            state.update(torch.load(os.path.join(folder, f), weights_only=True))
+        pickled[name] = {"files": len(files), "index": os.path.isfile(os.path.join(folder, "pytorch_model.bin.index.json")),
+                         "same": {k: v.reshape(-1).tolist() for k, v in state.items()} == want}
     acc, model, opt, sched = build()
     acc.load_state(directory)
     train(acc, model, opt, sched, seed=2)
     got = {k: v.reshape(-1).tolist() for k, v in acc.get_state_dict(model).items()}
-    return {"same": got == want, "lr": [sched.get_last_lr(), want_lr]}
+    return {"same": got == want, "lr": [sched.get_last_lr(), want_lr], "pickled": pickled}
 
 
 def test_save_state_load_state_round_trip(tmp_path) -> None:  # noqa: ANN001
     for r in spawn(_save_load, 2, str(tmp_path)):
         assert r["same"] and r["lr"][0] == r["lr"][1], r
+        assert r["pickled"]["bin"] == {"files": 1, "index": False, "same": True}, r
+        assert r["pickled"]["bin_shards"]["files"] > 1 and r["pickled"]["bin_shards"]["index"], r
+        assert r["pickled"]["bin_shards"]["same"], r

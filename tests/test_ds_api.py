@@ -12,6 +12,7 @@ back from the checkpoint equals the engine's weights exactly.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -23,12 +24,13 @@ STEPS, MICRO, SEQ, VOCAB = 3, 2, 6, 37
 LR, WD = 1e-2, 0.01
 
 
-def _llama() -> torch.nn.Module:
+def _llama(tied: bool = False) -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     return LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
-                                        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=SEQ))
+                                        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=SEQ,
+                                        tie_word_embeddings=tied))
 
 
 CALLS: list[int] = []  # the layers' inner forwards run: once in forward, once more when backward recomputes
@@ -190,9 +192,15 @@ def test_zero_to_fp32_convert_and_load_and_refusals(tmp_path: Path) -> None:
     assert all(torch.equal(p, by_parent[n]) for n, p in fresh.named_parameters())
     with pytest.raises(deepspeed.UsageError, match="does not fit Linear: missing"):
         load_state_dict_from_zero_checkpoint(torch.nn.Linear(2, 2), str(ckpt))
-    with pytest.raises(deepspeed.UsageError, match="hf_zero writes safetensors only"):
-        convert_zero_checkpoint_to_fp32_state_dict(str(ckpt), str(tmp_path / "pickle"), safe_serialization=False)
-    assert not (tmp_path / "pickle").exists()
+    # safe_serialization=False: DeepSpeed's pickles, whole or sharded with transformers' index, read by from_pretrained
+    for out, size, expect in (("pickle", "5GB", 1), ("pickle_shards", "20KB", len(files))):
+        written = convert_zero_checkpoint_to_fp32_state_dict(str(ckpt), str(tmp_path / out), max_shard_size=size,
+                                                             safe_serialization=False)
+        assert len(written) == expect and all(f.startswith("pytorch_model") and f.endswith(".bin") for f in written), written
+        assert (expect > 1) == (tmp_path / out / "pytorch_model.bin.index.json").is_file()
+        loaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / out))
+        assert all(torch.equal(p, by_parent[n]) for n, p in loaded.named_parameters())
+    assert torch.load(str(tmp_path / "pickle" / "pytorch_model.bin"), weights_only=True).keys() == by_parent.keys()
 
 
 def _one_rank_checkpoint(rank: int, world: int, root: str) -> dict:
@@ -250,7 +258,7 @@ def _engine_methods(rank: int, world: int, root: str) -> dict:
 
     import hf_zero as deepspeed
 
-    model = _llama()
+    model = _llama(tied=True)  # tied embeddings: one tensor under two names in the state dict
     model.model.norm.weight.requires_grad_(False)  # one frozen parameter, for exclude_frozen_parameters
     engine, _, _, _ = deepspeed.initialize(model=model, config={
         "train_micro_batch_size_per_gpu": MICRO, "gradient_clipping": 0.0, "gradient_accumulation_steps": 2,
@@ -285,15 +293,25 @@ def _engine_methods(rank: int, world: int, root: str) -> dict:
     assert engine.save_16bit_model(str(Path(root, "w16"))) is True
     engine.save_16bit_model(str(Path(root, "w16")), "trainable.safetensors", exclude_frozen_parameters=True)
     engine.save_pretrained(str(Path(root, "pretrained")))  # the reference: save_pretrained's consolidation
-    try:
-        engine.save_16bit_model(str(Path(root, "bin")), "pytorch_model.bin")
-    except deepspeed.UsageError as e:
-        out["bin"] = str(e)
+    # A DeepSpeed script's own name (its default): torch.save of the state dict, as DeepSpeed writes it
+    assert engine.save_16bit_model(str(Path(root, "bin"))) is True  # hf_zero's default name, then DeepSpeed's
+    engine.save_16bit_model(str(Path(root, "bin")), "pytorch_model.bin")
+    names = list(engine.module.state_dict().keys())
     if rank == 0:
+        from transformers import LlamaForCausalLM
+
         full = safetensors.torch.load_file(str(Path(root, "w16", "model.safetensors")))
         ref = safetensors.torch.load_file(str(Path(root, "pretrained", "model.safetensors")))
         trainable = safetensors.torch.load_file(str(Path(root, "w16", "trainable.safetensors")))
         out["equal_to_pretrained"] = full.keys() == ref.keys() and all(torch.equal(full[k], ref[k]) for k in ref)
+        pickled = torch.load(str(Path(root, "bin", "pytorch_model.bin")), weights_only=True)
+        out["bin_names"] = list(pickled) == names and "lm_head.weight" in pickled and "lm_head.weight" not in full
+        out["bin_equal"] = all(torch.equal(pickled[k], full[k]) for k in full)
+        out["bin_tied"] = pickled["lm_head.weight"].data_ptr() == pickled["model.embed_tokens.weight"].data_ptr()
+        engine.module.config.save_pretrained(str(Path(root, "bin")))
+        os.remove(str(Path(root, "bin", "model.safetensors")))  # from_pretrained reads the .bin alone
+        loaded = LlamaForCausalLM.from_pretrained(str(Path(root, "bin")), dtype=torch.bfloat16).state_dict()
+        out["bin_from_pretrained"] = all(torch.equal(loaded[k], full[k]) for k in full)
         out["dtypes"] = sorted({str(t.dtype) for t in full.values()})
         out["excluded"] = sorted(set(full) - set(trainable))
     # "ignore_unused_parameters": false with a head that only rank 0 runs: every rank stops the step, naming it
@@ -358,8 +376,6 @@ def test_engine_save_16bit_model_and_the_small_engine_methods(tmp_path: Path) ->
         assert r["types"] == ["torch.bfloat16", "torch.float32"], r
         assert r["gathered_after_eval"] > 0 and r["gathered_after_empty"] == 0, r
         assert r["held_in_unwrap"] > 0 and r["generate_equal"] and r["held_after_unwrap"] == 0, r
-        assert r["bin"] == ("save_16bit_model(save_filename='pytorch_model.bin'): hf_zero writes safetensors only (a pickled "
-                            ".bin can run code when loaded); pass a name ending in .safetensors, such as 'model.safetensors'"), r
         assert r["unused"].startswith("2 trainable parameter(s) got no gradient in this step's backward passes on at "
                                       "least one rank (b.bias, b.weight)"), r
         assert r["shared_equal_1"] and r["shared_equal_2"] and r["shared_equal_3"], r
@@ -367,4 +383,5 @@ def test_engine_save_16bit_model_and_the_small_engine_methods(tmp_path: Path) ->
     r0 = results[0]
     assert r0["equal_to_pretrained"] and r0["dtypes"] == ["torch.bfloat16"], r0
     assert r0["excluded"] == ["model.norm.weight"], r0
-    assert not (tmp_path / "bin").exists()
+    assert r0["bin_names"] and r0["bin_equal"] and r0["bin_tied"] and r0["bin_from_pretrained"], r0
+    assert sorted(p.name for p in (tmp_path / "bin").iterdir()) == ["config.json", "pytorch_model.bin"]

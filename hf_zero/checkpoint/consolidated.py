@@ -128,6 +128,19 @@ def write_weights(
     return list(files)
 
 
+def save_pickled_shards(state_dict: dict[str, torch.Tensor], out_dir: str, max_shard_size: int | str) -> list[str]:
+    """What DeepSpeed's and Accelerate's ``safe_serialization=False`` write: ``pytorch_model.bin``, or its shards and
+    ``pytorch_model.bin.index.json`` above ``max_shard_size`` (huggingface_hub's writer, which also removes an older
+    save's shards of that name). Returns the files written. Only for a caller that names the pickle format: the
+    whole state dict is in host memory, as in those peers."""
+    from huggingface_hub import save_torch_state_dict, split_torch_state_dict_into_shards
+
+    os.makedirs(out_dir, exist_ok=True)
+    save_torch_state_dict(state_dict, out_dir, max_shard_size=max_shard_size, safe_serialization=False)
+    split = split_torch_state_dict_into_shards(state_dict, filename_pattern="pytorch_model{suffix}.bin", max_shard_size=max_shard_size)
+    return list(split.filename_to_tensors)
+
+
 def save_model_config(module: torch.nn.Module, out_dir: str, dtype: torch.dtype | None) -> None:
     """``config.json`` (with the saved dtype) and ``generation_config.json`` where the model has them.
 
@@ -231,12 +244,64 @@ def save_pretrained(state: TrainState, save_directory: str, max_shard_size: int 
 
 
 def save_single_file(state: TrainState, save_dir: str, filename: str, exclude_frozen: bool = False) -> str:
-    """The module's whole state dict, in its own dtypes, as one safetensors file (collective; rank 0 writes)."""
+    """The module's whole state dict, in its own dtypes, as one file (collective; rank 0 writes).
+
+    A name ending in ``.safetensors`` gets a safetensors file, streamed one tensor at a time. Any
+    other name (DeepSpeed's default ``pytorch_model.bin``) gets what DeepSpeed's ``save_16bit_model``
+    writes there: ``torch.save`` of the state dict, tied weights under each of their names, which
+    transformers and ``torch.load(weights_only=True)`` read without running code. That file is built
+    whole in rank 0's host memory first, as DeepSpeed builds it.
+    """
     import torch.distributed as dist
 
-    _write_state(state, save_dir, None, filename=filename, exclude_frozen=exclude_frozen)
+    if filename.endswith(".safetensors"):
+        _write_state(state, save_dir, None, filename=filename, exclude_frozen=exclude_frozen)
+    else:
+        _write_pickled_state(state, save_dir, filename, exclude_frozen)
     dist.barrier(state.layout.group)
     return os.path.join(save_dir, filename)
+
+
+def _state_entries(state: TrainState, dtype: torch.dtype | None, exclude_frozen: bool) -> tuple[list, dict[str, torch.Tensor]]:
+    """``engine_entries`` of the train state's module, less its frozen parameters when asked."""
+    entries, tensors = engine_entries(state.module, dtype)
+    if exclude_frozen:
+        entries = [e for e in entries if not (isinstance(tensors[e[0]], torch.nn.Parameter) and not tensors[e[0]].requires_grad)]
+    return entries, tensors
+
+
+def _host_copy(units: OneUnitAtATime, rank: int) -> Callable[[torch.Tensor], torch.Tensor | None]:
+    """A tensor's whole value on rank 0's host (``None`` elsewhere); a collective on stage 3 and tensor parallel."""
+
+    def copy(t: torch.Tensor) -> torch.Tensor | None:
+        full = units.full(t)
+        # One copy (device to host, or a host clone): a writer may hand the bytes to numpy, which must
+        # not pin the unit's storage (it is resized to 0 when the unit is released).
+        return full.detach().to("cpu", copy=True) if rank == 0 else None
+
+    return copy
+
+
+def _write_pickled_state(state: TrainState, save_dir: str, filename: str, exclude_frozen: bool) -> None:
+    """``torch.save`` of the whole state dict into ``save_dir/filename`` on rank 0, replaced atomically."""
+    rank = state.layout.rank
+    units = OneUnitAtATime(state)
+    entries, tensors = _state_entries(state, None, exclude_frozen)
+    host = _host_copy(units, rank)
+    with torch.no_grad():
+        values = {name: host(tensors[name]) for name, _, _ in entries}
+    units.release()
+    if rank != 0:
+        return
+    first = {id(t): name for name, t in tensors.items()}
+    out = {}
+    for name, t in state.module.state_dict(keep_vars=True).items():
+        if first[id(t)] in values:  # a tied weight's later names share its first name's tensor, as in state_dict()
+            out[name] = values[first[id(t)]]
+    os.makedirs(save_dir, exist_ok=True)
+    path = os.path.join(save_dir, filename)
+    torch.save(out, path + ".tmp")
+    os.replace(path + ".tmp", path)
 
 
 def _write_state(
@@ -251,15 +316,11 @@ def _write_state(
     if rank == 0:
         os.makedirs(out_dir, exist_ok=True)
     units = OneUnitAtATime(state)
-    entries, tensors = engine_entries(state.module, dtype)
-    if exclude_frozen:
-        entries = [e for e in entries if not (isinstance(tensors[e[0]], torch.nn.Parameter) and not tensors[e[0]].requires_grad)]
+    entries, tensors = _state_entries(state, dtype, exclude_frozen)
+    host = _host_copy(units, rank)
 
     def produce(name: str) -> torch.Tensor | None:
-        t = units.full(tensors[name])
-        # One copy (device to host, or a host clone): the writer hands the bytes to numpy, which must
-        # not pin the unit's storage (it is resized to 0 when the unit is released).
-        return t.detach().to("cpu", copy=True) if rank == 0 else None
+        return host(tensors[name])
 
     with torch.no_grad():
         files = write_weights(out_dir, entries, produce, max_shard_size, writer=rank == 0, filename=filename)

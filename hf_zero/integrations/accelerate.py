@@ -475,8 +475,14 @@ class Accelerator(accelerate.Accelerator):
         engine = self._engine_of(model)
         if engine is None:
             return super().save_model(model, save_directory, max_shard_size=max_shard_size, safe_serialization=safe_serialization)
-        if not safe_serialization:
-            raise UsageError("save_model(safe_serialization=False): hf_zero writes safetensors only")
+        if not safe_serialization:  # Accelerate's pickles (pytorch_model.bin or its shards), the weights alone
+            from hf_zero.checkpoint.consolidated import save_pickled_shards
+
+            state = self.get_state_dict(model)
+            if self.is_main_process:
+                save_pickled_shards(state, save_directory, max_shard_size)
+            self.wait_for_everyone()
+            return
         engine.save_pretrained(save_directory, max_shard_size=max_shard_size)
 
     def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **kwargs: Any) -> str:

@@ -5,7 +5,7 @@ DeepSpeed users turn a ZeRO checkpoint into one state dict with these three func
 checkpoints here (any world size, ZeRO stage or pipeline layout, as saved by
 ``engine.save_checkpoint``), on a CPU, without starting processes. For a ``from_pretrained``
 folder, ``hf-zero consolidate`` (or ``engine.save_pretrained``) is the direct way. Files are
-written as safetensors only: hf_zero never writes or reads pickles.
+written as safetensors unless a script asks for DeepSpeed's pickles (``safe_serialization=False``).
 """
 
 from __future__ import annotations
@@ -70,18 +70,19 @@ def convert_zero_checkpoint_to_fp32_state_dict(
 ) -> list[str]:
     """Write the checkpoint's fp32 weights into ``output_dir`` as ``model.safetensors`` (sharded above ``max_shard_size``).
 
-    Returns the files written. For a transformers model the folder also gets ``config.json``, so
-    it loads with ``from_pretrained``.
+    With ``safe_serialization=False``, as DeepSpeed's function writes then: ``pytorch_model.bin`` (or its shards and
+    index), built whole in host memory first; the safetensors path holds one tensor at a time. Returns the files
+    written. For a transformers model the folder also gets ``config.json``, so it loads with ``from_pretrained``.
     """
-    from hf_zero.checkpoint.consolidated import checkpoint_weights, write_weights
+    from hf_zero.checkpoint.consolidated import checkpoint_weights, save_pickled_shards, write_weights
 
-    if not safe_serialization:
-        raise UsageError("convert_zero_checkpoint_to_fp32_state_dict(safe_serialization=False): hf_zero writes safetensors only "
-                         "(pickle files can run code when loaded); leave it True")
     checkpoint_dir, tag = _split(checkpoint_dir, tag)
     _, entries, produce = checkpoint_weights(checkpoint_dir, tag, torch.float32, exclude_frozen_parameters)  # one tensor at a time
     os.makedirs(output_dir, exist_ok=True)
-    files = write_weights(output_dir, entries, produce, max_shard_size, writer=True)
+    if safe_serialization:
+        files = write_weights(output_dir, entries, produce, max_shard_size, writer=True)
+    else:
+        files = save_pickled_shards({name: produce(name).to(dt) for name, dt, _ in entries}, output_dir, max_shard_size)
     _copy_config(checkpoint_dir, tag, output_dir)
     return files
 
