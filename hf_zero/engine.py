@@ -117,10 +117,13 @@ class ZeroEngine(torch.nn.Module):
             raise ConfigError(f"the grid replicates across dp_replicate {self.grid.replicate_size} (hybrid sharding) "
                               "and ZeRO stage 0 shards nothing; set zero_optimization.stage to 1, 2 or 3")
         hz_dist.register_process()  # so that, should a peer die, the survivors can name it
-        # A stage-3 model with nothing to train (a reference model, a teacher) is sharded all the same:
-        # its layout is built over an optimizer with no parameter groups, and it only runs forward.
-        self.inference_only = optimizer is None and stage == 3 and not any(p.requires_grad for p in model.parameters())
+        # A stage-3 engine without an optimizer (a reference model, a teacher, DeepSpeed's ZeRO-Inference on a model
+        # from_pretrained left trainable) is sharded all the same, as DeepSpeed partitions it: its layout is built
+        # over an optimizer with no parameter groups, and it only runs forward. Its parameters are frozen, since
+        # nothing can train them (backward and step need an optimizer), so autograd keeps no gathered weight alive.
+        self.inference_only = optimizer is None and stage == 3
         if self.inference_only:
+            model.requires_grad_(False)
             optimizer = _NoOptimizer()
         # A zero.Init model stays as slices only where stage 3 with an optimizer lays out its shards.
         built_presharded = check_presharded(model, self.world_size, self.device, gather=stage != 3 or optimizer is None)
@@ -500,13 +503,13 @@ class ZeroEngine(torch.nn.Module):
                 f"engine.backward(loss) needs a scalar loss but got {_shape_of(loss)}; reduce it first, "
                 "e.g. loss = torch.nn.functional.cross_entropy(outputs, labels) or outputs.mean()"
             )
+        if self.zero_optimizer is None or self.inference_only:  # first: such an engine's outputs never need grad
+            raise UsageError("engine.backward() needs an optimizer; give one in the config or to initialize()")
         if not loss.requires_grad:
             raise UsageError(
                 "engine.backward(loss) got a loss that does not require grad; compute it from the output "
                 "of engine(...) outside torch.no_grad()"
             )
-        if self.zero_optimizer is None or self.inference_only:
-            raise UsageError("engine.backward() needs an optimizer; give one in the config or to initialize()")
         if self.zero_optimizer.runtime is not None and self.zero_optimizer.runtime.held_whole:
             raise UsageError("engine.backward() inside unwrap_model_for_generation(engine), which holds the ZeRO-3 "
                              "parameters whole for generation only; call it after the with-block")

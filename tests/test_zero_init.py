@@ -176,6 +176,31 @@ def _cases(rank: int, world: int, ckpt: str) -> dict:
     cfg = dict(CFG, zero_optimization={"stage": 3, "stage3_param_persistence_threshold": 0})
     engine, _, _, _ = hf_zero.initialize(model=net, config=cfg)
     out["plain_exact"] = _rel(_gathered_state(engine), dict(want.named_parameters())) == 0.0
+
+    # 4. DeepSpeed's ZeRO-Inference (transformers' docs): from_pretrained under zero.Init, its parameters left
+    # trainable, then initialize with no optimizer: it stays sharded, as DeepSpeed partitions it, and predicts
+    # as the whole model does
+    with hf_zero.zero.Init():
+        model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
+    out["inference_trainable_before"] = all(p.requires_grad for p in model.parameters())
+    with peak_bytes() as init:
+        engine, optimizer, _, _ = hf_zero.initialize(
+            model=model, config={"train_micro_batch_size_per_gpu": 1,
+                               "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 100}})
+    out["inference_peak_initialize"] = init["peak"]
+    out["inference_optimizer"] = repr(optimizer)
+    engine.eval()
+    whole = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()  # `saved` has trained since
+    ids = torch.arange(SEQ).reshape(1, SEQ) % VOCAB
+    with torch.no_grad():
+        out["inference_equal"] = torch.equal(engine(input_ids=ids).logits, whole(input_ids=ids).logits)
+    out["inference_held"] = sum(p.untyped_storage().nbytes() for p in model.parameters())
+    out["inference_persistent"] = sum(4 * p.numel() for p in saved.parameters() if p.numel() < 100)  # the norms
+    out["inference_frozen"] = not any(p.requires_grad for p in model.parameters())
+    try:
+        engine.backward(engine(input_ids=ids, labels=ids).loss)
+    except hf_zero.UsageError as e:
+        out["inference_backward"] = str(e)
     return out
 
 
@@ -210,6 +235,13 @@ def test_zero_init_builds_sharded_and_trains_like_unsharded(checkpoint: Path) ->
         # each rank read about 1/N of the checkpoint (whole rows around its range), never all of it
         assert stats["elements_read"] < stats["elements_in_checkpoint_params"] / world * 1.2, stats
         assert r["plain_exact"], r
+        # ZeRO-Inference: never gathered whole at initialize, sharded between forwards, the same logits
+        assert r["inference_trainable_before"] and r["inference_optimizer"] == "None", r
+        assert r["inference_peak_initialize"] < full / world + 3 * biggest, r
+        # between forwards only the persistent norms stay whole (each padded to a multiple of the world size)
+        assert 0 < r["inference_persistent"] <= r["inference_held"] <= 1.1 * r["inference_persistent"], r
+        assert r["inference_equal"] and r["inference_frozen"], r
+        assert r["inference_backward"] == "engine.backward() needs an optimizer; give one in the config or to initialize()", r
     # every rank started from the same (rank 0's) weights
     assert len({r["config_start_first"] for r in results}) == 1
 
