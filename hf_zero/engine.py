@@ -125,8 +125,9 @@ class ZeroEngine(torch.nn.Module):
         if self.inference_only:
             model.requires_grad_(False)
             optimizer = _NoOptimizer()
-        # A zero.Init model stays as slices only where stage 3 with an optimizer lays out its shards.
-        built_presharded = check_presharded(model, self.world_size, self.device, gather=stage != 3 or optimizer is None)
+        # A zero.Init model stays as slices at stage 3, whose layout cuts its shards from them (with or without an
+        # optimizer); stages 0-2 need it whole.
+        built_presharded = check_presharded(model, self.world_size, self.device, gather=stage != 3)
         move_to_device(model, self.device)
         broadcast_module(model, self.group)
         self.loss_scaler = loss_scaler_for(config)

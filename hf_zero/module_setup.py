@@ -28,7 +28,7 @@ def check_presharded(model: torch.nn.Module, world_size: int, device: torch.devi
             f"the model was built under hf_zero.zero.Init on {built} ranks but the engine runs on "
             f"{world_size}; build it with the same data-parallel group as initialize()"
         )
-    if gather:  # stages 0-2 and engines without an optimizer need whole parameters
+    if gather:  # stages 0-2 need whole parameters
         materialize_(pre, device)
         for p in pre:  # whole from now on: nothing for DeepSpeed's ZeRO-3 readers to see
             param_attrs.clear(p)

@@ -282,8 +282,13 @@ def _host_copy(units: OneUnitAtATime, rank: int) -> Callable[[torch.Tensor], tor
     return copy
 
 
-def _write_pickled_state(state: TrainState, save_dir: str, filename: str, exclude_frozen: bool) -> None:
-    """``torch.save`` of the whole state dict into ``save_dir/filename`` on rank 0, replaced atomically."""
+def rank0_state_dict(state: TrainState, exclude_frozen: bool = False) -> dict[str, torch.Tensor] | None:
+    """The module's whole state dict in host memory on rank 0 (``None`` on the others; collective).
+
+    Each tensor is gathered once and copied to rank 0's host only, one stage-3 unit at a time; a tied weight's
+    later names share its first name's tensor, as in ``state_dict()``. For the writers of a file built whole
+    (the pickles DeepSpeed and Accelerate write); ``from_pretrained`` folders stream instead (:func:`_write_state`).
+    """
     rank = state.layout.rank
     units = OneUnitAtATime(state)
     entries, tensors = _state_entries(state, None, exclude_frozen)
@@ -292,12 +297,17 @@ def _write_pickled_state(state: TrainState, save_dir: str, filename: str, exclud
         values = {name: host(tensors[name]) for name, _, _ in entries}
     units.release()
     if rank != 0:
-        return
+        return None
     first = {id(t): name for name, t in tensors.items()}
-    out = {}
-    for name, t in state.module.state_dict(keep_vars=True).items():
-        if first[id(t)] in values:  # a tied weight's later names share its first name's tensor, as in state_dict()
-            out[name] = values[first[id(t)]]
+    return {name: values[first[id(t)]] for name, t in state.module.state_dict(keep_vars=True).items()
+            if first[id(t)] in values}
+
+
+def _write_pickled_state(state: TrainState, save_dir: str, filename: str, exclude_frozen: bool) -> None:
+    """``torch.save`` of the whole state dict into ``save_dir/filename`` on rank 0, replaced atomically."""
+    out = rank0_state_dict(state, exclude_frozen)
+    if out is None:
+        return
     os.makedirs(save_dir, exist_ok=True)
     path = os.path.join(save_dir, filename)
     torch.save(out, path + ".tmp")

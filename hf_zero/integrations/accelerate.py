@@ -404,13 +404,12 @@ class Accelerator(accelerate.Accelerator):
         return super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
 
     def _build_eval_engine(self, model: torch.nn.Module) -> ZeroEngine:
-        """A frozen, sharded, optimizer-free engine for a model that only runs forward."""
+        """A sharded, optimizer-free engine for a model that only runs forward (the engine freezes it)."""
         import hf_zero
 
         cfg = self._engine_config([], model)
         for key in ("optimizer", "scheduler"):
             cfg.pop(key, None)
-        model.requires_grad_(False)
         parsed = hz_parallelism.apply_to(parse_once(cfg), self.parallelism_config, self.state.num_processes)
         engine = hf_zero.initialize(model=model, config=parsed)[0]
         engine.eval()
@@ -476,10 +475,11 @@ class Accelerator(accelerate.Accelerator):
         if engine is None:
             return super().save_model(model, save_directory, max_shard_size=max_shard_size, safe_serialization=safe_serialization)
         if not safe_serialization:  # Accelerate's pickles (pytorch_model.bin or its shards), the weights alone
-            from hf_zero.checkpoint.consolidated import save_pickled_shards
+            from hf_zero.checkpoint.consolidated import rank0_state_dict, save_pickled_shards
 
-            state = self.get_state_dict(model)
-            if self.is_main_process:
+            engine.wait_params()
+            state = rank0_state_dict(engine.train_state())  # whole on rank 0's host only, as Accelerate's ZeRO-3 path
+            if state is not None:
                 save_pickled_shards(state, save_directory, max_shard_size)
             self.wait_for_everyone()
             return
