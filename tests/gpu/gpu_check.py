@@ -242,6 +242,44 @@ def _released(rank: int, world: int) -> list[dict]:
              "w_err": 0.0 if not wrong else float("inf")}]
 
 
+def _inference(rank: int, world: int) -> list[dict]:
+    """A ZeRO-3 engine without an optimizer (DeepSpeed's ZeRO-Inference) on GPUs, its model left trainable: sharded
+    between forwards, frozen, the whole model's logits; and save_16bit_model under DeepSpeed's file name writes the
+    whole weights (a pickle, as DeepSpeed does). Errors against a whole copy of the model on this GPU."""
+    import tempfile
+
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    import hf_zero
+
+    cfg = GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=320, n_positions=32)
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(cfg).eval()
+    whole = GPT2LMHeadModel(cfg).eval()
+    whole.load_state_dict(model.state_dict())
+    whole.cuda()
+    engine, optimizer, _, _ = hf_zero.initialize(model=model, config={
+        "train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}})
+    engine.eval()
+    ids = torch.arange(16, device="cuda").reshape(1, 16) % cfg.vocab_size
+    with torch.no_grad():
+        got, want = engine(input_ids=ids).logits, whole(input_ids=ids).logits
+    logits_err = float((got - want).norm() / want.norm())
+    held = sum(p.untyped_storage().nbytes() for p in model.parameters())
+    ok = optimizer is None and not any(p.requires_grad for p in model.parameters()) and (held == 0 or world == 1)
+    folder = os.path.join(tempfile.gettempdir(), f"hf_zero_gpu_check_inference_{world}")
+    engine.save_16bit_model(folder, "pytorch_model.bin")
+    bin_err = 0.0
+    if rank == 0:
+        saved, ref = torch.load(os.path.join(folder, "pytorch_model.bin"), weights_only=True), whole.state_dict()
+        bin_err = (max(float((saved[k].float() - ref[k].float().cpu()).norm() / ref[k].float().norm().clamp_min(1e-12))
+                       for k in ref) if saved.keys() == ref.keys() else float("inf"))
+    if not ok:
+        print(f"rank {rank} optimizer-free ZeRO-3: optimizer {optimizer!r}, {held} bytes held between forwards", flush=True)
+    return [{"case": "GPT-2 (tied), no optimizer: logits; pytorch_model.bin weights", "loss_err": logits_err if ok else float("inf"),
+             "w_err": bin_err}]
+
+
 def main() -> int:
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl")
@@ -257,6 +295,7 @@ def main() -> int:
         "tensor parallel": lambda: _tensor_parallel(rank, world),
         "overlap_param_gather": lambda: _overlap(rank, world),
         "released parameters": lambda: _released(rank, world),
+        "optimizer-free ZeRO-3": lambda: _inference(rank, world),
     }
     only = sys.argv[sys.argv.index("--only") + 1].split(",") if "--only" in sys.argv[:-1] else list(suites)
     unknown = [name for name in only if name not in suites]
