@@ -320,11 +320,15 @@ def run_trainer(name: str, args: argparse.Namespace, model: torch.nn.Module, fpt
 def run_engine(name: str, args: argparse.Namespace) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     build_peak = None
-    if name == "hf3i":  # stage 3 with the model built under zero.Init: no GPU ever holds all of it
+    offload_param = name in ("hf3op", "ds3op")
+    if name == "hf3i" or (args.zero_init and name.startswith("hf3")):
+        # stage 3 with the model built under zero.Init: no GPU ever holds all of it; with --zero_init and
+        # parameter offload each slice is made in host memory (remote_device="cpu"), as DeepSpeed's docs build a
+        # model larger than the GPUs
         import hf_zero
 
         torch.cuda.reset_peak_memory_stats()
-        with hf_zero.zero.Init():
+        with hf_zero.zero.Init(remote_device="cpu" if offload_param else None):
             model = build_model(args.model, args.seq)
         build_peak = torch.cuda.max_memory_allocated() / 2**30
     else:
@@ -336,7 +340,6 @@ def run_engine(name: str, args: argparse.Namespace) -> dict:
     # (stage 3's offload_param; FSDP2's CPUOffloadPolicy always offloads both)
     # hf1og, hf2og: optimizer offload with overlap_param_gather (each group's CPU step deferred to the next forward)
     offload = name.removesuffix("g") in ("hf1o", "hf2o", "hf3o", "ds2o", "ds3o", "fsdp2o", "hf3op", "ds3op")
-    offload_param = name in ("hf3op", "ds3op")
     param_section = {"offload_param": {"device": "cpu", "pin_memory": True}} if offload_param else {}
     data_rank = rank  # the batch stream this rank draws: the ranks of one tensor-parallel group draw the same
     if name.startswith("hf"):
@@ -433,6 +436,9 @@ def run_engine(name: str, args: argparse.Namespace) -> dict:
     tok = args.micro * args.seq * args.gas / med / layout_of(name, args, world)["tp"]
     peak = torch.tensor(torch.cuda.max_memory_allocated() / 2**30, device="cuda")
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    rss = torch.tensor(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, device="cuda", dtype=torch.float64)
+    dist.all_reduce(rss)
+    host_sum = float(rss)
     out = {
         "engine": layout_of(name, args, world)["label"],
         "step_s": med,
@@ -445,6 +451,7 @@ def run_engine(name: str, args: argparse.Namespace) -> dict:
         "world": world,
         "alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries", 0),
         "host_peak_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,  # max RSS of rank 0 (KiB on Linux)
+        "host_peak_sum_gib": host_sum,  # the ranks' max RSS added up: what the host as a whole had to hold, at most
     }
     if breakdown is not None:
         out["breakdown_ms"] = breakdown
@@ -699,8 +706,16 @@ def main() -> None:
                     help="hf3h: zero_optimization.mics_shard_size, the ranks one ZeRO-3 shard group spans "
                          "(default: half the GPUs, replicated twice; on 2 GPUs both, 1 x 2)")
     ap.add_argument("--tp", type=int, default=2, help="hf3tp and fsdp2tp: the tensor-parallel degree (dp = GPUs / tp)")
+    ap.add_argument("--layers", type=int, default=0,
+                    help="the --model shape with this many decoder layers (benchmarks/bench_largest.py searches over it)")
+    ap.add_argument("--zero_init", action="store_true",
+                    help="hf_zero stage-3 engines build the model under zero.Init (in host memory with parameter offload), "
+                         "so no GPU or host ever holds the whole fp32 model")
+    ap.add_argument("--rows_json", default="", metavar="PATH", help="also write the rows to PATH as JSON")
     ap.add_argument("--json", default="", help=argparse.SUPPRESS)
     args, _ = ap.parse_known_args()
+    if args.layers:
+        SHAPES[args.model] = {**SHAPES[args.model], "num_hidden_layers": args.layers}
     args.bucket = int(args.bucket)
     if args.json:
         child(args)
@@ -729,6 +744,9 @@ def main() -> None:
             # each row as soon as its engine is done: a call cut short by a timeout keeps the rows it finished
             print(f"row {name}: {rows[-1]['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU, peak {rows[-1]['peak_gib']:.1f} GiB",
                   flush=True)
+    if args.rows_json:
+        with open(args.rows_json, "w") as f:
+            json.dump(rows, f)
     if not rows:
         raise SystemExit(1)
     print(f"\nmodel {args.model} ({rows[0]['params'] / 1e9:.2f}B params), {nproc} GPUs, micro-batch {args.micro}, seq {args.seq}, "
