@@ -2,6 +2,7 @@
 
     python benchmarks/bench_largest.py --gpus 1 --engines hf3op,fsdp2o --model 7.2b --start 16
     python benchmarks/bench_largest.py --gpus 4 --engines hf3op --model 13b --start 40 --zero_init
+    python benchmarks/bench_largest.py --gpus 1 --engines hf3op --model 6b --lo 32 --hi 48 --resolution 2   # bisection only
 
 Each trial is one ``benchmarks/bench.py`` run (its own torchrun, so a trial that runs out of GPU or host memory,
 or is killed by the kernel's OOM killer, ends only itself) of the ``--model`` shape with ``--layers L`` decoder
@@ -74,9 +75,9 @@ def search(engine: str, args: argparse.Namespace) -> tuple[int, dict, list[tuple
         print(f"[largest] {engine} layers {n}: {state}{extra} in {r['seconds']:.0f} s", flush=True)
         return r["ok"]
 
-    good, bad = 0, 0
+    good, bad = args.lo, args.hi
     n = args.start
-    while n <= args.max:
+    while not bad and n <= args.max:
         if run(n):
             good = n
             n *= 2
@@ -87,13 +88,16 @@ def search(engine: str, args: argparse.Namespace) -> tuple[int, dict, list[tuple
         lo, hi = 0, bad
     else:
         lo, hi = good, bad or args.max + 1
-    while hi - lo > 1:
+    while hi - lo > args.resolution:
         mid = (lo + hi) // 2
         if run(mid):
             lo = mid
         else:
             hi = mid
     best = next((r for n_, r in tried if n_ == lo and r["ok"]), {})
+    if not best and lo:  # the bracket's lower end came from --lo: measure it, so the row has its figures
+        run(lo)
+        best = tried[-1][1] if tried[-1][1]["ok"] else {}
     return lo, best, tried
 
 
@@ -104,6 +108,11 @@ def main() -> None:
     ap.add_argument("--model", default="7.2b", help="bench.py's shape whose layer count is searched")
     ap.add_argument("--start", type=int, default=16, help="layers of the first trial")
     ap.add_argument("--max", type=int, default=512, help="layers past which the doubling stops")
+    ap.add_argument("--lo", type=int, default=0,
+                    help="a layer count known to train (from an earlier run): the search starts above it")
+    ap.add_argument("--hi", type=int, default=0,
+                    help="a layer count known not to fit (e.g. past the host-memory floor): no doubling, bisection only")
+    ap.add_argument("--resolution", type=int, default=1, help="stop bisecting when the bracket is this many layers wide")
     ap.add_argument("--micro", type=int, default=1)
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--bucket", type=float, default=1e8)
