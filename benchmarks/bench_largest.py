@@ -53,9 +53,10 @@ def trial(engine: str, layers: int, args: argparse.Namespace) -> dict:
         except subprocess.TimeoutExpired:
             return {"ok": False, "why": f"past --timeout {args.timeout} s", "seconds": time.time() - t0}
         if proc.returncode != 0 or not os.path.exists(out):
-            tail = (proc.stdout + proc.stderr).strip().splitlines()[-3:]
-            why = next((ln for ln in reversed(tail) if "memory" in ln.lower() or "Killed" in ln), tail[-1] if tail else "")
-            return {"ok": False, "why": why[:200], "seconds": time.time() - t0}
+            lines = [ln for ln in (proc.stdout + proc.stderr).splitlines() if ln.strip() and not ln.startswith("=")]
+            why = next((ln for ln in reversed(lines) if any(k in ln for k in ("Error", "memory", "Killed", "signal"))),
+                       lines[-1] if lines else f"exit {proc.returncode}")
+            return {"ok": False, "why": why.strip()[:300], "seconds": time.time() - t0}
         with open(out) as f:
             rows = json.load(f)
         row = rows[0] if rows else {}
