@@ -56,6 +56,8 @@ def trial(engine: str, layers: int, args: argparse.Namespace) -> dict:
             lines = [ln for ln in (proc.stdout + proc.stderr).splitlines() if ln.strip() and not ln.startswith("=")]
             why = next((ln for ln in reversed(lines) if any(k in ln for k in ("Error", "memory", "Killed", "signal"))),
                        lines[-1] if lines else f"exit {proc.returncode}")
+            # the trial's last lines, so the reason survives (a ChildFailedError line alone does not say what failed)
+            print("\n".join(f"    | {ln}" for ln in lines[-25:]), flush=True)
             return {"ok": False, "why": why.strip()[:300], "seconds": time.time() - t0}
         with open(out) as f:
             rows = json.load(f)
