@@ -14,7 +14,7 @@ DeepSpeed's side is recorded in :data:`FIXTURE` rather than run by the test: imp
 
     python -m tests.ds_oracle_topology --write-fixture
 
-which runs this file under DeepSpeed at 4 and at 2 ranks and stores every rank's answers with DeepSpeed's version and
+which runs this file under DeepSpeed at 2, 4 and 8 ranks and stores every rank's answers with DeepSpeed's version and
 the SHA-256 of this file; the test refuses a fixture whose hash is not this file's (an edit of :func:`observe` needs a
 new fixture).
 """
@@ -37,6 +37,8 @@ CASES: dict[str, tuple[int, str, dict[str, int]]] = {
     "pp 2 x dp 2": (4, "PipeDataParallelTopology", {"num_pp": 2, "num_dp": 2}),
     "pp 2 x tp 2": (4, "PipeModelDataParallelTopology", {"num_pp": 2, "num_mp": 2, "num_dp": 1}),
     "pp 2 x dp 1": (2, "PipeDataParallelTopology", {"num_pp": 2, "num_dp": 1}),
+    # every group a proper sub-grid: the model-parallel one (pipe x model) is a flattened sub-mesh of two axes apart
+    "pp 2 x dp 2 x tp 2": (8, "PipeModelDataParallelTopology", {"num_pp": 2, "num_mp": 2, "num_dp": 2}),
 }
 
 #: DeepSpeed's PipelineParallelGrid methods that take no argument and return a value.

@@ -1,11 +1,12 @@
 """DeepSpeed's pipeline grid and topology API on hf_zero's grid, answer for answer equal to DeepSpeed 0.19.8's.
 
 A DeepSpeed pipeline script asks ``engine.grid`` (``PipelineModule._grid``, ``mpu()``) for its place and groups, and
-``PipelineModule.topology()`` for the rank layout. For pp 2 x dp 2 and pp 2 x tp 2 on 4 gloo ranks and pp 2 x dp 1 on
-2, every method's answer on every rank (a group: its member ranks, and an all-reduce over it) must equal DeepSpeed's
+``PipelineModule.topology()`` for the rank layout. For pp 2 x dp 2 and pp 2 x tp 2 on 4 gloo ranks, pp 2 x dp 1 on 2
+and pp 2 x dp 2 x tp 2 on 8, every method's answer on every rank (a group: its member ranks, and an all-reduce over it) must equal DeepSpeed's
 ``PipelineParallelGrid(topology=...)``'s: hf_zero's grid built the same way (``hf_zero.runtime.pipe.topology``), the
 grid ``initialize`` gives a pipeline (a ``PipelineModule`` of linear layers; at tp 2 a Llama cut by
-``split_causal_lm``), and a ``PipelineModule(topology=...)``'s. DeepSpeed's answers are the fixture
+``split_causal_lm``; at pp 2 x dp 2 also with the replicas as hybrid sharding's ``dp_replicate`` axis), and a
+``PipelineModule(topology=...)``'s. DeepSpeed's answers are the fixture
 ``tests/ds_topology_oracle.json``, written by ``python -m tests.ds_oracle_topology --write-fixture`` (running DeepSpeed
 on 4 ranks here took 88 s); :mod:`tests.ds_oracle_topology` holds the one ``observe`` both sides run.
 """
@@ -32,14 +33,18 @@ def _fixture() -> dict:
     return fixture
 
 
-def _pipeline_engine(name: str):  # noqa: ANN202 - a PipelineEngine
-    """The engine ``initialize`` builds for a case's layout, as a DeepSpeed pipeline script builds it."""
+def _pipeline_engine(name: str, hybrid: bool = False):  # noqa: ANN202 - a PipelineEngine
+    """The engine ``initialize`` builds for a case's layout, as a DeepSpeed pipeline script builds it; ``hybrid``:
+    the stage's two replicas as hybrid sharding's ``dp_replicate`` axis (``mics_shard_size`` 1), still DeepSpeed's
+    ``data`` axis."""
     import hf_zero as deepspeed
     from hf_zero.pipe import LayerSpec, PipelineModule, split_causal_lm
     from tests.models import tiny_causal_lm
 
     cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 2, "steps_per_print": 1000,
            "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}}
+    if hybrid:
+        cfg["zero_optimization"] = {"stage": 1, "mics_shard_size": 1}
     if "tp 2" in name:
         cfg["tensor_parallel"] = {"autotp_size": 2}
         model = split_causal_lm(tiny_causal_lm("llama", vocab_size=64, hidden_size=16, intermediate_size=24,
@@ -90,6 +95,8 @@ def _hf_zero_side(rank: int, world: int) -> dict:
         grid = T.PipelineParallelGrid(topology=getattr(T, cls)(**kwargs))
         out[f"{name} direct"] = oracle.observe(grid)
         out[f"{name} names"] = oracle.ds_names(grid)
+        if world == 8:
+            continue  # the grid alone: tests/test_grid_parity.py trains this layout
         engine = _pipeline_engine(name)
         module = engine.module
         out[f"{name} engine"] = oracle.observe(engine.grid)
@@ -109,6 +116,10 @@ def _hf_zero_side(rank: int, world: int) -> dict:
                                     loss_fn=torch.nn.MSELoss())
             out[f"{name} module topology"] = oracle.observe(module._grid)
             out[f"{name} module topology is"] = module.topology() is topo
+        if name == "pp 2 x dp 2":
+            engine = _pipeline_engine(name, hybrid=True)
+            assert engine.grid.shape.dp_replicate == 2 and engine.grid.shape.dp_shard == 1, engine.grid
+            out[f"{name} hybrid engine"] = oracle.observe(engine.grid)
     out["refusals"] = _refusals(world)
     return out
 
@@ -127,11 +138,13 @@ def _compare(ds_ranks: list, ours: list, world: int) -> None:
                 continue
             public = {n for n in theirs[f"{name} names"] if not n.startswith("_")} | {"_topo"}
             assert public <= set(mine[f"{name} names"]), f"{name}: missing {sorted(public - set(mine[f'{name} names']))}"
-            for how in ("direct", "engine", *(() if "tp 2" in name else ("module topology",))):
+            hows = ["direct"] + ([] if world == 8 else ["engine"]) + ([] if "tp 2" in name else ["module topology"])
+            hows += ["hybrid engine"] if name == "pp 2 x dp 2" else []
+            for how in hows:
                 for key, value in theirs[name].items():
                     assert mine[f"{name} {how}"][key] == value, f"rank {rank}, {name} ({how}): {key}"
                 assert mine[f"{name} {how}"].keys() == theirs[name].keys()
-            assert all(mine[f"{name} one grid"]), mine[f"{name} one grid"]
+            assert world == 8 or all(mine[f"{name} one grid"]), mine.get(f"{name} one grid")
             assert mine.get(f"{name} module topology is", True)
 
 
@@ -159,3 +172,11 @@ def test_grid_and_topology_equal_deepspeed_on_two_ranks(ds: dict) -> None:
     ours = spawn(_hf_zero_side, 2)
     _compare(ds["2"], ours, 2)
     _check_refusals(ours, 2)
+
+
+def test_grid_and_topology_equal_deepspeed_on_eight_ranks(ds: dict) -> None:
+    """pp 2 x dp 2 x tp 2: no group spans the world, and DeepSpeed's model-parallel group (pipe x model) is two axes
+    apart in the grid (a flattened sub-mesh)."""
+    ours = spawn(_hf_zero_side, 8)
+    _compare(ds["8"], ours, 8)
+    _check_refusals(ours, 8)
