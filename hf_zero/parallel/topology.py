@@ -204,6 +204,11 @@ class PipelineParallelGrid(ParallelGrid):
     ``PipelineParallelGrid(topology=PipeDataParallelTopology(num_pp=2, num_dp=2))``: then the grid of that layout is
     fetched (:func:`~hf_zero.parallel.grid.grid_for`, the groups made once per process). Every process must make it,
     in the same order, as DeepSpeed's.
+
+    Like DeepSpeed 0.19.8's it has ``get_tensor_model_parallel_rank/world_size`` but no
+    ``get_tensor_model_parallel_group``: code written against DeepSpeed's grid probes for that method with ``hasattr``
+    (DeepSpeed's ``utils/bwc.py`` then takes ``get_slice_parallel_group()``, the same ranks), and takes the branch it
+    takes under DeepSpeed only if the method is missing here too.
     """
 
     def __init__(self, topology: ProcessTopology | None = None, process_group: Any = None) -> None:
