@@ -136,6 +136,11 @@ class PipelineEngine(ZeroEngine):
 
     # ------------------------------------------------------------ DeepSpeed API
 
+    @property
+    def mpu(self) -> Any:
+        """DeepSpeed's ``engine.mpu`` of a pipeline: the grid (``PipelineModule.mpu()``), as ``engine.grid`` is."""
+        return self.grid
+
     def is_first_stage(self) -> bool:
         return self.stage_id == 0
 

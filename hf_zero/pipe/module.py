@@ -33,6 +33,7 @@ from torch import nn
 from hf_zero import dist as hz_dist
 from hf_zero.errors import PipelineError
 from hf_zero.parallel import GridShape, grid_for
+from hf_zero.parallel.topology import PipelineParallelGrid, ProcessTopology, shape_of_topology
 
 logger = logging.getLogger("hf_zero")
 
@@ -224,11 +225,12 @@ class PipelineModule(nn.Module):
         checkpointable_layers: list[str] | None = None,
     ) -> None:
         super().__init__()
-        if topology is not None:
-            raise PipelineError("PipelineModule(topology=...) is not supported; give num_stages (data parallelism fills the rest of the world)")
-        if num_stages is None:
-            raise PipelineError("PipelineModule needs num_stages (the number of pipeline stages)")
+        if num_stages is None and topology is None:
+            raise PipelineError("PipelineModule needs num_stages (the number of pipeline stages) or a topology")
         specs = list(layers)
+        if topology is not None:  # DeepSpeed's alternative to num_stages: its pipe axis, checked against the world
+            hz_dist.init_distributed()
+            num_stages = self._stages_of(topology, num_stages, dist.get_world_size())
         if isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1:
             raise PipelineError(f"PipelineModule(num_stages=...) must be a positive integer, got {num_stages!r}")
         if num_stages > len(specs):
@@ -247,7 +249,11 @@ class PipelineModule(nn.Module):
                 f"PipelineModule(activation_checkpoint_interval=...) must be an integer >= 0, got {activation_checkpoint_interval!r}"
             )
         self.num_stages = num_stages
-        self.grid = grid_for(GridShape.fill(world, pp=num_stages), hz_dist.get_device().type)
+        self._user_topology: ProcessTopology | None = topology
+        # The grid of the run, with DeepSpeed's PipelineParallelGrid methods (hf_zero/parallel/topology.py): what
+        # DeepSpeed's `_grid`, `mpu()` and the engine's `grid` are.
+        self.grid = PipelineParallelGrid.over(grid_for(GridShape.fill(world, pp=num_stages), hz_dist.get_device().type),
+                                              topology)
         self.global_rank = dist.get_rank()
         self.stage_id, self.dp_rank, self.dp = self.grid.pipe_stage, self.grid.dp_rank, self.grid.dp_size
         self.loss_fn = loss_fn
@@ -323,10 +329,46 @@ class PipelineModule(nn.Module):
         if grid.size("pp") != self.num_stages or grid.pipe_stage != self.stage_id or grid.size() != self.grid.size():
             raise PipelineError(f"the run's grid {grid.shape.describe()} does not match the PipelineModule's "
                                 f"{self.num_stages} stages over {self.grid.size()} ranks")
-        self.grid = grid
+        if self._user_topology is not None and grid.size("tp") > 1:
+            raise PipelineError(f"the config's tensor_parallel.autotp_size {grid.size('tp')} adds a model axis the "
+                                "PipelineModule's topology does not have; build the module with num_stages instead "
+                                "of topology=, or leave tensor parallelism out")
+        self.grid = PipelineParallelGrid.over(grid, self._user_topology)
         self.dp_rank, self.dp = grid.dp_rank, grid.dp_size
         self.dp_group = grid.zero_group
         self.pipe_group = grid.group("pp")
+
+    @staticmethod
+    def _stages_of(topology: Any, num_stages: int | None, world: int) -> int:
+        """The number of stages of DeepSpeed's ``topology=`` argument (its ``pipe`` axis), refusing what hf_zero's grid
+        cannot be: another axis order, a size other than the world's, or a ``model`` axis (layers sliced by the user)."""
+        shape = shape_of_topology(topology, world)
+        if shape.tp > 1:
+            raise PipelineError(
+                f"PipelineModule(topology=...) with a model axis of {shape.tp} (layers you slice yourself) is not "
+                "supported yet; give a PipeDataParallelTopology or num_stages, and set \"tensor_parallel\": "
+                "{\"autotp_size\": N} in the config for hf_zero's tensor parallelism")
+        if num_stages is not None and num_stages != shape.pp:
+            raise PipelineError(f"PipelineModule(num_stages={num_stages}) disagrees with its topology's pipe axis of "
+                                f"{shape.pp}; give one of the two")
+        return shape.pp
+
+    # DeepSpeed's names for the grid: PipelineModule._grid, mpu() and topology()
+    @property
+    def _grid(self) -> PipelineParallelGrid:
+        return self.grid
+
+    @property
+    def _topo(self) -> ProcessTopology:
+        return self.grid.topology()
+
+    def mpu(self) -> PipelineParallelGrid:
+        """The grid, the model-parallel unit (mpu) DeepSpeed's engine and Megatron-style code read ranks and groups from."""
+        return self.grid
+
+    def topology(self) -> ProcessTopology:
+        """The ``ProcessTopology`` mapping pipeline and data coordinates (and tensor slices) to global ranks."""
+        return self.grid.topology()
 
     def rank_of(self, stage: int) -> int:
         """The global rank of pipeline stage ``stage`` in this rank's data-parallel replica."""

@@ -2,8 +2,9 @@
 
 ``runtime.lr_schedules`` (the learning-rate schedules), ``runtime.engine.DeepSpeedEngine``,
 ``runtime.config.DeepSpeedConfigError``, ``runtime.dataloader.RepeatingLoader``,
-``runtime.base_optimizer`` and ``runtime.zero`` (``partition_parameters.ZeroParamStatus``, the ZeRO
-optimizer classes for ``isinstance``). Each is a thin name over hf_zero's own object.
+``runtime.base_optimizer``, ``runtime.zero`` (``partition_parameters.ZeroParamStatus``, the ZeRO
+optimizer classes for ``isinstance``) and ``runtime.pipe`` (``topology``'s ``PipelineParallelGrid`` and topology
+classes, ``module``, ``engine``). Each is a thin name over hf_zero's own object.
 """
 
 from __future__ import annotations
@@ -13,9 +14,9 @@ from typing import Any
 
 from hf_zero.runtime import lr_schedules
 
-__all__ = ["lr_schedules", "engine", "config", "dataloader", "base_optimizer", "zero"]
+__all__ = ["lr_schedules", "engine", "config", "dataloader", "base_optimizer", "zero", "pipe"]
 
-_SUBMODULES = ("engine", "config", "dataloader", "base_optimizer", "zero")
+_SUBMODULES = ("engine", "config", "dataloader", "base_optimizer", "zero", "pipe")
 
 
 def __getattr__(name: str) -> Any:

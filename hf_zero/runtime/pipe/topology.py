@@ -1,0 +1,13 @@
+"""``deepspeed.runtime.pipe.topology`` under hf_zero: DeepSpeed's topology classes and ``PipelineParallelGrid``,
+answered from hf_zero's grid (:mod:`hf_zero.parallel.topology` says how the axes correspond)."""
+
+from __future__ import annotations
+
+from hf_zero.parallel.topology import (
+    PipeDataParallelTopology,
+    PipelineParallelGrid,
+    PipeModelDataParallelTopology,
+    ProcessTopology,
+)
+
+__all__ = ["PipeDataParallelTopology", "PipeModelDataParallelTopology", "PipelineParallelGrid", "ProcessTopology"]
