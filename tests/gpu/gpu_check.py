@@ -111,6 +111,21 @@ def _async_save(rank: int, world: int) -> list[dict]:
             rows.append({"case": f"stage {stage}: files unlike the synchronous save's (save returned in {returned:.3f} s)",
                          "loss_err": float(len(differ)), "w_err": 0.0, "tol": 0.5})
             engine.destroy()
+        # The random streams every time: a fresh engine (its first background save builds the writers' group and
+        # pins its host buffers), then RNG_PAIRS sync/async pairs, each after draws from every stream (CUDA's too).
+        # Counted: pairs whose stored streams differ, and pairs after which the run's streams are not those stored.
+        for stage in (2, 3):
+            r = test_async_checkpoint._rng_pairs(rank, world, os.path.join(path[0], f"rng{stage}"), stage, False)
+            rows.append({"case": f"stage {stage}: of {test_async_checkpoint.RNG_PAIRS} pairs, RNG streams unlike the "
+                                 f"synchronous save's ({', '.join(r['streams'])}); after which the run's streams moved",
+                         "loss_err": float(len(r["differ"])), "w_err": float(len(r["moved"])), "tol": 0.5})
+            if r["differ"] or r["moved"]:
+                print(f"rank {rank} async checkpoint stage {stage}: streams differ {r['differ'][:4]}, moved {r['moved'][:4]}",
+                      flush=True)
+        from hf_zero.checkpoint import save as save_module
+
+        if save_module._moved_warned:  # put back, and warned about, by save(): which stream a call in the save drew from
+            print(f"rank {rank} async checkpoint: a save moved {sorted(save_module._moved_warned)}", flush=True)
         dist.barrier()
     return rows
 
