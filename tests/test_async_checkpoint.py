@@ -35,7 +35,10 @@ def _engine(stage: int, extra: dict | None = None):  # noqa: ANN202
 
 
 def _step(engine, t: int) -> None:  # noqa: ANN001
-    ids, labels = make_data(t + 1, 4)
+    """Step ``t`` on 2 samples a rank, at any world size (tests/gpu/gpu_check.py runs it at 1 to N ranks)."""
+    import torch.distributed as dist
+
+    ids, labels = make_data(t + 1, 2 * dist.get_world_size())
     r = engine.global_rank
     engine.backward(engine(ids[t, 2 * r : 2 * r + 2], labels[t, 2 * r : 2 * r + 2]))
     engine.step()
@@ -294,3 +297,101 @@ def test_a_rank_killed_while_its_background_write_is_in_flight_leaves_latest_loa
     assert not (ckpt / "global_step2").exists(), sorted(os.listdir(ckpt))
     got = spawn(_load_latest, 1, str(tmp_path))[0]  # one process reads the 2-rank checkpoint (any world size loads it)
     assert got["loaded"] == "global_step1" and got["global_steps"] == 2
+
+
+# --------------------------------------------------------------- the random streams a background save stores
+
+RNG_PAIRS = 50
+
+
+def _saved_rng(folder: Path, rank: int) -> dict:
+    """Every random stream one rank's share stores: Python's and NumPy's (its JSON index), torch's (its tensors)."""
+    import json
+
+    from safetensors import safe_open
+
+    index = json.loads((folder / f"rank{rank:05d}.json").read_text())
+    out = {f"json.{k}": v for k, v in index["rng"].items()}
+    for key, fname in index["files"].items():
+        if key.startswith("rng."):
+            with safe_open(str(folder / fname), "pt") as f:
+                out[key] = f.get_tensor(key).tolist()
+    return out
+
+
+def _rng_pairs(rank: int, world: int, root: str, stage: int, drawing: bool) -> dict:
+    """``RNG_PAIRS`` times: the same step saved synchronously and in the background; the streams each stored.
+
+    Each pair first draws from every stream, so each pair stores a different state; a training step runs while the
+    background write is in flight. The first background save of the process (the one that builds the writers' gloo
+    group and, on a GPU, registers the host buffers) is the first pair's. ``drawing``: a call inside the save path
+    draws from NumPy's and Python's global streams, as a library's call can (modelled in the background save's
+    host-memory check and the synchronous save's publishing on rank 0, both on the main thread); the streams stored
+    must still be those of the moment save_checkpoint was called, and the run must go on from them."""
+    import random
+    import threading
+
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+
+    import hf_zero.checkpoint.save as save_module
+    from hf_zero.checkpoint.background import BackgroundWriter
+
+    real_prepare, real_finish = BackgroundWriter.prepare, save_module._finish
+
+    def draw() -> None:
+        if threading.current_thread() is threading.main_thread():
+            np.random.rand(3)
+            random.random()
+
+    def prepare(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        draw()
+        return real_prepare(self, *args, **kwargs)
+
+    def finish(*args, **kwargs) -> None:  # noqa: ANN002, ANN003
+        draw()
+        real_finish(*args, **kwargs)
+
+    if drawing:
+        BackgroundWriter.prepare, save_module._finish = prepare, finish
+    try:
+        engine = _engine(stage)
+        _step(engine, 0)
+        differ, moved, streams = [], [], set()
+        for i in range(RNG_PAIRS):
+            random.random()
+            np.random.rand(1 + i % 3)
+            torch.rand(1 + i % 2)
+            engine.config.checkpoint_async_save = False
+            engine.save_checkpoint(str(Path(root, f"sync{stage}")), tag=f"p{i}", save_latest=False)
+            engine.config.checkpoint_async_save = True
+            engine.save_checkpoint(str(Path(root, f"async{stage}")), tag=f"p{i}", save_latest=False)
+            _step(engine, 1)  # training goes on while the write is in flight (it draws from no stream)
+            engine.wait_for_checkpoint()
+            now = {"json.python": [*random.getstate()[:1], list(random.getstate()[1]), random.getstate()[2]],
+                   "json.numpy": np.random.get_state()[2], "rng.torch_cpu": torch.get_rng_state().tolist()}
+            a = _saved_rng(Path(root, f"sync{stage}", f"p{i}"), rank)
+            b = _saved_rng(Path(root, f"async{stage}", f"p{i}"), rank)
+            streams |= set(a)
+            if a != b:
+                differ.append([i, sorted(k for k in a if a[k] != b.get(k))])
+            stored = {"json.python": a["json.python"], "json.numpy": a["json.numpy"][2], "rng.torch_cpu": a["rng.torch_cpu"]}
+            if now != stored or np.random.get_state()[1].tolist() != a["json.numpy"][1]:
+                moved.append(i)  # the run does not go on from the streams the checkpoint stores
+        dist.barrier()
+        engine.destroy()
+    finally:
+        BackgroundWriter.prepare, save_module._finish = real_prepare, real_finish
+    return {"differ": differ, "moved": moved, "streams": sorted(streams)}
+
+
+@pytest.mark.parametrize("stage, drawing", [(2, False), (3, False), (2, True)], ids=["stage2", "stage3", "stage2-drawing"])
+def test_a_background_save_stores_the_random_streams_of_a_synchronous_one(tmp_path: Path, stage: int, drawing: bool) -> None:
+    """50 sync/async pairs: Python's ``random``, NumPy's global RandomState and torch's generators (CUDA's where
+    there is one) stored by the background save equal the synchronous save's of the same step, every time, and the
+    run goes on from them; also when a call inside the save path draws from a global stream."""
+    for r in spawn(_rng_pairs, 2, str(tmp_path), stage, drawing):
+        assert {"json.python", "json.numpy", "rng.torch_cpu"} <= set(r["streams"]), r["streams"]
+        assert r["differ"] == [], r["differ"]
+        assert r["moved"] == [], r["moved"]

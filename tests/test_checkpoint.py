@@ -33,10 +33,10 @@ class Dropped(Awkward):
         return torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1))
 
 
-def _dataset() -> torch.utils.data.TensorDataset:
+def _dataset(n: int = N_SAMPLES) -> torch.utils.data.TensorDataset:
     g = torch.Generator().manual_seed(11)
-    ids = torch.randint(0, VOCAB, (N_SAMPLES, 5), generator=g)
-    return torch.utils.data.TensorDataset(ids, torch.randint(0, VOCAB, (N_SAMPLES, 5), generator=g))
+    ids = torch.randint(0, VOCAB, (n, 5), generator=g)
+    return torch.utils.data.TensorDataset(ids, torch.randint(0, VOCAB, (n, 5), generator=g))
 
 
 def _train(rank: int, world: int, case: dict) -> dict:
@@ -61,7 +61,8 @@ def _train(rank: int, world: int, case: dict) -> dict:
         "checkpoint": {"async_save": case.get("async_save", False)},
     }
     torch.manual_seed(1000 + rank)  # each rank's own RNG stream (dropout)
-    engine, _, loader, _ = hf_zero.initialize(model=model, model_parameters=param_groups(model), config=cfg, training_data=_dataset())
+    engine, _, loader, _ = hf_zero.initialize(model=model, model_parameters=param_groups(model), config=cfg,
+                                              training_data=_dataset(case.get("samples", N_SAMPLES)))
     out: dict = {"losses": {}}
     if case.get("load"):
         path, client = engine.load_checkpoint(case["dir"])

@@ -39,7 +39,8 @@ def _train(rank: int, world: int, how: str) -> dict:
             engine.compile(backend="aot_eager")
         elif how_here == "inductor":  # tests/gpu/gpu_check.py
             engine.compile()
-        ids = torch.randint(0, 64, (8, 12), generator=torch.Generator().manual_seed(3))[rank * 4:(rank + 1) * 4]
+        # 4 rows a rank at any world size (tests/gpu/gpu_check.py runs it at 1 to N ranks)
+        ids = torch.randint(0, 64, (4 * world, 12), generator=torch.Generator().manual_seed(3))[rank * 4:(rank + 1) * 4]
         losses = []
         for step in range(3):
             batch = ids[2 * (step % 2): 2 * (step % 2) + 2]

@@ -80,7 +80,7 @@ def _script(rank: int, world: int, root: str, cpu_checkpointing: bool) -> dict:
     acc = get_accelerator()
     out = {"device": acc.device_name(), "backend": acc.communication_backend_name(), "rank": dist.get_rank(),
            "world": dist.get_world_size(), "local_rank": dist.get_local_rank(), "args": [args.deepspeed, args.local_rank],
-           "ranks": [dist.get_all_ranks_from_group(), dist.get_all_ranks_from_group(dist.new_group([1]))]}
+           "ranks": [dist.get_all_ranks_from_group(), dist.get_all_ranks_from_group(dist.new_group([world - 1]))]}
     try:
         acc.lazy_call(print)
     except AttributeError as e:

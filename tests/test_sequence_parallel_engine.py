@@ -94,7 +94,7 @@ def _train(engine, data: dict, steps: range, micro: int, gas: int) -> list[float
     sp_rank, sp, dp_rank, dp = (g.sp_rank, g.sp_size, g.dp_rank, g.dp_size) if g else (0, 1, dist.get_rank(), dist.get_world_size())
     losses = []
     for t in steps:
-        total = torch.zeros(())
+        total = torch.zeros((), device=engine.device)  # where the loss is: NCCL reduces GPU tensors (tests/gpu/gpu_check.py)
         for k in range(gas):
             batch = _micro(data, t, (dp_rank * gas + k) * micro, micro)
             batch = shard_batch(batch, sp_rank, sp) if g else batch

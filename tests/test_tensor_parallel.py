@@ -48,10 +48,16 @@ def _micro(data: dict, t: int, lo: int, n: int) -> dict:
     return {k: v[t, lo : lo + n] for k, v in data.items()}
 
 
-def _oracle(steps: int, micro: int, per_step: int, clip: float) -> tuple[list[float], dict]:
+def heads_for(tp: int) -> dict:
+    """The model's head counts at tensor-parallel degree ``tp``: the suite's 4 heads (2 key/value) where 2 divides them,
+    else 2 ``tp`` heads and ``tp`` key/value heads (hidden 32, intermediate 56 and vocabulary 80 split evenly up to 8)."""
+    return {} if tp == 2 else {"num_attention_heads": 2 * tp, "num_key_value_heads": tp}
+
+
+def _oracle(steps: int, micro: int, per_step: int, clip: float, model: dict | None = None) -> tuple[list[float], dict]:
     data = _data(steps, micro * per_step)
     batches = [[_micro(data, t, k * micro, micro) for k in range(per_step)] for t in range(steps)]
-    return train_one_process(_llama(), batches, lr=LR, eps=EPS, clip=clip)
+    return train_one_process(_llama(**(model or {})), batches, lr=LR, eps=EPS, clip=clip)
 
 
 def _whole(engine) -> dict:
@@ -66,11 +72,11 @@ def _rel(a: dict, b: dict) -> float:
     return max(float((a[n].cpu() - b[n].cpu()).norm() / b[n].cpu().norm()) for n in b)
 
 
-def _config(stage: int, gas: int, clip: float, **extra) -> dict:
+def _config(stage: int, gas: int, clip: float, tp: int = 2, **extra) -> dict:
     return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": gas, "gradient_clipping": clip,
             # a threshold under the matrices' sizes: at stage 3 they are sharded per unit, gathered per forward
             "zero_optimization": {"stage": stage, "reduce_bucket_size": 3000, "stage3_param_persistence_threshold": 64},
-            "tensor_parallel": {"autotp_size": 2},
+            "tensor_parallel": {"autotp_size": tp},
             "steps_per_print": 1000, **extra}
 
 
@@ -91,23 +97,28 @@ def _train(engine, data: dict, steps: range, gas: int) -> list[float]:
     return losses
 
 
-def _grid(rank: int, world: int, cases: list, tmp: str) -> list:
+def _grid(rank: int, world: int, cases: list, tmp: str, degree: int = 2) -> list:
+    """``cases`` at tensor-parallel degree ``degree`` x dp world / degree; at degree 2 and world 2 or 4, the extra rows
+    the tests below check (resume, save_pretrained, refusals; ZeRO-3 resume and tp 2 x sp 2)."""
     import hf_zero
 
     out = []
+    heads = heads_for(degree)
     for stage, gas, clip in cases:
-        engine, _, _, _ = hf_zero.initialize(model=_llama(), config=_config(stage, gas, clip),
+        engine, _, _, _ = hf_zero.initialize(model=_llama(**heads), config=_config(stage, gas, clip, degree),
                                              optimizer=lambda ps: torch.optim.AdamW(ps, lr=LR, eps=EPS))
         tp = engine.tensor_parallel_groups
         q = engine.module.model.layers[0].self_attn.q_proj
         losses = _train(engine, _data(STEPS, MICRO * gas * tp.dp_size), range(STEPS), gas)
-        ref_losses, ref_w = _oracle(STEPS, MICRO, gas * tp.dp_size, clip)
+        ref_losses, ref_w = _oracle(STEPS, MICRO, gas * tp.dp_size, clip, heads)
         local = sum(p.numel() for p in engine.module.parameters())  # this rank's tensor-parallel slices
         owned = sum(r.hi - r.lo for g in engine.zero_optimizer.groups for r in g.owned())
         out.append({"case": [stage, gas, clip], "loss_err": max(abs(a - b) / b for a, b in zip(losses, ref_losses)),
                     "w_err": _rel(_whole(engine), ref_w), "q_shape": list(q.weight.shape), "q_bias": list(q.bias.shape),
                     "dp": tp.dp_size, "zero_world": engine.world_size, "owned_share": owned / local})
         engine.destroy()
+    if degree != 2:
+        return out
     if world == 4:
         out.append(_zero3_resume_and_save(rank, world, tmp))
         out.append(_tp_times_sp(rank, world))
@@ -196,9 +207,12 @@ def _zero3_resume_and_save(rank: int, world: int, tmp: str) -> dict:
 TP_SP_CASES = [[1, 1, 0.5], [2, 2, 0.0], [3, 1, 0.5], [3, 2, 0.5]]
 
 
-def _tp_times_sp(rank: int, world: int) -> dict:
+def _tp_times_sp(rank: int, world: int, tp: int = 2, sp: int = 2, cases: list | None = None) -> dict:
     """tp 2 x Ulysses sp 2 on 4 ranks (8 heads: 4 per tensor-parallel rank, 2 per sequence-parallel rank) at ZeRO 1-3
-    against one process: tests/test_sequence_parallel_engine.py's ragged, prompt-masked batches and oracle."""
+    against one process: tests/test_sequence_parallel_engine.py's ragged, prompt-masked batches and oracle.
+
+    ``tp`` and ``sp`` pick another layout of the same model (tests/gpu/gpu_check.py: sp 4 alone, tp 1 leaving
+    tensor parallelism out); the data-parallel degree is what the world leaves."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     import hf_zero
@@ -211,10 +225,11 @@ def _tp_times_sp(rank: int, world: int) -> dict:
 
     S._llama = llama  # the oracle builds the same model (this rank's process only)
     out = {}
-    for stage, gas, clip in TP_SP_CASES:
+    for stage, gas, clip in cases or TP_SP_CASES:
         cfg = {"train_micro_batch_size_per_gpu": S.MICRO, "gradient_accumulation_steps": gas, "gradient_clipping": clip,
                "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 64, "reduce_bucket_size": 3000},
-               "sequence_parallel_size": 2, "tensor_parallel": {"autotp_size": 2}, "steps_per_print": 1000}
+               "sequence_parallel_size": sp, "steps_per_print": 1000,
+               **({"tensor_parallel": {"autotp_size": tp}} if tp > 1 else {})}
         engine = hf_zero.initialize(model=llama(), config=cfg,
                                     optimizer=lambda ps: torch.optim.AdamW(ps, lr=S.LR, eps=S.EPS))[0]
         g = engine.sequence_parallel_groups
@@ -223,7 +238,7 @@ def _tp_times_sp(rank: int, world: int) -> dict:
         ref_losses, ref_w = S._oracle(S.STEPS, S.MICRO, gas * g.dp_size, clip)
         out[str([stage, gas, clip])] = {"loss_err": max(abs(a - b) / b for a, b in zip(losses, ref_losses)),
                                         "w_err": S._rel(_whole(engine), ref_w), "sp": g.sp_size,
-                                        "tp": engine.tensor_parallel_groups.tp_size}
+                                        "tp": engine.tensor_parallel_groups.tp_size if tp > 1 else 1}
         engine.destroy()
     return out
 

@@ -149,6 +149,13 @@ def rng_state(device: torch.device) -> tuple[dict[str, torch.Tensor], dict[str, 
     return tensors, meta
 
 
+def moved_streams(tensors: dict[str, torch.Tensor], meta: dict[str, Any], device: torch.device) -> list[str]:
+    """The streams whose state now differs from what :func:`rng_state` returned as ``tensors`` and ``meta``."""
+    now_tensors, now_meta = rng_state(device)
+    moved = [k for k, v in tensors.items() if not torch.equal(v, now_tensors[k])]
+    return moved + [k for k, v in meta.items() if v != now_meta[k]]
+
+
 def set_rng_state(tensors: dict[str, torch.Tensor], meta: dict[str, Any], device: torch.device) -> None:
     """Restore what :func:`rng_state` saved."""
     torch.set_rng_state(tensors["rng.torch_cpu"])

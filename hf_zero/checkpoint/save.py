@@ -14,6 +14,13 @@ The order of one save (every rank calls :func:`save`):
 The format is :mod:`hf_zero.checkpoint.format`'s; a failure anywhere raises the same sentence on
 every rank, removes the half-written folder and leaves the previous checkpoints as they were.
 
+The random streams (torch's CPU and CUDA generators, Python's ``random``, NumPy's global RandomState) are
+read once, when :func:`save` is called, and are what both paths store; whatever the save itself does
+(collectives, the writers' gloo group and pinned host buffers of the first background save, a library's
+call that draws from a global stream) comes after that read and is undone when it returns, so a
+background save stores the synchronous save's streams, and the run goes on drawing what a resume from
+the checkpoint draws.
+
 With ``checkpoint.async_save`` steps 1 and 2 are the same; step 3 copies each rank's share into host
 buffers kept between saves, and a thread does the writing and step 4
 (:mod:`hf_zero.checkpoint.background`). A share is planned as views of what the rank stores
@@ -42,9 +49,11 @@ from hf_zero.checkpoint.format import (
     MIN_FILE_BYTES,
     io_pool,
     io_submit,
+    moved_streams,
     rank_file_name,
     rank_meta_name,
     rng_state,
+    set_rng_state,
     to_json,
 )
 from hf_zero.checkpoint.ranks import CheckpointLayout, agree, attempt, pool
@@ -144,6 +153,31 @@ def save(
     writes and publishes (:mod:`hf_zero.checkpoint.background`); the path is then where the
     checkpoint will be once that is done.
     """
+    streams = rng_state(state.device)  # this step's random streams, before anything the save does (module docstring)
+    try:
+        return _save(state, save_dir, tag, client_state, save_latest, keep_last, background, exclude_frozen, streams)
+    finally:
+        moved = moved_streams(*streams, state.device)
+        if moved:
+            set_rng_state(*streams, state.device)
+            if not _moved_warned.intersection(moved):
+                logger.warning("save_checkpoint: %s moved while the checkpoint was being saved (a call in the save "
+                               "path drew from it); put back to the state the checkpoint stores, so the run goes on "
+                               "as a resume from it does", ", ".join(_STREAM_NAMES.get(k, k) for k in moved))
+            _moved_warned.update(moved)
+
+
+#: The streams :func:`save` has warned about moving (once each per process).
+_moved_warned: set[str] = set()
+_STREAM_NAMES = {"rng.torch_cpu": "torch's CPU generator", "rng.torch_cuda": "torch's CUDA generator",
+                 "python": "Python's random", "numpy": "NumPy's global RandomState"}
+
+
+def _save(
+    state: TrainState, save_dir: str, tag: str | None, client_state: dict | None, save_latest: bool,
+    keep_last: int | None, background: BackgroundWriter | None, exclude_frozen: bool, streams: tuple[dict, dict],
+) -> str:
+    """:func:`save` once the random streams are read (``streams``, as :func:`rng_state` returns them)."""
     lay = state.layout
     group, rank = lay.group, lay.rank
     # The tag, the client state and the optimizer and parameter table (one per stage in a pipeline) are
@@ -169,9 +203,9 @@ def save(
     if background is not None:
         _launch(state, background, save_dir, tag,
                 lambda: checkpoint_meta(state, table, stage_tables, client, exclude_frozen), save_latest, keep_last,
-                exclude_frozen)
+                exclude_frozen, streams)
         return os.path.join(save_dir, tag)
-    errors = pool(attempt(lambda: write_share(state, partial, exclude_frozen))[1], group)
+    errors = pool(attempt(lambda: write_share(state, partial, exclude_frozen, streams))[1], group)
     if any(errors):  # a full disk on one rank must not leave the others waiting
         if rank == 0:  # free the space the half-written checkpoint took, before anyone returns
             shutil.rmtree(partial, ignore_errors=True)
@@ -190,8 +224,11 @@ def save(
 def _launch(
     state: TrainState, background: BackgroundWriter, save_dir: str, tag: str,
     meta: Callable[[], dict], save_latest: bool, keep_last: int | None, exclude_frozen: bool = False,
+    streams: tuple[dict, dict] | None = None,
 ) -> None:
-    """A background save, once the partial folder exists: plan, check host memory, copy, then hand over to the thread."""
+    """A background save, once the partial folder exists: plan, check host memory, copy, then hand over to the thread.
+
+    ``streams``: the random streams as :func:`save` read them on entry (read here when not given)."""
     lay = state.layout
     group, rank, partial = lay.group, lay.rank, atomic.partial_dir(save_dir, tag)
 
@@ -211,7 +248,9 @@ def _launch(
 
     def copy() -> tuple:
         tensors, event = background.copy(plan)
-        rng_tensors, rng_meta = rng_state(state.device)  # this step's streams, as a synchronous save takes them
+        # the streams read when save() was called, as a synchronous save stores them: not here, after the writers'
+        # group, the host buffers and the memory check, any of which may run a library call that draws
+        rng_tensors, rng_meta = streams if streams is not None else rng_state(state.device)
         tensors = {k: (v, v.dtype) for k, v in {**tensors, **rng_tensors}.items()}  # host copies, stored as they are
         return tensors, event, rank_index(state, share, rng_meta), meta() if rank == 0 else None
 
@@ -368,11 +407,14 @@ def write_rank(tensors: dict[str, tuple[torch.Tensor, torch.dtype]], rank_meta: 
     atomic.write_json(os.path.join(partial, rank_meta_name(rank)), {"files": files, "sha256": digests, **rank_meta})
 
 
-def write_share(state: TrainState, partial: str, exclude_frozen: bool = False) -> None:
-    """This rank's part of a checkpoint: its shards, optimizer state and RNG in safetensors, and its index."""
+def write_share(state: TrainState, partial: str, exclude_frozen: bool = False,
+                streams: tuple[dict, dict] | None = None) -> None:
+    """This rank's part of a checkpoint: its shards, optimizer state and RNG in safetensors, and its index.
+
+    ``streams``: the random streams as :func:`save` read them on entry (read here when not given)."""
     share = plan_share(state, exclude_frozen)
     tensors = share.pop("tensors")  # written from where they are, a file's worth of chunks at a time
-    rng_tensors, rng_meta = rng_state(state.device)
+    rng_tensors, rng_meta = streams if streams is not None else rng_state(state.device)
     tensors.update({k: (v, v.dtype) for k, v in rng_tensors.items()})
     write_rank(tensors, rank_index(state, share, rng_meta), partial, state.layout.rank)
 

@@ -1,20 +1,31 @@
-"""The CPU test suite's arithmetic oracles, run with NCCL on GPUs.
+"""The CPU test suite's arithmetic oracles, run with NCCL on GPUs, at any world size.
 
-    torchrun --nproc_per_node 2 tests/gpu/gpu_check.py
+    torchrun --nproc_per_node 4 tests/gpu/gpu_check.py
     torchrun --nproc_per_node 1 tests/gpu/gpu_check.py --only overlap_param_gather   # one suite (comma-separated names)
+    torchrun --nproc_per_node 3 tests/gpu/gpu_check.py --cpu                         # the same code on gloo CPU ranks
 
 Each rank trains on its GPU (NCCL collectives, side streams); the single-process oracle runs on
-the CPU. Prints one line per case with the largest relative loss and weight errors, and exits
-non-zero if any exceeds the tolerance.
+the CPU. Every suite sizes its data, batches and parallel layouts from the world size. Prints one
+line per case with the largest relative loss and weight errors, and exits non-zero if any exceeds
+the tolerance. ``--cpu`` (or a machine without CUDA) runs the same suites on gloo CPU ranks, so a
+change to it can be tried where there is no GPU; it hides the GPUs before torch is imported.
+
+A suite is a function ``(rank, world) -> rows`` in :data:`suites`; a row is a dict with ``case``,
+``loss_err`` and ``w_err`` (and optionally ``tol``, ``w_tol``). Another suite is one line there.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
+from collections.abc import Callable
 
-import torch
-import torch.distributed as dist
+if "--cpu" in sys.argv:  # before torch is imported: no rank may see a GPU, so every engine and helper picks the CPU
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 
 # the repository root (two folders up), so that ``tests`` imports as a package under torchrun
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
@@ -33,6 +44,8 @@ from tests import (  # noqa: E402
 )
 
 TOL = 1e-5
+ON_GPU = torch.cuda.is_available()
+DEVICE = "cuda" if ON_GPU else "cpu"
 
 
 def _resume(rank: int, world: int) -> list[dict]:
@@ -49,6 +62,8 @@ def _resume(rank: int, world: int) -> list[dict]:
         path = [tmp]
         dist.broadcast_object_list(path, src=0)  # one directory for every rank
         for i, c in enumerate(test_checkpoint.CASES):
+            # the loader's data for 2K steps at this world size (the CPU test's 120 samples hold 2 ranks' worth)
+            c = dict(c, samples=max(test_checkpoint.N_SAMPLES, c["micro"] * c["gas"] * 2 * test_checkpoint.K * world))
             d = os.path.join(path[0], f"c{i}")
             ref = test_checkpoint._train(rank, world, dict(c, until=2 * test_checkpoint.K))
             test_checkpoint._train(rank, world, dict(c, until=test_checkpoint.K, save_at=test_checkpoint.K, dir=d))
@@ -58,7 +73,7 @@ def _resume(rank: int, world: int) -> list[dict]:
                 float((torch.tensor(got["weights"][n]) - torch.tensor(w)).norm() / torch.tensor(w).norm())
                 for n, w in ref["weights"].items()
             )
-            rows.append({"case": c, "loss_err": loss_err, "w_err": w_err})
+            rows.append({"case": {k: v for k, v in c.items() if k != "samples"}, "loss_err": loss_err, "w_err": w_err})
         dist.barrier()
     return rows
 
@@ -96,6 +111,21 @@ def _async_save(rank: int, world: int) -> list[dict]:
             rows.append({"case": f"stage {stage}: files unlike the synchronous save's (save returned in {returned:.3f} s)",
                          "loss_err": float(len(differ)), "w_err": 0.0, "tol": 0.5})
             engine.destroy()
+        # The random streams every time: a fresh engine (its first background save builds the writers' group and
+        # pins its host buffers), then RNG_PAIRS sync/async pairs, each after draws from every stream (CUDA's too).
+        # Counted: pairs whose stored streams differ, and pairs after which the run's streams are not those stored.
+        for stage in (2, 3):
+            r = test_async_checkpoint._rng_pairs(rank, world, os.path.join(path[0], f"rng{stage}"), stage, False)
+            rows.append({"case": f"stage {stage}: of {test_async_checkpoint.RNG_PAIRS} pairs, RNG streams unlike the "
+                                 f"synchronous save's ({', '.join(r['streams'])}); after which the run's streams moved",
+                         "loss_err": float(len(r["differ"])), "w_err": float(len(r["moved"])), "tol": 0.5})
+            if r["differ"] or r["moved"]:
+                print(f"rank {rank} async checkpoint stage {stage}: streams differ {r['differ'][:4]}, moved {r['moved'][:4]}",
+                      flush=True)
+        from hf_zero.checkpoint import save as save_module
+
+        if save_module._moved_warned:  # put back, and warned about, by save(): which stream a call in the save drew from
+            print(f"rank {rank} async checkpoint: a save moved {sorted(save_module._moved_warned)}", flush=True)
         dist.barrier()
     return rows
 
@@ -123,9 +153,6 @@ def _ds_api(rank: int, world: int) -> list[dict]:
     torch's fused kernel on the shards, checkpointing recomputes (with cpu_checkpointing: pinned host copies)."""
     import tempfile
 
-    if world < 2:  # the script builds a process group of rank 1 (DeepSpeed's get_all_ranks_from_group)
-        print("DeepSpeed API: skipped, it needs 2 or more ranks")
-        return []
     root = os.path.join(tempfile.gettempdir(), f"hf_zero_gpu_check_ds_api_{world}")
     os.makedirs(root, exist_ok=True)
     ref_losses, ref_w = test_ds_api._oracle(world)
@@ -134,7 +161,9 @@ def _ds_api(rank: int, world: int) -> list[dict]:
         r = test_ds_api._script(rank, world, root, cpu_ckpt)
         loss_err = max(abs(a - b) / abs(b) for a, b in zip(r["losses"], ref_losses))
         w_err = max(float((torch.tensor(w) - ref_w[n].reshape(-1)).norm() / ref_w[n].norm()) for n, w in r["weights"].items())
-        ok = (r["device"], r["backend"]) == ("cuda", "nccl") and r["fused_kernel"] and r["state_equal"]
+        # on GPUs torch's fused Adam kernel runs on the shards; the CPU run checks the rest
+        ok = (r["device"], r["backend"]) == ((DEVICE, "nccl") if ON_GPU else (DEVICE, "gloo")) and r["state_equal"]
+        ok = ok and (r["fused_kernel"] or not ON_GPU)
         rows.append({"case": f"FusedAdam+checkpointing.checkpoint, cpu_checkpointing={cpu_ckpt}, fused={r['fused_kernel']}",
                      "loss_err": loss_err, "w_err": w_err if ok else float("inf")})
     return rows
@@ -175,26 +204,57 @@ def _offload(rank: int, world: int) -> list[dict]:
 
 
 def _tensor_parallel(rank: int, world: int) -> list[dict]:
-    """Tensor parallelism (autotp_size 2) with NCCL: the forward and backward all-reduces inside the blocks, ZeRO over
-    the data-parallel group; on 2 GPUs also the resume, save_pretrained and consolidate rows. Needs an even world."""
+    """Tensor and sequence parallelism in every layout the world size allows, ZeRO over what is left as data parallel.
+
+    tp 2 x dp world/2 (the forward and backward all-reduces inside the blocks; on 2 ranks also the resume,
+    save_pretrained and consolidate rows, on 4 the ZeRO-3 resume and tp 2 x sp 2), tp 4 and 8 where the world holds
+    them (a model of 2 tp heads, tp key/value heads), and Ulysses sp = world alone up to 4 (8 heads, 4 key/value).
+    One rank, or a world no degree of 2, 4 or 8 divides, has no such layout: the suite says so and has no rows."""
     import tempfile
 
     if world % 2:
+        if rank == 0:
+            print(f"tensor parallel: no layout at world size {world} (tp and sp need 2, 4 or 8 ranks to divide it)")
         return []
-    cases = test_tensor_parallel.CASES_2 if world == 2 else test_tensor_parallel.CASES_4
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         path = [tmp]
         dist.broadcast_object_list(path, src=0)
-        grid = test_tensor_parallel._grid(rank, world, cases, path[0])
-        for case, row in zip(cases, grid):
-            rows.append({"case": f"tp 2 x dp {world // 2}, stage {case[0]}, gas {case[1]}, clip {case[2]}",
-                         "loss_err": row["loss_err"], "w_err": row["w_err"]})
-        if world == 2:
-            res = grid[len(cases)]
-            rows.append({"case": "tp 2: resume at stage 1, save_pretrained", "loss_err": res["resume_loss_err"],
-                         "w_err": max(res["resume_w_err"], res["saved_err"], res["offline_err"])})
+        for tp in (t for t in (2, 4, 8) if world % t == 0):
+            cases = (test_tensor_parallel.CASES_2 if world == 2 else test_tensor_parallel.CASES_4) if tp == 2 else \
+                [[1, 1, 0.5], [3, 2, 0.0]]
+            grid = test_tensor_parallel._grid(rank, world, cases, os.path.join(path[0], f"tp{tp}"), tp)
+            for case, row in zip(cases, grid):
+                ok = row["dp"] == world // tp
+                rows.append({"case": f"tp {tp} x dp {world // tp}, stage {case[0]}, gas {case[1]}, clip {case[2]}",
+                             "loss_err": row["loss_err"] if ok else float("inf"), "w_err": row["w_err"]})
+            extra = grid[len(cases):]
+            if tp == 2 and world == 2:
+                res = extra[0]
+                rows.append({"case": "tp 2: resume at stage 1, save_pretrained", "loss_err": res["resume_loss_err"],
+                             "w_err": max(res["resume_w_err"], res["saved_err"], res["offline_err"])})
+            if tp == 2 and world == 4:
+                z3, tp_sp = extra
+                rows.append({"case": "tp 2 x ZeRO-3 dp 2: resume at stages 3 and 1, save_pretrained, consolidate",
+                             "loss_err": max(z3["resume3_loss_err"], z3["resume1_loss_err"]),
+                             "w_err": max(z3["resume3_w_err"], z3["resume1_w_err"], z3["saved_err"], z3["offline_err"])})
+                rows += _tp_sp_rows(tp_sp, 2, 2)
         dist.barrier()
+    for sp in (s for s in (2, 4) if s == world):
+        rows += _tp_sp_rows(test_tensor_parallel._tp_times_sp(rank, world, tp=1, sp=sp,
+                                                              cases=[[1, 1, 0.5], [3, 2, 0.5]]), 1, sp)
+    return rows
+
+
+def _tp_sp_rows(result: dict, tp: int, sp: int) -> list[dict]:
+    """Rows of ``test_tensor_parallel._tp_times_sp``'s result; a layout other than the one asked for fails its row."""
+    rows = []
+    for case, r in result.items():
+        ok = (r["tp"], r["sp"]) == (tp, sp)
+        stage, gas, clip = json.loads(case)  # the helper's str() of a list of numbers
+        layout = f"tp {tp} x sp {sp}" if tp > 1 else f"sp {sp}"
+        rows.append({"case": f"{layout} (ragged, prompt-masked), stage {stage}, gas {gas}, clip {clip}",
+                     "loss_err": r["loss_err"] if ok else float("inf"), "w_err": r["w_err"]})
     return rows
 
 
@@ -220,8 +280,12 @@ def _overlap(rank: int, world: int) -> list[dict]:
             for key, e in eager.items():
                 o = overlap[key]
                 n = o["groups"]
-                hooks_waited = (o["in_flight_after_step"] == [n] * test_overlap_param_gather.STEPS
-                                and o["forward_waits"] == [{"forward": n, "other": 0}] and not o["pending_seen_by_modules"])
+                # One rank has no all-gather to defer: the publish is eager, and offloaded, the groups whose CPU step
+                # the next forward runs (all but the forward's first, which step() runs) are what is left in flight.
+                left = n if world > 1 else (n - 1 if variant else 0)
+                hooks_waited = (o["in_flight_after_step"] == [left] * test_overlap_param_gather.STEPS
+                                and o["forward_waits"] == [{"forward": left, "other": 0}]
+                                and not o["pending_seen_by_modules"])
                 w_err = max(rel(o[what][k], e[what][k])
                             for what in ("block_state_dict", "state_dict", "gathered", "saved") for k in e[what])
                 rows.append({"case": f"{key}{variant}, {n} groups", "loss_err": rel(o["losses"] + [o["next_forward"]],
@@ -257,11 +321,11 @@ def _inference(rank: int, world: int) -> list[dict]:
     model = GPT2LMHeadModel(cfg).eval()
     whole = GPT2LMHeadModel(cfg).eval()
     whole.load_state_dict(model.state_dict())
-    whole.cuda()
+    whole.to(DEVICE)
     engine, optimizer, _, _ = hf_zero.initialize(model=model, config={
         "train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}})
     engine.eval()
-    ids = torch.arange(16, device="cuda").reshape(1, 16) % cfg.vocab_size
+    ids = torch.arange(16, device=DEVICE).reshape(1, 16) % cfg.vocab_size
     with torch.no_grad():
         got, want = engine(input_ids=ids).logits, whole(input_ids=ids).logits
     logits_err = float((got - want).norm() / want.norm())
@@ -280,33 +344,39 @@ def _inference(rank: int, world: int) -> list[dict]:
              "w_err": bin_err}]
 
 
+#: The suites, in the order they run: name -> (rank, world) -> rows. A suite from elsewhere is one more line here
+#: (e.g. ``"eval memory": test_eval_memory.gpu_suite,``); ``--only`` takes these names.
+suites: dict[str, Callable[[int, int], list[dict]]] = {
+    "stages 0-2": lambda rank, world: test_parity._run_grid(rank, world, test_parity.CASES),
+    "stage 3": lambda rank, world: test_stage3._grid(rank, world, test_stage3.CASES),
+    "resume": _resume,
+    "async checkpoint": _async_save,
+    "compile (inductor)": _compiled,
+    "DeepSpeed API": _ds_api,
+    "offload": _offload,
+    "tensor parallel": _tensor_parallel,
+    "overlap_param_gather": _overlap,
+    "released parameters": _released,
+    "optimizer-free ZeRO-3": _inference,
+}
+
+
 def main() -> int:
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group("nccl")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    suites = {
-        "stages 0-2": lambda: test_parity._run_grid(rank, world, test_parity.CASES),
-        "stage 3": lambda: test_stage3._grid(rank, world, test_stage3.CASES),
-        "resume": lambda: _resume(rank, world),
-        "async checkpoint": lambda: _async_save(rank, world),
-        "compile (inductor)": lambda: _compiled(rank, world),
-        "DeepSpeed API": lambda: _ds_api(rank, world),
-        "offload": lambda: _offload(rank, world),
-        "tensor parallel": lambda: _tensor_parallel(rank, world),
-        "overlap_param_gather": lambda: _overlap(rank, world),
-        "released parameters": lambda: _released(rank, world),
-        "optimizer-free ZeRO-3": lambda: _inference(rank, world),
-    }
     only = sys.argv[sys.argv.index("--only") + 1].split(",") if "--only" in sys.argv[:-1] else list(suites)
     unknown = [name for name in only if name not in suites]
     if unknown:
         raise SystemExit(f"--only {unknown[0]!r}: not a suite; choose from {', '.join(suites)}")
-    rows = [(name, r) for name in only for r in suites[name]()]
-    worst = torch.tensor([[r["loss_err"], r["w_err"]] for _, r in rows], device="cuda", dtype=torch.float64)
+    if ON_GPU:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group("nccl" if ON_GPU else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    rows = [(name, r) for name in only for r in suites[name](rank, world)]
+    worst = torch.tensor([[r["loss_err"], r["w_err"]] for _, r in rows], device=DEVICE, dtype=torch.float64).reshape(-1, 2)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     failed = 0
     if rank == 0:
-        print(f"NCCL parity on {world} x {torch.cuda.get_device_name()}, torch {torch.__version__}, tolerance {TOL:g} "
+        where = f"NCCL parity on {world} x {torch.cuda.get_device_name()}" if ON_GPU else f"gloo parity on {world} CPU ranks"
+        print(f"{where}, torch {torch.__version__}, tolerance {TOL:g} "
               "(inductor, which reorders fp32 sums: 1e-4 on losses, 1e-3 on weights)")
         print("| suite | case (stage/model, accumulation, clip[, scheduler]) | max rel. loss err | max rel. weight err | |")
         print("|---|---|---|---|---|")
