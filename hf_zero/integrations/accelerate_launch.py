@@ -109,7 +109,7 @@ def translate(args: argparse.Namespace, environ: Mapping[str, str]) -> tuple[arg
     Pure apart from reading the YAML (and the ``deepspeed_config_file`` it names, to check it).
     """
     path = args.config_file
-    given_ds = [flag for flag, set_ in (("--num_gpus", args.num_gpus is not None), ("--num_nodes", args.num_nodes != 1),
+    given_ds = [flag for flag, set_ in (("--num_gpus", args.num_gpus is not None), ("--num_nodes", args.num_nodes is not None),
                                         ("--node_rank", args.node_rank is not None), ("--master_addr", args.master_addr),
                                         ("--master_port", args.master_port is not None), ("--include", args.include),
                                         ("--exclude", args.exclude)) if set_]
