@@ -92,6 +92,7 @@ def _add_launch_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--ssh_port", default=None, help="ssh port of the hosts")
     p.add_argument("--force_multi", action="store_true", default=None, help="start a one-host hostfile over ssh too")
     p.add_argument("--no_ssh_check", action="store_true", help="skip the check that every host answers over ssh")
+    p.add_argument("--venv_script", default=None, help="a script every node sources first (a virtualenv's activate)")
     p.add_argument("--module", action="store_true", help="run SCRIPT as a module, like python -m")
     p.add_argument("--no_python", action="store_true", help="run SCRIPT directly, not through python")
     p.add_argument(
@@ -174,7 +175,7 @@ def plan_launch(args: argparse.Namespace, environ: Mapping[str, str], gpu_count:
     if given:
         raise LaunchError(f"{given[0]} is an accelerate launch flag, read with --config_file (an Accelerate YAML); "
                           "without one use DeepSpeed's flags (--num_gpus, --num_nodes, --node_rank, --master_addr).")
-    for name in ("hostfile", "launcher", "launcher_args", "ssh_port", "force_multi"):
+    for name in ("hostfile", "launcher", "launcher_args", "ssh_port", "force_multi", "venv_script"):
         if getattr(args, name, None) is not None:  # hf_zero.launch.job.plan resolves these before this node's plan
             raise LaunchError(f"--{name} starts other hosts; plan_launch plans this node only (use hf_zero.launch.job.plan).")
     for name in _UNSUPPORTED_FLAGS:

@@ -131,7 +131,7 @@ def test_launch_propagates_a_failing_rank(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     "flags, match",
     [(["--hostfile", "hosts"], "--hostfile hosts does not exist"), (["-H", "hosts"], "--hostfile hosts does not exist"),
-     (["--launcher", "pdsh"], "--launcher starts the hosts of a hostfile"), (["--ssh_port", "22"], "there is none")],
+     (["--launcher", "pdsh"], "--launcher is for starting the hosts of a hostfile"), (["--ssh_port", "22"], "there is none")],
 )
 def test_launch_host_flags_need_a_hostfile(flags: list[str], match: str, tmp_path: Path) -> None:
     """The flags of DeepSpeed's multi-node launch (tests/test_launch_multinode.py) without a hostfile to start."""

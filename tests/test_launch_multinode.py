@@ -133,7 +133,7 @@ TRAIN = textwrap.dedent(
         mean = loss.detach().clone()
         torch.distributed.all_reduce(mean)
         losses.append(mean.item() / world)
-    names = ("NCCL_HFZ_TEST", "HFZ_HOME_FILE", "HFZ_CWD_FILE", "HFZ_SPACED", "GROUP_RANK", "LOCAL_WORLD_SIZE",
+    names = ("NCCL_HFZ_TEST", "HFZ_VENV", "HFZ_HOME_FILE", "HFZ_CWD_FILE", "HFZ_SPACED", "GROUP_RANK", "LOCAL_WORLD_SIZE",
              "MASTER_ADDR", "WORLD_SIZE")
     record = {"rank": rank, "losses": losses, "cwd": os.getcwd(), **{n: os.environ.get(n) for n in names}}
     sys.stdout.write("RESULT " + json.dumps(record) + "\\n")
@@ -242,9 +242,11 @@ def test_ssh_two_hosts_train_like_one_node_and_forward_the_environment(site: dic
         """)
     (site["home"] / ".deepspeed_env").write_text("HFZ_HOME_FILE=from-home\nHFZ_CWD_FILE=overridden\n")
     (site["work"] / ".deepspeed_env").write_text("# comment\nHFZ_CWD_FILE=from-cwd\nHFZ_SPACED=two words\n")
+    (site["work"] / "activate").write_text("export HFZ_VENV=sourced\n")
     port = _free_port()
     done = _launch(site, ["--hostfile", hosts, "--launcher", "ssh", "--ssh_port", "2222", "--num_nodes", "2",
-                          "--num_gpus", "1", "--master_addr", "127.0.0.1", "--master_port", str(port), "train.py"])
+                          "--num_gpus", "1", "--master_addr", "127.0.0.1", "--master_port", str(port),
+                          "--venv_script", str(site["work"] / "activate"), "train.py"])
     assert done.returncode == 0, done.stderr[-4000:]
     results = _results(done.stdout)
     assert [r["rank"] for r in results] == [0, 1]
@@ -252,7 +254,7 @@ def test_ssh_two_hosts_train_like_one_node_and_forward_the_environment(site: dic
     assert [r["GROUP_RANK"] for r in results] == ["0", "1"] and {r["LOCAL_WORLD_SIZE"] for r in results} == {"1"}
     for r in results:
         assert r["losses"] == pytest.approx(one_node_losses, rel=0, abs=1e-7)
-        assert r["NCCL_HFZ_TEST"] == "kept" and r["HFZ_HOME_FILE"] == "from-home"
+        assert r["NCCL_HFZ_TEST"] == "kept" and r["HFZ_HOME_FILE"] == "from-home" and r["HFZ_VENV"] == "sourced"
         assert r["HFZ_CWD_FILE"] == "from-cwd" and r["HFZ_SPACED"] == "two words"  # the cwd file is read last
         assert r["cwd"] == str(site["work"]) and r["WORLD_SIZE"] == "2" and r["MASTER_ADDR"] == "127.0.0.1"
     calls = _log(site)
@@ -458,6 +460,7 @@ def test_one_host_or_no_hostfile_is_todays_single_node_launch(tmp_path: Path) ->
         (["--launcher", "pbs"], "expected one of pdsh, ssh, slurm"),
         (["--launcher", "pdsh"], "there is none: pass --hostfile"),
         (["--ssh_port", "22"], "there is none"),
+        (["--venv_script", "/v/bin/activate"], "--venv_script is for starting the hosts of a hostfile"),
         (["-H", "{hosts}", "--node_rank", "1"], "numbers the hosts"),
         (["-H", "{hosts}", "--ssh_port", "x"], "--ssh_port"),
         (["-H", "{hosts}", "--launcher", "pdsh"], "pdsh is not installed"),

@@ -31,7 +31,7 @@ PDSH_FAN_OUT = 1024  # DeepSpeed's: every host at once
 LAUNCHERS = ("pdsh", "ssh", "slurm")
 _MPI_LAUNCHERS = ("openmpi", "mpich", "impi", "mvapich")
 # flags that only mean something when this node starts the others
-_HOST_FLAGS = ("hostfile", "launcher", "launcher_args", "ssh_port", "force_multi")
+_HOST_FLAGS = ("hostfile", "launcher", "launcher_args", "ssh_port", "force_multi", "venv_script")
 
 
 @dataclass(frozen=True)
@@ -69,7 +69,6 @@ def _launcher_args(args: argparse.Namespace) -> list[str]:
 def _local(args: argparse.Namespace, **changes: object) -> argparse.Namespace:
     """``args`` for a launch of this node only: the host flags cleared, ``changes`` applied."""
     cleared = dict.fromkeys(_HOST_FLAGS)
-    cleared["force_multi"] = None
     return argparse.Namespace(**{**vars(args), **cleared, **changes})
 
 
@@ -104,7 +103,7 @@ def plan(args: argparse.Namespace, environ: Mapping[str, str], *, cwd: str | Non
     if path is None:
         given = [n for n in _HOST_FLAGS if _given(args, n)]
         if given:
-            raise LaunchError(f"--{given[0]} starts the hosts of a hostfile, and there is none: pass --hostfile H "
+            raise LaunchError(f"--{given[0]} is for starting the hosts of a hostfile, and there is none: pass --hostfile H "
                               f"(lines 'HOSTNAME slots=N'; default {hf.DEFAULT_HOSTFILE}).")
         return args
     hosts = hf.resolve(path, args.include, args.exclude, args.num_nodes, args.num_gpus)
@@ -164,12 +163,13 @@ def _over_ssh(args: argparse.Namespace, environ: Mapping[str, str], cwd: str, pa
     if launcher == "ssh":
         commands = [(h, [*remote.ssh_command(h, port, extra), remote.node_shell_line(
             export_lines=exports, cwd=cwd, launch_args=launch_args, node_rank=str(r), master=shlex.quote(master),
-            flags_by_rank=None, flags=flags[r], mark_pid=True)]) for r, h in enumerate(names)]
+            flags_by_rank=None, flags=flags[r], mark_pid=True, venv_script=args.venv_script)]) for r, h in enumerate(names)]
         kill = {h: remote.ssh_command(h, port, extra) for h in names}
         return MultiNodeJob("ssh", names, commands, {}, kill, notice)
     same = all(f == flags[0] for f in flags)
     line = remote.node_shell_line(export_lines=exports, cwd=cwd, launch_args=launch_args, node_rank="%n",
-                                  master=shlex.quote(master), flags_by_rank=None if same else flags, flags=flags[0], mark_pid=True)
+                                  master=shlex.quote(master), flags_by_rank=None if same else flags, flags=flags[0],
+                                  mark_pid=True, venv_script=args.venv_script)
     env = {"PDSH_RCMD_TYPE": "ssh"}
     if port is not None:
         env["PDSH_SSH_ARGS_APPEND"] = f"{environ.get('PDSH_SSH_ARGS_APPEND', '')} -p {port}".strip()
@@ -216,7 +216,8 @@ def _slurm(args: argparse.Namespace, environ: Mapping[str, str], cwd: str) -> Mu
         '"$(scontrol show hostnames "$SLURM_STEP_NODELIST" | head -n 1)"'
     line = remote.node_shell_line(export_lines=remote.exports(environ, cwd), cwd=cwd,
                                   launch_args=_launch_args(args, nodes), node_rank='"$SLURM_NODEID"',
-                                  flags_by_rank=None, flags=flags, mark_pid=False, master=master)
+                                  flags_by_rank=None, flags=flags, mark_pid=False, master=master,
+                                  venv_script=args.venv_script)
     return MultiNodeJob("slurm", [], [("", [*srun, "sh", "-c", line])], {}, {}, where)
 
 

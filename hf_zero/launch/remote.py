@@ -90,7 +90,8 @@ def node_flags(slots: Sequence[int]) -> list[str]:
 
 
 def node_shell_line(*, export_lines: Sequence[str], cwd: str, launch_args: Sequence[str], node_rank: str, master: str,
-                    flags_by_rank: Sequence[Sequence[str]] | None, flags: Sequence[str], mark_pid: bool) -> str:
+                    flags_by_rank: Sequence[Sequence[str]] | None, flags: Sequence[str], mark_pid: bool,
+                    venv_script: str | None = None) -> str:
     """One node's shell line: exports, ``cd``, then ``exec hf-zero launch`` (so torchrun keeps the shell's pid).
 
     ``node_rank`` and ``master`` are shell words: a literal (``3``, a quoted address) or what the remote side puts
@@ -98,10 +99,12 @@ def node_shell_line(*, export_lines: Sequence[str], cwd: str, launch_args: Seque
     them all (pdsh), ``flags_by_rank`` picks each node's flags with a ``case`` on the rank; otherwise ``flags`` are
     every node's. With ``mark_pid`` the shell first prints :data:`PID_MARK` and its pid, which the head reads to end
     exactly that process (the launch ``exec``s into torchrun, which keeps the pid) on a failure or a signal.
+    ``venv_script`` (DeepSpeed's ``--venv_script``) is sourced first; the line stops if it fails.
     """
     launch = [sys.executable, "-u", "-m", "hf_zero.cli", "launch", f"--node_rank={node_rank}", f"--master_addr={master}"]
     head = shlex.join(launch[:5]) + " " + " ".join(launch[5:])  # the last two hold shell words, unquoted on purpose
-    parts = [*(line + ";" for line in export_lines), f"cd {shlex.quote(cwd)} &&"]
+    parts = [f". {shlex.quote(venv_script)} || exit 1;"] if venv_script else []
+    parts += [*(line + ";" for line in export_lines), f"cd {shlex.quote(cwd)} &&"]
     if mark_pid:
         parts.append(f"echo {PID_MARK} $$ &&")
     if flags_by_rank is not None:
