@@ -191,13 +191,9 @@ def plan_launch(args: argparse.Namespace, environ: Mapping[str, str], gpu_count:
             raise LaunchError(f"--num_nodes {num_nodes} needs the nodes: pass --hostfile H (lines 'HOSTNAME slots=N') to "
                               "start them all from here, or run hf-zero launch on each with --node_rank R --master_addr A.")
         if not args.master_addr:
-            raise LaunchError(
-                "a multi-node run needs --master_addr, the address of the node with --node_rank 0."
-            )
+            raise LaunchError("a multi-node run needs --master_addr, the address of the node with --node_rank 0.")
         if args.node_rank is None:
-            raise LaunchError(
-                "a multi-node run needs --node_rank on each node (0 on the node at --master_addr)."
-            )
+            raise LaunchError("a multi-node run needs --node_rank on each node (0 on the node at --master_addr).")
     node_rank = 0 if args.node_rank is None else args.node_rank
     if not 0 <= node_rank < num_nodes:
         raise LaunchError(f"--node_rank: got {node_rank}, expected a value in [0, {num_nodes}).")

@@ -140,8 +140,9 @@ def translate(args: argparse.Namespace, environ: Mapping[str, str]) -> tuple[arg
     if machines > 1 and multinode != "standard":
         raise LaunchError(
             f"deepspeed_multinode_launcher {multinode!r} starts every machine from one over "
-            "ssh/MPI, which hf-zero launch does not do: set it to standard and run hf-zero launch --config_file "
-            f"{path} --machine_rank R on each machine."
+            "ssh/MPI, which hf-zero launch --config_file does not do: set it to standard and run hf-zero launch "
+            f"--config_file {path} --machine_rank R on each machine (or start them all with DeepSpeed's flags: "
+            "hf-zero launch --hostfile H)."
         )
     if ds.get("deepspeed_moe_layer_cls_names"):
         raise LaunchError("deepspeed_moe_layer_cls_names (DeepSpeed's ZeRO-3 leaf modules) is not supported by hf_zero; "

@@ -89,6 +89,9 @@ class _Supervisor:
             return
         running = {h for h, p in self.procs if p.poll() is None} if self.job.launcher == "ssh" else set(self.job.hosts)
         killers = []
+        for host, proc in self.procs:
+            if host in running and host not in self.pids and proc.poll() is None:
+                proc.terminate()  # no pid reported yet: without its ssh the remote line fails at its first write
         for host in self.job.hosts:
             pid = self.pids.get(host)
             if host in running and host != skip and pid is not None and host in self.job.kill_prefix:
