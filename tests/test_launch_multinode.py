@@ -350,7 +350,9 @@ def test_a_failed_host_fails_the_launch_and_ends_the_others(site: dict, tmp_path
     assert _wait_dead(pids, 30), "a rank outlived the launcher"
 
 
-def test_sigterm_ends_every_remote_job(site: dict, tmp_path: Path) -> None:
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_ends_every_remote_job(site: dict, tmp_path: Path, signum: int) -> None:
+    """SIGTERM (a scheduler) or SIGINT (Ctrl-C: the children are in sessions of their own, so it reaches the head)."""
     hosts = _hostfile(site["work"], "node-a slots=1\nnode-b slots=1\n")
     (tmp_path / "pids").mkdir()
     (site["work"] / ".deepspeed_env").write_text(f"HFZ_PIDS={tmp_path / 'pids'}\n")
@@ -367,11 +369,11 @@ def test_sigterm_ends_every_remote_job(site: dict, tmp_path: Path) -> None:
                 ready.add(line.split()[-1])
         assert len(ready) == 2
         pids = [int((tmp_path / "pids" / r).read_text()) for r in ("0", "1")]
-        head.send_signal(signal.SIGTERM)
+        head.send_signal(signum)
         rc = head.wait(timeout=90)
-        assert rc == 128 + signal.SIGTERM
+        assert rc == 128 + signum
         assert _wait_dead(pids, 30), "a rank outlived the launcher"
-        assert "got SIGTERM: ending the job on every node" in head.stderr.read()
+        assert f"got {signal.Signals(signum).name}: ending the job on every node" in head.stderr.read()
     finally:
         if head.poll() is None:
             head.kill()
