@@ -135,7 +135,9 @@ TRAIN = textwrap.dedent(
         losses.append(mean.item() / world)
     names = ("NCCL_HFZ_TEST", "HFZ_VENV", "HFZ_HOME_FILE", "HFZ_CWD_FILE", "HFZ_SPACED", "GROUP_RANK", "LOCAL_WORLD_SIZE",
              "MASTER_ADDR", "WORLD_SIZE")
-    record = {"rank": rank, "losses": losses, "cwd": os.getcwd(), **{n: os.environ.get(n) for n in names}}
+    device = str(next(engine.module.parameters()).device)
+    record = {"rank": rank, "losses": losses, "cwd": os.getcwd(), "device": device, "backend":
+              torch.distributed.get_backend(), **{n: os.environ.get(n) for n in names}}
     sys.stdout.write("RESULT " + json.dumps(record) + "\\n")
     sys.stdout.flush()
     """
