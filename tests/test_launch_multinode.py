@@ -243,7 +243,8 @@ def test_ssh_two_hosts_train_like_one_node_and_forward_the_environment(site: dic
         node-b slots=1   # trailing words are ignored, as DeepSpeed's regex does
         """)
     (site["home"] / ".deepspeed_env").write_text("HFZ_HOME_FILE=from-home\nHFZ_CWD_FILE=overridden\n")
-    (site["work"] / ".deepspeed_env").write_text("# comment\nHFZ_CWD_FILE=from-cwd\nHFZ_SPACED=two words\n")
+    (site["work"] / ".deepspeed_env").write_text("# comment\nHFZ_CWD_FILE=from-cwd\nHFZ_SPACED=two words\n"
+                                                 "HFZ_SECRET_TOKEN=s3cr3t\n")
     (site["work"] / "activate").write_text("export HFZ_VENV=sourced\n")
     port = _free_port()
     done = _launch(site, ["--hostfile", hosts, "--launcher", "ssh", "--ssh_port", "2222", "--num_nodes", "2",
@@ -263,8 +264,8 @@ def test_ssh_two_hosts_train_like_one_node_and_forward_the_environment(site: dic
     checks = [c for c in calls if c["command"] == "hostname"]
     assert sorted(c["host"] for c in checks) == ["node-a", "node-b"]  # every host is checked, not only the first
     assert all("PasswordAuthentication=no" in c["opts"] and c["opts"][:2] == ["-p", "2222"] for c in checks)
-    runs = [c for c in calls if "hf_zero.cli launch" in c["command"]]
-    assert [c["host"] for c in runs] == ["node-a", "node-b"]
+    runs = sorted((c for c in calls if "hf_zero.cli launch" in c["command"]), key=lambda c: c["host"])
+    assert [c["host"] for c in runs] == ["node-a", "node-b"]  # (the two ssh start at once: the log's order is theirs)
     for rank, c in enumerate(runs):
         assert c["opts"] == ["-p", "2222"]
         assert f"--node_rank={rank} " in c["command"] and "--num_gpus 1" in c["command"]
@@ -273,6 +274,8 @@ def test_ssh_two_hosts_train_like_one_node_and_forward_the_environment(site: dic
     said = [line for line in done.stderr.splitlines() if line.startswith("hf-zero launch: ")]
     assert said[0] == "hf-zero launch: 2 nodes of hostfile " + hosts + " over ssh: node-a (1 slot), node-b (1 slot)"
     assert said[1].startswith("hf-zero launch: node-a: ssh -p 2222 node-a ")
+    assert "HFZ_SECRET_TOKEN=***" in said[1] and "s3cr3t" not in done.stderr + done.stdout  # sent, never printed
+    assert "export HFZ_SECRET_TOKEN=s3cr3t;" in runs[0]["command"]
 
 
 def test_pdsh_finds_the_master_and_numbers_the_hosts_after_exclude(site: dict, one_node_losses: list[float]) -> None:
@@ -501,6 +504,8 @@ def test_forwarded_environment_is_deepspeeds(tmp_path: Path, monkeypatch: pytest
     assert lines == ["export NCCL_IB_HCA=mlx5", "export NCCL_DEBUG=INFO", "export UCX_NET_DEVICES=eth0",
                      "export PYTHONPATH='/launch dir:/p'", "export MLFLOW_RUN=r", "export MV2_X=1",
                      "export A=1", 'export PATH="/opt/bin:$PATH"', "export B='x y'"]
+    assert remote.redact(["export HF_TOKEN=hf_abc", "export MLFLOW_TRACKING_PASSWORD='p w'", "export A=1"]) == [
+        "export HF_TOKEN=***", "export MLFLOW_TRACKING_PASSWORD=***", "export A=1"]
     aisc = remote.exports({**environ, "AISC_JOB_NAME": "j"}, "/w")
     assert not any(line.startswith(("export NCCL_IB_HCA", "export UCX_NET_DEVICES")) for line in aisc)
     (tmp_path / "envfile").write_text("no equals sign\n")

@@ -44,6 +44,7 @@ class MultiNodeJob:
     env_updates: dict[str, str] = field(default_factory=dict)  # for the pdsh / srun process (PDSH_RCMD_TYPE, ...)
     kill_prefix: dict[str, list[str]] = field(default_factory=dict)  # host -> argv that runs a command there
     notice: str = ""
+    shown: list[tuple[str, list[str]]] = field(default_factory=list)  # ``commands`` with secret values as ***
 
 
 def _given(args: argparse.Namespace, name: str) -> bool:
@@ -154,28 +155,32 @@ def _over_ssh(args: argparse.Namespace, environ: Mapping[str, str], cwd: str, pa
         found = f"master address {master} (`hostname -I` on {names[0]})"
     else:
         master, found = names[0], ""
-    exports = remote.exports(environ, cwd)
     launch_args = _launch_args(args, len(names))
     flags = [remote.node_flags(hosts[h]) for h in names]
     where = f"{len(names)} nodes of hostfile {path} over {launcher}: " + ", ".join(
         f"{h} ({len(hosts[h])} slot{'s' if len(hosts[h]) > 1 else ''})" for h in names)
     notice = "; ".join(filter(None, [where, found]))
+    exports = remote.exports(environ, cwd)
     if launcher == "ssh":
-        commands = [(h, [*remote.ssh_command(h, port, extra), remote.node_shell_line(
-            export_lines=exports, cwd=cwd, launch_args=launch_args, node_rank=str(r), master=shlex.quote(master),
-            flags_by_rank=None, flags=flags[r], mark_pid=True, venv_script=args.venv_script)]) for r, h in enumerate(names)]
+        def per_host(export_lines: list[str]) -> list[tuple[str, list[str]]]:
+            return [(h, [*remote.ssh_command(h, port, extra), remote.node_shell_line(
+                export_lines=export_lines, cwd=cwd, launch_args=launch_args, node_rank=str(r), master=shlex.quote(master),
+                flags_by_rank=None, flags=flags[r], mark_pid=True, venv_script=args.venv_script)])
+                for r, h in enumerate(names)]
         kill = {h: remote.ssh_command(h, port, extra) for h in names}
-        return MultiNodeJob("ssh", names, commands, {}, kill, notice)
+        return MultiNodeJob("ssh", names, per_host(exports), {}, kill, notice, per_host(remote.redact(exports)))
     same = all(f == flags[0] for f in flags)
-    line = remote.node_shell_line(export_lines=exports, cwd=cwd, launch_args=launch_args, node_rank="%n",
-                                  master=shlex.quote(master), flags_by_rank=None if same else flags, flags=flags[0],
-                                  mark_pid=True, venv_script=args.venv_script)
+    pdsh = ["pdsh", "-S", "-f", str(PDSH_FAN_OUT), "-w", ",".join(names), *extra]
+
+    def one(export_lines: list[str]) -> list[tuple[str, list[str]]]:
+        return [("", [*pdsh, remote.node_shell_line(
+            export_lines=export_lines, cwd=cwd, launch_args=launch_args, node_rank="%n", master=shlex.quote(master),
+            flags_by_rank=None if same else flags, flags=flags[0], mark_pid=True, venv_script=args.venv_script)])]
     env = {"PDSH_RCMD_TYPE": "ssh"}
     if port is not None:
         env["PDSH_SSH_ARGS_APPEND"] = f"{environ.get('PDSH_SSH_ARGS_APPEND', '')} -p {port}".strip()
-    pdsh = ["pdsh", "-S", "-f", str(PDSH_FAN_OUT), "-w", ",".join(names), *extra]
     kill = {h: ["pdsh", "-S", "-w", h, *extra] for h in names}
-    return MultiNodeJob("pdsh", names, [("", [*pdsh, line])], env, kill, notice)
+    return MultiNodeJob("pdsh", names, one(exports), env, kill, notice, one(remote.redact(exports)))
 
 
 def _slurm(args: argparse.Namespace, environ: Mapping[str, str], cwd: str) -> MultiNodeJob:
@@ -214,16 +219,17 @@ def _slurm(args: argparse.Namespace, environ: Mapping[str, str], cwd: str) -> Mu
     srun += ["--kill-on-bad-exit=1", *extra]
     master = shlex.quote(args.master_addr) if args.master_addr else \
         '"$(scontrol show hostnames "$SLURM_STEP_NODELIST" | head -n 1)"'
-    line = remote.node_shell_line(export_lines=remote.exports(environ, cwd), cwd=cwd,
-                                  launch_args=_launch_args(args, nodes), node_rank='"$SLURM_NODEID"',
-                                  flags_by_rank=None, flags=flags, mark_pid=False, master=master,
-                                  venv_script=args.venv_script)
-    return MultiNodeJob("slurm", [], [("", [*srun, "sh", "-c", line])], {}, {}, where)
+    def one(export_lines: list[str]) -> list[tuple[str, list[str]]]:
+        return [("", [*srun, "sh", "-c", remote.node_shell_line(
+            export_lines=export_lines, cwd=cwd, launch_args=_launch_args(args, nodes), node_rank='"$SLURM_NODEID"',
+            flags_by_rank=None, flags=flags, mark_pid=False, master=master, venv_script=args.venv_script)])]
+    exports = remote.exports(environ, cwd)
+    return MultiNodeJob("slurm", [], one(exports), {}, {}, where, one(remote.redact(exports)))
 
 
 def describe(job: MultiNodeJob) -> list[str]:
-    """The commands as shell lines, for the one line each the launcher prints before starting them."""
+    """The commands as shell lines, for the one line each the launcher prints before starting them (secrets hidden)."""
     prefix = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(job.env_updates.items()))
     return [(f"{host}: " if host else "") + (prefix + " " if prefix else "") + shlex.join(argv)
-            for host, argv in job.commands]
+            for host, argv in (job.shown or job.commands)]
 

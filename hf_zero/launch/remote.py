@@ -31,6 +31,7 @@ ENV_FILE_DEFAULT = ".deepspeed_env"
 PID_MARK = "HF_ZERO_REMOTE_PID"  # the remote shell's first line: the pid torchrun will have, to end it by id
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _PLAIN = re.compile(r"[\w@%+=:,./-]*")
+_SECRET = re.compile(r"TOKEN|SECRET|PASSW|CREDENTIAL|API_?KEY|ACCESS_KEY|PRIVATE_KEY", re.IGNORECASE)
 
 
 def env_files(environ: Mapping[str, str], cwd: str) -> list[str]:
@@ -71,6 +72,16 @@ def exports(environ: Mapping[str, str], cwd: str) -> list[str]:
         for key, value in read_env_file(path).items():
             lines.append(f"export {key}={_double_quoted(value)}")
     return lines
+
+
+def redact(export_lines: Sequence[str]) -> list[str]:
+    """``export_lines`` as the launcher prints them: a variable named like a secret (``HF_TOKEN``, ``..._PASSWORD``)
+    shows ``***``. The nodes get the real value; only the printed command hides it."""
+    out = []
+    for line in export_lines:
+        key = line.removeprefix("export ").split("=", 1)[0]
+        out.append(f"export {key}=***" if _SECRET.search(key) else line)
+    return out
 
 
 def _double_quoted(value: str) -> str:
