@@ -6,9 +6,9 @@ flags one to one onto ``torch.distributed.run`` and then *becomes* that process 
 torchrun's exit code, signal handling and restarts are exactly torchrun's. The command it runs
 is printed on one line to stderr, so the mapping is never hidden.
 
-DeepSpeed starts multi-node jobs from one node over pdsh/ssh with a hostfile; torchrun instead
-runs one launcher per node. So the hostfile flags are refused with that explanation, and a
-multi-node run is ``hf-zero launch --num_nodes M --node_rank R --master_addr A`` on every node.
+A multi-node run is ``hf-zero launch --num_nodes M --node_rank R --master_addr A`` on every node, or,
+as DeepSpeed does it, one ``hf-zero launch --hostfile H`` that starts that command on every host of the
+hostfile over pdsh, ssh or srun (:mod:`hf_zero.launch`, which this module asks first).
 """
 
 from __future__ import annotations
@@ -27,8 +27,6 @@ from hf_zero.integrations import accelerate_launch
 
 DEFAULT_MASTER_PORT = 29500  # DeepSpeed's (and torch's) default rendezvous port
 
-# DeepSpeed flags that only make sense when one node starts all others over ssh.
-_SSH_FLAGS = ("hostfile", "launcher", "launcher_args", "ssh_port", "force_multi")
 # DeepSpeed flags with no torchrun counterpart.
 _UNSUPPORTED_FLAGS = (
     "elastic_training",
@@ -66,8 +64,8 @@ def _add_launch_parser(subparsers: argparse._SubParsersAction) -> None:
         "launch",
         help="start a training script on every GPU of this node through torchrun (DeepSpeed's flags)",
         description="Start SCRIPT with torchrun, taking DeepSpeed launcher flags. Everything after "
-        "SCRIPT is passed to it untouched. Multi-node: run this on each node with --num_nodes, "
-        "--node_rank and --master_addr.",
+        "SCRIPT is passed to it untouched. Multi-node: --hostfile H starts every host of H from here (over pdsh, "
+        "ssh or srun), or run this on each node with --num_nodes, --node_rank and --master_addr.",
         allow_abbrev=False,
     )
     p.add_argument(
@@ -77,15 +75,24 @@ def _add_launch_parser(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help="processes on this node (default: the visible GPUs; on a machine without GPUs, 1 CPU process)",
     )
-    p.add_argument("--num_nodes", type=int, default=1, help="number of nodes (default 1)")
+    p.add_argument("--num_nodes", type=int, default=None, help="number of nodes (default 1, or every host of --hostfile)")
     p.add_argument("--node_rank", type=int, default=None, help="this node's index in [0, num_nodes)")
     p.add_argument("--master_addr", default=None, help="address of node 0 (default 127.0.0.1 on one node)")
     p.add_argument("--master_port", type=int, default=None, help="rendezvous port (default 29500)")
     p.add_argument(
         "--max_restarts", type=int, default=0, help="torchrun restarts of the whole group on failure"
     )
-    p.add_argument("-i", "--include", default="", help='GPUs of this node to use, e.g. "localhost:0,1"')
-    p.add_argument("-e", "--exclude", default="", help='GPUs of this node to leave out, e.g. "localhost:3"')
+    p.add_argument("-i", "--include", default="", help='hosts/GPUs to use, e.g. "localhost:0,1" or "worker-0@worker-1:0,2"')
+    p.add_argument("-e", "--exclude", default="", help='hosts/GPUs to leave out, e.g. "localhost:3" or "worker-1:0"')
+    p.add_argument("-H", "--hostfile", default=None, help="DeepSpeed's hostfile ('HOST slots=N' lines): start every "
+                   "host from here (default /job/hostfile when it exists)")
+    p.add_argument("--launcher", default=None, help="how a hostfile's hosts are started: pdsh (default when installed), "
+                   "ssh, or slurm (srun)")
+    p.add_argument("--launcher_args", default=None, help="extra arguments for pdsh, ssh or srun, as one quoted string")
+    p.add_argument("--ssh_port", default=None, help="ssh port of the hosts")
+    p.add_argument("--force_multi", action="store_true", default=None, help="start a one-host hostfile over ssh too")
+    p.add_argument("--no_ssh_check", action="store_true", help="skip the check that every host answers over ssh")
+    p.add_argument("--venv_script", default=None, help="a script every node sources first (a virtualenv's activate)")
     p.add_argument("--module", action="store_true", help="run SCRIPT as a module, like python -m")
     p.add_argument("--no_python", action="store_true", help="run SCRIPT directly, not through python")
     p.add_argument(
@@ -93,20 +100,12 @@ def _add_launch_parser(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="accepted for DeepSpeed compatibility: --local_rank is never appended, LOCAL_RANK is exported",
     )
-    p.add_argument(
-        "--no_ssh",
-        "--no_ssh_check",
-        dest="no_ssh",
-        action="store_true",
-        help="accepted for DeepSpeed compatibility: every node is always started on its own",
-    )
-    for name in _SSH_FLAGS + _UNSUPPORTED_FLAGS:
-        flags = ["-H", "--hostfile"] if name == "hostfile" else [f"--{name}"]
-        takes_value = name not in ("force_multi", "elastic_training", "bind_cores_to_rank", "save_pid")
-        if takes_value:
-            p.add_argument(*flags, dest=name, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--no_ssh", action="store_true", help="start this node only (--node_rank R), even with a hostfile")
+    for name in _UNSUPPORTED_FLAGS:
+        if name not in ("elastic_training", "bind_cores_to_rank", "save_pid"):
+            p.add_argument(f"--{name}", dest=name, default=None, help=argparse.SUPPRESS)
         else:
-            p.add_argument(*flags, dest=name, action="store_true", default=None, help=argparse.SUPPRESS)
+            p.add_argument(f"--{name}", dest=name, action="store_true", default=None, help=argparse.SUPPRESS)
     accelerate_launch.add_arguments(p)
     p.add_argument("script", help="the training script (or module with --module, program with --no_python)")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script, passed untouched")
@@ -176,32 +175,28 @@ def plan_launch(args: argparse.Namespace, environ: Mapping[str, str], gpu_count:
     if given:
         raise LaunchError(f"{given[0]} is an accelerate launch flag, read with --config_file (an Accelerate YAML); "
                           "without one use DeepSpeed's flags (--num_gpus, --num_nodes, --node_rank, --master_addr).")
-    for name in _SSH_FLAGS:
-        if getattr(args, name) is not None:
-            raise LaunchError(
-                f"--{name} belongs to DeepSpeed's pdsh/ssh launcher, which hf-zero does not have: a multi-node run "
-                "starts `hf-zero launch --num_nodes M --node_rank R --master_addr A` on each node "
-                "(or uses torchrun's rendezvous directly)."
-            )
+    for name in ("hostfile", "launcher", "launcher_args", "ssh_port", "force_multi", "venv_script"):
+        if getattr(args, name, None) is not None:  # hf_zero.launch.job.plan resolves these before this node's plan
+            raise LaunchError(f"--{name} starts other hosts; plan_launch plans this node only (use hf_zero.launch.job.plan).")
     for name in _UNSUPPORTED_FLAGS:
         if getattr(args, name) is not None:
             raise LaunchError(f"--{name} is a DeepSpeed launcher flag that hf-zero launch does not support.")
-    if args.num_nodes < 1:
-        raise LaunchError(f"--num_nodes: got {args.num_nodes}, expected an integer >= 1.")
+    num_nodes = 1 if args.num_nodes is None else args.num_nodes
+    if num_nodes < 1:
+        raise LaunchError(f"--num_nodes: got {num_nodes}, expected an integer >= 1.")
     if args.module and args.no_python:
         raise LaunchError("--module and --no_python cannot be used together.")
-    if args.num_nodes > 1:
+    if num_nodes > 1:
+        if not args.master_addr and args.node_rank is None:
+            raise LaunchError(f"--num_nodes {num_nodes} needs the nodes: pass --hostfile H (lines 'HOSTNAME slots=N') to "
+                              "start them all from here, or run hf-zero launch on each with --node_rank R --master_addr A.")
         if not args.master_addr:
-            raise LaunchError(
-                "a multi-node run needs --master_addr, the address of the node with --node_rank 0."
-            )
+            raise LaunchError("a multi-node run needs --master_addr, the address of the node with --node_rank 0.")
         if args.node_rank is None:
-            raise LaunchError(
-                "a multi-node run needs --node_rank on each node (0 on the node at --master_addr)."
-            )
+            raise LaunchError("a multi-node run needs --node_rank on each node (0 on the node at --master_addr).")
     node_rank = 0 if args.node_rank is None else args.node_rank
-    if not 0 <= node_rank < args.num_nodes:
-        raise LaunchError(f"--node_rank: got {node_rank}, expected a value in [0, {args.num_nodes}).")
+    if not 0 <= node_rank < num_nodes:
+        raise LaunchError(f"--node_rank: got {node_rank}, expected a value in [0, {num_nodes}).")
 
     env_updates: dict[str, str] = {}
     notice = ""
@@ -240,7 +235,7 @@ def plan_launch(args: argparse.Namespace, environ: Mapping[str, str], gpu_count:
         sys.executable,
         "-m",
         "torch.distributed.run",
-        f"--nnodes={args.num_nodes}",
+        f"--nnodes={num_nodes}",
         f"--nproc-per-node={nproc}",
         f"--node-rank={node_rank}",
         f"--master-addr={addr}",
@@ -273,7 +268,12 @@ def run_plan(plan: LaunchPlan) -> int:
 def _cmd_launch(args: argparse.Namespace) -> int:
     import torch
 
-    plan = plan_launch(args, os.environ, torch.cuda.device_count() if torch.cuda.is_available() else 0)
+    from hf_zero.launch import job, supervise
+
+    target = job.plan(args, os.environ)  # a hostfile's hosts, or this node's flags
+    if isinstance(target, job.MultiNodeJob):
+        return supervise.run(target)
+    plan = plan_launch(target, os.environ, torch.cuda.device_count() if torch.cuda.is_available() else 0)
     return run_plan(plan)
 
 

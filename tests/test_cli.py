@@ -129,18 +129,23 @@ def test_launch_propagates_a_failing_rank(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    "flags", [["--hostfile", "hosts"], ["-H", "hosts"], ["--launcher", "pdsh"], ["--ssh_port", "22"]]
+    "flags, match",
+    [(["--hostfile", "hosts"], "--hostfile hosts does not exist"), (["-H", "hosts"], "--hostfile hosts does not exist"),
+     (["--launcher", "pdsh"], "--launcher is for starting the hosts of a hostfile"), (["--ssh_port", "22"], "there is none")],
 )
-def test_launch_rejects_ssh_launcher_flags(flags: list[str], tmp_path: Path) -> None:
-    if flags[0] != "--hostfile":  # the CLI path once; the rest through the translation only
-        with pytest.raises(cli.LaunchError, match="--node_rank"):
-            _plan([*flags, "train.py"])
+def test_launch_host_flags_need_a_hostfile(flags: list[str], match: str, tmp_path: Path) -> None:
+    """The flags of DeepSpeed's multi-node launch (tests/test_launch_multinode.py) without a hostfile to start."""
+    if flags[0] != "--hostfile":  # the CLI path once; the rest through the planning only
+        from hf_zero.launch import job
+
+        with pytest.raises(cli.LaunchError, match=match):
+            job.plan(cli.build_parser().parse_args(["launch", *flags, "train.py"]), {}, cwd=str(tmp_path))
         return
     proc = _hf_zero(["launch", *flags, "--num_gpus", "2", "train.py"], tmp_path)
     assert proc.returncode == 2
     err = proc.stderr.strip()
-    assert err.startswith("hf-zero launch: error: --hostfile") and "\n" not in err
-    assert "--node_rank" in err and proc.stdout == ""
+    assert err.startswith("hf-zero launch: error: --hostfile hosts does not exist") and "\n" not in err
+    assert proc.stdout == ""
 
 
 # -------------------------------------------------------------- launch: flag translation
@@ -221,7 +226,8 @@ def test_plan_defaults() -> None:
         (["--include", "localhost:0", "--exclude", "localhost:1", "train.py"], 2, "mutually exclusive"),
         (["--exclude", "localhost", "train.py"], 2, "leaves no GPU"),
         (["--elastic_training", "train.py"], 2, "does not support"),
-        (["--force_multi", "train.py"], 2, "pdsh"),
+        (["--force_multi", "train.py"], 2, "starts other hosts"),
+        (["--num_nodes", "2", "train.py"], 0, "pass --hostfile H"),
     ],
 )
 def test_plan_errors_are_one_sentence(argv: list[str], gpus: int, match: str) -> None:

@@ -109,7 +109,7 @@ def translate(args: argparse.Namespace, environ: Mapping[str, str]) -> tuple[arg
     Pure apart from reading the YAML (and the ``deepspeed_config_file`` it names, to check it).
     """
     path = args.config_file
-    given_ds = [flag for flag, set_ in (("--num_gpus", args.num_gpus is not None), ("--num_nodes", args.num_nodes != 1),
+    given_ds = [flag for flag, set_ in (("--num_gpus", args.num_gpus is not None), ("--num_nodes", args.num_nodes is not None),
                                         ("--node_rank", args.node_rank is not None), ("--master_addr", args.master_addr),
                                         ("--master_port", args.master_port is not None), ("--include", args.include),
                                         ("--exclude", args.exclude)) if set_]
@@ -140,8 +140,9 @@ def translate(args: argparse.Namespace, environ: Mapping[str, str]) -> tuple[arg
     if machines > 1 and multinode != "standard":
         raise LaunchError(
             f"deepspeed_multinode_launcher {multinode!r} starts every machine from one over "
-            "ssh/MPI, which hf-zero launch does not do: set it to standard and run hf-zero launch --config_file "
-            f"{path} --machine_rank R on each machine."
+            "ssh/MPI, which hf-zero launch --config_file does not do: set it to standard and run hf-zero launch "
+            f"--config_file {path} --machine_rank R on each machine (or start them all with DeepSpeed's flags: "
+            "hf-zero launch --hostfile H)."
         )
     if ds.get("deepspeed_moe_layer_cls_names"):
         raise LaunchError("deepspeed_moe_layer_cls_names (DeepSpeed's ZeRO-3 leaf modules) is not supported by hf_zero; "
