@@ -29,6 +29,7 @@ not a branch here.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 from collections import defaultdict
@@ -294,7 +295,7 @@ class ShardedOptimizer:
         if zero.overlap_param_gather and stage <= 2 and self.flat_groups:
             self.overlap = DeferredPublish(module, self.flat_groups)
         self.runner: StepRunner = pick_runner(optimizer, self.groups, self.comm_stream, device=device, offload=offload,
-                                              stream_grads=self.stream_grads, overlap=self.overlap)
+                                              stream_grads=self.stream_grads, overlap=self.overlap, process_group=place.group)
         self._sync = False
         self._next_launch = 0
         self.reduced = False
@@ -321,8 +322,9 @@ class ShardedOptimizer:
             # Reverse registration order approximates the order backward produces gradients.
             for bucket in _buckets_by_split(list(reversed(named)), self.zero.bucket_numel):
                 if offload.optimizer:
-                    fg: FlatGroup = OffloadedFlatGroup(bucket, self.place, partitioned=stage >= 1,
-                                                       free_grads_after_reduce=stage >= 1, pin=offload.pin_memory,
+                    # on NVMe the master is written out and its memory freed: not registered with CUDA
+                    fg: FlatGroup = OffloadedFlatGroup(bucket, self.place, partitioned=stage >= 1, free_grads_after_reduce=stage >= 1,
+                                                       pin=offload.pin_memory and offload.optimizer_nvme is None,
                                                        stream_grads=self.stream_grads)
                 else:
                     fg = FlatGroup(bucket, self.place, partitioned=stage >= 1, free_grads_after_reduce=stage >= 1)
@@ -353,11 +355,13 @@ class ShardedOptimizer:
                 kinds = [[x for x in picked if split_of(x[1])], [x for x in picked if not split_of(x[1])]]
                 for part in (k for k in kinds if k):
                     if gi < 0 and offload.params:
-                        g = OffloadedFrozenGroup(part, self.place, pin=offload.params_pin_memory)
+                        g = OffloadedFrozenGroup(part, self.place,
+                                                 pin=offload.params_pin_memory and offload.params_nvme is None)
                     elif not offload.optimizer or gi < 0:
                         g = ShardedParamGroup(part, self.place, trainable=gi >= 0)
                     else:
-                        g = OffloadedShardedParamGroup(part, self.place, trainable=True, pin=offload.pin_memory,
+                        g = OffloadedShardedParamGroup(part, self.place, trainable=True,
+                                                       pin=offload.pin_memory and not offload.nvme,
                                                        params_on_host=offload.params, stream_grads=self.stream_grads)
                     g.tp_split = split_of(part[0][1]) is not None
                     groups.append(g)
@@ -395,6 +399,11 @@ class ShardedOptimizer:
         """
         if self.overlap is not None:
             self.overlap.wait_all()
+
+    def resident(self) -> contextlib.AbstractContextManager[None]:
+        """Every master, optimizer state and offloaded shard in memory for the block: a save or a load reads and writes
+        them (collective). Only NVMe offload keeps any elsewhere (:class:`hf_zero.zero.runner.NvmeRunner`)."""
+        return self.runner.resident()
 
     def release_inference(self) -> None:
         """Stage 3: release what no-grad forwards (evaluation, ``generate``) left gathered."""

@@ -1,0 +1,724 @@
+"""ZeRO-Infinity: the offloaded state in files under ``nvme_path`` instead of host memory.
+
+DeepSpeed's ``"device": "nvme"`` in ``offload_optimizer`` (the fp32 masters and the optimizer state of every
+trainable shard group) and in stage 3's ``offload_param`` (the 16-bit shards the all-gathers read). The CPU
+offload of :mod:`hf_zero.zero.offload` stays what runs the step; this module moves what it keeps in host memory
+to disk and back:
+
+- :class:`SwapFolder` is this run's, this rank's folder (``<nvme_path>/hf_zero-<run id>-rank<N>/optimizer`` or
+  ``.../params``), checked on every rank before anything is built (missing, not a folder, read-only, full: one
+  sentence on every rank), removed when the engine goes;
+- :class:`SwapFiles` reads and writes whole files in the background: a pool of ``aio.intra_op_parallelism``
+  (older name ``thread_count``) threads, each request cut into ``aio.block_size`` pieces, at most
+  ``aio.queue_depth`` of them in flight per thread, with ``O_DIRECT`` where the file system allows it (page-aligned
+  buffers, lengths rounded up to 4 KiB) and buffered I/O where it does not (tmpfs refuses ``O_DIRECT``);
+- :class:`OptimizerSwap` keeps each trainable group's master and its full-size optimizer state tensors (Adam's two
+  moments) in one file; during the step (:class:`hf_zero.zero.runner.NvmeRunner`) group ``i+1`` is read into a
+  pinned buffer while the CPU steps group ``i`` and group ``i-1`` is written back, through ``buffer_count``
+  buffers of the largest group; between steps the tensors keep their identity (the optimizer's ``state`` is keyed by
+  them) with no storage (``numel() == 0``). A save, a load or DeepSpeed's fp32 accessors bring every group back
+  for their duration (:meth:`OptimizerSwap.resident`);
+- :class:`ParamStore` keeps stage 3's host shards beyond ``max_in_cpu`` elements in files; a gather reads its
+  group's file (the next groups in the last pass's order are read ahead, ``buffer_count`` at most), a step writes
+  the recast shard back.
+
+Failures: a write error (a full disk) or a read error is recorded where it happens and raised as one
+:class:`hf_zero.errors.NvmeError` sentence on every rank at the next step boundary (:func:`pooled_raise`, one
+all-reduce of a flag), before the optimizer touches anything, so no rank is left waiting in a collective and no
+checkpoint is written from a half-read state (the swap refuses :meth:`OptimizerSwap.resident` once broken).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import errno
+import logging
+import os
+import shutil
+import threading
+import time
+import uuid
+import weakref
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from hf_zero.errors import NvmeError
+from hf_zero.zero.group import ShardGroup
+
+logger = logging.getLogger("hf_zero")
+
+ALIGN = 4096  # O_DIRECT wants buffer addresses, offsets and lengths aligned to the device's block; 4 KiB covers them
+
+
+@dataclass(frozen=True)
+class NvmeSpec:
+    """Where and how one offload section keeps its state on disk; built once from the config, never changed.
+
+    ``where`` is the section's JSON path, for the messages. ``buffer_count``, ``pin_memory``, ``max_in_cpu`` and
+    ``buffer_size`` are the section's (DeepSpeed's meanings); ``block_size``, ``queue_depth``, ``threads``
+    (``intra_op_parallelism``) and ``single_submit`` are the top-level ``aio`` section's.
+    """
+
+    path: str
+    where: str
+    buffer_count: int = 4
+    pin_memory: bool = True
+    max_in_cpu: int = 0
+    buffer_size: int = 100_000_000
+    block_size: int = 1 << 20
+    queue_depth: int = 8
+    threads: int = 1
+    single_submit: bool = False
+
+    def __post_init__(self) -> None:
+        if self.buffer_count < 1 or self.threads < 1 or self.queue_depth < 1 or self.block_size < 1:
+            raise ValueError(f"NvmeSpec({self.where}): buffer_count, threads, queue_depth and block_size must be positive")
+
+
+def _round_up(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def aligned_buffer(nbytes: int, pin: bool) -> torch.Tensor:
+    """An uninitialized byte tensor of ``nbytes`` (rounded up to 4 KiB) whose address is 4 KiB-aligned (``O_DIRECT``
+    reads and writes it as is), page-locked when ``pin`` and CUDA is present."""
+    n = _round_up(max(nbytes, 1))
+    pin = bool(pin) and torch.cuda.is_available()
+    raw = torch.empty(n + ALIGN, dtype=torch.uint8, pin_memory=pin)
+    skip = (-raw.data_ptr()) % ALIGN
+    return raw[skip : skip + n]
+
+
+def _pwrite(fd: int, view: memoryview, offset: int) -> int:
+    """``os.pwrite``: one name for the writer, so a test can make it fail as a full disk does."""
+    return os.pwrite(fd, view, offset)
+
+
+def _pread(fd: int, view: memoryview, offset: int) -> int:
+    return os.preadv(fd, [view], offset)
+
+
+def _sentence(e: OSError, path: str, where: str, doing: str) -> str:
+    """The one sentence a failed file operation under ``path`` becomes."""
+    code = e.errno
+    why = os.strerror(code) if code else str(e)
+    if code in (errno.ENOSPC, errno.EDQUOT):
+        return (f"NVMe offload: {path} is full ({why}) while {doing}; free space there or set {where}.nvme_path to a "
+                "disk with room for the offloaded state")
+    if code in (errno.EROFS, errno.EACCES, errno.EPERM):
+        return (f"NVMe offload: {path} is not writable ({why}); make it writable by this user or set {where}.nvme_path "
+                "to a writable folder")
+    if code in (errno.ENOENT, errno.ENOTDIR):
+        return (f"NVMe offload: {path} does not exist or is not a folder ({why}); create it or set {where}.nvme_path to "
+                "an existing folder")
+    return f"NVMe offload: {doing} under {path} failed ({why}); check the disk, or set {where}.nvme_path to another one"
+
+
+def pooled_raise(mine: str | None, group: dist.ProcessGroup | None) -> None:
+    """Raise :class:`NvmeError` on every rank of ``group`` when any rank has a message (collective; every rank calls
+    it at the same point). One all-reduce of a flag; the messages travel only when one is set."""
+    world = dist.get_world_size(group) if dist.is_initialized() else 1
+    if world == 1:
+        if mine:
+            raise NvmeError(mine)
+        return
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    flag = torch.tensor([1 if mine else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, group=group)
+    if int(flag.item()) == 0:
+        return
+    said: list[str | None] = [None] * world
+    dist.all_gather_object(said, mine, group=group)
+    me = dist.get_rank(group)
+    if mine:
+        raise NvmeError(mine)
+    first = next(i for i, m in enumerate(said) if m)
+    raise NvmeError(f"rank {first} of {world}: {said[first]}" if first != me else str(said[first]))
+
+
+def new_run_id(group: dist.ProcessGroup | None) -> str:
+    """A run id the group's ranks share (its first rank's; collective): the folders of one engine."""
+    run = [uuid.uuid4().hex[:12]]
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.broadcast_object_list(run, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+    return run[0]
+
+
+class SwapFolder:
+    """This run's, this rank's folder under ``spec.path``, checked and made on every rank at once (collective).
+
+    The run id comes from the group's first rank, so the ranks of one run share ``hf_zero-<id>-*`` and a second run on
+    the same disk never reads the first one's files. Removed by :meth:`remove` (``engine.destroy()``) and when the
+    object is collected or the process exits; a killed run leaves its folder behind, which a later run does not use
+    (its id differs) and names in a warning so it can be deleted.
+    """
+
+    def __init__(self, spec: NvmeSpec, kind: str, group: dist.ProcessGroup | None, run: str | None = None) -> None:
+        self.spec = spec
+        rank = dist.get_rank(group) if dist.is_initialized() else 0
+        run = run or new_run_id(group)
+        # one folder per rank at the top (no folder shared by the ranks, so none is left behind by their removal race)
+        self.rank_folder = os.path.join(spec.path, f"hf_zero-{run}-rank{rank:05d}")
+        self.path = os.path.join(self.rank_folder, kind)
+        problem = self._make()
+        pooled_raise(problem, group)
+        self.direct = self._probe_direct()
+        if rank == 0 and kind == "optimizer":
+            stale = sorted({d.rsplit("-rank", 1)[0] for d in os.listdir(spec.path)
+                            if d.startswith("hf_zero-") and not d.startswith(f"hf_zero-{run}-")})
+            if stale:
+                logger.warning("NVMe offload: %s holds the swap folders of %d earlier run(s) (%s-*); delete them if no "
+                               "run uses them", spec.path, len(stale), ", ".join(stale[:3]) + (", ..." if len(stale) > 3 else ""))
+        self._finalizer = weakref.finalize(self, shutil.rmtree, self.path, True)
+
+    def _make(self) -> str | None:
+        path, where = self.spec.path, self.spec.where
+        if not os.path.isdir(path):
+            why = "is not a folder" if os.path.exists(path) else "does not exist"
+            return f"NVMe offload: {where}.nvme_path {path} {why}; create it (on a local NVMe disk) or point nvme_path at one"
+        try:
+            os.makedirs(self.path, exist_ok=True)
+            probe = os.path.join(self.path, ".probe")
+            fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                _pwrite(fd, memoryview(bytes(ALIGN)), 0)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.unlink(probe)
+        except OSError as e:
+            return _sentence(e, path, where, "making its swap folder")
+        return None
+
+    def _probe_direct(self) -> bool:
+        """Whether files here open with ``O_DIRECT`` (page cache bypassed); tmpfs and some network file systems refuse."""
+        flag = getattr(os, "O_DIRECT", 0)
+        if not flag:
+            return False
+        probe = os.path.join(self.path, ".direct")
+        try:
+            fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_TRUNC | flag, 0o600)
+        except OSError:
+            return False
+        try:
+            buf = aligned_buffer(ALIGN, pin=False)
+            _pwrite(fd, memoryview(buf.numpy()), 0)
+            return True
+        except OSError:
+            return False
+        finally:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(probe)
+
+    def remove(self) -> None:
+        """Delete this folder (and this rank's, once empty)."""
+        self._finalizer()
+        with contextlib.suppress(OSError):
+            os.rmdir(self.rank_folder)
+
+
+class SwapFiles:
+    """Whole-file background reads and writes in one :class:`SwapFolder`, on a pool of ``spec.threads`` threads.
+
+    A request is cut into pieces of ``block_size`` bytes (whole 4 KiB pages), handed to the pool together, at most
+    ``threads * queue_depth`` pieces queued at once (``single_submit``: one piece at a time per request, in order);
+    :meth:`write` and :meth:`read` return a :class:`Ticket` to wait on. An ``OSError`` becomes the ticket's one sentence
+    (:func:`_sentence`), kept for :func:`pooled_raise`.
+    """
+
+    def __init__(self, folder: SwapFolder) -> None:
+        self.folder, self.spec = folder, folder.spec
+        self.pool = ThreadPoolExecutor(max_workers=self.spec.threads, thread_name_prefix="hf_zero-nvme")
+        self.piece = _round_up(self.spec.block_size)
+        self.in_flight = threading.BoundedSemaphore(self.spec.threads * self.spec.queue_depth)
+        self.fds: dict[str, int] = {}
+
+    def _fd(self, name: str) -> int:
+        fd = self.fds.get(name)
+        if fd is None:
+            flags = os.O_RDWR | os.O_CREAT | (getattr(os, "O_DIRECT", 0) if self.folder.direct else 0)
+            fd = os.open(os.path.join(self.folder.path, name), flags, 0o600)
+            self.fds[name] = fd
+        return fd
+
+    def _piece(self, fd: int, view: memoryview, offset: int, write: bool) -> None:
+        try:
+            done = 0
+            while done < len(view):
+                n = (_pwrite if write else _pread)(fd, view[done:], offset + done)
+                if n <= 0:
+                    raise OSError(errno.EIO, "short read" if not write else "short write")
+                done += n
+        finally:
+            self.in_flight.release()
+
+    def _submit(self, name: str, buf: torch.Tensor, nbytes: int, write: bool) -> Ticket:
+        nbytes = _round_up(nbytes)
+        assert buf.dtype == torch.uint8 and buf.numel() >= nbytes and buf.data_ptr() % ALIGN == 0
+        doing = f"{'writing' if write else 'reading'} {name}"
+        try:
+            fd = self._fd(name)
+        except OSError as e:
+            return Ticket([], _sentence(e, self.spec.path, self.spec.where, doing))
+        view = memoryview(buf.numpy())
+        futures: list[Future] = []
+        for start in range(0, nbytes, self.piece):
+            self.in_flight.acquire()
+            part = view[start : min(start + self.piece, nbytes)]
+            f = self.pool.submit(self._piece, fd, part, start, write)
+            futures.append(f)
+            if self.spec.single_submit:
+                f.exception()
+        return Ticket(futures, None, self.spec, doing)
+
+    def write(self, name: str, buf: torch.Tensor, nbytes: int) -> Ticket:
+        """Write the first ``nbytes`` of aligned ``buf`` (see :func:`aligned_buffer`) as file ``name``."""
+        return self._submit(name, buf, nbytes, write=True)
+
+    def read(self, name: str, buf: torch.Tensor, nbytes: int) -> Ticket:
+        """Read ``nbytes`` of file ``name`` into aligned ``buf``."""
+        return self._submit(name, buf, nbytes, write=False)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+        for fd in self.fds.values():
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self.fds.clear()
+
+
+class Ticket:
+    """One request in flight: :meth:`wait` returns None, or the one sentence of its failure."""
+
+    def __init__(self, futures: list[Future], error: str | None, spec: NvmeSpec | None = None, doing: str = "") -> None:
+        self.futures, self.error, self.spec, self.doing = futures, error, spec, doing
+
+    def done(self) -> bool:
+        return all(f.done() for f in self.futures)
+
+    def wait(self) -> str | None:
+        for f in self.futures:
+            e = f.exception()
+            if e is not None and self.error is None:
+                assert self.spec is not None
+                self.error = (_sentence(e, self.spec.path, self.spec.where, self.doing) if isinstance(e, OSError)
+                              else f"NVMe offload: {self.doing} failed: {e}")
+        self.futures = []
+        return self.error
+
+
+_EMPTY: dict[torch.dtype, torch.Tensor] = {}
+
+
+def _release(t: torch.Tensor) -> None:
+    """Drop ``t``'s values, keeping the object (optimizers and their ``state`` hold it by identity)."""
+    empty = _EMPTY.setdefault(t.dtype, torch.empty(0, dtype=t.dtype))
+    t.data = empty
+
+
+@dataclass
+class _Layout:
+    """What one group's file holds: the master, then each full-size optimizer state tensor (by key), each section
+    starting on a 4 KiB boundary."""
+
+    numel: int
+    keys: tuple[tuple[str, torch.dtype], ...] = ()
+    written: bool = False
+
+    def sections(self) -> list[tuple[str, torch.dtype, int]]:
+        out, at = [], 0
+        for k, dt in (("master", torch.float32), *self.keys):
+            out.append((k, dt, at))
+            at += _round_up(self.numel * dt.itemsize)
+        return out
+
+    def nbytes(self, keys: tuple[tuple[str, torch.dtype], ...] | None = None) -> int:
+        ks = self.keys if keys is None else keys
+        return sum(_round_up(self.numel * dt.itemsize) for _, dt in (("master", torch.float32), *ks))
+
+
+def _full_size_state(st: dict, numel: int) -> tuple[tuple[str, torch.dtype], ...]:
+    return tuple((k, v.dtype) for k, v in st.items()
+                 if torch.is_tensor(v) and v.numel() == numel and numel > 1 and v.is_floating_point())
+
+
+class OptimizerSwap:
+    """The masters and optimizer state of ``groups`` in files (see the module docstring); built once, by
+    :class:`hf_zero.zero.runner.NvmeRunner`, which writes every master out at once and keeps no copy.
+
+    During a step the runner calls :meth:`begin` with the groups in the order it steps them, then, per group,
+    :meth:`attach` (wait for its read, point the master and the state at a pooled buffer; the reads of the next
+    ``buffer_count - 2`` groups start) and :meth:`detach` (start writing it back; the buffer returns to the pool once
+    written and once the copy to the device that read it is done), and :meth:`end` (wait for every write; returns the
+    first failure's sentence, for :func:`pooled_raise`).
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, groups: list[ShardGroup], spec: NvmeSpec, state_slots: int,
+                 group: dist.ProcessGroup | None, stream: torch.cuda.Stream | None, run: str | None = None) -> None:
+        self.optimizer, self.spec, self.stream = optimizer, spec, stream
+        self.groups = [g for g in groups if g.master is not None]
+        self.folder = SwapFolder(spec, "optimizer", group, run)
+        self.files = SwapFiles(self.folder)
+        self.layout = {id(g): _Layout(g.master.numel()) for g in self.groups}  # type: ignore[union-attr]
+        self.names = {id(g): f"group{i:05d}.bin" for i, g in enumerate(self.groups)}
+        self.largest = max((lay.numel for lay in self.layout.values()), default=0)
+        # Each pooled buffer holds a group's master and ``state_slots`` fp32 state tensors (Adam: 2), as planned
+        self.buffer_bytes = _Layout(self.largest, tuple(("s", torch.float32) for _ in range(state_slots))).nbytes()
+        self.pool: list[torch.Tensor] = []
+        self.free: collections.deque[int] = collections.deque()
+        self.busy: dict[int, tuple[Ticket | None, torch.cuda.Event | None]] = {}  # buffer -> its write, its last reader
+        self.broken: str | None = None
+        self.error: str | None = None
+        self.io_seconds = 0.0  # the step's waits for reads and buffers
+        self._order: list[ShardGroup] = []
+        self._reads: dict[int, tuple[int, Ticket | None]] = {}  # group -> (buffer, read)
+        self._attached: dict[int, int | None] = {}  # group -> its pooled buffer (None: a buffer of its own)
+        self._oneoff: dict[int, torch.Tensor] = {}  # group -> a buffer of its own (more state than the pool planned)
+        self._next = 0
+        self._depth = max(1, spec.buffer_count - 2)
+        for g in self.groups:  # every master to disk, one group at a time: host memory keeps no copy
+            buf = aligned_buffer(self.layout[id(g)].nbytes(), pin=False)
+            self._fill(g, buf, ())
+            err = self.files.write(self.names[id(g)], buf, self.layout[id(g)].nbytes()).wait()
+            if err:
+                self.error = err
+                break
+            self.layout[id(g)].written = True
+            _release(g.master)  # type: ignore[arg-type]
+        pooled_raise(self.error, group)
+
+    # ------------------------------------------------------------ buffers
+
+    def _acquire(self) -> int:
+        """A free pooled buffer, waiting for the oldest write in flight when there is none."""
+        if not self.pool:
+            n = max(2, self.spec.buffer_count)
+            self.pool = [aligned_buffer(self.buffer_bytes, self.spec.pin_memory) for _ in range(n)]
+            self.free.extend(range(n))
+        while not self.free:
+            b = next(iter(self.busy))
+            self._settle(b)
+        return self.free.popleft()
+
+    def _settle(self, b: int) -> None:
+        ticket, event = self.busy.pop(b)
+        if ticket is not None:
+            err = ticket.wait()
+            self.error = self.error or err
+        if event is not None:
+            event.synchronize()
+        self.free.append(b)
+
+    def _buffer(self, g: ShardGroup, b: int | None, keys: tuple[tuple[str, torch.dtype], ...]) -> torch.Tensor:
+        need = self.layout[id(g)].nbytes(keys)
+        if b is not None and need <= self.pool[b].numel():
+            return self.pool[b]
+        return aligned_buffer(need, pin=False)  # an optimizer with more state than planned: a buffer of its own
+
+    # ------------------------------------------------------------ views
+
+    def _views(self, g: ShardGroup, buf: torch.Tensor, keys: tuple[tuple[str, torch.dtype], ...]) -> dict[str, torch.Tensor]:
+        lay = _Layout(self.layout[id(g)].numel, keys)
+        n = lay.numel
+        return {k: buf[at : at + n * dt.itemsize].view(dt) for k, dt, at in lay.sections()}
+
+    def _fill(self, g: ShardGroup, buf: torch.Tensor, keys: tuple[tuple[str, torch.dtype], ...]) -> None:
+        """Copy the group's master and state tensors into ``buf`` where they are not views of it already."""
+        st = self.optimizer.state.get(g.master, {})  # type: ignore[arg-type]
+        for k, view in self._views(g, buf, keys).items():
+            t = g.master if k == "master" else st[k]
+            assert t is not None
+            if t.data_ptr() != view.data_ptr():
+                view.copy_(t.reshape(-1))
+
+    def _point(self, g: ShardGroup, buf: torch.Tensor) -> None:
+        """The master and state tensors become views of ``buf`` (their objects unchanged)."""
+        st = self.optimizer.state.get(g.master, {})  # type: ignore[arg-type]
+        shape = self.layout[id(g)].numel
+        for k, view in self._views(g, buf, self.layout[id(g)].keys).items():
+            t = g.master if k == "master" else st.get(k)
+            if t is None:  # a state the optimizer lost (a load without optimizer states): it makes it again
+                continue
+            t.data = view.view(shape)
+
+    # ------------------------------------------------------------ the step
+
+    def begin(self, order: list[ShardGroup]) -> None:
+        """A step will attach ``order``'s groups in this order: start the first reads."""
+        if self.broken:
+            self.error = self.broken
+        self._order, self._next = list(order), 0
+        self.io_seconds = 0.0
+        self._prefetch()
+
+    def _prefetch(self) -> None:
+        while self._next < len(self._order) and len(self._reads) < self._depth:
+            g = self._order[self._next]
+            self._next += 1
+            self._reads[id(g)] = self._start_read(g)
+
+    def _start_read(self, g: ShardGroup) -> tuple[int, Ticket | None]:
+        b = self._acquire()
+        lay = self.layout[id(g)]
+        buf = self._buffer(g, b, lay.keys)
+        if buf is not self.pool[b]:
+            self._oneoff[id(g)] = buf
+        ticket = self.files.read(self.names[id(g)], buf, lay.nbytes()) if lay.written else None
+        return b, ticket
+
+    def _buf_of(self, g: ShardGroup, b: int) -> torch.Tensor:
+        own = self._oneoff.pop(id(g), None)
+        return own if own is not None else self.pool[b]
+
+    def attach(self, g: ShardGroup) -> None:
+        """Group ``g``'s master and state in host memory, ready to step (its read waited for); starts later reads."""
+        start = time.perf_counter()
+        if id(g) not in self._reads:  # not in the begin() order: read it now
+            self._reads[id(g)] = self._start_read(g)
+        b, ticket = self._reads.pop(id(g))
+        buf = self._buf_of(g, b)
+        err = ticket.wait() if ticket is not None else None
+        if err:
+            self.error = self.error or err
+            buf.zero_()  # the step goes on with zeros (every rank's collectives stay matched); the boundary raises
+        self._point(g, buf)
+        self._attached[id(g)] = b if buf is self.pool[b] else None
+        if buf is not self.pool[b]:
+            self.free.append(b)
+        self._prefetch()
+        self.io_seconds += time.perf_counter() - start
+
+    def detach(self, g: ShardGroup) -> None:
+        """Write group ``g`` back (in the background) and drop its values from host memory."""
+        b = self._attached.pop(id(g))
+        st = self.optimizer.state.get(g.master, {})  # type: ignore[arg-type]
+        lay = self.layout[id(g)]
+        keys = _full_size_state(st, lay.numel)
+        buf = self.pool[b] if b is not None else None
+        if buf is None or lay.nbytes(keys) > buf.numel():
+            buf = self._buffer(g, None, keys)
+        self._fill(g, buf, keys)  # the first step's new state, or a buffer of another size
+        event = None
+        if self.stream is not None:  # the publish's copy to the device reads the buffer: reuse it only after that
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        ticket = None
+        if self.error is None:
+            ticket = self.files.write(self.names[id(g)], buf, lay.nbytes(keys))
+            lay.keys, lay.written = keys, True
+        for _, t in [("master", g.master), *((k, st[k]) for k, _ in keys)]:
+            _release(t)  # type: ignore[arg-type]
+        if b is not None and buf is self.pool[b]:
+            self.busy[b] = (ticket, event)
+        elif ticket is not None:
+            err = ticket.wait()  # a buffer of its own: finish now, it goes with this call
+            self.error = self.error or err
+            if b is not None:
+                self.free.append(b)
+
+    def end(self) -> str | None:
+        """Wait for every write of the step; the first failure's sentence (None when all went well)."""
+        for b in list(self.busy):
+            self._settle(b)
+        for g_id, (b, ticket) in list(self._reads.items()):  # reads begun for groups the step did not reach
+            if ticket is not None:
+                ticket.wait()
+            self._oneoff.pop(g_id, None)
+            self.free.append(b)
+        self._reads.clear()
+        err, self.error = self.error, None
+        return err
+
+    def fail(self, sentence: str) -> None:
+        """Every rank learned of a failure (:func:`pooled_raise`): the files may be stale, so nothing reads them again."""
+        self.broken = sentence
+
+    # ------------------------------------------------------------ outside the step
+
+    @contextlib.contextmanager
+    def resident(self, group: dist.ProcessGroup | None) -> Iterator[None]:
+        """Every group's master and state in host memory, in buffers of their own, for the block (a save, a load);
+        then written back and released (collective: a failure is raised on every rank)."""
+        problem = self.broken
+        bufs: dict[int, torch.Tensor] = {}
+        if problem is None:
+            for g in self.groups:
+                lay = self.layout[id(g)]
+                buf = aligned_buffer(lay.nbytes(), pin=False)
+                err = self.files.read(self.names[id(g)], buf, lay.nbytes()).wait() if lay.written else None
+                if err:
+                    problem = err
+                    break
+                bufs[id(g)] = buf
+                self._point(g, buf)
+        pooled_raise(problem, group)
+        failed: BaseException | None = None
+        try:
+            yield
+        except BaseException as e:
+            failed = e
+            raise
+        finally:
+            err = None
+            for g in self.groups:
+                st = self.optimizer.state.get(g.master, {})  # type: ignore[arg-type]
+                lay = self.layout[id(g)]
+                if g.master.numel() == lay.numel:  # type: ignore[union-attr]
+                    keys = _full_size_state(st, lay.numel)
+                    buf = bufs.get(id(g))
+                    if buf is None or buf.numel() < lay.nbytes(keys):
+                        buf = aligned_buffer(lay.nbytes(keys), pin=False)
+                    self._fill(g, buf, keys)
+                    if err is None:
+                        err = self.files.write(self.names[id(g)], buf, lay.nbytes(keys)).wait()
+                        lay.keys, lay.written = keys, True
+                    for t in [g.master, *(st[k] for k, _ in keys)]:
+                        _release(t)  # type: ignore[arg-type]
+                bufs.pop(id(g), None)
+            if err:
+                self.broken = err
+            if failed is None:
+                pooled_raise(err, group)
+
+    def close(self) -> None:
+        """Stop the threads and delete the files (``engine.destroy()``)."""
+        self.files.close()
+        self.folder.remove()
+        self.pool = []
+
+
+class ParamStore:
+    """Stage 3's offloaded 16-bit shards beyond ``max_in_cpu`` elements in files (``offload_param.device: "nvme"``).
+
+    The groups given are those whose shard waits in host memory (:class:`hf_zero.zero.offload._HostParamShard`, in
+    build order); the first ones keep their host shard while their elements add up to ``max_in_cpu``, the others'
+    shards are written out and released, and their ``shard_store`` is this object: a gather calls :meth:`fetch`, a
+    step's recast :meth:`put`. Reads run ahead along the order of the earlier fetches (the same every step), ``buffer_count`` at most.
+    """
+
+    def __init__(self, groups: list[ShardGroup], spec: NvmeSpec, group: dist.ProcessGroup | None,
+                 run: str | None = None) -> None:
+        self.spec = spec
+        self.folder = SwapFolder(spec, "params", group, run)
+        self.files = SwapFiles(self.folder)
+        self.names: dict[int, str] = {}
+        self.numel: dict[int, int] = {}
+        self.dtype: dict[int, torch.dtype] = {}
+        self.on_disk: list[ShardGroup] = []
+        self.error: str | None = None
+        self._pending: dict[int, tuple[Ticket, torch.Tensor]] = {}  # group -> its write in flight (and its buffer)
+        self._ahead: dict[int, tuple[Ticket, torch.Tensor]] = {}  # group -> its read in flight
+        self._after: dict[int, int] = {}  # group -> the group fetched after it last time (reads run ahead along it)
+        self._last: int | None = None
+        self._by_id: dict[int, ShardGroup] = {}
+        kept = 0
+        for i, g in enumerate(groups):
+            shard = g.param_shard  # type: ignore[attr-defined]
+            assert shard is not None
+            if kept + shard.numel() <= spec.max_in_cpu:
+                kept += shard.numel()
+                continue
+            self.names[id(g)] = f"shard{i:05d}.bin"
+            self.numel[id(g)], self.dtype[id(g)] = shard.numel(), shard.dtype
+            self._by_id[id(g)] = g
+            err = self._write(g, shard).wait()
+            if err:
+                self.error = err
+                break
+            _release(shard)
+            g.shard_store = self  # type: ignore[attr-defined]
+            self.on_disk.append(g)
+        self.kept = kept
+        pooled_raise(self.error, group)
+        self.error = None
+
+    def _nbytes(self, g: ShardGroup) -> int:
+        return self.numel[id(g)] * self.dtype[id(g)].itemsize
+
+    def _write(self, g: ShardGroup, values: torch.Tensor) -> Ticket:
+        buf = aligned_buffer(self._nbytes(g), pin=False)
+        buf[: self._nbytes(g)].view(values.dtype).copy_(values.reshape(-1))
+        ticket = self.files.write(self.names[id(g)], buf, self._nbytes(g))
+        self._pending[id(g)] = (ticket, buf)
+        return ticket
+
+    def _read(self, g: ShardGroup) -> tuple[Ticket, torch.Tensor]:
+        pending = self._pending.pop(id(g), None)
+        if pending is not None:  # its write is in flight: the values are in its buffer already
+            err = pending[0].wait()
+            self.error = self.error or err
+            return Ticket([], None), pending[1]
+        buf = aligned_buffer(self._nbytes(g), pin=self.spec.pin_memory)
+        return self.files.read(self.names[id(g)], buf, self._nbytes(g)), buf
+
+    def fetch(self, g: ShardGroup) -> torch.Tensor:
+        """Group ``g``'s shard in host memory (its read waited for); the next groups' reads start."""
+        got = self._ahead.pop(id(g), None) or self._read(g)
+        ticket, buf = got
+        err = ticket.wait()
+        if err:
+            self.error = self.error or err
+            logger.error("%s (rank raises it at the next step)", err)
+            buf.zero_()  # the gathers go on with zeros, every rank's collectives matched; the step boundary raises
+        if self._last is not None:
+            self._after[self._last] = id(g)  # what followed the last fetch, for the reads ahead of the next pass
+        self._last = id(g)
+        nxt = id(g)
+        for _ in range(max(1, self.spec.buffer_count)):
+            nxt = self._after.get(nxt, -1)
+            if nxt == id(g) or nxt not in self._by_id:
+                break
+            if nxt not in self._ahead:
+                self._ahead[nxt] = self._read(self._by_id[nxt])
+        return buf[: self._nbytes(g)].view(self.dtype[id(g)])
+
+    def put(self, g: ShardGroup, values: torch.Tensor) -> None:
+        """The step recast ``g``'s shard: write it back in the background (a fetch before it lands reads the buffer)."""
+        old = self._ahead.pop(id(g), None)
+        if old is not None:
+            old[0].wait()
+        prev = self._pending.pop(id(g), None)
+        if prev is not None:
+            self.error = self.error or prev[0].wait()
+        self._write(g, values.to(self.dtype[id(g)]))
+
+    def end(self) -> str | None:
+        """Wait for every write in flight; the first failure's sentence since the last call (None: none)."""
+        for gid, (ticket, _) in list(self._pending.items()):
+            err = ticket.wait()
+            self.error = self.error or err
+            self._pending.pop(gid, None)
+        err, self.error = self.error, None
+        return err
+
+    @contextlib.contextmanager
+    def resident(self, group: dist.ProcessGroup | None) -> Iterator[None]:
+        """Every offloaded shard in host memory as ``param_shard`` for the block (a save reads a frozen group's
+        shard; a load's publish writes the trainable ones), then written back (collective)."""
+        problem = None
+        for g in self.on_disk:
+            values = self.fetch(g).clone()
+            g.param_shard.data = values  # type: ignore[attr-defined,union-attr]
+            g.shard_store = None  # type: ignore[attr-defined]
+        problem = self.error
+        self.error = None
+        pooled_raise(problem, group)
+        try:
+            yield
+        finally:
+            for g in self.on_disk:
+                self._write(g, g.param_shard)  # type: ignore[attr-defined,arg-type]
+                _release(g.param_shard)  # type: ignore[attr-defined,arg-type]
+                g.shard_store = self  # type: ignore[attr-defined]
+            err = self.end()
+            pooled_raise(err, group)
+
+    def close(self) -> None:
+        self.files.close()
+        self.folder.remove()

@@ -1,0 +1,375 @@
+"""NVMe offload (ZeRO-Infinity, ``"device": "nvme"``; hf_zero/zero/nvme.py) on CPU ranks over gloo.
+
+The oracle is the same run with ``"device": "cpu"``: both step the same fused CPU Adam on the same host masters
+group by group, so NVMe may differ only in where the masters, the optimizer state and stage 3's 16-bit shards wait
+between steps (files under ``nvme_path``), and the runs must agree bit for bit: losses and weights after several
+steps with gradient accumulation and clipping, at stages 2 and 3 (stage 3 with both offload sections on NVMe, with a
+``max_in_cpu`` that keeps some shards in memory and sends the rest to disk), and across a resume (save after K steps,
+load in a fresh NVMe engine, in a "cpu" engine, and at another world size). Between steps the masters really are
+gone from host memory (``numel() == 0``) and their files are there. The failures: a missing and a read-only
+``nvme_path`` and a full disk (an injected ENOSPC from the writer on one rank) each stop every rank with one sentence
+naming the path, without a hang, and leave the last checkpoint intact.
+
+:func:`gpu_suite` runs the NVMe-vs-cpu comparison under NCCL on GPUs (``tests/gpu/gpu_check.py`` registers it).
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import tempfile
+
+import pytest
+import torch
+
+from tests.distributed import spawn
+
+VOCAB = 64
+
+
+def _model():  # noqa: ANN202
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16))
+
+
+def _config(stage: int, device: str, nvme_path: str | None, gas: int = 2, clip: float = 0.5, params: bool = False,
+            max_in_cpu: int = 0, dtype: str | None = None) -> dict:
+    zo: dict = {"stage": stage, "reduce_bucket_size": 2000, "stage3_param_persistence_threshold": 40}
+    off: dict = {"device": device, "pin_memory": True}
+    if device == "nvme":
+        off.update(nvme_path=nvme_path, buffer_count=3)
+    zo["offload_optimizer"] = off
+    if params:
+        par: dict = {"device": device, "pin_memory": True}
+        if device == "nvme":
+            par.update(nvme_path=nvme_path, buffer_count=2, max_in_cpu=max_in_cpu)
+        zo["offload_param"] = par
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": gas, "gradient_clipping": clip,
+           "zero_optimization": zo, "steps_per_print": 1000,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
+           "aio": {"block_size": 8192, "queue_depth": 4, "thread_count": 2, "single_submit": False}}
+    if dtype == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    return cfg
+
+
+def _batch(step: int, micro: int, rank: int, device: str = "cpu") -> dict:
+    g = torch.Generator().manual_seed(1000 * step + 10 * micro + rank)
+    ids = torch.randint(0, VOCAB, (2, 12), generator=g).to(device)
+    return {"input_ids": ids, "labels": ids}
+
+
+def _weights(engine) -> torch.Tensor:  # noqa: ANN001
+    from hf_zero.zero import GatheredParameters
+
+    params = list(engine.module.parameters())
+    with GatheredParameters(params):
+        return torch.cat([p.detach().float().cpu().reshape(-1) for p in params])
+
+
+def _train(engine, steps: range, gas: int, rank: int) -> list[float]:  # noqa: ANN001
+    losses = []
+    for t in steps:
+        for k in range(gas):
+            loss = engine(**_batch(t, k, rank, str(engine.device))).loss
+            engine.backward(loss)
+            engine.step()
+        losses.append(float(loss))
+    return losses
+
+
+def _swapped_out(engine) -> dict:  # noqa: ANN001
+    """Between steps: every trainable group's master and its Adam moments hold no memory, and their files exist."""
+    zo = engine.zero_optimizer
+    runner = zo.runner
+    masters = [g.master for g in zo.groups if g.master is not None]
+    state = [v for m in masters for v in zo.optimizer.state.get(m, {}).values() if torch.is_tensor(v) and v.dim() > 0]
+    files = glob.glob(os.path.join(runner.swap.folder.path, "group*.bin"))
+    out = {"runner": type(runner).__name__, "masters": len(masters), "files": len(files),
+           "empty": all(m.numel() == 0 for m in masters) and all(v.numel() == 0 for v in state), "moments": len(state)}
+    if runner.params is not None:
+        out["param_files"] = len(glob.glob(os.path.join(runner.params.folder.path, "shard*.bin")))
+        out["params_on_disk"] = len(runner.params.on_disk)
+        out["kept_in_cpu"] = runner.params.kept
+    return out
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm().clamp_min(1e-12))
+
+
+# stage, gas, clip, offload_param, max_in_cpu
+CASES = [(2, 2, 0.5, False, 0), (3, 2, 0.5, True, 0), (3, 1, 0.0, True, 2000), (1, 2, 0.0, False, 0)]
+
+
+def _grid(rank: int, world: int, root: str) -> dict:
+    import hf_zero
+
+    out: dict = {"cases": []}
+    for stage, gas, clip, params, max_in_cpu in CASES:
+        row: dict = {"case": [stage, gas, clip, params, max_in_cpu]}
+        runs = {}
+        for device in ("cpu", "nvme"):
+            engine, *_ = hf_zero.initialize(model=_model(), config=_config(stage, device, root, gas, clip, params, max_in_cpu))
+            losses = _train(engine, range(3), gas, rank)
+            if device == "nvme":
+                row["swapped"] = _swapped_out(engine)
+            runs[device] = (losses, _weights(engine))
+            engine.destroy()
+        row["loss_equal"] = runs["cpu"][0] == runs["nvme"][0]
+        row["w_equal"] = bool(torch.equal(runs["cpu"][1], runs["nvme"][1]))
+        row["w_moved"] = _rel(runs["cpu"][1], _weights_of_fresh()) > 1e-3
+        out["cases"].append(row)
+    out["left"] = sorted(os.listdir(root))  # engine.destroy() removed every run's folder
+    return out
+
+
+def _weights_of_fresh() -> torch.Tensor:
+    return torch.cat([p.detach().float().reshape(-1) for p in _model().parameters()])
+
+
+@pytest.mark.parametrize("world", [2])
+def test_nvme_offload_trains_bit_for_bit_like_cpu_offload(world: int) -> None:
+    with tempfile.TemporaryDirectory() as root:
+        r = spawn(_grid, world, root)[0]
+    for row in r["cases"]:
+        assert row["loss_equal"] and row["w_equal"] and row["w_moved"], row
+        sw = row["swapped"]
+        assert sw["runner"] == "NvmeRunner" and sw["empty"] and sw["files"] == sw["masters"] > 0, row
+        assert sw["moments"] == 2 * sw["masters"], row  # Adam's two moments, swapped out with each master
+        stage, _, _, params, max_in_cpu = row["case"]
+        if params:
+            assert sw["params_on_disk"] == sw["param_files"] > 0, row
+            # max_in_cpu: the first shards (that many elements at most) stay in memory, the rest go to disk
+            assert (0 < sw["kept_in_cpu"] <= max_in_cpu) if max_in_cpu else sw["kept_in_cpu"] == 0, row
+    assert r["left"] == []
+
+
+def _resume(rank: int, world: int, root: str, ckpt: str, phase: str) -> dict:
+    """Phase "save": NVMe stage 3 (both sections) and stage 2 runs save after 2 steps, and an uninterrupted cpu
+    run goes on to 4. Phase "load": the checkpoints load into fresh NVMe, "cpu" engines and at this world size."""
+    import hf_zero
+
+    gas, out = 2, {}
+    for stage, params in ((3, True), (2, False)):
+        tag = f"s{stage}"
+        if phase == "save":
+            e, *_ = hf_zero.initialize(model=_model(), config=_config(stage, "nvme", root, gas, 0.5, params))
+            _train(e, range(2), gas, rank)
+            e.save_checkpoint(ckpt, tag=tag)
+            e.destroy()
+            ref, *_ = hf_zero.initialize(model=_model(), config=_config(stage, "cpu", root, gas, 0.5, params))
+            _train(ref, range(2), gas, rank)
+            if world == 2:
+                out[tag] = {"losses": _train(ref, range(2, 4), gas, rank), "weights": _weights(ref).tolist()}
+            ref.destroy()
+            continue
+        for device in ("nvme", "cpu"):
+            e, *_ = hf_zero.initialize(model=_model(), config=_config(stage, device, root, gas, 0.5, params))
+            e.load_checkpoint(ckpt, tag=tag)
+            losses = _train(e, range(2, 4), gas, rank)
+            out[f"{tag}-{device}"] = {"losses": losses, "weights": _weights(e).tolist()}
+            e.destroy()
+    return out
+
+
+def test_nvme_checkpoint_resumes_in_nvme_and_cpu_engines_and_at_another_world_size() -> None:
+    with tempfile.TemporaryDirectory() as root, tempfile.TemporaryDirectory() as ckpt:
+        saved = spawn(_resume, 2, root, ckpt, "save")[0]
+        same = spawn(_resume, 2, root, ckpt, "load")[0]
+        other = spawn(_resume, 3, root, ckpt, "load")[0]
+    for tag in ("s3", "s2"):
+        ref = saved[tag]
+        for device in ("nvme", "cpu"):
+            got = same[f"{tag}-{device}"]
+            assert got["losses"] == ref["losses"] and got["weights"] == ref["weights"], (tag, device)
+            # at world size 3 the batches differ (one more rank): it must load and train, finite and moving
+            w3 = torch.tensor(other[f"{tag}-{device}"]["weights"])
+            assert torch.isfinite(w3).all() and all(map(lambda x: x == x, other[f"{tag}-{device}"]["losses"]))
+        # nvme and cpu engines at world size 3 read the same checkpoint the same way
+        assert other[f"{tag}-nvme"] == other[f"{tag}-cpu"], tag
+
+
+def _failures(rank: int, world: int, root: str, ckpt: str) -> dict:
+    import errno
+
+    import hf_zero
+    from hf_zero.errors import NvmeError
+    from hf_zero.zero import nvme
+
+    out: dict = {}
+    missing = os.path.join(root, "no-such-disk")
+    try:
+        hf_zero.initialize(model=_model(), config=_config(2, "nvme", missing))
+    except NvmeError as e:
+        out["missing"] = str(e)
+    readonly = os.path.join(root, "readonly")
+    os.makedirs(readonly, exist_ok=True)
+    os.chmod(readonly, 0o500)
+    try:
+        hf_zero.initialize(model=_model(), config=_config(2, "nvme", readonly))
+    except NvmeError as e:
+        out["readonly"] = str(e)
+    os.chmod(readonly, 0o700)
+    # a full disk on rank 1, from the third step's writes on: every rank stops at that step with one sentence
+    e, *_ = hf_zero.initialize(model=_model(), config=_config(3, "nvme", root, 1, 0.5, True))
+    _train(e, range(2), 1, rank)
+    e.save_checkpoint(ckpt, tag="good")
+    real = nvme._pwrite
+    if rank == 1:
+        def full(fd: int, view: memoryview, offset: int) -> int:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        nvme._pwrite = full
+    try:
+        _train(e, range(2, 3), 1, rank)
+    except NvmeError as err:
+        out["full"] = str(err)
+    nvme._pwrite = real
+    try:  # the swap's files may be stale now: no checkpoint is written from them
+        e.save_checkpoint(ckpt, tag="after")
+    except NvmeError as err:
+        out["save_after"] = str(err)
+    out["ckpts"] = sorted(d for d in os.listdir(ckpt) if not d.startswith("."))
+    e.destroy()
+    good, *_ = hf_zero.initialize(model=_model(), config=_config(3, "cpu", root, 1, 0.5, True))
+    good.load_checkpoint(ckpt, tag="good")
+    out["good_loads"] = bool(torch.isfinite(_weights(good)).all())
+    return out
+
+
+def test_missing_readonly_and_full_nvme_path_stop_every_rank_in_one_sentence() -> None:
+    if os.geteuid() == 0:
+        pytest.skip("root writes into a read-only folder")
+    with tempfile.TemporaryDirectory() as root, tempfile.TemporaryDirectory() as ckpt:
+        results = spawn(_failures, 2, root, ckpt)
+    for rank, r in enumerate(results):
+        assert "no-such-disk does not exist" in r.get("missing", "") and "nvme_path" in r["missing"], (rank, r)
+        assert "readonly is not writable" in r.get("readonly", "") and "nvme_path" in r["readonly"], (rank, r)
+        assert "is full" in r.get("full", "") and root in r["full"] and "free space" in r["full"], (rank, r)
+        assert "." not in r["full"].rstrip(".")[-1:] and r["full"].count("; ") >= 1
+        assert "is full" in r.get("save_after", ""), (rank, r)
+        assert "good" in r["ckpts"] and "after" not in r["ckpts"] and r["good_loads"], (rank, r)
+    assert results[0]["full"].startswith("rank 1 of 2: ")
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"offload_optimizer": {"device": "nvme"}}, "offload_optimizer.nvme_path: \"device\": \"nvme\" needs a folder"),
+    ({"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/x"}}, "offload_param.device: \"nvme\" without offload_optimizer"),
+    ({"offload_optimizer": {"device": "nvme", "nvme_path": "/x"}, "overlap_param_gather": True}, "overlap_param_gather is not supported yet"),
+    ({"stage": 0, "offload_optimizer": {"device": "nvme", "nvme_path": "/x"}}, "offload needs ZeRO stage 1, 2 or 3"),
+    ({"offload_optimizer": {"device": "nvme", "nvme_path": "/x", "ratio": 0.5}}, "partial offload is not supported yet"),
+])
+def test_nvme_configs_hf_zero_cannot_run_are_refused_in_one_sentence(change: dict, words: str) -> None:
+    from hf_zero.config import ConfigError, ZeroConfig
+
+    zo = {"stage": 2, **change}
+    with pytest.raises(ConfigError, match=words.replace("(", r"\(").replace(")", r"\)")):
+        ZeroConfig.load({"train_micro_batch_size_per_gpu": 1, "zero_optimization": zo})
+
+
+def test_transformers_zero3_nvme_example_parses_with_aio_and_names_what_it_ignores() -> None:
+    import warnings
+
+    from hf_zero.config import ZeroConfig
+
+    cfg = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {
+        "stage": 3,
+        "offload_optimizer": {"device": "nvme", "nvme_path": "/local_nvme", "pin_memory": True, "buffer_count": 4,
+                              "fast_init": False},
+        "offload_param": {"device": "nvme", "nvme_path": "/local_nvme", "pin_memory": True, "buffer_count": 5,
+                          "buffer_size": 1e8, "max_in_cpu": 1e9}},
+        "aio": {"block_size": 262144, "queue_depth": 32, "thread_count": 1, "single_submit": False, "overlap_events": True}}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        z = ZeroConfig.load(cfg)
+    said = " ".join(str(w.message) for w in caught)
+    assert z.zero_optimization.offload_param.device == "nvme" and z.zero_optimization.offload_param.max_in_cpu == 10**9
+    assert (z.aio.block_size, z.aio.queue_depth, z.aio.intra_op_parallelism) == (262144, 32, 1)
+    assert "offload_param.buffer_size" in said and "fast_init" not in said  # fast_init false asks for nothing
+    with pytest.raises(Exception, match="GPUDirect Storage is not supported"):
+        ZeroConfig.load({**cfg, "aio": {"use_gds": True}})
+
+
+def test_swap_files_fall_back_from_o_direct_and_round_trip(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    """One process: values round-trip through the pieces and threads; a file system that refuses ``O_DIRECT`` (as
+    tmpfs did before Linux 6.6: EINVAL at open) gets buffered I/O instead, with the same result."""
+    from hf_zero.zero import nvme
+    from hf_zero.zero.nvme import NvmeSpec, SwapFiles, SwapFolder, aligned_buffer
+
+    real_open = os.open
+
+    def refusing(path: str, flags: int, mode: int = 0o777) -> int:
+        if flags & getattr(os, "O_DIRECT", 0):
+            raise OSError(22, "Invalid argument")
+        return real_open(path, flags, mode)
+
+    for refuse in (False, True):
+        if refuse:
+            monkeypatch.setattr(nvme.os, "open", refusing)
+        folder = SwapFolder(NvmeSpec(path=str(tmp_path), where="zero_optimization.offload_optimizer", block_size=5000,
+                                     queue_depth=2, threads=3), "optimizer", None)
+        assert not (refuse and folder.direct)
+        files = SwapFiles(folder)
+        src = aligned_buffer(70_000, pin=False)
+        src[:70_000].copy_(torch.randint(0, 255, (70_000,), dtype=torch.uint8))
+        assert files.write("x.bin", src, 70_000).wait() is None
+        dst = aligned_buffer(70_000, pin=False)
+        assert files.read("x.bin", dst, 70_000).wait() is None
+        assert torch.equal(src[:70_000], dst[:70_000])
+        files.close()
+        folder.remove()
+        assert not os.path.exists(folder.path) and os.listdir(tmp_path) == []
+
+
+# ---------------------------------------------------------------- GPUs (tests/gpu/gpu_check.py registers it)
+
+
+def gpu_suite(rank: int, world: int) -> list[dict]:
+    """NVMe vs cpu offload under NCCL, device ``cuda:LOCAL_RANK``, nvme_path in a temporary folder: stage 2 and
+    stage 3 (both sections on NVMe), bf16, with accumulation and clipping; then a save and load of the NVMe run.
+
+    Rows: ``case``, ``loss_err`` and ``w_err`` (relative, against the cpu offload run; both step the same fused CPU
+    Adam, so 0 is expected) and ``tol``.
+    """
+    import torch.distributed as dist
+
+    import hf_zero
+
+    local = int(os.environ.get("LOCAL_RANK", rank))
+    torch.cuda.set_device(local)
+    rows = []
+    base = os.environ.get("HF_ZERO_NVME_TEST_DIR") or tempfile.gettempdir()
+    root = [tempfile.mkdtemp(prefix="hf_zero_nvme_gpu_", dir=base) if rank == 0 else ""]
+    dist.broadcast_object_list(root, src=0)
+    root_dir = root[0]
+    for stage, params in ((2, False), (3, True)):
+        runs = {}
+        for device in ("cpu", "nvme"):
+            engine, *_ = hf_zero.initialize(model=_model(), config=_config(stage, device, root_dir, 2, 0.5, params,
+                                                                            dtype="bf16"))
+            losses = _train(engine, range(3), 2, rank)
+            runs[device] = (torch.tensor(losses), _weights(engine))
+            if device == "nvme":
+                ckpt = os.path.join(root_dir, f"ckpt{stage}")
+                engine.save_checkpoint(ckpt, tag="t")
+                resumed, *_ = hf_zero.initialize(model=_model(), config=_config(stage, "nvme", root_dir, 2, 0.5, params,
+                                                                                 dtype="bf16"))
+                resumed.load_checkpoint(ckpt, tag="t")
+                runs["resumed"] = (torch.tensor(_train(resumed, range(3, 4), 2, rank)), _weights(resumed))
+                runs["continued"] = (torch.tensor(_train(engine, range(3, 4), 2, rank)), _weights(engine))
+                resumed.destroy()
+            engine.destroy()
+        name = f"nvme stage {stage}" + (" + offload_param" if params else "")
+        rows.append({"case": f"{name} vs cpu offload", "loss_err": _rel(runs["nvme"][0], runs["cpu"][0]),
+                     "w_err": _rel(runs["nvme"][1], runs["cpu"][1]), "tol": 0.0})
+        rows.append({"case": f"{name} resumed vs continued", "loss_err": _rel(runs["resumed"][0], runs["continued"][0]),
+                     "w_err": _rel(runs["resumed"][1], runs["continued"][1]), "tol": 0.0})
+    dist.barrier()
+    if rank == 0:
+        import shutil
+
+        shutil.rmtree(root_dir, ignore_errors=True)
+    return rows
