@@ -301,10 +301,10 @@ def test_swap_files_fall_back_from_o_direct_and_round_trip(tmp_path, monkeypatch
 
     real_open = os.open
 
-    def refusing(path: str, flags: int, mode: int = 0o777) -> int:
+    def refusing(path: str, flags: int, mode: int = 0o777, **kw: object) -> int:
         if flags & getattr(os, "O_DIRECT", 0):
             raise OSError(22, "Invalid argument")
-        return real_open(path, flags, mode)
+        return real_open(path, flags, mode, **kw)  # type: ignore[arg-type]
 
     for refuse in (False, True):
         if refuse:
