@@ -209,16 +209,21 @@ def _failures(rank: int, world: int, root: str, ckpt: str) -> dict:
     readonly = os.path.join(root, "readonly")
     os.makedirs(readonly, exist_ok=True)
     os.chmod(readonly, 0o500)
+    real = nvme._pwrite
+    if os.geteuid() == 0:  # root writes into a 0o500 folder: fail the first write as a read-only mount does
+        def read_only(fd: int, view: memoryview, offset: int) -> int:
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+        nvme._pwrite = read_only
     try:
         hf_zero.initialize(model=_model(), config=_config(2, "nvme", readonly))
     except NvmeError as e:
         out["readonly"] = str(e)
+    nvme._pwrite = real
     os.chmod(readonly, 0o700)
     # a full disk on rank 1, from the third step's writes on: every rank stops at that step with one sentence
     e, *_ = hf_zero.initialize(model=_model(), config=_config(3, "nvme", root, 1, 0.5, True))
     _train(e, range(2), 1, rank)
     e.save_checkpoint(ckpt, tag="good")
-    real = nvme._pwrite
     if rank == 1:
         def full(fd: int, view: memoryview, offset: int) -> int:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
@@ -241,8 +246,6 @@ def _failures(rank: int, world: int, root: str, ckpt: str) -> dict:
 
 
 def test_missing_readonly_and_full_nvme_path_stop_every_rank_in_one_sentence() -> None:
-    if os.geteuid() == 0:
-        pytest.skip("root writes into a read-only folder")
     with tempfile.TemporaryDirectory() as root, tempfile.TemporaryDirectory() as ckpt:
         results = spawn(_failures, 2, root, ckpt)
     for rank, r in enumerate(results):
