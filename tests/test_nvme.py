@@ -327,6 +327,50 @@ def test_swap_files_fall_back_from_o_direct_and_round_trip(tmp_path, monkeypatch
         assert not os.path.exists(folder.path) and os.listdir(tmp_path) == []
 
 
+def _bench_rows(rank: int, world: int, root: str) -> dict:
+    """``benchmarks/bench.py``'s hf2nvme / hf3nvme configs (the GPU rows' code) against the same config on "cpu"."""
+    import argparse
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    import hf_zero
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "bench.py"
+    spec = importlib.util.spec_from_file_location("hf_zero_bench_nvme", path)
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules["hf_zero_bench_nvme"] = bench
+    spec.loader.exec_module(bench)
+    out = {}
+    for name in bench.NVME_ENGINES:
+        args = argparse.Namespace(model="tiny", micro=2, gas=2, seq=12, bucket=2000, prefetch=None, hf_config="{}",
+                                  checkpoint_blocks=False, breakdown=False, compile=False, shard=0, tp=2, engines=name,
+                                  dtype="fp32", lr=1e-2, nvme_path=root, max_in_cpu=0)
+        cfg = bench.hf_engine_config(name, args, world)
+        runs = {}
+        for device in ("cpu", "nvme"):
+            c = {**cfg, "zero_optimization": {**cfg["zero_optimization"],
+                                              "stage3_param_persistence_threshold": 40}}
+            if device == "cpu":
+                zo = c["zero_optimization"]
+                zo["offload_optimizer"] = {"device": "cpu"}
+                if "offload_param" in zo:
+                    zo["offload_param"] = {"device": "cpu"}
+            engine, *_ = hf_zero.initialize(model=_model(), config=c)
+            runs[device] = (_train(engine, range(2), 2, rank), _weights(engine))
+            if device == "nvme":
+                out[f"{name}-runner"] = type(engine.zero_optimizer.runner).__name__
+            engine.destroy()
+        out[name] = runs["cpu"][0] == runs["nvme"][0] and bool(torch.equal(runs["cpu"][1], runs["nvme"][1]))
+    return out
+
+
+def test_bench_nvme_engines_run_nvme_offload() -> None:
+    with tempfile.TemporaryDirectory() as root:
+        r = spawn(_bench_rows, 2, root)[0]
+    assert r == {"hf2nvme": True, "hf3nvme": True, "hf2nvme-runner": "NvmeRunner", "hf3nvme-runner": "NvmeRunner"}
+
+
 # ---------------------------------------------------------------- GPUs (tests/gpu/gpu_check.py registers it)
 
 
