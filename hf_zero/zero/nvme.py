@@ -12,7 +12,8 @@ to disk and back:
   (older name ``thread_count``) threads, each request cut into ``aio.block_size`` pieces, at most
   ``aio.queue_depth`` of them in flight per thread, with ``O_DIRECT`` where the file system allows it (page-aligned
   buffers, lengths rounded up to 4 KiB) and buffered I/O where it does not (tmpfs refuses ``O_DIRECT``);
-- :class:`OptimizerSwap` keeps each trainable group's master and its full-size optimizer state tensors (Adam's two
+- :class:`OptimizerSwap` takes each trainable group as it is built (:meth:`OptimizerSwap.adopt`: its master is
+  written out at once, so host memory never holds the masters together) and keeps each trainable group's master and its full-size optimizer state tensors (Adam's two
   moments) in one file; during the step (:class:`hf_zero.zero.runner.NvmeRunner`) group ``i+1`` is read into a
   pinned buffer while the CPU steps group ``i`` and group ``i-1`` is written back, through ``buffer_count``
   buffers of the largest group; between steps the tensors keep their identity (the optimizer's ``state`` is keyed by
@@ -349,8 +350,9 @@ def _full_size_state(st: dict, numel: int) -> tuple[tuple[str, torch.dtype], ...
 
 
 class OptimizerSwap:
-    """The masters and optimizer state of ``groups`` in files (see the module docstring); built once, by
-    :class:`hf_zero.zero.runner.NvmeRunner`, which writes every master out at once and keeps no copy.
+    """The masters and optimizer state of the trainable groups in files (see the module docstring); made by
+    :class:`hf_zero.zero.optimizer.ShardedOptimizer` before its groups, each group :meth:`adopt`-ed as it is built,
+    then driven by :class:`hf_zero.zero.runner.NvmeRunner`.
 
     During a step the runner calls :meth:`begin` with the groups in the order it steps them, then, per group,
     :meth:`attach` (wait for its read, point the master and the state at a pooled buffer; the reads of the next
@@ -359,17 +361,16 @@ class OptimizerSwap:
     first failure's sentence, for :func:`pooled_raise`).
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, groups: list[ShardGroup], spec: NvmeSpec, state_slots: int,
+    def __init__(self, optimizer: torch.optim.Optimizer, spec: NvmeSpec, state_slots: int,
                  group: dist.ProcessGroup | None, stream: torch.cuda.Stream | None, run: str | None = None) -> None:
-        self.optimizer, self.spec, self.stream = optimizer, spec, stream
-        self.groups = [g for g in groups if g.master is not None]
+        self.optimizer, self.spec, self.stream, self.state_slots = optimizer, spec, stream, state_slots
+        self.groups: list[ShardGroup] = []
         self.folder = SwapFolder(spec, "optimizer", group, run)
         self.files = SwapFiles(self.folder)
-        self.layout = {id(g): _Layout(g.master.numel()) for g in self.groups}  # type: ignore[union-attr]
-        self.names = {id(g): f"group{i:05d}.bin" for i, g in enumerate(self.groups)}
-        self.largest = max((lay.numel for lay in self.layout.values()), default=0)
-        # Each pooled buffer holds a group's master and ``state_slots`` fp32 state tensors (Adam: 2), as planned
-        self.buffer_bytes = _Layout(self.largest, tuple(("s", torch.float32) for _ in range(state_slots))).nbytes()
+        self.layout: dict[int, _Layout] = {}
+        self.names: dict[int, str] = {}
+        self.largest = 0
+        self.buffer_bytes = 0
         self.pool: list[torch.Tensor] = []
         self.free: collections.deque[int] = collections.deque()
         self.busy: dict[int, tuple[Ticket | None, torch.cuda.Event | None]] = {}  # buffer -> its write, its last reader
@@ -382,16 +383,29 @@ class OptimizerSwap:
         self._oneoff: dict[int, torch.Tensor] = {}  # group -> a buffer of its own (more state than the pool planned)
         self._next = 0
         self._depth = max(1, spec.buffer_count - 2)
-        for g in self.groups:  # every master to disk, one group at a time: host memory keeps no copy
-            buf = aligned_buffer(self.layout[id(g)].nbytes(), pin=False)
+
+    def adopt(self, g: ShardGroup) -> None:
+        """Take trainable group ``g`` as it is built: its master goes to disk at once (host memory never holds more
+        than one group's), its memory is released. A failure is kept for :meth:`adopted`."""
+        assert g.master is not None
+        n = g.master.numel()
+        self.groups.append(g)
+        self.layout[id(g)] = lay = _Layout(n)
+        self.names[id(g)] = f"group{len(self.groups) - 1:05d}.bin"
+        self.largest = max(self.largest, n)
+        # Each pooled buffer holds a group's master and ``state_slots`` fp32 state tensors (Adam: 2), as planned
+        self.buffer_bytes = _Layout(self.largest, tuple(("s", torch.float32) for _ in range(self.state_slots))).nbytes()
+        if self.error is None:
+            buf = aligned_buffer(lay.nbytes(), pin=False)
             self._fill(g, buf, ())
-            err = self.files.write(self.names[id(g)], buf, self.layout[id(g)].nbytes()).wait()
-            if err:
-                self.error = err
-                break
-            self.layout[id(g)].written = True
-            _release(g.master)  # type: ignore[arg-type]
-        pooled_raise(self.error, group)
+            self.error = self.files.write(self.names[id(g)], buf, lay.nbytes()).wait()
+            lay.written = self.error is None
+        _release(g.master)
+
+    def adopted(self, group: dist.ProcessGroup | None) -> None:
+        """Every group is built and written (collective: a failure stops every rank in one sentence)."""
+        err, self.error = self.error, None
+        pooled_raise(err, group)
 
     # ------------------------------------------------------------ buffers
 
@@ -593,17 +607,40 @@ class OptimizerSwap:
         self.pool = []
 
 
+@dataclass
+class NvmeStores:
+    """An engine's files: the optimizer's (``offload_optimizer``) and the parameters' (``offload_param``), either None
+    when that section is not on NVMe. Made before the groups (:func:`open_stores`), which are adopted as built."""
+
+    swap: OptimizerSwap | None = None
+    params: ParamStore | None = None
+
+    def adopted(self, group: dist.ProcessGroup | None) -> None:
+        for store in (self.params, self.swap):
+            if store is not None:
+                store.adopted(group)
+
+
+def open_stores(optimizer: torch.optim.Optimizer, optimizer_spec: NvmeSpec | None, params_spec: NvmeSpec | None,
+                state_slots: int, group: dist.ProcessGroup | None, stream: torch.cuda.Stream | None) -> NvmeStores:
+    """The folders of one engine (one run id for both; collective), before any group is built."""
+    run = new_run_id(group)
+    return NvmeStores(
+        swap=OptimizerSwap(optimizer, optimizer_spec, state_slots, group, stream, run) if optimizer_spec else None,
+        params=ParamStore(params_spec, group, run) if params_spec else None,
+    )
+
+
 class ParamStore:
     """Stage 3's offloaded 16-bit shards beyond ``max_in_cpu`` elements in files (``offload_param.device: "nvme"``).
 
-    The groups given are those whose shard waits in host memory (:class:`hf_zero.zero.offload._HostParamShard`, in
-    build order); the first ones keep their host shard while their elements add up to ``max_in_cpu``, the others'
+    Each group whose shard waits in host memory (:class:`hf_zero.zero.offload._HostParamShard`) is :meth:`adopt`-ed
+    as it is built; the first ones keep their host shard while their elements add up to ``max_in_cpu``, the others'
     shards are written out and released, and their ``shard_store`` is this object: a gather calls :meth:`fetch`, a
     step's recast :meth:`put`. Reads run ahead along the order of the earlier fetches (the same every step), ``buffer_count`` at most.
     """
 
-    def __init__(self, groups: list[ShardGroup], spec: NvmeSpec, group: dist.ProcessGroup | None,
-                 run: str | None = None) -> None:
+    def __init__(self, spec: NvmeSpec, group: dist.ProcessGroup | None, run: str | None = None) -> None:
         self.spec = spec
         self.folder = SwapFolder(spec, "params", group, run)
         self.files = SwapFiles(self.folder)
@@ -617,26 +654,32 @@ class ParamStore:
         self._after: dict[int, int] = {}  # group -> the group fetched after it last time (reads run ahead along it)
         self._last: int | None = None
         self._by_id: dict[int, ShardGroup] = {}
-        kept = 0
-        for i, g in enumerate(groups):
-            shard = g.param_shard  # type: ignore[attr-defined]
-            assert shard is not None
-            if kept + shard.numel() <= spec.max_in_cpu:
-                kept += shard.numel()
-                continue
-            self.names[id(g)] = f"shard{i:05d}.bin"
-            self.numel[id(g)], self.dtype[id(g)] = shard.numel(), shard.dtype
-            self._by_id[id(g)] = g
-            err = self._write(g, shard).wait()
-            if err:
-                self.error = err
-                break
-            _release(shard)
-            g.shard_store = self  # type: ignore[attr-defined]
-            self.on_disk.append(g)
-        self.kept = kept
-        pooled_raise(self.error, group)
-        self.error = None
+        self.kept = 0  # elements of the shards kept in host memory (max_in_cpu at most)
+        self._count = 0
+
+    def adopt(self, g: ShardGroup) -> None:
+        """Take group ``g`` (its 16-bit shard in host memory) as it is built: kept there while ``max_in_cpu`` allows,
+        else written to disk at once and released. A failure is kept for :meth:`adopted`."""
+        shard = g.param_shard  # type: ignore[attr-defined]
+        assert shard is not None
+        self._count += 1
+        if self.kept + shard.numel() <= self.spec.max_in_cpu:
+            self.kept += shard.numel()
+            return
+        self.names[id(g)] = f"shard{self._count - 1:05d}.bin"
+        self.numel[id(g)], self.dtype[id(g)] = shard.numel(), shard.dtype
+        self._by_id[id(g)] = g
+        if self.error is None:
+            self.error = self._write(g, shard).wait()
+            self._pending.pop(id(g), None)
+        _release(shard)
+        g.shard_store = self  # type: ignore[attr-defined]
+        self.on_disk.append(g)
+
+    def adopted(self, group: dist.ProcessGroup | None) -> None:
+        """Every group is built and written (collective: a failure stops every rank in one sentence)."""
+        err, self.error = self.error, None
+        pooled_raise(err, group)
 
     def _nbytes(self, g: ShardGroup) -> int:
         return self.numel[id(g)] * self.dtype[id(g)].itemsize

@@ -43,6 +43,7 @@ from hf_zero.tp_split import checkpoint_name, split_of
 from hf_zero.zero import collectives as C
 from hf_zero.zero.flat import FlatGroup
 from hf_zero.zero.group import ParamSlot, Placement, ShardGroup
+from hf_zero.zero.nvme import NvmeStores, open_stores
 from hf_zero.zero.offload import (
     HostPlan,
     OffloadedFlatGroup,
@@ -50,6 +51,7 @@ from hf_zero.zero.offload import (
     OffloadedShardedParamGroup,
     OffloadPolicy,
     ShardSizes,
+    _HostParamShard,
     intra_op_threads,
     plan_host_memory,
     state_bytes_per_element,
@@ -270,6 +272,11 @@ class ShardedOptimizer:
                                     state_bytes=state_bytes_per_element(optimizer),
                                     param_bytes=place.compute_dtype.itemsize, group=place.group)
         self.stream_grads = plan is HostPlan.STREAM_GRADS
+        # "device": "nvme": the folders exist before the groups, and each group goes to disk as it is built
+        self.nvme: NvmeStores | None = None
+        if offload.nvme and offload.optimizer:
+            self.nvme = open_stores(optimizer, offload.optimizer_nvme, offload.params_nvme,
+                                    max(1, state_bytes_per_element(optimizer) // 4), place.group, self.comm_stream)
         group_masters: list[list[torch.Tensor]] = [[] for _ in group_named]
         if stage == 3:
             self._build_stage3(module, group_named, group_masters)
@@ -278,6 +285,8 @@ class ShardedOptimizer:
         else:
             materialize_(list(module.parameters()), device)
         self._build_flat(group_named, group_masters)
+        if self.nvme is not None:
+            self.nvme.adopted(place.group)
         _point_optimizer_at(optimizer, group_masters)
 
         self._group_of: dict[int, ShardGroup] = {id(s.param): g for g in self.groups for s in g.slots}
@@ -295,7 +304,8 @@ class ShardedOptimizer:
         if zero.overlap_param_gather and stage <= 2 and self.flat_groups:
             self.overlap = DeferredPublish(module, self.flat_groups)
         self.runner: StepRunner = pick_runner(optimizer, self.groups, self.comm_stream, device=device, offload=offload,
-                                              stream_grads=self.stream_grads, overlap=self.overlap, process_group=place.group)
+                                              stream_grads=self.stream_grads, overlap=self.overlap, process_group=place.group,
+                                              nvme=self.nvme)
         self._sync = False
         self._next_launch = 0
         self.reduced = False
@@ -330,6 +340,8 @@ class ShardedOptimizer:
                     fg = FlatGroup(bucket, self.place, partitioned=stage >= 1, free_grads_after_reduce=stage >= 1)
                 fg.tp_split = split_of(bucket[0][1]) is not None
                 self.flat_groups.append(fg)
+                if self.nvme is not None and self.nvme.swap is not None and fg.master is not None:
+                    self.nvme.swap.adopt(fg)
                 group_masters[gi].append(fg.master)
 
     def _build_stage3(
@@ -365,6 +377,11 @@ class ShardedOptimizer:
                                                        params_on_host=offload.params, stream_grads=self.stream_grads)
                     g.tp_split = split_of(part[0][1]) is not None
                     groups.append(g)
+                    if self.nvme is not None:  # to disk as built: host memory never holds every group at once
+                        if self.nvme.params is not None and isinstance(g, _HostParamShard) and g.shard_on_host:
+                            self.nvme.params.adopt(g)
+                        if self.nvme.swap is not None and g.master is not None:
+                            self.nvme.swap.adopt(g)
                     self.stage3_groups.append(g)
                     if g.master is not None:
                         group_masters[gi].append(g.master)

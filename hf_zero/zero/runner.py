@@ -35,13 +35,11 @@ import torch
 
 from hf_zero.zero import collectives as C
 from hf_zero.zero.group import ShardGroup
-from hf_zero.zero.nvme import OptimizerSwap, ParamStore, new_run_id, pooled_raise
+from hf_zero.zero.nvme import NvmeStores, pooled_raise
 from hf_zero.zero.offload import (
     HostStep,
     OffloadPolicy,
-    _HostParamShard,
     host_buffer,
-    state_bytes_per_element,
     use_host_kernels,
 )
 from hf_zero.zero.overlap import DeferredPublish
@@ -236,18 +234,10 @@ class NvmeRunner(HostRunner):
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, groups: list[ShardGroup], stream: torch.cuda.Stream | None,
-                 device: torch.device, offload: OffloadPolicy, process_group: object) -> None:
+                 device: torch.device, offload: OffloadPolicy, process_group: object, nvme: NvmeStores) -> None:
         super().__init__(optimizer, groups, stream, device, offload, stream_grads=offload.optimizer_nvme is not None)
         self.process_group = process_group
-        self.swap: OptimizerSwap | None = None
-        self.params: ParamStore | None = None
-        run = new_run_id(process_group)  # type: ignore[arg-type]  # both sections' folders are this engine's
-        if offload.params_nvme is not None:
-            on_host = [g for g in groups if isinstance(g, _HostParamShard) and g.shard_on_host]
-            self.params = ParamStore(on_host, offload.params_nvme, process_group, run)  # type: ignore[arg-type]
-        if offload.optimizer_nvme is not None:
-            self.swap = OptimizerSwap(optimizer, groups, offload.optimizer_nvme, max(1, state_bytes_per_element(optimizer) // 4),
-                                      process_group, stream, run)  # type: ignore[arg-type]
+        self.swap, self.params = nvme.swap, nvme.params
 
     def step(self, timed: Timed | None) -> None:
         clock = time.perf_counter
@@ -306,15 +296,17 @@ class NvmeRunner(HostRunner):
 
 def pick_runner(optimizer: torch.optim.Optimizer, groups: list[ShardGroup], stream: torch.cuda.Stream | None, *,
                 device: torch.device, offload: OffloadPolicy, stream_grads: bool,
-                overlap: DeferredPublish | None, process_group: object = None) -> StepRunner:
+                overlap: DeferredPublish | None, process_group: object = None,
+                nvme: NvmeStores | None = None) -> StepRunner:
     """The runner for these choices, made once when the optimizer is built; where a new runner is registered.
 
     ``overlap`` is the optimizer's :class:`DeferredPublish` (``overlap_param_gather`` at stages 0-2 and a group to
     publish; None otherwise), ``stream_grads`` the host-memory plan's answer (only with ``offload.optimizer``),
-    ``process_group`` the groups' (NVMe failures are raised on all its ranks).
+    ``process_group`` the groups' (NVMe failures are raised on all its ranks), ``nvme`` the files the groups were
+    written to as they were built (with ``offload.nvme``).
     """
-    if offload.optimizer and offload.nvme:  # the config refuses NVMe with overlap_param_gather
-        return NvmeRunner(optimizer, groups, stream, device, offload, process_group)
+    if offload.optimizer and nvme is not None:  # the config refuses NVMe with overlap_param_gather
+        return NvmeRunner(optimizer, groups, stream, device, offload, process_group, nvme)
     if offload.optimizer:
         if overlap is not None:
             return DeferredHostRunner(optimizer, groups, stream, device, offload, stream_grads, overlap)
