@@ -296,6 +296,66 @@ def test_transformers_zero3_nvme_example_parses_with_aio_and_names_what_it_ignor
         ZeroConfig.load({**cfg, "aio": {"use_gds": True}})
 
 
+def _outside_the_step(rank: int, world: int, root: str, out_dir: str) -> dict:
+    """What reads or edits the masters between steps, on NVMe and on "cpu": DeepSpeed's accessors (fp32 master, Adam
+    state, whole and local, get and set), ``single_partition_of_fp32_groups``, a ``GatheredParameters`` edit that
+    writes back to the master, then a step, and ``save_16bit_model``'s file."""
+    from safetensors.torch import load_file
+
+    import hf_zero
+    from hf_zero.utils import (
+        safe_get_full_fp32_param,
+        safe_get_full_optimizer_state,
+        safe_get_local_fp32_param,
+        safe_set_full_fp32_param,
+        safe_set_local_optimizer_state,
+    )
+    from hf_zero.zero import GatheredParameters
+
+    res = {}
+    for stage, params in ((2, False), (3, True)):
+        got = {}
+        for device in ("cpu", "nvme"):
+            e, *_ = hf_zero.initialize(model=_model(), config=_config(stage, device, root, 1, 0.5, params))
+            _train(e, range(2), 1, rank)
+            named = dict(e.module.named_parameters())
+            w = named["model.layers.0.mlp.up_proj.weight"]
+            row = {"fp32": safe_get_full_fp32_param(w).tolist(),
+                   "exp_avg_sq": safe_get_full_optimizer_state(w, "exp_avg_sq").tolist(),
+                   "local": safe_get_local_fp32_param(w).tolist()}
+            safe_set_full_fp32_param(w, torch.full(tuple(w.ds_shape) if hasattr(w, "ds_shape") else w.shape, 0.25))
+            local = safe_get_local_fp32_param(w)
+            safe_set_local_optimizer_state(w, torch.zeros_like(local), "exp_avg")
+            row["set"] = safe_get_full_fp32_param(w).tolist()
+            row["exp_avg"] = safe_get_full_optimizer_state(w, "exp_avg").tolist()
+            row["groups"] = [t.tolist() for t in e.zero_optimizer.single_partition_of_fp32_groups] if stage == 2 else []
+            emb = named["model.embed_tokens.weight"]
+            with GatheredParameters([emb], modifier_rank=0):
+                if rank == 0:
+                    with torch.no_grad():
+                        emb[:3].fill_(0.5)
+            row["losses"] = _train(e, range(2, 4), 1, rank)
+            row["weights"] = _weights(e).tolist()
+            path = os.path.join(out_dir, f"{device}{stage}")
+            e.save_16bit_model(path)
+            if rank == 0:
+                sd = load_file(os.path.join(path, "model.safetensors"))
+                row["file"] = {k: v.float().sum().item() for k, v in sorted(sd.items())}
+            e.destroy()
+            got[device] = row
+        res[stage] = {k: got["cpu"][k] == got["nvme"][k] for k in got["cpu"]}
+        res[f"{stage}-moved"] = got["nvme"]["set"] != got["nvme"]["fp32"]
+    return res
+
+
+def test_accessors_gathered_edits_and_16bit_save_see_the_swapped_state() -> None:
+    with tempfile.TemporaryDirectory() as root, tempfile.TemporaryDirectory() as out:
+        r = spawn(_outside_the_step, 2, root, out)[0]
+    for stage in ("2", "3"):
+        assert all(r[stage].values()), (stage, r[stage])
+        assert r[f"{stage}-moved"]
+
+
 def test_swap_files_fall_back_from_o_direct_and_round_trip(tmp_path, monkeypatch) -> None:  # noqa: ANN001
     """One process: values round-trip through the pieces and threads; a file system that refuses ``O_DIRECT`` (as
     tmpfs did before Linux 6.6: EINVAL at open) gets buffered I/O instead, with the same result."""

@@ -390,6 +390,7 @@ class OptimizerSwap:
         assert g.master is not None
         n = g.master.numel()
         self.groups.append(g)
+        g.nvme_swap = self  # type: ignore[attr-defined]  # a write-back outside the step (GatheredParameters) reads it
         self.layout[id(g)] = lay = _Layout(n)
         self.names[id(g)] = f"group{len(self.groups) - 1:05d}.bin"
         self.largest = max(self.largest, n)
@@ -599,6 +600,35 @@ class OptimizerSwap:
                 self.broken = err
             if failed is None:
                 pooled_raise(err, group)
+
+    @contextlib.contextmanager
+    def group_resident(self, g: ShardGroup, write: bool) -> Iterator[None]:
+        """One group's master and state in host memory for the block (``deepspeed.utils``' per-parameter accessors,
+        between steps), written back after it when ``write``; local, no collective."""
+        if self.broken:
+            raise NvmeError(self.broken)
+        lay = self.layout[id(g)]
+        buf = aligned_buffer(lay.nbytes(), pin=False)
+        err = self.files.read(self.names[id(g)], buf, lay.nbytes()).wait() if lay.written else None
+        if err:
+            raise NvmeError(err)
+        self._point(g, buf)
+        try:
+            yield
+        finally:
+            st = self.optimizer.state.get(g.master, {})  # type: ignore[arg-type]
+            keys = _full_size_state(st, lay.numel)
+            if write:
+                if buf.numel() < lay.nbytes(keys):
+                    buf = aligned_buffer(lay.nbytes(keys), pin=False)
+                self._fill(g, buf, keys)
+                err = self.files.write(self.names[id(g)], buf, lay.nbytes(keys)).wait()
+                lay.keys, lay.written = keys, err is None
+            for t in [g.master, *(st[k] for k, _ in keys)]:
+                _release(t)  # type: ignore[arg-type]
+            if err:
+                self.broken = err
+                raise NvmeError(err)
 
     def close(self) -> None:
         """Stop the threads and delete the files (``engine.destroy()``)."""

@@ -432,8 +432,17 @@ class ShardedOptimizer:
     def _per_param_group(self) -> list[torch.Tensor]:
         """This rank's masters of each optimizer param group, bucket after bucket, as one new tensor per group."""
         out = []
+        swap = self.nvme.swap if self.nvme is not None else None
+        owner = {id(g.master): g for g in self.groups if g.master is not None}
+
+        def flat(m: torch.Tensor) -> torch.Tensor:
+            if swap is None or id(m) not in owner:
+                return m.detach().reshape(-1)
+            with swap.group_resident(owner[id(m)], write=False):  # NVMe: read from its file, a copy
+                return m.detach().reshape(-1).clone()
+
         for pg in self.optimizer.param_groups:
-            parts = [m.detach().reshape(-1) for m in pg["params"]]
+            parts = [flat(m) for m in pg["params"]]
             out.append(torch.cat(parts) if parts else torch.empty(0, dtype=self.place.master_dtype, device=self.device))
         return out
 
