@@ -774,7 +774,7 @@ class ZeroEngine(torch.nn.Module):
             if self._background is None:
                 self._background = BackgroundWriter(pin=self.device.type == "cuda")
             writer = self._background
-        with hz_dist.peer_failure_guard("save_checkpoint"), self._resident():
+        with hz_dist.peer_failure_guard("save_checkpoint"), self.resident_state():
             path = save(self.train_state(), save_dir, tag, client_state, save_latest=save_latest, keep_last=keep_last,
                         background=writer, exclude_frozen=exclude_frozen)
         self._last_save_dir = save_dir
@@ -814,7 +814,7 @@ class ZeroEngine(torch.nn.Module):
             raise UsageError("load_checkpoint(custom_load_fn=...) is not supported; checkpoints are read as safetensors")
         self.wait_for_checkpoint()  # (async_save) the checkpoint being written may be the one asked for
         self.wait_params()  # the load writes the masters, which in fp32 are the gathered buffers
-        with hz_dist.peer_failure_guard("load_checkpoint"), self._resident():
+        with hz_dist.peer_failure_guard("load_checkpoint"), self.resident_state():
             theirs = ds_checkpoint.is_deepspeed_checkpoint(load_dir, tag)
             reader = ds_checkpoint.load if theirs else load
             if load_optimizer_states and not load_module_only and not theirs:
@@ -827,9 +827,10 @@ class ZeroEngine(torch.nn.Module):
         self.restore_progress(progress)
         return path, client
 
-    def _resident(self) -> contextlib.AbstractContextManager[None]:
-        """The optimizer's masters, state and offloaded shards in memory for a save or a load (NVMe offload keeps
-        them in files between steps: ``hf_zero/zero/nvme.py``); collective, nothing to do otherwise."""
+    def resident_state(self) -> contextlib.AbstractContextManager[None]:
+        """The optimizer's masters, state and offloaded shards in host memory for the block: what a save or a load
+        that reads them outside ``save_checkpoint`` / ``load_checkpoint`` (which use it) needs under NVMe offload,
+        where they wait in files between steps (``hf_zero/zero/nvme.py``). Collective; nothing to do otherwise."""
         zo = self.zero_optimizer
         return zo.resident() if zo is not None else contextlib.nullcontext()
 

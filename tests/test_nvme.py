@@ -356,6 +356,43 @@ def test_accessors_gathered_edits_and_16bit_save_see_the_swapped_state() -> None
         assert r[f"{stage}-moved"]
 
 
+def _trainer(rank: int, world: int, root: str, out: str) -> dict:
+    """hf_zero's Trainer with transformers' ZeRO-3 NVMe config shape (both sections on NVMe, the aio section): an
+    uninterrupted run on "cpu" and on NVMe, and an NVMe run resumed from its step-3 checkpoint."""
+    from accelerate.state import AcceleratorState, GradientState
+    from datasets import Dataset
+
+    import hf_zero
+
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, VOCAB, (64, 8), generator=g).tolist()
+    data = Dataset.from_dict({"input_ids": ids, "labels": ids})
+    res = {}
+    for name, device, resume in (("cpu", "cpu", None), ("nvme", "nvme", None), ("resumed", "nvme", "checkpoint-3")):
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+        zo = _config(3, device, root, params=True)["zero_optimization"]
+        cfg = {"zero_optimization": zo, "aio": {"block_size": 262144, "queue_depth": 32, "thread_count": 1},
+               "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "gradient_clipping": "auto"}
+        folder = os.path.join(out, "nvme" if name == "resumed" else name)
+        args = hf_zero.TrainingArguments(
+            output_dir=folder, per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=6,
+            learning_rate=5e-3, max_grad_norm=0.5, logging_steps=1, report_to="none", use_cpu=True, seed=0,
+            save_strategy="steps", save_steps=3, disable_tqdm=True, zero_config=cfg)
+        trainer = hf_zero.Trainer(model=_model(), args=args, train_dataset=data)
+        trainer.train(resume_from_checkpoint=os.path.join(folder, resume) if resume else None)
+        res[name] = {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
+        trainer.engine.destroy()
+    return res
+
+
+def test_trainer_trains_and_resumes_with_nvme_offload() -> None:
+    with tempfile.TemporaryDirectory() as root, tempfile.TemporaryDirectory() as out:
+        r = spawn(_trainer, 2, root, out)[0]
+    assert r["nvme"] == r["cpu"] and len(r["cpu"]) == 6
+    assert r["resumed"] == r["nvme"]  # steps 1-3 from the checkpoint's trainer state, 4-6 trained after the load
+
+
 def test_swap_files_fall_back_from_o_direct_and_round_trip(tmp_path, monkeypatch) -> None:  # noqa: ANN001
     """One process: values round-trip through the pieces and threads; a file system that refuses ``O_DIRECT`` (as
     tmpfs did before Linux 6.6: EINVAL at open) gets buffered I/O instead, with the same result."""
