@@ -476,14 +476,15 @@ def gpu_suite(rank: int, world: int) -> list[dict]:
     stage 3 (both sections on NVMe), bf16, with accumulation and clipping; then a save and load of the NVMe run.
 
     Rows: ``case``, ``loss_err`` and ``w_err`` (relative, against the cpu offload run; both step the same fused CPU
-    Adam, so 0 is expected) and ``tol``.
+    Adam on the same gradients, so 0 is expected) and ``tol`` (1e-6: gpu_check passes a row when the error is below it,
+    so 0 passes and a real difference does not).
     """
     import torch.distributed as dist
 
     import hf_zero
 
-    local = int(os.environ.get("LOCAL_RANK", rank))
-    torch.cuda.set_device(local)
+    if torch.cuda.is_available():  # (on CPU ranks it runs too, over gloo: how it was checked before the GPUs)
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
     rows = []
     base = os.environ.get("HF_ZERO_NVME_TEST_DIR") or tempfile.gettempdir()
     root = [tempfile.mkdtemp(prefix="hf_zero_nvme_gpu_", dir=base) if rank == 0 else ""]
@@ -508,9 +509,9 @@ def gpu_suite(rank: int, world: int) -> list[dict]:
             engine.destroy()
         name = f"nvme stage {stage}" + (" + offload_param" if params else "")
         rows.append({"case": f"{name} vs cpu offload", "loss_err": _rel(runs["nvme"][0], runs["cpu"][0]),
-                     "w_err": _rel(runs["nvme"][1], runs["cpu"][1]), "tol": 0.0})
+                     "w_err": _rel(runs["nvme"][1], runs["cpu"][1]), "tol": 1e-6})
         rows.append({"case": f"{name} resumed vs continued", "loss_err": _rel(runs["resumed"][0], runs["continued"][0]),
-                     "w_err": _rel(runs["resumed"][1], runs["continued"][1]), "tol": 0.0})
+                     "w_err": _rel(runs["resumed"][1], runs["continued"][1]), "tol": 1e-6})
     dist.barrier()
     if rank == 0:
         import shutil
