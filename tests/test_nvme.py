@@ -8,7 +8,11 @@ steps with gradient accumulation and clipping, at stages 2 and 3 (stage 3 with b
 load in a fresh NVMe engine, in a "cpu" engine, and at another world size). Between steps the masters really are
 gone from host memory (``numel() == 0``) and their files are there. The failures: a missing and a read-only
 ``nvme_path`` and a full disk (an injected ENOSPC from the writer on one rank) each stop every rank with one sentence
-naming the path, without a hang, and leave the last checkpoint intact.
+naming the path, without a hang, and leave the last checkpoint intact; a rank killed (SIGKILL) while the swap
+writes stops the other with the peer-failure sentence, and the rerun resumes from the last checkpoint, naming the
+killed run's leftover folder without reading it. hf_zero's Trainer trains and resumes with transformers' ZeRO-3 NVMe
+config shape; DeepSpeed's accessors, GatheredParameters edits and ``save_16bit_model`` see the swapped state; and
+``benchmarks/bench.py``'s hf2nvme / hf3nvme configs run.
 
 :func:`gpu_suite` runs the NVMe-vs-cpu comparison under NCCL on GPUs (``tests/gpu/gpu_check.py`` registers it).
 """
@@ -468,6 +472,75 @@ def test_bench_nvme_engines_run_nvme_offload() -> None:
     assert r == {"hf2nvme": True, "hf3nvme": True, "hf2nvme-runner": "NvmeRunner", "hf3nvme-runner": "NvmeRunner"}
 
 
+def _killed_main(out: str) -> None:
+    """A rank's script (``python tests/test_nvme.py OUT``, two started by hand over a FileStore): NVMe stage 3 trains 3
+    steps with a checkpoint after step 1; with ``HFZ_NVME_KILL=1`` rank 1 SIGKILLs itself in step 2 while the swap
+    writes its first group back. It loads ``latest`` first when there is one, as a resuming script does."""
+    import signal
+    import sys
+
+    sys.path.insert(0, str(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    import hf_zero
+    from hf_zero.errors import PeerFailureError
+    from hf_zero.zero import nvme
+
+    rank = int(os.environ["RANK"])
+    hf_zero.init_distributed(init_method="file://" + os.path.join(out, "store" + os.environ.get("HFZ_NVME_ATTEMPT", "")))
+    root, ckpt = os.path.join(out, "nvme"), os.path.join(out, "ckpt")
+    os.makedirs(root, exist_ok=True)
+    e, *_ = hf_zero.initialize(model=_model(), config=_config(3, "nvme", root, 1, 0.5, True))
+    if os.path.exists(os.path.join(ckpt, "latest")):
+        e.load_checkpoint(ckpt)
+    while e.global_steps < 3:
+        if e.global_steps == 1 and rank == 1 and os.environ.get("HFZ_NVME_KILL"):
+            def die(fd: int, view: memoryview, offset: int) -> int:
+                os.kill(os.getpid(), signal.SIGKILL)
+                return 0
+            nvme._pwrite = die
+        try:
+            _train(e, range(e.global_steps, e.global_steps + 1), 1, rank)
+        except PeerFailureError as err:
+            with open(os.path.join(out, f"stopped{rank}"), "w") as f:
+                f.write(str(err))
+            raise
+        if e.global_steps == 1:
+            e.save_checkpoint(ckpt)
+    with open(os.path.join(out, f"done{rank}"), "w") as f:
+        f.write(repr(_weights(e).sum().item()))
+
+
+def _by_hand(out: str, **extra: str) -> list:
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HFZ_", "HF_ZERO_", "TORCHELASTIC_"))}
+    env.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", PYTHONPATH=root, WORLD_SIZE="2", HF_ZERO_COMM_TIMEOUT="30",
+               **extra)
+    return [subprocess.Popen([sys.executable, os.path.abspath(__file__), out], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
+
+
+def test_a_rank_killed_during_the_nvme_step_stops_the_other_and_the_rerun_resumes(tmp_path) -> None:  # noqa: ANN001
+    import signal
+
+    out = str(tmp_path)
+    r0, r1 = _by_hand(out, HFZ_NVME_KILL="1")
+    text0, _ = r0.communicate(timeout=240)
+    r1.communicate(timeout=60)
+    assert r1.returncode == -signal.SIGKILL and r0.returncode == 1, text0[-3000:]
+    said = open(os.path.join(out, "stopped0")).read()
+    assert "rank 1" in said and "died" in said and "step 1" in said, said
+    left = sorted(os.listdir(os.path.join(out, "nvme")))
+    assert any(d.endswith("-rank00001") for d in left), left  # the killed rank's folder stays behind
+    r0, r1 = _by_hand(out, HFZ_NVME_ATTEMPT="2")  # the rerun: resumes from step 1's checkpoint, finishes
+    text0, _ = r0.communicate(timeout=240)
+    r1.communicate(timeout=60)
+    assert r0.returncode == 0 and r1.returncode == 0, text0[-3000:]
+    assert "holds the swap folders of 1 earlier run(s)" in text0, text0[-3000:]  # named, never read
+    assert os.path.exists(os.path.join(out, "done0")) and os.path.exists(os.path.join(out, "done1"))
+
+
 # ---------------------------------------------------------------- GPUs (tests/gpu/gpu_check.py registers it)
 
 
@@ -518,3 +591,9 @@ def gpu_suite(rank: int, world: int) -> list[dict]:
 
         shutil.rmtree(root_dir, ignore_errors=True)
     return rows
+
+
+if __name__ == "__main__":
+    import sys
+
+    _killed_main(sys.argv[1])

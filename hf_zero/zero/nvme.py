@@ -161,7 +161,7 @@ class SwapFolder:
 
     def __init__(self, spec: NvmeSpec, kind: str, group: dist.ProcessGroup | None, run: str | None = None) -> None:
         self.spec = spec
-        rank = dist.get_rank(group) if dist.is_initialized() else 0
+        rank = dist.get_rank() if dist.is_initialized() else 0  # the global rank: unique whatever the group
         run = run or new_run_id(group)
         # one folder per rank at the top (no folder shared by the ranks, so none is left behind by their removal race)
         self.rank_folder = os.path.join(spec.path, f"hf_zero-{run}-rank{rank:05d}")
