@@ -243,7 +243,9 @@ class NvmeRunner(HostRunner):
         clock = time.perf_counter
         t0 = clock()
         # a read for a gather failed since the last step: stop here, on every rank, before anything is stepped
-        pooled_raise(self.params.end() if self.params is not None else None, self.process_group)  # type: ignore[arg-type]
+        # (or an earlier failure left the files stale: every rank knows it, and nothing reads them again)
+        earlier = self.swap.broken if self.swap is not None else None
+        pooled_raise((self.params.end() if self.params is not None else None) or earlier, self.process_group)  # type: ignore[arg-type]
         for g in self.groups:
             g.before_step()
         t1 = clock()
