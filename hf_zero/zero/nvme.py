@@ -531,11 +531,14 @@ class OptimizerSwap:
             _release(t)  # type: ignore[arg-type]
         if b is not None and buf is self.pool[b]:
             self.busy[b] = (ticket, event)
-        elif ticket is not None:
+            return
+        if ticket is not None:
             err = ticket.wait()  # a buffer of its own: finish now, it goes with this call
             self.error = self.error or err
-            if b is not None:
-                self.free.append(b)
+        if b is not None:
+            if event is not None:
+                event.synchronize()
+            self.free.append(b)  # the pooled buffer it was read into is free again
 
     def end(self) -> str | None:
         """Wait for every write of the step; the first failure's sentence (None when all went well)."""
