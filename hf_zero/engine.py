@@ -39,7 +39,7 @@ from hf_zero.tp_split import split_of
 from hf_zero.zero import attach
 from hf_zero.zero import collectives as C
 from hf_zero.zero.group import Placement
-from hf_zero.zero.nvme import NvmeSpec
+from hf_zero.zero.nvme_io import NvmeSpec
 from hf_zero.zero.offload import OffloadPolicy, host_step_threads
 from hf_zero.zero.optimizer import ShardedOptimizer, ZeroPolicy
 

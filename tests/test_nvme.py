@@ -211,7 +211,7 @@ def _failures(rank: int, world: int, root: str, ckpt: str) -> dict:
 
     import hf_zero
     from hf_zero.errors import NvmeError
-    from hf_zero.zero import nvme
+    from hf_zero.zero import nvme_io as nvme
 
     out: dict = {}
     missing = os.path.join(root, "no-such-disk")
@@ -409,8 +409,8 @@ def test_trainer_trains_and_resumes_with_nvme_offload() -> None:
 def test_swap_files_fall_back_from_o_direct_and_round_trip(tmp_path, monkeypatch) -> None:  # noqa: ANN001
     """One process: values round-trip through the pieces and threads; a file system that refuses ``O_DIRECT`` (as
     tmpfs did before Linux 6.6: EINVAL at open) gets buffered I/O instead, with the same result."""
-    from hf_zero.zero import nvme
-    from hf_zero.zero.nvme import NvmeSpec, SwapFiles, SwapFolder, aligned_buffer
+    from hf_zero.zero import nvme_io as nvme
+    from hf_zero.zero.nvme_io import NvmeSpec, SwapFiles, SwapFolder, aligned_buffer
 
     real_open = os.open
 
@@ -491,7 +491,7 @@ def _killed_main(out: str) -> None:
     sys.path.insert(0, str(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     import hf_zero
     from hf_zero.errors import PeerFailureError
-    from hf_zero.zero import nvme
+    from hf_zero.zero import nvme_io as nvme
 
     rank = int(os.environ["RANK"])
     hf_zero.init_distributed(init_method="file://" + os.path.join(out, "store" + os.environ.get("HFZ_NVME_ATTEMPT", "")))

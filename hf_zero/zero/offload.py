@@ -67,7 +67,7 @@ from hf_zero.zero.group import Placement, ShardGroup
 from hf_zero.zero.stage3 import ShardedParamGroup
 
 if TYPE_CHECKING:
-    from hf_zero.zero.nvme import NvmeSpec
+    from hf_zero.zero.nvme_io import NvmeSpec
 
 logger = logging.getLogger("hf_zero")
 
