@@ -481,6 +481,44 @@ def test_bench_nvme_engines_run_nvme_offload() -> None:
     assert r == {"hf2nvme": True, "hf3nvme": True, "hf2nvme-runner": "NvmeRunner", "hf3nvme-runner": "NvmeRunner"}
 
 
+def _pipeline(rank: int, world: int, root: str, ckpt: str) -> dict:
+    """A 2-stage pipeline (split_causal_lm, 4 micro-batches, ZeRO-1 inside each stage) with the optimizer on NVMe
+    against "cpu"; then the NVMe run's checkpoint loads into a "cpu" pipeline and both take one more batch."""
+    import hf_zero
+    from hf_zero.pipe import split_causal_lm
+
+    def build(device: str):  # noqa: ANN202
+        cfg = _config(1, device, root, 4, 0.5)
+        cfg["pipeline"] = {"schedule": "1f1b"}
+        engine, *_ = hf_zero.initialize(model=split_causal_lm(_model(), 2), config=cfg)
+        return engine
+
+    def batches(t: int) -> list:
+        return [(b["input_ids"], b["labels"]) for b in (_batch(t, k, 0) for k in range(4))]
+
+    out = {}
+    for device in ("cpu", "nvme"):
+        e = build(device)
+        out[device] = [float(e.train_batch(iter(batches(t)))) for t in range(2)]
+        out[f"{device}-w"] = torch.cat([p.detach().reshape(-1) for p in e.module.parameters()]).tolist()
+        if device == "nvme":
+            e.save_checkpoint(ckpt, tag="p")
+            out["nvme-next"] = float(e.train_batch(iter(batches(2))))
+        e.destroy()
+    e = build("cpu")
+    e.load_checkpoint(ckpt, tag="p")
+    out["cpu-next"] = float(e.train_batch(iter(batches(2))))
+    return out
+
+
+def test_nvme_offload_inside_a_pipeline_equals_cpu_and_its_checkpoint_loads_into_cpu() -> None:
+    with tempfile.TemporaryDirectory() as root, tempfile.TemporaryDirectory() as ckpt:
+        results = spawn(_pipeline, 2, root, ckpt)
+    for r in results:  # each rank holds one stage
+        assert r["nvme"] == r["cpu"] and r["nvme-w"] == r["cpu-w"], r
+        assert r["nvme-next"] == r["cpu-next"]
+
+
 def _killed_main(out: str) -> None:
     """A rank's script (``python tests/test_nvme.py OUT``, two started by hand over a FileStore): NVMe stage 3 trains 3
     steps with a checkpoint after step 1; with ``HFZ_NVME_KILL=1`` rank 1 SIGKILLs itself in step 2 while the swap
