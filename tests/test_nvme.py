@@ -519,6 +519,28 @@ def test_nvme_offload_inside_a_pipeline_equals_cpu_and_its_checkpoint_loads_into
         assert r["nvme-next"] == r["cpu-next"]
 
 
+def _tensor_parallel(rank: int, world: int, root: str) -> dict:
+    """AutoTP 2 (each rank a slice of the linear layers) x ZeRO-2 with the optimizer on NVMe, against "cpu"."""
+    import hf_zero
+
+    out = {}
+    for device in ("cpu", "nvme"):
+        cfg = _config(2, device, root, 2, 0.5)
+        cfg["tensor_parallel"] = {"autotp_size": 2}
+        e, *_ = hf_zero.initialize(model=_model(), config=cfg)
+        out[device] = _train(e, range(3), 2, 0)  # both ranks of the tp group read the same batch
+        out[f"{device}-w"] = torch.cat([p.detach().reshape(-1) for p in e.module.parameters()]).tolist()
+        e.destroy()
+    return out
+
+
+def test_nvme_offload_under_tensor_parallelism_equals_cpu() -> None:
+    with tempfile.TemporaryDirectory() as root:
+        results = spawn(_tensor_parallel, 2, root)
+    for r in results:
+        assert r["nvme"] == r["cpu"] and r["nvme-w"] == r["cpu-w"]
+
+
 def _killed_main(out: str) -> None:
     """A rank's script (``python tests/test_nvme.py OUT``, two started by hand over a FileStore): NVMe stage 3 trains 3
     steps with a checkpoint after step 1; with ``HFZ_NVME_KILL=1`` rank 1 SIGKILLs itself in step 2 while the swap
