@@ -12,7 +12,8 @@ naming the path, without a hang, and leave the last checkpoint intact; a rank ki
 writes stops the other with the peer-failure sentence, and the rerun resumes from the last checkpoint, naming the
 killed run's leftover folder without reading it. hf_zero's Trainer trains and resumes with transformers' ZeRO-3 NVMe
 config shape; DeepSpeed's accessors, GatheredParameters edits and ``save_16bit_model`` see the swapped state; and
-``benchmarks/bench.py``'s hf2nvme / hf3nvme configs run.
+``benchmarks/bench.py``'s hf2nvme / hf3nvme configs run; and NVMe equals "cpu" inside a pipeline, under AutoTP
+and with hybrid sharding.
 
 :func:`gpu_suite` runs the NVMe-vs-cpu comparison under NCCL on GPUs (``tests/gpu/gpu_check.py`` registers it).
 """
@@ -532,6 +533,28 @@ def _tensor_parallel(rank: int, world: int, root: str) -> dict:
         out[f"{device}-w"] = torch.cat([p.detach().reshape(-1) for p in e.module.parameters()]).tolist()
         e.destroy()
     return out
+
+
+def _hybrid(rank: int, world: int, root: str) -> dict:
+    """Hybrid sharding (``mics_shard_size`` 2 of 4 ranks: 2 replicas) at stage 3, both sections on NVMe, against "cpu"."""
+    import hf_zero
+
+    out = {}
+    for device in ("cpu", "nvme"):
+        cfg = _config(3, device, root, 2, 0.5, params=True)
+        cfg["zero_optimization"]["mics_shard_size"] = 2
+        e, *_ = hf_zero.initialize(model=_model(), config=cfg)
+        out[device] = _train(e, range(2), 2, rank)
+        out[f"{device}-w"] = _weights(e).tolist()
+        e.destroy()
+    return out
+
+
+def test_nvme_offload_with_hybrid_sharding_equals_cpu() -> None:
+    with tempfile.TemporaryDirectory() as root:
+        results = spawn(_hybrid, 4, root)
+    for r in results:
+        assert r["nvme"] == r["cpu"] and r["nvme-w"] == r["cpu-w"]
 
 
 def test_nvme_offload_under_tensor_parallelism_equals_cpu() -> None:
