@@ -269,7 +269,7 @@ def test_missing_readonly_and_full_nvme_path_stop_every_rank_in_one_sentence() -
         assert "." not in r["full"].rstrip(".")[-1:] and r["full"].count("; ") >= 1
         assert "is full" in r.get("save_after", ""), (rank, r)
         assert "good" in r["ckpts"] and "after" not in r["ckpts"] and r["good_loads"], (rank, r)
-    assert results[0]["full"].startswith("rank 1 of 2: ")
+    assert results[0]["full"].startswith("rank 1: ") and not results[1]["full"].startswith("rank")
 
 
 @pytest.mark.parametrize("change, words", [
@@ -546,6 +546,20 @@ def _hybrid(rank: int, world: int, root: str) -> dict:
         e, *_ = hf_zero.initialize(model=_model(), config=cfg)
         out[device] = _train(e, range(2), 2, rank)
         out[f"{device}-w"] = _weights(e).tolist()
+        if device == "nvme":  # then rank 3's disk fills: all 4 ranks stop at that step, both shard groups
+            import errno
+
+            from hf_zero.errors import NvmeError
+            from hf_zero.zero import nvme_io
+
+            if rank == 3:
+                def full(fd: int, view: memoryview, offset: int) -> int:
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+                nvme_io._pwrite = full
+            try:
+                _train(e, range(2, 3), 2, rank)
+            except NvmeError as err:
+                out["full"] = str(err)
         e.destroy()
     return out
 
@@ -555,6 +569,8 @@ def test_nvme_offload_with_hybrid_sharding_equals_cpu() -> None:
         results = spawn(_hybrid, 4, root)
     for r in results:
         assert r["nvme"] == r["cpu"] and r["nvme-w"] == r["cpu-w"]
+    said = [r.get("full", "") for r in results]  # the other replica's shard group learns too, through the replicas
+    assert all("is full" in m for m in said) and said[0].startswith("rank 3: "), said
 
 
 def test_nvme_offload_under_tensor_parallelism_equals_cpu() -> None:

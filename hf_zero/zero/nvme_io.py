@@ -20,6 +20,7 @@ import contextlib
 import errno
 import logging
 import os
+import re
 import shutil
 import threading
 import uuid
@@ -102,30 +103,55 @@ def _sentence(e: OSError, path: str, where: str, doing: str) -> str:
     return f"NVMe offload: {doing} under {path} failed ({why}); check the disk, or set {where}.nvme_path to another one"
 
 
-def pooled_raise(mine: str | None, group: dist.ProcessGroup | None) -> None:
-    """Raise :class:`NvmeError` on every rank of ``group`` when any rank has a message (collective; every rank calls
-    it at the same point). One all-reduce of a flag; the messages travel only when one is set."""
+@dataclass(frozen=True)
+class Scope:
+    """The ranks one engine's disk failures are raised on: its ZeRO group and, under hybrid sharding, the replicate
+    group across it, so every rank of the grid stops at the same step (not only the failing rank's shard group)."""
+
+    group: dist.ProcessGroup | None = None
+    replicate: dist.ProcessGroup | None = None
+
+
+def _group_of(where: Scope | dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+    return where.group if isinstance(where, Scope) else where
+
+
+def _pool(mine: str | None, group: dist.ProcessGroup | None) -> str | None:
+    """The first message any rank of ``group`` has (its own first), or None; collective."""
     world = dist.get_world_size(group) if dist.is_initialized() else 1
     if world == 1:
-        if mine:
-            raise NvmeError(mine)
-        return
+        return mine
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
     flag = torch.tensor([1 if mine else 0], dtype=torch.int32, device=device)
     dist.all_reduce(flag, group=group)
     if int(flag.item()) == 0:
-        return
+        return None
     said: list[str | None] = [None] * world
     dist.all_gather_object(said, mine, group=group)
-    me = dist.get_rank(group)
     if mine:
-        raise NvmeError(mine)
+        return mine
     first = next(i for i, m in enumerate(said) if m)
-    raise NvmeError(f"rank {first} of {world}: {said[first]}" if first != me else str(said[first]))
+    theirs = str(said[first])
+    if re.match(r"rank \d+: ", theirs):  # learned from another group already: its origin is named
+        return theirs
+    return f"rank {dist.get_global_rank(group, first) if group is not None else first}: {theirs}"
 
 
-def new_run_id(group: dist.ProcessGroup | None) -> str:
+def pooled_raise(mine: str | None, where: Scope | dist.ProcessGroup | None) -> None:
+    """Raise :class:`NvmeError` on every rank of ``where`` (a group, or a :class:`Scope`) when any rank has a message
+    (collective; every rank calls it at the same point). One all-reduce of a flag per group; the messages travel only
+    when one is set. A rank raises its own sentence, the others the first one, prefixed by the global rank that had it."""
+    scope = where if isinstance(where, Scope) else Scope(where)
+    said = _pool(mine, scope.group)
+    if scope.replicate is not None:
+        said = _pool(said, scope.replicate)
+    if said:
+        raise NvmeError(said)
+
+
+def new_run_id(where: Scope | dist.ProcessGroup | None) -> str:
     """A run id the group's ranks share (its first rank's; collective): the folders of one engine."""
+    group = _group_of(where)
     run = [uuid.uuid4().hex[:12]]
     if dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.broadcast_object_list(run, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
@@ -141,7 +167,7 @@ class SwapFolder:
     (its id differs) and names in a warning so it can be deleted.
     """
 
-    def __init__(self, spec: NvmeSpec, kind: str, group: dist.ProcessGroup | None, run: str | None = None) -> None:
+    def __init__(self, spec: NvmeSpec, kind: str, group: Scope | dist.ProcessGroup | None, run: str | None = None) -> None:
         self.spec = spec
         rank = dist.get_rank() if dist.is_initialized() else 0  # the global rank: unique whatever the group
         run = run or new_run_id(group)

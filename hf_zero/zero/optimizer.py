@@ -44,6 +44,7 @@ from hf_zero.zero import collectives as C
 from hf_zero.zero.flat import FlatGroup
 from hf_zero.zero.group import ParamSlot, Placement, ShardGroup
 from hf_zero.zero.nvme import NvmeStores, open_stores
+from hf_zero.zero.nvme_io import Scope
 from hf_zero.zero.offload import (
     HostPlan,
     OffloadedFlatGroup,
@@ -274,9 +275,10 @@ class ShardedOptimizer:
         self.stream_grads = plan is HostPlan.STREAM_GRADS
         # "device": "nvme": the folders exist before the groups, and each group goes to disk as it is built
         self.nvme: NvmeStores | None = None
+        self.nvme_scope = Scope(place.group, place.replicate)  # a disk failure stops every rank of the grid
         if offload.nvme and offload.optimizer:
             self.nvme = open_stores(optimizer, offload.optimizer_nvme, offload.params_nvme,
-                                    max(1, state_bytes_per_element(optimizer) // 4), place.group, self.comm_stream)
+                                    max(1, state_bytes_per_element(optimizer) // 4), self.nvme_scope, self.comm_stream)
         group_masters: list[list[torch.Tensor]] = [[] for _ in group_named]
         if stage == 3:
             self._build_stage3(module, group_named, group_masters)
@@ -286,7 +288,7 @@ class ShardedOptimizer:
             materialize_(list(module.parameters()), device)
         self._build_flat(group_named, group_masters)
         if self.nvme is not None:
-            self.nvme.adopted(place.group)
+            self.nvme.adopted(self.nvme_scope)
         _point_optimizer_at(optimizer, group_masters)
 
         self._group_of: dict[int, ShardGroup] = {id(s.param): g for g in self.groups for s in g.slots}
@@ -304,7 +306,7 @@ class ShardedOptimizer:
         if zero.overlap_param_gather and stage <= 2 and self.flat_groups:
             self.overlap = DeferredPublish(module, self.flat_groups)
         self.runner: StepRunner = pick_runner(optimizer, self.groups, self.comm_stream, device=device, offload=offload,
-                                              stream_grads=self.stream_grads, overlap=self.overlap, process_group=place.group,
+                                              stream_grads=self.stream_grads, overlap=self.overlap, process_group=self.nvme_scope,
                                               nvme=self.nvme)
         self._sync = False
         self._next_launch = 0
