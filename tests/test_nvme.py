@@ -455,7 +455,7 @@ def _bench_rows(rank: int, world: int, root: str) -> dict:
     out = {}
     for name in bench.NVME_ENGINES:
         args = argparse.Namespace(model="tiny", micro=2, gas=2, seq=12, bucket=2000, prefetch=None, hf_config="{}",
-                                  checkpoint_blocks=False, breakdown=False, compile=False, shard=0, tp=2, engines=name,
+                                  checkpoint_blocks=False, breakdown=True, compile=False, shard=0, tp=2, engines=name,
                                   dtype="fp32", lr=1e-2, nvme_path=root, max_in_cpu=0)
         cfg = bench.hf_engine_config(name, args, world)
         runs = {}
@@ -471,6 +471,7 @@ def _bench_rows(rank: int, world: int, root: str) -> dict:
             runs[device] = (_train(engine, range(2), 2, rank), _weights(engine))
             if device == "nvme":
                 out[f"{name}-runner"] = type(engine.zero_optimizer.runner).__name__
+                out[f"{name}-timed"] = sorted(engine.timers.means())  # --breakdown: the step's parts, NVMe's included
             engine.destroy()
         out[name] = runs["cpu"][0] == runs["nvme"][0] and bool(torch.equal(runs["cpu"][1], runs["nvme"][1]))
     return out
@@ -479,7 +480,9 @@ def _bench_rows(rank: int, world: int, root: str) -> dict:
 def test_bench_nvme_engines_run_nvme_offload() -> None:
     with tempfile.TemporaryDirectory() as root:
         r = spawn(_bench_rows, 2, root)[0]
+    timed = r.pop("hf2nvme-timed"), r.pop("hf3nvme-timed")
     assert r == {"hf2nvme": True, "hf3nvme": True, "hf2nvme-runner": "NvmeRunner", "hf3nvme-runner": "NvmeRunner"}
+    assert all({"step.nvme_wait", "step.cpu_optimizer", "step.to_device"} <= set(t) for t in timed), timed
 
 
 def _pipeline(rank: int, world: int, root: str, ckpt: str) -> dict:
