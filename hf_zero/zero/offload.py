@@ -88,6 +88,9 @@ class OffloadPolicy:
       the frozen groups' always, the trainable groups' when the optimizer is offloaded too (otherwise their master
       is the shard, stepped on the device); ``params_pin_memory`` is its ``pin_memory`` (the frozen groups'
       shards; a trainable group's host shard is pinned as its master is, by ``pin_memory``).
+    - ``optimizer_nvme`` / ``params_nvme`` (``"device": "nvme"``): the same state, kept in files on disk between
+      steps instead (:mod:`hf_zero.zero.nvme`); ``optimizer`` / ``params`` are on as well, the step is then
+      :class:`hf_zero.zero.runner.NvmeRunner`'s.
     """
 
     optimizer: bool = False
