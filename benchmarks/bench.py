@@ -5,6 +5,7 @@ Run on the GPU machine:
     python benchmarks/bench.py --gpus 4 --model 1.1b --engines hf1,hf2,hf3,ddp,fsdp2,ds2,ds3
     python benchmarks/bench.py --gpus 1 --model 2.8b --engines hf2o,hf3o,ds2o,ds3o,fsdp2o --steps 4   # optimizer offload
     python benchmarks/bench.py --gpus 1 --model 2.8b --engines hf3op,ds3op,fsdp2o --steps 4   # + parameter offload
+    python benchmarks/bench.py --gpus 1 --model 2.8b --engines hf3op,hf2nvme,hf3nvme --steps 4 --nvme_path /local_nvme   # NVMe
     python benchmarks/bench.py --gpus 1 --model 2.8b --engines hf2,hf2o,hf3,hf3o --gas 8 --steps 3   # offload's cost at accumulation 8
     python benchmarks/bench.py --gpus 1 --model 2.8b --engines hf2o,hf2og,fsdp2o --bucket 1e8   # the CPU step beside the next forward
     python benchmarks/bench.py --gpus 1 --model 1.1b --engines hf2,tr2,hf3,tr3   # the Trainer path against the raw engine
@@ -139,6 +140,10 @@ def check_layouts(args: argparse.Namespace, world: int) -> None:
                              f"{heads} heads and {kv} kv heads; pass such a --tp")
 
 
+# hf2nvme, hf3nvme: offload to NVMe under --nvme_path (hf_zero/zero/nvme.py); the aio section from --hf_config
+NVME_ENGINES = ("hf2nvme", "hf3nvme")
+
+
 def hf_engine_config(name: str, args: argparse.Namespace, world: int, offload: bool = False,
                      param_section: dict | None = None) -> dict:
     """An hf row's DeepSpeed-style config, as a user writes it: stage N from the name, buckets from the flags, and
@@ -150,6 +155,11 @@ def hf_engine_config(name: str, args: argparse.Namespace, world: int, offload: b
     zero = {**hf_zero_section(stage, args, name),
             **({"offload_optimizer": {"device": "cpu", "pin_memory": True}} if offload else {}),
             **(param_section or {})}
+    if name in NVME_ENGINES:  # ZeRO-Infinity: the optimizer state (hf2nvme), and at stage 3 the parameters too, on NVMe
+        nvme = {"device": "nvme", "nvme_path": args.nvme_path, "pin_memory": True}
+        zero["offload_optimizer"] = {**nvme, "buffer_count": 4}
+        if stage == 3:
+            zero["offload_param"] = {**nvme, "buffer_count": 5, "max_in_cpu": int(args.max_in_cpu)}
     if name == "hf3h":
         zero["mics_shard_size"] = hybrid_shard(args, world)
     cfg = {
@@ -712,6 +722,8 @@ def main() -> None:
                     help="hf_zero stage-3 engines build the model under zero.Init (in host memory with parameter offload), "
                          "so no GPU or host ever holds the whole fp32 model")
     ap.add_argument("--rows_json", default="", metavar="PATH", help="also write the rows to PATH as JSON")
+    ap.add_argument("--nvme_path", default="", help="hf2nvme, hf3nvme: the folder on a local NVMe disk to offload to")
+    ap.add_argument("--max_in_cpu", type=float, default=0, help="hf3nvme: offload_param.max_in_cpu (elements kept in memory)")
     ap.add_argument("--json", default="", help=argparse.SUPPRESS)
     args, _ = ap.parse_known_args()
     if args.layers:
@@ -720,6 +732,8 @@ def main() -> None:
     if args.json:
         child(args)
         return
+    if any(e in NVME_ENGINES for e in args.engines.split(",")) and not (args.nvme_path and os.path.isdir(args.nvme_path)):
+        raise SystemExit(f"--nvme_path {args.nvme_path!r}: hf2nvme and hf3nvme need an existing folder on a local NVMe disk")
     if args.gas > 1 and any(not e.startswith(("hf", "tr")) for e in args.engines.split(",")):
         raise SystemExit("--gas is for the hf engines (their config's gradient_accumulation_steps); run the others without it")
     unused = [flag for flag, on in (("--profile", args.profile), ("--memory_peak", args.memory_peak), ("--compile", args.compile),

@@ -39,6 +39,7 @@ from hf_zero.tp_split import split_of
 from hf_zero.zero import attach
 from hf_zero.zero import collectives as C
 from hf_zero.zero.group import Placement
+from hf_zero.zero.nvme_io import NvmeSpec
 from hf_zero.zero.offload import OffloadPolicy, host_step_threads
 from hf_zero.zero.optimizer import ShardedOptimizer, ZeroPolicy
 
@@ -233,7 +234,7 @@ class ZeroEngine(torch.nn.Module):
             overlap_param_gather=zc.overlap_param_gather, ignore_unused_parameters=zc.ignore_unused_parameters,
         )
         off, par = zc.offload_optimizer, zc.offload_param  # offload_param: stage 3 only (the config says it is ignored elsewhere)
-        offload_optimizer = off is not None and off.device == "cpu" and not self.inference_only
+        offload_optimizer = off is not None and off.device in ("cpu", "nvme") and not self.inference_only
         host_threads = None
         if offload_optimizer:
             host_threads, why = host_step_threads(None, off.cpuadam_cores_perc)
@@ -241,11 +242,25 @@ class ZeroEngine(torch.nn.Module):
                 self.timers.note("step.cpu_optimizer", f"{host_threads} threads")
                 if self.global_rank == 0:
                     logger.info("offload: the host optimizer step runs on %d threads per rank (%s)", host_threads, why)
+        aio = self.config.aio
+
+        def nvme(sec: Any, key: str) -> NvmeSpec | None:  # "device": "nvme" (the config refused it without a path)
+            if sec is None or sec.device != "nvme":
+                return None
+            return NvmeSpec(path=str(sec.nvme_path), where=f"zero_optimization.{key}", buffer_count=int(sec.buffer_count),
+                            pin_memory=bool(sec.pin_memory), max_in_cpu=int(getattr(sec, "max_in_cpu", 0)),
+                            buffer_size=int(getattr(sec, "buffer_size", 0)), block_size=int(aio.block_size),
+                            queue_depth=int(aio.queue_depth), threads=int(aio.intra_op_parallelism),
+                            single_submit=bool(aio.single_submit))
+
+        params_on = par is not None and par.device in ("cpu", "nvme") and zc.stage == 3
         offload = OffloadPolicy(
             optimizer=offload_optimizer, pin_memory=bool(off.pin_memory) if off is not None else True,
             host_threads=host_threads,
-            params=par is not None and par.device == "cpu" and zc.stage == 3,
+            params=params_on,
             params_pin_memory=bool(par.pin_memory) if par is not None else True,
+            optimizer_nvme=nvme(off, "offload_optimizer") if offload_optimizer else None,
+            params_nvme=nvme(par, "offload_param") if params_on and offload_optimizer else None,
         )
         return ShardedOptimizer(self.module, optimizer, place=place, zero=zero, offload=offload)
 
@@ -759,7 +774,7 @@ class ZeroEngine(torch.nn.Module):
             if self._background is None:
                 self._background = BackgroundWriter(pin=self.device.type == "cuda")
             writer = self._background
-        with hz_dist.peer_failure_guard("save_checkpoint"):
+        with hz_dist.peer_failure_guard("save_checkpoint"), self.resident_state():
             path = save(self.train_state(), save_dir, tag, client_state, save_latest=save_latest, keep_last=keep_last,
                         background=writer, exclude_frozen=exclude_frozen)
         self._last_save_dir = save_dir
@@ -799,7 +814,7 @@ class ZeroEngine(torch.nn.Module):
             raise UsageError("load_checkpoint(custom_load_fn=...) is not supported; checkpoints are read as safetensors")
         self.wait_for_checkpoint()  # (async_save) the checkpoint being written may be the one asked for
         self.wait_params()  # the load writes the masters, which in fp32 are the gathered buffers
-        with hz_dist.peer_failure_guard("load_checkpoint"):
+        with hz_dist.peer_failure_guard("load_checkpoint"), self.resident_state():
             theirs = ds_checkpoint.is_deepspeed_checkpoint(load_dir, tag)
             reader = ds_checkpoint.load if theirs else load
             if load_optimizer_states and not load_module_only and not theirs:
@@ -811,6 +826,13 @@ class ZeroEngine(torch.nn.Module):
             )
         self.restore_progress(progress)
         return path, client
+
+    def resident_state(self) -> contextlib.AbstractContextManager[None]:
+        """The optimizer's masters, state and offloaded shards in host memory for the block: what a save or a load
+        that reads them outside ``save_checkpoint`` / ``load_checkpoint`` (which use it) needs under NVMe offload,
+        where they wait in files between steps (``hf_zero/zero/nvme.py``). Collective; nothing to do otherwise."""
+        zo = self.zero_optimizer
+        return zo.resident() if zo is not None else contextlib.nullcontext()
 
     def _get_optimizer_ckpt_name(self, checkpoints_path: str, tag: str | int, expp_rank: int | None = None) -> str:
         """The file holding a rank's optimizer state in checkpoint ``tag`` of ``checkpoints_path`` (DeepSpeed's name).

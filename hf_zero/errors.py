@@ -15,6 +15,7 @@ from __future__ import annotations
 
 __all__ = [
     "CheckpointError", "CheckpointTagError", "ConfigError", "HostMemoryError", "HubError", "InitializeArgumentError", "LaunchError", "LossScaleFloorError", "NonFiniteLossError",
+    "NvmeError",
     "OptimizerConfigError", "PeerFailureError", "PipelineError", "ReleasedParameterError", "StepInNoSyncError", "UnusedParameterError",
     "UsageError",
 ]
@@ -102,3 +103,8 @@ class NonFiniteLossError(FloatingPointError):
 
 class HostMemoryError(MemoryError):
     """Offloading would need more host memory than the machine has available (checked before allocating any)."""
+
+
+class NvmeError(OSError):
+    """NVMe offload (``"device": "nvme"``) cannot use its ``nvme_path``: missing, read-only, full, or a failed read or
+    write; one sentence naming the path and what to do, raised on every rank of the group."""

@@ -28,6 +28,8 @@ SPANS = {
                           "the next forward and is counted when its last group is stepped)",
     "step.to_device": "offload: copying the updated weights back (and, at stages 1-2, the all-gather) not hidden "
                       "behind the CPU optimizer",
+    "step.nvme_wait": "NVMe offload: waiting for the masters' and optimizer state's reads (and for free buffers) "
+                      "not hidden behind the CPU optimizer",
 }
 
 

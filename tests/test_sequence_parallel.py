@@ -232,7 +232,7 @@ def test_public_alst_config_through_the_engine_config() -> None:
     cfg = ZeroConfig.load(offload)
     assert cfg.sequence_parallel_size == 4 and cfg.zero_optimization.offload_param.device == "cpu"
     nvme = dict(alst, zero_optimization={**alst["zero_optimization"], "offload_param": {"device": "nvme", "nvme_path": "/x"}})
-    with pytest.raises(ConfigError, match="offload_param"):
+    with pytest.raises(ConfigError, match="offload_param"):  # NVMe params need offload_optimizer (tests/test_nvme.py)
         ZeroConfig.load(nvme)
     assert ZeroConfig.load({"train_micro_batch_size_per_gpu": 1, "sequence_parallel_size": 8}).sequence_parallel_size == 8
 

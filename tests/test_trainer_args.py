@@ -65,7 +65,7 @@ def test_deepspeed_is_zero_config_and_both_flags_parse(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("config, message", [
     ({"zero_optimisation": {"stage": 2}}, "zero_optimisation: unknown key; did you mean 'zero_optimization'?"),
-    ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/x"}}}, "to keep the parameter shards in host memory"),
+    ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/x"}}}, "without offload_optimizer is not supported yet"),
     ({"scheduler": {"type": "WarmupLR", "params": {"warmup_num_step": 5}}}, "scheduler.params.warmup_num_step: unknown parameter"),
     ({"optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": 0.9}}}, "optimizer.params.betas: got 0.9"),
     ({"train_micro_batch_size_per_gpu": 4}, "train_micro_batch_size_per_gpu: config has 4, TrainingArguments has 8"),

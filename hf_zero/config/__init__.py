@@ -34,6 +34,7 @@ import torch
 from hf_zero.config.parse import BATCH_KEYS, Parser, refuse_missing_features
 from hf_zero.config.schema import AUTO, ConfigError
 from hf_zero.config.sections import (
+    AioConfig,
     BF16Config,
     CompileConfig,
     FP16Config,
@@ -79,6 +80,7 @@ class ZeroConfig:
     activation_checkpointing: dict = field(default_factory=dict)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     compile: CompileConfig = field(default_factory=CompileConfig)
+    aio: AioConfig = field(default_factory=AioConfig)  # NVMe offload's file I/O (hf_zero/zero/nvme.py)
     nonfinite_loss: str = "skip"  # hf_zero extension: "skip" | "stop" | "off" (schema.NONFINITE_LOSS)
     checkpoint_keep_last: int | None = None  # hf_zero extension: checkpoint.keep_last; None keeps every checkpoint
     checkpoint_tag_validation: str = "Warn"  # checkpoint.tag_validation: "Warn" | "Ignore" | "Fail" (save_checkpoint)

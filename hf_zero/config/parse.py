@@ -31,6 +31,7 @@ from typing import Any
 
 from hf_zero.config.schema import (
     ACTIVATION_CHECKPOINTING,
+    AIO,
     AUTO,
     BF16,
     CATCHABLE_SIGNALS,
@@ -67,6 +68,7 @@ from hf_zero.config.schema import (
     Section,
 )
 from hf_zero.config.sections import (
+    AioConfig,
     BF16Config,
     CompileConfig,
     FP16Config,
@@ -254,6 +256,13 @@ class Parser:
         fields["sequence_parallel_size"] = top.get("sequence_parallel_size", Int(1), ABSENT)
         fields["activation_checkpointing"] = self.activation_checkpointing(top)
         fields["compile"] = self.compile(top)
+        aio = self.object(top.raw("aio", '{"block_size": 1048576, "queue_depth": 8}'), "aio", AIO)
+        fields["aio"] = AioConfig(
+            block_size=aio.get("block_size", Int(1), AioConfig.block_size),
+            queue_depth=aio.get("queue_depth", Int(1), AioConfig.queue_depth),
+            intra_op_parallelism=aio.get("intra_op_parallelism", Int(1), AioConfig.intra_op_parallelism),
+            single_submit=aio.get("single_submit", Bool(), AioConfig.single_submit),
+        )
         fields["nonfinite_loss"] = top.get("nonfinite_loss", OneOf(NONFINITE_LOSS), ABSENT)
         checkpoint = self.object(top.raw("checkpoint", '{"keep_last": 3}'), "checkpoint", CHECKPOINT)
         fields["checkpoint_keep_last"] = checkpoint.get("keep_last", Int(1), ABSENT, nullable=True)
@@ -560,8 +569,8 @@ def refuse_missing_features(cfg: Any) -> list[str]:
     """Features the parser reads in full but hf_zero cannot run yet, and combinations DeepSpeed refuses: one
     sentence each, before any work. Returns the JSON paths to name in the "accepts but ignores" warning.
 
-    ``cfg`` is the parsed ZeroConfig. Optimizer offload and stage 3's parameter offload to the CPU run
-    (hf_zero/zero/offload.py); their NVMe and partial forms do not yet. (Sequence parallelism:
+    ``cfg`` is the parsed ZeroConfig. Optimizer offload and stage 3's parameter offload to the CPU and to NVMe run
+    (hf_zero/zero/offload.py, hf_zero/zero/nvme.py); their partial forms do not yet. (Sequence parallelism:
     ``cfg.sequence_parallel``, read by hf_zero/config/sequence.py.)
     """
     zo = cfg.zero_optimization
@@ -584,10 +593,7 @@ def refuse_missing_features(cfg: Any) -> list[str]:
             raise ConfigError("bf16.bf16_master_weights_and_grads: got true without bf16.bf16_optimizer_states, which asks "
                               "for fp32 optimizer state beside bf16 masters (DeepSpeed runs that only with its CPU Adam "
                               "under offload); set bf16_optimizer_states: true as well, or remove both")
-    if opt is not None and opt.device == "nvme":
-        raise ConfigError('zero_optimization.offload_optimizer.device: "nvme" (ZeRO-Infinity) is not supported; use '
-                          '"cpu" to keep the optimizer state in host memory, or "none"')
-    if opt is not None and opt.device == "cpu":
+    if opt is not None and opt.device in ("cpu", "nvme"):
         if zo.stage == 0:
             raise ConfigError("zero_optimization.offload_optimizer: offload needs ZeRO stage 1, 2 or 3 (the offloaded state is "
                               "the rank's shard), and the stage is 0; set zero_optimization.stage, or remove offload_optimizer")
@@ -598,15 +604,34 @@ def refuse_missing_features(cfg: Any) -> list[str]:
             raise ConfigError("zero_optimization.offload_optimizer.super_offload: SuperOffload is not supported; remove it "
                               "(hf_zero offloads the optimizer state to host memory without it)")
     par = zo.offload_param
-    if par is not None and par.device == "nvme":
-        raise ConfigError('zero_optimization.offload_param.device: "nvme" (ZeRO-Infinity) is not supported; use "cpu" to '
-                          'keep the parameter shards in host memory, or "none"')
+    nvme = [(key, sec) for key, sec in (("offload_optimizer", opt), ("offload_param", par))
+            if sec is not None and sec.device == "nvme" and (key == "offload_optimizer" or zo.stage == 3)]
+    for key, sec in nvme:
+        where = f"zero_optimization.{key}"
+        if not sec.nvme_path:
+            raise ConfigError(f'{where}.nvme_path: "device": "nvme" needs a folder to keep the offloaded state in; set '
+                              "nvme_path to a folder on a local NVMe disk (each run and rank gets a subfolder of it)")
+        if sec.buffer_count < 1:
+            raise ConfigError(f"{where}.buffer_count: got {sec.buffer_count}, but NVMe offload needs at least one buffer; "
+                              "set it to 1 or more (DeepSpeed's default is 4 for the optimizer, 5 for the parameters)")
+        if zo.overlap_param_gather:
+            raise ConfigError(f'{where}.device: "nvme" with zero_optimization.overlap_param_gather is not supported yet; '
+                              'remove overlap_param_gather, or offload to "cpu"')
+    if par is not None and par.device == "nvme" and zo.stage == 3 and (opt is None or opt.device not in ("cpu", "nvme")):
+        raise ConfigError('zero_optimization.offload_param.device: "nvme" without offload_optimizer is not supported yet; '
+                          'add "offload_optimizer": {"device": "nvme"} (or "cpu"), or offload the parameters to "cpu"')
     tp = cfg.tensor_parallel_size
     if tp > 1:
         if cfg.compile.enabled:
             raise ConfigError(f"tensor_parallel.autotp_size: got {tp} with compile enabled, but compiled blocks cannot "
                               'hold the tensor-parallel all-reduces yet; set "compile": {"enabled": false} or autotp_size 1')
     ignored = []
-    if par is not None and par.device == "cpu" and zo.stage != 3:
+    if par is not None and par.device in ("cpu", "nvme") and zo.stage != 3:
         ignored.append("zero_optimization.offload_param (DeepSpeed reads it at stage 3 only)")
+    for key, _ in nvme:
+        given = cfg.raw.get("zero_optimization", {}).get(key, {}) or {}
+        if key == "offload_param" and "buffer_size" in given:
+            ignored.append("zero_optimization.offload_param.buffer_size (each shard is read into a buffer of its size)")
+        if key == "offload_optimizer" and given.get("fast_init"):
+            ignored.append("zero_optimization.offload_optimizer.fast_init (the masters are written once, at build)")
     return ignored

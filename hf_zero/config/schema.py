@@ -108,6 +108,7 @@ TOP = Section(
         "seed",  # hf_zero's: the seed of the distributed sampler's shuffle
         "nonfinite_loss",  # hf_zero's: what a bf16/fp32 step with an inf/nan loss or gradient does
         "tensor_parallel",  # DeepSpeed's AutoTP training: autotp_size (hf_zero/tensor_parallel.py)
+        "aio",  # DeepSpeed's: NVMe offload's file I/O (hf_zero/zero/nvme.py)
     ),
     aliases={"bfloat16": "bf16"},
     older=frozenset({"bfloat16"}),
@@ -126,7 +127,7 @@ TOP = Section(
         "allgather_size": 500_000_000,  # read with DeepSpeed's old boolean "zero_optimization": true
         "flops_profiler": SWITCH, "tensorboard": SWITCH, "wandb": SWITCH, "csv_monitor": SWITCH, "comet": SWITCH,
         "comms_logger": SWITCH, "autotuning": SWITCH, "datastates_ckpt": ANY,
-        "timers": SECTION, "aio": SECTION, "data_types": SECTION,
+        "timers": SECTION, "data_types": SECTION,
     },
     unsupported={
         "amp": (SWITCH, 'Apex AMP is not supported; use "bf16": {"enabled": true} or "fp16" instead'),
@@ -267,6 +268,14 @@ OFFLOAD_OPTIMIZER = Section(keys=("device", "nvme_path", "buffer_count", "pin_me
 
 # ---------------------------------------------------------------- the other sections
 
+# DeepSpeed reads aio key by key from a plain dict (no model): other keys are not its, so not refused here either.
+AIO = Section(
+    keys=("block_size", "queue_depth", "intra_op_parallelism", "single_submit"),
+    aliases={"thread_count": "intra_op_parallelism"},  # older DeepSpeed's name, still in transformers' NVMe example
+    inert={"overlap_events": True},
+    unsupported={"use_gds": (False, "GPUDirect Storage is not supported; remove use_gds (NVMe offload reads through host memory)")},
+)
+
 CHECKPOINT = Section(
     # hf_zero's: keep_last (save_checkpoint keeps the N newest checkpoints of its folder; null: all);
     # save_on_signal, save_dir, grace_seconds (a preemption's resume checkpoint, hf_zero/preemption.py);
@@ -348,7 +357,7 @@ TENSOR_PARALLEL_GROUPS = Section(
 SECTIONS: dict[str, Section] = {
     "": TOP, "fp16": FP16, "bf16": BF16, "zero_optimization": ZERO,
     "zero_optimization.offload_param": OFFLOAD_PARAM, "zero_optimization.offload_optimizer": OFFLOAD_OPTIMIZER,
-    "checkpoint": CHECKPOINT, "compile": COMPILE, "torch_autocast": TORCH_AUTOCAST, "optimizer": OPTIMIZER, "scheduler": SCHEDULER,
+    "checkpoint": CHECKPOINT, "compile": COMPILE, "aio": AIO, "torch_autocast": TORCH_AUTOCAST, "optimizer": OPTIMIZER, "scheduler": SCHEDULER,
     "activation_checkpointing": ACTIVATION_CHECKPOINTING, "pipeline": PIPELINE,
     "tensor_parallel": TENSOR_PARALLEL, "tensor_parallel.tensor_parallel": TENSOR_PARALLEL_GROUPS,
 }

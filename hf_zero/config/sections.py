@@ -76,9 +76,10 @@ class TorchAutocastConfig:
 class OffloadParamConfig:
     """``zero_optimization.offload_param``, DeepSpeed's fields and defaults (parameters in host memory or NVMe).
 
-    Parsed in full; "cpu" runs at stage 3 (hf_zero/zero/offload.py), "nvme" is refused by
-    ``parse.refuse_missing_features`` (so are its fields' uses: nvme_path, buffer_count,
-    buffer_size and max_in_cpu configure NVMe only).
+    Parsed in full; "cpu" and "nvme" run at stage 3 (hf_zero/zero/offload.py, hf_zero/zero/nvme.py): on NVMe the
+    shards beyond ``max_in_cpu`` elements live in files under ``nvme_path``, read ahead by up to ``buffer_count``
+    reads; ``buffer_size`` is accepted and named in the "accepts but ignores" warning (each shard is read into a
+    buffer of its own size).
     """
 
     device: str = "none"  # "none" | "cpu" | "nvme"
@@ -93,7 +94,9 @@ class OffloadParamConfig:
 class OffloadOptimizerConfig:
     """``zero_optimization.offload_optimizer``, DeepSpeed's fields and defaults (optimizer state on the host).
 
-    As :class:`OffloadParamConfig`: parsed in full, refused for a device other than "none" for now.
+    "cpu": the masters and the optimizer state in host memory; "nvme": in files under ``nvme_path``, swapped
+    through ``buffer_count`` buffers (hf_zero/zero/nvme.py). ``pipeline_read`` / ``pipeline_write`` are what the
+    NVMe step always does (reads ahead, writes behind); ``fast_init`` changes nothing here.
     """
 
     device: str = "none"  # "none" | "cpu" | "nvme"
@@ -108,6 +111,22 @@ class OffloadOptimizerConfig:
     # DeepSpeed's default is 0.8 (for its SuperOffload); None here: the host step uses the whole share of this rank's
     # CPUs (hf_zero/zero/offload.py host_step_threads), a given value takes that part of it
     cpuadam_cores_perc: float | None = None
+
+
+@dataclass
+class AioConfig:
+    """``aio``: how NVMe offload reads and writes its files (DeepSpeed 0.19.8's keys and defaults).
+
+    ``intra_op_parallelism`` (older DeepSpeed's and transformers' docs' ``thread_count``) is the I/O thread pool's
+    size, ``block_size`` the bytes of one request, ``queue_depth`` the requests queued per thread, ``single_submit``
+    one request at a time. ``overlap_events`` is accepted (hf_zero's reads and writes always overlap the step);
+    ``use_gds`` (GPUDirect Storage) is refused.
+    """
+
+    block_size: int = 1_048_576
+    queue_depth: int = 8
+    intra_op_parallelism: int = 1
+    single_submit: bool = False
 
 
 @dataclass

@@ -474,7 +474,8 @@ class Trainer(transformers.Trainer):
         if _saved_by_deepspeed(checkpoint):
             from hf_zero.checkpoint import deepspeed as ds_checkpoint
 
-            progress = ds_checkpoint.resume_trainer(self.engine.train_state(), self.lr_scheduler, checkpoint)
+            with self.engine.resident_state():  # NVMe offload: the masters and state come out of their files for it
+                progress = ds_checkpoint.resume_trainer(self.engine.train_state(), self.lr_scheduler, checkpoint)
             self.engine.restore_progress(progress)
             return None
         _, client = self.engine.load_checkpoint(checkpoint, tag=ZERO_STATE_TAG)

@@ -29,12 +29,15 @@ DeepSpeed's semantics, and where hf_zero's differ:
   bucket's) parameters together, so a rank's part of one parameter may be of any length, empty included,
   and is defined at every stage (at stage 0 the whole parameter).
 
+Under NVMe offload (``"device": "nvme"``) the master and state of the parameter's group are read from their file for
+the call (and a setter writes them back); the local getters then return copies, not views.
 A frozen parameter (``requires_grad=False``) has no master, gradient or state: the getters return None and
 the setters do nothing, as DeepSpeed's. A parameter of no engine (or of a destroyed one) gets None too.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -126,6 +129,24 @@ def _state(g: Any, key: str, what: str, must: bool) -> torch.Tensor | None:
     return state[key]
 
 
+def _in_memory(g: Any, write: bool = False) -> contextlib.AbstractContextManager[None]:
+    """``g``'s master and optimizer state in host memory for the block: with NVMe offload they wait in files between
+    steps (``hf_zero/zero/nvme.py``), read for the block and, when ``write``, written back after it."""
+    owner = getattr(g, "hf_zero_owner", None)
+    zo = owner() if owner is not None else None
+    swap = getattr(getattr(zo, "nvme", None), "swap", None)
+    if swap is None or id(g) not in swap.layout:
+        return contextlib.nullcontext()
+    return swap.group_resident(g, write)
+
+
+def _swapped(g: Any) -> bool:
+    owner = getattr(g, "hf_zero_owner", None)
+    zo = owner() if owner is not None else None
+    swap = getattr(getattr(zo, "nvme", None), "swap", None)
+    return swap is not None and id(g) in swap.layout
+
+
 def _per_element(g: Any, t: torch.Tensor) -> bool:
     return t.dim() > 0 and t.numel() == g.master.numel()
 
@@ -139,7 +160,8 @@ def safe_get_full_fp32_param(param: torch.nn.Parameter) -> torch.Tensor | None:
     if place is None:
         return None
     g, slot = place
-    return _full(g, slot, g.master)
+    with _in_memory(g):
+        return _full(g, slot, g.master)
 
 
 def safe_set_full_fp32_param(param: torch.nn.Parameter, value: torch.Tensor) -> None:
@@ -148,14 +170,18 @@ def safe_set_full_fp32_param(param: torch.nn.Parameter, value: torch.Tensor) -> 
     if place is None:
         return
     g, slot = place
-    _write(g, slot, g.master, value, "safe_set_full_fp32_param")
+    store = getattr(g, "shard_store", None)  # NVMe offload_param: the 16-bit shard in a file, recast from the master
+    with _in_memory(g, write=True):
+        _write(g, slot, g.master, value, "safe_set_full_fp32_param")
+        if store is not None:
+            store.put(g, g.master)
     flat = _whole(value, slot, "safe_set_full_fp32_param")
     with torch.no_grad():
         if g.resident:  # stages 0-2: the whole parameter is on every rank, and every rank has the whole value
             param.data.copy_(flat.view(slot.shape))
             return
         shard = getattr(g, "param_shard", None)  # stage 3: a compute-dtype shard next to the master (offload)
-        if shard is not None:
+        if shard is not None and store is None:
             _write(g, slot, shard, value, "safe_set_full_fp32_param")
         if g.state is not ShardState.SHARDED:  # gathered now: the gathered copy too
             g.full[slot.offset : slot.offset + slot.numel].copy_(flat)
@@ -167,7 +193,8 @@ def safe_get_local_fp32_param(param: torch.nn.Parameter) -> torch.Tensor | None:
     if place is None:
         return None
     g, slot = place
-    return _local(g, slot, g.master)
+    with _in_memory(g):  # NVMe offload: a copy (the master goes back to its file)
+        return _local(g, slot, g.master).clone() if _swapped(g) else _local(g, slot, g.master)
 
 
 def safe_set_local_fp32_param(param: torch.nn.Parameter, value: torch.Tensor) -> None:
@@ -179,7 +206,8 @@ def safe_set_local_fp32_param(param: torch.nn.Parameter, value: torch.Tensor) ->
     if place is None:
         return
     g, slot = place
-    _local_set(_local(g, slot, g.master), value, "safe_set_local_fp32_param")
+    with _in_memory(g, write=True):
+        _local_set(_local(g, slot, g.master), value, "safe_set_local_fp32_param")
 
 
 def _local_set(target: torch.Tensor, value: torch.Tensor, what: str) -> None:
@@ -253,10 +281,11 @@ def safe_get_full_optimizer_state(param: torch.nn.Parameter, optim_state_key: st
     if place is None:
         return None
     g, slot = place
-    t = _state(g, optim_state_key, "safe_get_full_optimizer_state", must=False)
-    if t is None:
-        return None
-    return _full(g, slot, t) if _per_element(g, t) else t.detach().clone()
+    with _in_memory(g):
+        t = _state(g, optim_state_key, "safe_get_full_optimizer_state", must=False)
+        if t is None:
+            return None
+        return _full(g, slot, t) if _per_element(g, t) else t.detach().clone()
 
 
 def safe_set_full_optimizer_state(param: torch.nn.Parameter, value: torch.Tensor, optim_state_key: str) -> None:
@@ -265,11 +294,12 @@ def safe_set_full_optimizer_state(param: torch.nn.Parameter, value: torch.Tensor
     if place is None:
         return
     g, slot = place
-    t = _state(g, optim_state_key, "safe_set_full_optimizer_state", must=True)
-    if not _per_element(g, t):
-        raise UsageError(f"safe_set_full_optimizer_state: the optimizer's {optim_state_key!r} is one value for a whole "
-                         "group of parameters, not per element; it cannot be set for one parameter")
-    _write(g, slot, t, value, "safe_set_full_optimizer_state")
+    with _in_memory(g, write=True):
+        t = _state(g, optim_state_key, "safe_set_full_optimizer_state", must=True)
+        if not _per_element(g, t):
+            raise UsageError(f"safe_set_full_optimizer_state: the optimizer's {optim_state_key!r} is one value for a "
+                             "whole group of parameters, not per element; it cannot be set for one parameter")
+        _write(g, slot, t, value, "safe_set_full_optimizer_state")
 
 
 def safe_get_local_optimizer_state(param: torch.nn.Parameter, optim_state_key: str) -> torch.Tensor | None:
@@ -278,10 +308,11 @@ def safe_get_local_optimizer_state(param: torch.nn.Parameter, optim_state_key: s
     if place is None:
         return None
     g, slot = place
-    t = _state(g, optim_state_key, "safe_get_local_optimizer_state", must=False)
-    if t is None or not _per_element(g, t):
-        return None if t is None else t.detach().clone()
-    return _local(g, slot, t)
+    with _in_memory(g):
+        t = _state(g, optim_state_key, "safe_get_local_optimizer_state", must=False)
+        if t is None or not _per_element(g, t):
+            return None if t is None else t.detach().clone()
+        return _local(g, slot, t).clone() if _swapped(g) else _local(g, slot, t)  # NVMe: a copy
 
 
 def safe_set_local_optimizer_state(param: torch.nn.Parameter, value: torch.Tensor, optim_state_key: str) -> None:
@@ -290,11 +321,12 @@ def safe_set_local_optimizer_state(param: torch.nn.Parameter, value: torch.Tenso
     if place is None:
         return
     g, slot = place
-    t = _state(g, optim_state_key, "safe_set_local_optimizer_state", must=True)
-    if not _per_element(g, t):
-        raise UsageError(f"safe_set_local_optimizer_state: the optimizer's {optim_state_key!r} is one value for a whole "
-                         "group of parameters, not per element")
-    _local_set(_local(g, slot, t), value, "safe_set_local_optimizer_state")
+    with _in_memory(g, write=True):
+        t = _state(g, optim_state_key, "safe_set_local_optimizer_state", must=True)
+        if not _per_element(g, t):
+            raise UsageError(f"safe_set_local_optimizer_state: the optimizer's {optim_state_key!r} is one value for a "
+                             "whole group of parameters, not per element")
+        _local_set(_local(g, slot, t), value, "safe_set_local_optimizer_state")
 
 
 def safe_update_full_grad_vectorized(param_list: list[torch.nn.Parameter],

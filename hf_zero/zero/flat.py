@@ -17,6 +17,7 @@ the gradient norm.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -79,7 +80,8 @@ class FlatGroup(ShardGroup):
             return  # the master is a view of the parameters
         a, b = max(slot.offset, self.shard_lo), min(slot.offset + slot.numel, self.shard_hi)
         if a < b:
-            with torch.no_grad():
+            swap = getattr(self, "nvme_swap", None)  # NVMe offload: the master waits in a file (hf_zero/zero/nvme.py)
+            with swap.group_resident(self, write=True) if swap is not None else contextlib.nullcontext(), torch.no_grad():
                 self.master[a - self.shard_lo : b - self.shard_lo].copy_(self.param_flat[a:b])
 
     def ensure_grad_buffer(self) -> None:

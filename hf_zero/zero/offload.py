@@ -33,8 +33,9 @@ next group's copy running while the CPU steps the current one
 GPU bytes per parameter at stage 2: without offload 2 (16-bit weights) + 4/N (fp32 gradient shard) +
 (4 + 8)/N (master, moments); with offload 2 + 4/N, the masters, moments and a gradient copy (16/N) in
 host memory. Stage 3's ``offload_param`` keeps the 16-bit shards the all-gathers read in host memory as
-well (:class:`_HostParamShard`): GPU memory then holds only the units gathered at the moment. Not here
-yet: ``sub_group_size`` (each shard group is one sub-group), NVMe, ``ratio`` < 1.
+well (:class:`_HostParamShard`): GPU memory then holds only the units gathered at the moment. NVMe
+(``"device": "nvme"``) moves the masters, the optimizer state and the host shards on to disk
+(:mod:`hf_zero.zero.nvme`). Not here yet: ``sub_group_size`` (each shard group is one sub-group), ``ratio`` < 1.
 
 What is offloaded is decided once, from the config, as an :class:`OffloadPolicy` the engine builds; host memory
 is planned from it before any buffer exists (:func:`plan_host_memory`), and the step that follows from both is a
@@ -53,6 +54,7 @@ import weakref
 import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -63,6 +65,9 @@ from hf_zero.zero import collectives as C
 from hf_zero.zero.flat import FlatGroup
 from hf_zero.zero.group import Placement, ShardGroup
 from hf_zero.zero.stage3 import ShardedParamGroup
+
+if TYPE_CHECKING:
+    from hf_zero.zero.nvme_io import NvmeSpec
 
 logger = logging.getLogger("hf_zero")
 
@@ -83,6 +88,9 @@ class OffloadPolicy:
       the frozen groups' always, the trainable groups' when the optimizer is offloaded too (otherwise their master
       is the shard, stepped on the device); ``params_pin_memory`` is its ``pin_memory`` (the frozen groups'
       shards; a trainable group's host shard is pinned as its master is, by ``pin_memory``).
+    - ``optimizer_nvme`` / ``params_nvme`` (``"device": "nvme"``): the same state, kept in files on disk between
+      steps instead (:mod:`hf_zero.zero.nvme`); ``optimizer`` / ``params`` are on as well, the step is then
+      :class:`hf_zero.zero.runner.NvmeRunner`'s.
     """
 
     optimizer: bool = False
@@ -90,10 +98,18 @@ class OffloadPolicy:
     host_threads: int | None = None
     params: bool = False
     params_pin_memory: bool = True
+    # ``"device": "nvme"`` (hf_zero/zero/nvme.py): where on disk the offloaded optimizer state / parameter shards live
+    optimizer_nvme: NvmeSpec | None = None
+    params_nvme: NvmeSpec | None = None
 
     def __post_init__(self) -> None:
         if self.host_threads is not None and self.host_threads < 1:
             raise ValueError(f"OffloadPolicy.host_threads: got {self.host_threads}; give a positive count or None")
+
+    @property
+    def nvme(self) -> bool:
+        """Whether anything lives on disk (the step is then :class:`hf_zero.zero.runner.NvmeRunner`'s)."""
+        return self.optimizer_nvme is not None or self.params_nvme is not None
 
     @property
     def host_memory(self) -> bool:
@@ -135,9 +151,12 @@ def plan_host_memory(policy: OffloadPolicy, sizes: ShardSizes, *, state_bytes: i
     """
     if not policy.host_memory:
         return HostPlan.FITS
+    if policy.optimizer_nvme is not None:  # the masters and state on disk: host memory holds the swap buffers only
+        return HostPlan.STREAM_GRADS
+    host_params = policy.params and policy.params_nvme is None  # on NVMe, max_in_cpu's share at most stays in memory
     needed = offload_host_bytes(sizes.trainable, state_bytes, optimizer=policy.optimizer,
-                                param_bytes=param_bytes if policy.params else 0,
-                                frozen_numel=sizes.frozen if policy.params else 0)
+                                param_bytes=param_bytes if host_params else 0,
+                                frozen_numel=sizes.frozen if host_params else 0)
     streamed = None
     if policy.optimizer:  # no gradient copy per group: two buffers of the largest group instead
         streamed = needed - 4 * sizes.trainable + 2 * 4 * min(sizes.largest_group, sizes.trainable)
@@ -319,6 +338,7 @@ class _HostParamShard(ShardedParamGroup):
 
     shard_on_host = False
     shard_pin = False
+    shard_store: Any = None  # offload_param "nvme": the hf_zero.zero.nvme.ParamStore holding the shard on disk
     alias_whole_shard = False  # the shard moves to host memory: the parameters cannot be views of it
 
     def _move_param_shard_to_host(self, pin: bool) -> None:
@@ -331,6 +351,8 @@ class _HostParamShard(ShardedParamGroup):
     def _gather_source(self) -> torch.Tensor:
         if not self.shard_on_host:
             return super()._gather_source()
+        if self.shard_store is not None:
+            return self.shard_store.fetch(self).to(self.device, non_blocking=self.shard_store.spec.pin_memory)
         assert self.param_shard is not None
         return self.param_shard.to(self.device, non_blocking=self.shard_pin)
 
@@ -375,6 +397,9 @@ class OffloadedShardedParamGroup(_HostMaster, _HostParamShard):
         if self.master is None:
             return
         assert self.param_shard is not None
+        if self.shard_store is not None:
+            self.shard_store.put(self, self.master)
+            return
         if self.shard_on_host:
             self.param_shard.copy_(self.master)
             return
@@ -402,8 +427,11 @@ class HostStep:
 
     def __init__(self, optimizer: torch.optim.Optimizer, stream: torch.cuda.Stream | None,
                  work: list[tuple[ShardGroup, torch.Tensor]], *, streamed: list[torch.Tensor] | None = None,
-                 defer: bool = False, on_done: Callable[[float], None] | None = None, threads: int | None = None) -> None:
+                 defer: bool = False, on_done: Callable[[float], None] | None = None, threads: int | None = None,
+                 swap: Any = None) -> None:
         self.optimizer, self.stream, self.defer, self.on_done = optimizer, stream, defer, on_done
+        # NVMe (hf_zero/zero/nvme.py OptimizerSwap): each group's master and state read in before its step, written after
+        self.swap = swap
         self.threads = threads  # the optimizer's intra-op threads (host_step_threads); None: the process's count
         self.work: list[tuple[ShardGroup, torch.Tensor | None]] = list(work)
         self._index = {id(g): i for i, (g, _) in enumerate(self.work)}
@@ -460,6 +488,8 @@ class HostStep:
             pg.update(hyper)  # this step's lr etc., whatever a scheduler set since
         # The group's host passes (the optimizer, and under offload_param the cast of the master into the 16-bit
         # shard the gathers read) run on the rank's share of the CPUs, not on the launcher's OMP_NUM_THREADS=1.
+        if self.swap is not None:
+            self.swap.attach(g)
         with intra_op_threads(self.threads):
             start = time.perf_counter()
             g.master.grad = grad
@@ -474,6 +504,8 @@ class HostStep:
                 g.publish_master(self.stream, defer=True)  # type: ignore[call-arg]
             else:
                 g.publish_master(self.stream)
+        if self.swap is not None:
+            self.swap.detach(g)
         if self.done and self.on_done is not None:
             self.on_done(self.cpu_seconds)
 

@@ -29,6 +29,7 @@ not a branch here.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 from collections import defaultdict
@@ -42,6 +43,8 @@ from hf_zero.tp_split import checkpoint_name, split_of
 from hf_zero.zero import collectives as C
 from hf_zero.zero.flat import FlatGroup
 from hf_zero.zero.group import ParamSlot, Placement, ShardGroup
+from hf_zero.zero.nvme import NvmeStores, open_stores
+from hf_zero.zero.nvme_io import Scope
 from hf_zero.zero.offload import (
     HostPlan,
     OffloadedFlatGroup,
@@ -49,6 +52,7 @@ from hf_zero.zero.offload import (
     OffloadedShardedParamGroup,
     OffloadPolicy,
     ShardSizes,
+    _HostParamShard,
     intra_op_threads,
     plan_host_memory,
     state_bytes_per_element,
@@ -269,6 +273,12 @@ class ShardedOptimizer:
                                     state_bytes=state_bytes_per_element(optimizer),
                                     param_bytes=place.compute_dtype.itemsize, group=place.group)
         self.stream_grads = plan is HostPlan.STREAM_GRADS
+        # "device": "nvme": the folders exist before the groups, and each group goes to disk as it is built
+        self.nvme: NvmeStores | None = None
+        self.nvme_scope = Scope(place.group, place.replicate)  # a disk failure stops every rank of the grid
+        if offload.nvme and offload.optimizer:
+            self.nvme = open_stores(optimizer, offload.optimizer_nvme, offload.params_nvme,
+                                    max(1, state_bytes_per_element(optimizer) // 4), self.nvme_scope, self.comm_stream)
         group_masters: list[list[torch.Tensor]] = [[] for _ in group_named]
         if stage == 3:
             self._build_stage3(module, group_named, group_masters)
@@ -277,6 +287,8 @@ class ShardedOptimizer:
         else:
             materialize_(list(module.parameters()), device)
         self._build_flat(group_named, group_masters)
+        if self.nvme is not None:
+            self.nvme.adopted(self.nvme_scope)
         _point_optimizer_at(optimizer, group_masters)
 
         self._group_of: dict[int, ShardGroup] = {id(s.param): g for g in self.groups for s in g.slots}
@@ -294,7 +306,8 @@ class ShardedOptimizer:
         if zero.overlap_param_gather and stage <= 2 and self.flat_groups:
             self.overlap = DeferredPublish(module, self.flat_groups)
         self.runner: StepRunner = pick_runner(optimizer, self.groups, self.comm_stream, device=device, offload=offload,
-                                              stream_grads=self.stream_grads, overlap=self.overlap)
+                                              stream_grads=self.stream_grads, overlap=self.overlap, process_group=self.nvme_scope,
+                                              nvme=self.nvme)
         self._sync = False
         self._next_launch = 0
         self.reduced = False
@@ -321,13 +334,16 @@ class ShardedOptimizer:
             # Reverse registration order approximates the order backward produces gradients.
             for bucket in _buckets_by_split(list(reversed(named)), self.zero.bucket_numel):
                 if offload.optimizer:
-                    fg: FlatGroup = OffloadedFlatGroup(bucket, self.place, partitioned=stage >= 1,
-                                                       free_grads_after_reduce=stage >= 1, pin=offload.pin_memory,
+                    # on NVMe the master is written out and its memory freed: not registered with CUDA
+                    fg: FlatGroup = OffloadedFlatGroup(bucket, self.place, partitioned=stage >= 1, free_grads_after_reduce=stage >= 1,
+                                                       pin=offload.pin_memory and offload.optimizer_nvme is None,
                                                        stream_grads=self.stream_grads)
                 else:
                     fg = FlatGroup(bucket, self.place, partitioned=stage >= 1, free_grads_after_reduce=stage >= 1)
                 fg.tp_split = split_of(bucket[0][1]) is not None
                 self.flat_groups.append(fg)
+                if self.nvme is not None and self.nvme.swap is not None and fg.master is not None:
+                    self.nvme.swap.adopt(fg)
                 group_masters[gi].append(fg.master)
 
     def _build_stage3(
@@ -353,14 +369,21 @@ class ShardedOptimizer:
                 kinds = [[x for x in picked if split_of(x[1])], [x for x in picked if not split_of(x[1])]]
                 for part in (k for k in kinds if k):
                     if gi < 0 and offload.params:
-                        g = OffloadedFrozenGroup(part, self.place, pin=offload.params_pin_memory)
+                        g = OffloadedFrozenGroup(part, self.place,
+                                                 pin=offload.params_pin_memory and offload.params_nvme is None)
                     elif not offload.optimizer or gi < 0:
                         g = ShardedParamGroup(part, self.place, trainable=gi >= 0)
                     else:
-                        g = OffloadedShardedParamGroup(part, self.place, trainable=True, pin=offload.pin_memory,
+                        g = OffloadedShardedParamGroup(part, self.place, trainable=True,
+                                                       pin=offload.pin_memory and not offload.nvme,
                                                        params_on_host=offload.params, stream_grads=self.stream_grads)
                     g.tp_split = split_of(part[0][1]) is not None
                     groups.append(g)
+                    if self.nvme is not None:  # to disk as built: host memory never holds every group at once
+                        if self.nvme.params is not None and isinstance(g, _HostParamShard) and g.shard_on_host:
+                            self.nvme.params.adopt(g)
+                        if self.nvme.swap is not None and g.master is not None:
+                            self.nvme.swap.adopt(g)
                     self.stage3_groups.append(g)
                     if g.master is not None:
                         group_masters[gi].append(g.master)
@@ -396,6 +419,11 @@ class ShardedOptimizer:
         if self.overlap is not None:
             self.overlap.wait_all()
 
+    def resident(self) -> contextlib.AbstractContextManager[None]:
+        """Every master, optimizer state and offloaded shard in memory for the block: a save or a load reads and writes
+        them (collective). Only NVMe offload keeps any elsewhere (:class:`hf_zero.zero.runner.NvmeRunner`)."""
+        return self.runner.resident()
+
     def release_inference(self) -> None:
         """Stage 3: release what no-grad forwards (evaluation, ``generate``) left gathered."""
         if self.runtime is not None:
@@ -406,8 +434,17 @@ class ShardedOptimizer:
     def _per_param_group(self) -> list[torch.Tensor]:
         """This rank's masters of each optimizer param group, bucket after bucket, as one new tensor per group."""
         out = []
+        swap = self.nvme.swap if self.nvme is not None else None
+        owner = {id(g.master): g for g in self.groups if g.master is not None}
+
+        def flat(m: torch.Tensor) -> torch.Tensor:
+            if swap is None or id(m) not in owner:
+                return m.detach().reshape(-1)
+            with swap.group_resident(owner[id(m)], write=False):  # NVMe: read from its file, a copy
+                return m.detach().reshape(-1).clone()
+
         for pg in self.optimizer.param_groups:
-            parts = [m.detach().reshape(-1) for m in pg["params"]]
+            parts = [flat(m) for m in pg["params"]]
             out.append(torch.cat(parts) if parts else torch.empty(0, dtype=self.place.master_dtype, device=self.device))
         return out
 

@@ -13,7 +13,9 @@ taken per step:
 - :class:`HostRunner` (``offload_optimizer``): the host masters stepped group by group on the CPU, each group
   copied back and published at once (:class:`hf_zero.zero.offload.HostStep`), inside ``engine.step()``;
 - :class:`DeferredHostRunner` (``offload_optimizer`` with ``overlap_param_gather`` at stages 1-2): the first
-  group the forward reads stepped at once, every other one where the next forward first reads it.
+  group the forward reads stepped at once, every other one where the next forward first reads it;
+- :class:`NvmeRunner` (``"device": "nvme"``): :class:`HostRunner`'s step with the masters and optimizer state
+  read from files and written back around each group's step (:mod:`hf_zero.zero.nvme`).
 
 Whether the host runners read each group's gradient from its host copy or stream it from the device through
 two shared buffers is their property (``stream_grads``, from :func:`hf_zero.zero.offload.plan_host_memory`).
@@ -25,14 +27,21 @@ new runner class in this module, registered in :func:`pick_runner`, not a branch
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
 from hf_zero.zero import collectives as C
 from hf_zero.zero.group import ShardGroup
-from hf_zero.zero.offload import HostStep, OffloadPolicy, host_buffer, use_host_kernels
+from hf_zero.zero.nvme import NvmeStores, pooled_raise
+from hf_zero.zero.offload import (
+    HostStep,
+    OffloadPolicy,
+    host_buffer,
+    use_host_kernels,
+)
 from hf_zero.zero.overlap import DeferredPublish
 
 Timed = Callable[[str, float], None]  # wall_clock_breakdown's sink (hf_zero/timers.py): (part, seconds)
@@ -59,6 +68,12 @@ class StepRunner:
     def release(self) -> None:
         """Drop every group and buffer this runner holds (``engine.destroy()``); it steps nothing afterwards."""
         self.groups = []
+
+    @contextlib.contextmanager
+    def resident(self) -> Iterator[None]:
+        """Every master, optimizer state and shard in memory for the block (a save, a load); collective. Only
+        :class:`NvmeRunner` keeps any of them elsewhere."""
+        yield
 
 
 class DeviceRunner(StepRunner):
@@ -128,7 +143,7 @@ class HostRunner(StepRunner):
         streamed: list[torch.Tensor] | None = None
         if self.stream_grads:  # each group's fp32 shard waited on the device; the step streams it through two buffers
             work = [(g, g.reduced_grad()) for g in self.groups if g.master is not None and g.reduced_grad() is not None]
-            largest = max((g.master.numel() for g, _ in work), default=0)  # type: ignore[union-attr]
+            largest = max((grad.numel() for _, grad in work), default=0)  # type: ignore[union-attr]
             if largest and (not self.grad_buffers or self.grad_buffers[0].numel() < largest):
                 self.grad_buffers = [host_buffer(largest, torch.float32, pin=self.pin) for _ in range(2)]
             streamed = self.grad_buffers
@@ -206,14 +221,94 @@ class DeferredHostRunner(HostRunner):
         self.overlap = None
 
 
+class NvmeRunner(HostRunner):
+    """``"device": "nvme"`` (ZeRO-Infinity): :class:`HostRunner`'s step with the masters and optimizer state read from
+    files before each group's step and written back after it (:class:`hf_zero.zero.nvme.OptimizerSwap`: the next
+    groups' reads and the previous groups' writes in flight while the CPU steps one), and, with ``offload_param``
+    on NVMe, the recast 16-bit shards written to theirs (:class:`hf_zero.zero.nvme.ParamStore`). The gradients always
+    wait on the device and are streamed (host memory holds the swap buffers, not a gradient copy per group).
+
+    Failures of the disk are pooled at the step's two ends (:func:`hf_zero.zero.nvme.pooled_raise`): before anything
+    is stepped (a read of a shard for a gather failed since the last step) and after every write has landed, so each
+    rank raises the same sentence and none waits in a collective.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, groups: list[ShardGroup], stream: torch.cuda.Stream | None,
+                 device: torch.device, offload: OffloadPolicy, process_group: object, nvme: NvmeStores) -> None:
+        super().__init__(optimizer, groups, stream, device, offload, stream_grads=offload.optimizer_nvme is not None)
+        self.process_group = process_group
+        self.swap, self.params = nvme.swap, nvme.params
+
+    def step(self, timed: Timed | None) -> None:
+        clock = time.perf_counter
+        t0 = clock()
+        # a read for a gather failed since the last step: stop here, on every rank, before anything is stepped
+        # (or an earlier failure left the files stale: every rank knows it, and nothing reads them again)
+        earlier = self.swap.broken if self.swap is not None else None
+        pooled_raise((self.params.end() if self.params is not None else None) or earlier, self.process_group)  # type: ignore[arg-type]
+        for g in self.groups:
+            g.before_step()
+        t1 = clock()
+        work, streamed = self._work()
+        if self.swap is not None:
+            self.swap.begin([g for g, _ in work])
+        run = HostStep(self.optimizer, self.stream, work, streamed=streamed, threads=self.threads, swap=self.swap)
+        try:
+            run.finish()
+        finally:
+            problem = self.swap.end() if self.swap is not None else None
+            if self.params is not None:
+                problem = self.params.end() or problem
+        if streamed is None:
+            for g, grad in work:
+                g.master.grad = grad  # type: ignore[union-attr]
+        t2 = clock()
+        C.wait_for(self.stream)
+        try:
+            pooled_raise(problem, self.process_group)  # type: ignore[arg-type]
+        except Exception as e:
+            if self.swap is not None:
+                self.swap.fail(str(e))
+            raise
+        if timed is not None:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            io = self.swap.io_seconds if self.swap is not None else 0.0
+            timed("step.wait_grads", t1 - t0)
+            timed("step.cpu_optimizer", run.cpu_seconds)
+            timed("step.nvme_wait", io)
+            timed("step.to_device", (t2 - t1 - run.cpu_seconds - io) + (clock() - t2))
+
+    @contextlib.contextmanager
+    def resident(self) -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            if self.params is not None:
+                stack.enter_context(self.params.resident(self.process_group))  # type: ignore[arg-type]
+            if self.swap is not None:
+                stack.enter_context(self.swap.resident(self.process_group))  # type: ignore[arg-type]
+            yield
+
+    def release(self) -> None:
+        super().release()
+        for store in (self.swap, self.params):
+            if store is not None:
+                store.close()
+        self.swap = self.params = None
+
+
 def pick_runner(optimizer: torch.optim.Optimizer, groups: list[ShardGroup], stream: torch.cuda.Stream | None, *,
                 device: torch.device, offload: OffloadPolicy, stream_grads: bool,
-                overlap: DeferredPublish | None) -> StepRunner:
+                overlap: DeferredPublish | None, process_group: object = None,
+                nvme: NvmeStores | None = None) -> StepRunner:
     """The runner for these choices, made once when the optimizer is built; where a new runner is registered.
 
     ``overlap`` is the optimizer's :class:`DeferredPublish` (``overlap_param_gather`` at stages 0-2 and a group to
-    publish; None otherwise), ``stream_grads`` the host-memory plan's answer (only with ``offload.optimizer``).
+    publish; None otherwise), ``stream_grads`` the host-memory plan's answer (only with ``offload.optimizer``),
+    ``process_group`` the groups' (NVMe failures are raised on all its ranks), ``nvme`` the files the groups were
+    written to as they were built (with ``offload.nvme``).
     """
+    if offload.optimizer and nvme is not None:  # the config refuses NVMe with overlap_param_gather
+        return NvmeRunner(optimizer, groups, stream, device, offload, process_group, nvme)
     if offload.optimizer:
         if overlap is not None:
             return DeferredHostRunner(optimizer, groups, stream, device, offload, stream_grads, overlap)

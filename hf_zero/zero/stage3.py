@@ -187,10 +187,14 @@ class ShardedParamGroup(ShardGroup):
 
     def write_back_from_full(self) -> None:
         """The gathered buffer was edited (and is identical on every rank): refresh shard and master."""
-        with torch.no_grad():
-            for t in (self.param_shard, self.master):
+        swap = getattr(self, "nvme_swap", None)  # NVMe offload: the master waits in a file (hf_zero/zero/nvme.py)
+        store = getattr(self, "shard_store", None)  # and the 16-bit shard in another
+        with swap.group_resident(self, write=True) if swap is not None else contextlib.nullcontext(), torch.no_grad():
+            for t in (None if store is not None else self.param_shard, self.master):
                 if t is not None:
                     t.copy_(self.full[self.shard_lo : self.shard_hi])
+            if store is not None:
+                store.put(self, self.full[self.shard_lo : self.shard_hi])
 
     def reshard(self) -> None:
         """Release the full parameters' memory; only this rank's shard remains."""
