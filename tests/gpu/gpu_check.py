@@ -35,6 +35,7 @@ from tests import (  # noqa: E402
     test_checkpoint,
     test_compile,
     test_ds_api,
+    test_nvme,
     test_offload,
     test_overlap_param_gather,
     test_parity,
@@ -358,6 +359,7 @@ suites: dict[str, Callable[[int, int], list[dict]]] = {
     "overlap_param_gather": _overlap,
     "released parameters": _released,
     "optimizer-free ZeRO-3": _inference,
+    "NVMe offload": test_nvme.gpu_suite,
 }
 
 
