@@ -40,6 +40,11 @@ While unit i runs, the all-gathers of the units after it are already in flight o
 as a unit's backward is done and accumulated into this rank's fp32 gradient shard, so stage 3
 communicates on every micro-step (holding full gradients across accumulation steps would undo
 the point of stage 3).
+
+A forward without grad (evaluation, ``generate``) releases each unit after it as well, within the same memory as
+training; it may keep a unit gathered for the next such forward (the next decoding step) only within
+``stage3_max_live_parameters`` and ``stage3_max_reuse_distance`` (:meth:`Stage3Runtime._after_inference`), and the
+next training forward releases whatever is kept.
 """
 
 from __future__ import annotations
@@ -346,6 +351,27 @@ def input_embedding_unit(
     return name, emb
 
 
+def side_entries(root: torch.nn.Module, units: list[torch.nn.Module]) -> list[torch.nn.Module]:
+    """Modules that code runs on their own, outside the root's forward, and that read the root unit's parameters.
+
+    ``generate`` of an encoder-decoder model (T5, BART) runs ``model.get_encoder()(...)`` once before decoding: the
+    encoder reads the shared embedding and its final norm, which belong to the root unit, though the root's hooks
+    never run. Such an entry is the module ``get_encoder()`` returns, unless it is the root, a unit or inside one.
+    """
+    get = getattr(root, "get_encoder", None)
+    try:
+        enc = get() if callable(get) else None
+    except (NotImplementedError, AttributeError, TypeError):
+        return []
+    if not isinstance(enc, torch.nn.Module) or enc is root:
+        return []
+    if not any(m is enc for m in root.modules()):
+        return []
+    if any(any(m is enc for m in u.modules()) for u in units):
+        return []
+    return [enc]
+
+
 def _recomputing() -> bool:
     """Whether a module hook runs inside autograd's backward: the forward of a checkpoint being recomputed.
 
@@ -503,6 +529,10 @@ class Stage3Runtime:
                     self._sharded_of[id(s.param)] = u
         self.handles.append(root.register_forward_pre_hook(self._root_pre))
         self.handles.append(root.register_forward_hook(self._root_post))
+        self._side_depth = 0  # > 0 while a side entry (below) runs outside the root's forward
+        for entry in side_entries(root, [u.module for u in self.units]):
+            self.handles.append(entry.register_forward_pre_hook(self._side_pre))
+            self.handles.append(entry.register_forward_hook(self._side_post))
         for u in units:
             for g in u.groups:
                 if g.trainable:
@@ -595,6 +625,10 @@ class Stage3Runtime:
                 return  # already counted in the cap
             del self._kept[id(unit)]  # resharded by something else in between (a GatheredParameters exit)
         reuse = self._reuse.get(id(unit))
+        if reuse is None and not self.order:
+            # The first forward of the engine, before any order is recorded: no unit's distance can exceed the
+            # elements of all the units together, the bound used until the order is known.
+            reuse = sum(u.numel for u in self.units)
         if (self.keep_gathered_for_inference and reuse is not None and reuse <= self.max_reuse_numel
                 and self.kept_numel() + unit.numel <= self.max_live_numel):
             self._kept[id(unit)] = unit
@@ -645,6 +679,27 @@ class Stage3Runtime:
             u.gather(None)
         for u in self._with_root():
             u.wait()
+
+    def _side_pre(self, module: torch.nn.Module, args: tuple) -> None:
+        """A side entry (an encoder that ``generate`` runs on its own) starts outside the root's forward: it reads
+        the root unit's parameters (the shared embedding, its final norm), so they are gathered for it."""
+        if self.held_whole or self.in_forward:
+            return
+        self._side_depth += 1
+        if self._side_depth == 1:
+            for u in self._with_root():
+                u.gather(None)
+            for u in self._with_root():
+                u.wait()
+
+    def _side_post(self, module: torch.nn.Module, args: tuple, output: object) -> None:
+        """Without grad the root is kept or released as after a no-grad forward of the root; with grad it stays
+        for backward, which releases it at its end (finish_backward)."""
+        if self.held_whole or self.in_forward or self._side_depth == 0:
+            return
+        self._side_depth -= 1
+        if self._side_depth == 0 and not torch.is_grad_enabled():
+            self._after_inference_root()
 
     def _with_root(self) -> list[Unit]:
         """The root unit and the pinned units: gathered for the whole forward, released as the root is."""
