@@ -62,6 +62,7 @@ def _args() -> argparse.Namespace:
     p.add_argument("--max_live", type=float, default=1e9, help="stage3_max_live_parameters")
     p.add_argument("--reuse", type=float, default=1e9, help="stage3_max_reuse_distance")
     p.add_argument("--prefetch", type=float, default=5e7, help="stage3_prefetch_bucket_size")
+    p.add_argument("--zero_init", action="store_true", help="build under zero.Init on the CPU too (always on GPUs)")
     a = p.parse_args()
     shape = SHAPES[a.model] if a.model else dict(
         hidden_size=a.hidden, intermediate_size=a.intermediate, num_hidden_layers=a.layers, num_attention_heads=a.heads,
@@ -82,6 +83,17 @@ def _held(device: torch.device) -> int:
         pass
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _gathered(model: torch.nn.Module) -> int:
+    """Elements of sharded parameters gathered now, by DeepSpeed's ``ds_status`` (hf_zero sets it too): what the
+    engine holds whole beyond the parameters it keeps whole for good (``ds_persist``)."""
+    n = 0
+    for p in model.parameters():
+        status = getattr(p, "ds_status", None)
+        if status is not None and status.name == "AVAILABLE" and not getattr(p, "ds_persist", False):
+            n += p.ds_numel
+    return n
 
 
 def _peak(device: torch.device) -> int:
@@ -126,7 +138,7 @@ def main() -> None:
     torch.manual_seed(0)
     lcfg = LlamaConfig(**a.shape)
     lcfg._attn_implementation = "sdpa"
-    if device.type == "cuda":
+    if device.type == "cuda" or a.zero_init:
         with zero_lib.zero.Init(config_dict_or_path=config):
             model = LlamaForCausalLM(lcfg).to(dtype)
     else:
@@ -144,11 +156,13 @@ def main() -> None:
         engine.backward(loss)
         engine.step()
     rows["after 2 training steps"] = _held(device)
+    rows["gathered elements after 2 training steps"] = _gathered(model)
     engine.eval()
     with torch.no_grad():
         for k in range(3):
             engine(input_ids=ids[2 + k])
     rows["after 3 no-grad forwards"] = _held(device)
+    rows["gathered elements after 3 no-grad forwards"] = _gathered(model)
     prompt = torch.randint(0, lcfg.vocab_size, (1, a.prompt), generator=g).to(device)
     new = a.new_tokens + rank  # ranks of different lengths
     dist.barrier()
@@ -160,6 +174,7 @@ def main() -> None:
         torch.cuda.synchronize(device)
     seconds = time.perf_counter() - start
     rows["after generate"] = _held(device)
+    rows["gathered elements after generate"] = _gathered(model)
     rows["generate tokens/s (rank 0)"] = round((out.shape[1] - prompt.shape[1]) / seconds, 2)
     rows["generate seconds"] = round(seconds, 2)
     rows["peak"] = _peak(device)
@@ -169,7 +184,9 @@ def main() -> None:
         print(f"{a.engine} ZeRO-3 {a.dtype}, {n_params / 1e9:.2f}B params, {world} ranks on {device.type}, "
               f"max_live {a.max_live:g}, reuse {a.reuse:g}")
         for key in ("after 2 training steps", "after 3 no-grad forwards", "after generate", "peak"):
-            print(f"  {key}: {rows[key] / gib:.2f} GiB")
+            gathered = rows.get(f"gathered elements {key}")
+            print(f"  {key}: {rows[key] / gib:.2f} GiB" + ("" if gathered is None else
+                                                          f", {gathered / 1e6:.1f}M elements gathered"))
         print(f"  generate: {rows['generate tokens/s (rank 0)']} tokens/s ({out.shape[1] - prompt.shape[1]} tokens "
               f"in {rows['generate seconds']} s)")
     dist.barrier()

@@ -235,6 +235,34 @@ def different_lengths(rank: int, world: int, device: torch.device) -> dict:
     return out
 
 
+def lora_generate(rank: int, world: int, device: torch.device) -> dict:
+    """``generate`` through a peft LoRA model at ZeRO-3 under the small cap (peft's ``generate`` calls the base
+    model, not the engine's root module), ranks of different lengths, against the same peft model unsharded."""
+    from peft import LoraConfig, get_peft_model
+
+    import hf_zero
+
+    lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    torch.manual_seed(1)
+    ref = get_peft_model(_llama(GEN_SHAPE), lora).to(device).eval()
+    torch.manual_seed(1)
+    model = get_peft_model(_llama(GEN_SHAPE), lora)
+    engine, _, _, _ = hf_zero.initialize(model=model, config=_config(GEN_CAP))
+    engine.eval()
+    g = torch.Generator().manual_seed(13)
+    prompts = [torch.randint(0, GEN_SHAPE["vocab_size"], (1, 4 + r), generator=g).to(device) for r in range(world)]
+    new = 3 + 4 * rank
+    with torch.no_grad(), _Watchdog(HANG_SECONDS, f"peft generate on rank {rank}"):
+        got = model.generate(input_ids=prompts[rank], max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                             pad_token_id=0)
+    with torch.no_grad():
+        want = ref.generate(input_ids=prompts[rank], max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                            pad_token_id=0)
+    out = {"got": got.tolist(), "want": want.tolist(), "kept_numel": engine.zero_optimizer.runtime.kept_numel()}
+    engine.destroy()
+    return out
+
+
 def _gathered_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     from hf_zero.zero import GatheredParameters
 
@@ -249,7 +277,7 @@ def _cpu_ranks(rank: int, world: int) -> dict:
     cpu = torch.device("cpu")
     return {"small_cap": eval_memory(rank, world, cpu, SMALL_CAP),
             "default_cap": eval_memory(rank, world, cpu, None),
-            "generate": different_lengths(rank, world, cpu)}
+            "generate": different_lengths(rank, world, cpu), "lora": lora_generate(rank, world, cpu)}
 
 
 @pytest.fixture(scope="module")
@@ -294,6 +322,13 @@ def test_generate_of_different_lengths_returns_on_both_ranks(two_ranks: list[dic
         assert case["gathers"] == g["groups"] + (case["forwards"] - 1) * (g["groups"] - case["kept_groups"]), (case, g["groups"])
         assert g["sharded_after_step"] and g["first_step_unchanged"]
         assert g["w_err"] < 1e-6, g["w_err"]
+
+
+def test_peft_generate_of_different_lengths(two_ranks: list[dict]) -> None:
+    runs = [rank["lora"] for rank in two_ranks]
+    assert len(runs[0]["got"][0]) != len(runs[1]["got"][0])
+    for r in runs:
+        assert r["got"] == r["want"] and r["kept_numel"] <= GEN_CAP, r
 
 
 def gpu_suite(rank: int, world: int) -> list[dict]:

@@ -673,6 +673,7 @@ class Stage3Runtime:
         self.in_forward = True
         for u in self.units:
             u.running = 0  # a forward that raised left its count behind
+        self._side_depth = 0  # likewise a side entry's
         if self.grad_forward:
             self.release_inference()
         for u in self._with_root():
