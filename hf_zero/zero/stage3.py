@@ -613,8 +613,10 @@ class Stage3Runtime:
 
         Kept, as DeepSpeed keeps a parameter whose next use is near, only when its reuse distance (the elements of
         the other units run before it is used again, the next no-grad forward repeating this one: the next decoding
-        step or evaluation batch) is within ``stage3_max_reuse_distance``, and when everything kept, this unit
-        included, stays within ``stage3_max_live_parameters``. So a model under the cap is gathered once for a whole
+        step or evaluation batch) is within ``stage3_max_reuse_distance``, and when what a forward then holds
+        gathered at once stays within ``stage3_max_live_parameters`` (DeepSpeed's "parameters resident before
+        releasing"): everything kept, this unit included, plus the root unit and the largest unit that runs
+        beside them (:meth:`_working_numel`). So a model under the cap is gathered once for a whole
         ``generate``; a larger one keeps its first units and gathers the rest per forward, as training does,
         instead of holding the whole model gathered (which a model big enough to need ZeRO-3 has no room for).
         What is kept is the same on every rank (the order and sizes are), so the ranks' gathers stay matched.
@@ -630,22 +632,34 @@ class Stage3Runtime:
             # elements of all the units together, the bound used until the order is known.
             reuse = sum(u.numel for u in self.units)
         if (self.keep_gathered_for_inference and reuse is not None and reuse <= self.max_reuse_numel
-                and self.kept_numel() + unit.numel <= self.max_live_numel):
+                and self.kept_numel() + unit.numel + self._working_numel() <= self.max_live_numel):
             self._kept[id(unit)] = unit
             self.inference_gathered = True
             return
         unit.reshard()
 
+    def _largest_unit(self) -> int:
+        """Elements of the largest unit: what a forward gathers beside what is kept, at the least (the running unit)."""
+        return max((u.numel for u in self.units if not u.pinned), default=0)
+
+    def _working_numel(self) -> int:
+        """What a no-grad forward holds gathered beside the kept units: the root unit with the pinned units (for the
+        whole forward, unless they are kept themselves) and the running unit (the largest, to be safe)."""
+        root = 0 if self._root_kept else sum(u.numel for u in self._with_root())
+        return root + self._largest_unit()
+
     def _after_inference_root(self) -> None:
         """End of a no-grad forward of the root: keep the root unit (with the pinned units) if it fits under the cap.
 
         Its reuse distance is 0: the next forward gathers it first. It is decided last, so the units that ran before
-        it have taken their share of ``stage3_max_live_parameters`` first.
+        it have taken their share of ``stage3_max_live_parameters`` first; with the largest unit running beside
+        everything kept, the cap still holds.
         """
         if self._root_kept:
             return
         numel = sum(u.numel for u in self._with_root())
-        if self.keep_gathered_for_inference and numel and self.kept_numel() + numel <= self.max_live_numel:
+        if (self.keep_gathered_for_inference and numel
+                and self.kept_numel() + numel + self._largest_unit() <= self.max_live_numel):
             self._root_kept = True
             self.inference_gathered = True
             return
