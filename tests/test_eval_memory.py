@@ -108,10 +108,11 @@ def _whole_logits(model: torch.nn.Module, shape: dict, ids: torch.Tensor, dtype:
     """The logits of a whole copy of the engine's (sharded) model: every parameter gathered once and copied."""
     from hf_zero.zero import GatheredParameters
 
-    whole = _llama(shape).to(device=ids.device, dtype=dtype).eval()
+    whole = _llama(shape).to(device=ids.device).eval()  # buffers (RoPE's inv_freq) stay fp32, as the engine's do
     mine = dict(model.named_parameters())
     with torch.no_grad():
         for name, p in whole.named_parameters():
+            p.data = p.data.to(dtype)
             with GatheredParameters([mine[name]]):
                 p.copy_(mine[name])
         out = whole(input_ids=ids).logits.float()
@@ -180,8 +181,7 @@ def different_lengths(rank: int, world: int, device: torch.device) -> dict:
     model = engine.module
     engine.backward(engine(input_ids=ids[0], labels=ids[0]).loss)
     engine.step()
-    ref.load_state_dict(_gathered_state(model))
-    ref_train = {n: p.detach().clone() for n, p in _gathered_state(model).items()}  # the weights before generating
+    ref.load_state_dict(_gathered_state(model))  # the unsharded model, with the trained weights
     # eos at different steps: rank 0's third greedy token, which ends each rank's sequence where it first comes
     with torch.no_grad():
         eos = int(ref.generate(prompts[0], max_new_tokens=3, do_sample=False, pad_token_id=0)[0, -1])
@@ -220,7 +220,8 @@ def different_lengths(rank: int, world: int, device: torch.device) -> dict:
     out["groups"] = len(engine.zero_optimizer.stage3_groups)
     # training after generate: the same step as from the same weights without it
     engine.train()
-    engine.backward(engine(input_ids=ids[1], labels=ids[1]).loss)
+    loss_after = engine(input_ids=ids[1], labels=ids[1]).loss
+    engine.backward(loss_after)
     engine.step()
     after = _gathered_state(model)
     out["sharded_after_step"] = all(grp.full.untyped_storage().nbytes() == 0 for grp in engine.zero_optimizer.stage3_groups
@@ -235,8 +236,8 @@ def different_lengths(rank: int, world: int, device: torch.device) -> dict:
         plain.backward(loss)
         plain.step()
     want_w = _gathered_state(plain.module)
+    out["loss_err"] = abs(float(loss_after.detach()) - losses[1]) / abs(losses[1])
     out["w_err"] = max(float((after[n] - want_w[n]).norm() / want_w[n].norm().clamp_min(1e-12)) for n in want_w)
-    out["first_step_unchanged"] = all(torch.equal(ref_train[n].cpu(), ref.state_dict()[n].cpu()) for n in ref_train)
     plain.destroy()
     return out
 
@@ -326,7 +327,7 @@ def test_generate_of_different_lengths_returns_on_both_ranks(two_ranks: list[dic
         assert case["forwards"] == 7, case  # synced: the rank done after 2 tokens runs forwards until the other is
         assert 0 < case["kept_groups"] < g["groups"], case
         assert case["gathers"] == g["groups"] + (case["forwards"] - 1) * (g["groups"] - case["kept_groups"]), (case, g["groups"])
-        assert g["sharded_after_step"] and g["first_step_unchanged"]
+        assert g["sharded_after_step"] and g["loss_err"] < 1e-6, g["loss_err"]
         assert g["w_err"] < 1e-6, g["w_err"]
 
 
@@ -343,14 +344,20 @@ def gpu_suite(rank: int, world: int) -> list[dict]:
     Rows (``case``, ``loss_err``, ``w_err``, ``tol``): the memory rows carry the no-grad logits' error against the
     whole model as ``loss_err`` and, as ``w_err``, how far the growth of ``torch.cuda.memory_allocated`` after three
     no-grad forwards exceeds a quarter of the model, over the model's bytes (0 when within; bf16 rows compare
-    logits to a bf16 whole model, hence their tolerance); the generate row's ``loss_err`` counts the ranks' token
-    mismatches against the unsharded model, and ``w_err`` is the weights' error of a step after generating
-    against the same step without it.
+    logits to a bf16 whole model: 0 on the CPU, 1e-3 leaves room for a kernel choice); the generate row's
+    ``loss_err`` is the loss of a training step after generating against the same step without it (or, if any
+    case's tokens differ from the unsharded model's, the number of such cases), and ``w_err`` the weights' error
+    after that step.
     """
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     torch.cuda.set_device(device)
+    return suite_rows(rank, world, device)
+
+
+def suite_rows(rank: int, world: int, device: torch.device) -> list[dict]:
+    """:func:`gpu_suite`'s rows on ``device`` (RSS instead of allocated memory on the CPU)."""
     rows = []
-    for dtype, tol in ((None, 1e-5), ("bf16", 2e-2)):
+    for dtype, tol in ((None, 1e-5), ("bf16", 1e-3)):
         r = eval_memory(rank, world, device, SMALL_CAP, dtype)
         over = max(0, r["mem_growth"] - r["model_bytes"] // 4) / r["model_bytes"]
         rows.append({"case": f"3 no-grad forwards after a step, {dtype or 'fp32'}, max_live 1e7: "
@@ -360,7 +367,7 @@ def gpu_suite(rank: int, world: int) -> list[dict]:
     names = [k for k in g if isinstance(g[k], dict) and "got" in g[k]]
     wrong = sum(g[k]["got"] != g[k]["want"] for k in names)
     rows.append({"case": f"generate, ranks of different lengths ({len(names)} cases), then a step",
-                 "loss_err": float(wrong), "w_err": g["w_err"], "tol": 1e-5})
+                 "loss_err": g["loss_err"] if not wrong else float(wrong), "w_err": g["w_err"], "tol": 1e-5})
     return rows
 
 
