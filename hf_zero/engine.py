@@ -231,6 +231,7 @@ class ZeroEngine(torch.nn.Module):
             stage=zc.stage, bucket_numel=max(1, int(zc.reduce_bucket_size)),
             persistence_threshold=int(zc.stage3_param_persistence_threshold),
             prefetch_numel=int(zc.stage3_prefetch_bucket_size), max_live_numel=int(zc.stage3_max_live_parameters),
+            max_reuse_numel=int(zc.stage3_max_reuse_distance),
             overlap_param_gather=zc.overlap_param_gather, ignore_unused_parameters=zc.ignore_unused_parameters,
         )
         off, par = zc.offload_optimizer, zc.offload_param  # offload_param: stage 3 only (the config says it is ignored elsewhere)

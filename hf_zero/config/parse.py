@@ -525,6 +525,7 @@ class Parser:
             stage3_param_persistence_threshold=obj.get("stage3_param_persistence_threshold", Int(0),
                                                        d.stage3_param_persistence_threshold),
             stage3_max_live_parameters=obj.get("stage3_max_live_parameters", Int(0), d.stage3_max_live_parameters),
+            stage3_max_reuse_distance=obj.get("stage3_max_reuse_distance", Int(0), d.stage3_max_reuse_distance),
             offload_optimizer=self.offload_optimizer(obj),
             offload_param=self.offload(obj, "offload_param", OffloadParamConfig),
             overlap_param_gather=obj.get("overlap_param_gather", Bool(), d.overlap_param_gather),

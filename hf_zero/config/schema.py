@@ -196,7 +196,7 @@ TORCH_AUTOCAST = Section(keys=("enabled", "dtype"), inert={"lower_precision_safe
 ZERO = Section(
     keys=(
         "stage", "reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold",
-        "stage3_max_live_parameters", "offload_optimizer", "offload_param",
+        "stage3_max_live_parameters", "stage3_max_reuse_distance", "offload_optimizer", "offload_param",
         "overlap_param_gather",  # hf_zero's: the step's parameter all-gather waited for in the next forward
         # MiCS's (DeepSpeed before 0.19.8): shard inside groups of N consecutive data-parallel ranks, replicate across
         # them; hf_zero runs it as hybrid sharding at stages 1-3 (hf_zero/parallel/grid.py, the dp_replicate axis)
@@ -224,9 +224,9 @@ ZERO = Section(
         # what hf_zero always does: gradients reduced on a side stream while backward runs (GPU), into
         # flat contiguous buckets, reduce-scattered at stages 1-3, updated parameters all-gathered
         "overlap_comm": True, "contiguous_gradients": True, "reduce_scatter": True, "allgather_partitions": True,
-        # the all-gather runs per flat group, sized by reduce_bucket_size; stage 3 frees a block's gathered
-        # parameters after use whatever the reuse distance; save_16bit_model always gathers the full weights
-        "allgather_bucket_size": 500_000_000, "stage3_max_reuse_distance": 1_000_000_000,
+        # the all-gather runs per flat group, sized by reduce_bucket_size; save_16bit_model always gathers the
+        # full weights
+        "allgather_bucket_size": 500_000_000,
         "stage3_gather_16bit_weights_on_model_save": True,
         "load_from_fp32_weights": True, "elastic_checkpoint": False, "sub_group_size": 1_000_000_000,
         "legacy_stage1": False, "round_robin_gradients": False,

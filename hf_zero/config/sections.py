@@ -142,6 +142,9 @@ class ZeroOptimizationConfig:
     stage3_prefetch_bucket_size: int = 50_000_000  # elements gathered ahead of use at stage 3
     stage3_param_persistence_threshold: int = 100_000  # parameters smaller than this stay whole at stage 3
     stage3_max_live_parameters: int = 1_000_000_000  # gathered elements alive at once at stage 3
+    # a unit used again within this many elements of other units may stay gathered (no-grad forwards: evaluation,
+    # generate; hf_zero/zero/stage3.py Stage3Runtime._after_inference), under stage3_max_live_parameters
+    stage3_max_reuse_distance: int = 1_000_000_000
     offload_optimizer: OffloadOptimizerConfig | None = None  # None: the section is absent
     offload_param: OffloadParamConfig | None = None
     # hf_zero's: stages 0-2 return from the step with the parameters' all-gathers in flight (with offload_optimizer,

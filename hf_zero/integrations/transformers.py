@@ -614,7 +614,8 @@ class Seq2SeqTrainingArguments(TrainingArguments, transformers.Seq2SeqTrainingAr
 class Seq2SeqTrainer(Trainer, transformers.Seq2SeqTrainer):
     """transformers' ``Seq2SeqTrainer`` on a ZeRO engine: evaluation and prediction can generate.
 
-    Under stage 3 a no-grad forward leaves each block gathered until the next training forward,
-    so ``generate`` does one all-gather per block and then decodes with no collectives at all:
-    ranks that finish at different lengths do not need transformers' ``synced_gpus``.
+    Under stage 3 a no-grad forward gathers and releases blocks as training does, keeping for the next decoding
+    step only what fits under ``stage3_max_live_parameters`` (hf_zero/zero/stage3.py); transformers passes
+    ``synced_gpus`` (the stage-3 model asks for it, hf_zero/zero/attach.py), so ranks that finish at different
+    lengths keep running forwards together until all are done.
     """

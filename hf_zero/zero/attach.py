@@ -47,6 +47,40 @@ def mark_stage3(module: torch.nn.Module, zo: Any) -> None:
     for p in module.parameters():  # frozen and too small to shard: whole on every rank
         if id(p) not in done:
             mark(p, p.shape, p.data.view(-1), ZeroParamStatus.AVAILABLE, persist=True)
+    mark_synced_generation(module)
+
+
+# The attributes FSDP2's fully_shard sets on the modules it manages; transformers' ``is_fsdp_managed_module`` reads the
+# first, torch.compile (dynamo) both (a module with the first and without the second is refused by dynamo).
+_MANAGED = ("_is_fsdp_managed_module", "_fsdp_use_orig_params")
+
+
+def mark_synced_generation(module: torch.nn.Module) -> None:
+    """Make transformers' ``generate`` turn ``synced_gpus`` on by itself for the models under ``module``.
+
+    Stage 3 gathers each unit with a collective in every forward, so ranks must run as many forwards as each
+    other: with ``synced_gpus`` a rank whose sequences are done keeps running forwards until every rank's are.
+    transformers turns it on when not passed, under DeepSpeed's ZeRO-3 (``is_deepspeed_zero3_enabled()``, which
+    reads DeepSpeed's own config object: setting that would also make ``from_pretrained`` and the Trainer import
+    the ``deepspeed`` package) or for a module FSDP manages (``is_fsdp_managed_module(self)``): the attribute
+    fully_shard sets is the one switch that means "parameters are sharded, keep the ranks in step" and nothing
+    else to transformers, Accelerate and TRL; for torch.compile it means hooks that change parameters, which is
+    true here too. Set on each module with a ``generate`` (the model, a peft model's base model); what was
+    already set (a model FSDP manages) is left as it was. :func:`detach` takes it off.
+    """
+    for m in module.modules():
+        if callable(getattr(type(m), "generate", None)) and not getattr(m, _MANAGED[0], False):
+            for name in _MANAGED:
+                setattr(m, name, True)
+            m.__dict__["_hf_zero_synced_generation"] = True
+
+
+def unmark_synced_generation(module: torch.nn.Module) -> None:
+    """Undo :func:`mark_synced_generation`."""
+    for m in module.modules():
+        if m.__dict__.pop("_hf_zero_synced_generation", False):
+            for name in _MANAGED:
+                m.__dict__.pop(name, None)
 
 
 def detach(module: torch.nn.Module, zo: Any) -> None:
@@ -82,6 +116,7 @@ def detach(module: torch.nn.Module, zo: Any) -> None:
     for p in module.parameters():
         if not is_presharded(p):
             clear(p)
+    unmark_synced_generation(module)
     # The optimizer's state and its param groups point at the masters: without them the masters go too, even
     # while the caller holds the optimizer initialize returned (the client's own at stage 0 in fp32).
     opt = zo.optimizer

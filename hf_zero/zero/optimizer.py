@@ -208,7 +208,7 @@ class ZeroPolicy:
     """The ZeRO stage and the knobs that shape its groups, decided once from the config's ``zero_optimization``.
 
     ``bucket_numel``: the elements of a stage 0-2 bucket (``reduce_bucket_size``; stage 3 too, for the parameters
-    it keeps whole). ``persistence_threshold``, ``prefetch_numel``, ``max_live_numel``: the ``stage3_*`` values
+    it keeps whole). ``persistence_threshold``, ``prefetch_numel``, ``max_live_numel``, ``max_reuse_numel``: the ``stage3_*`` values
     (which hold their defaults), read at stage 3 only. ``overlap_param_gather``: at stages 0-2 the step returns
     with the parameters' all-gathers in flight and the next forward waits for each group where it first reads it
     (:mod:`hf_zero.zero.overlap`); with the optimizer offloaded the CPU step of each group is deferred the same way;
@@ -221,6 +221,7 @@ class ZeroPolicy:
     persistence_threshold: int
     prefetch_numel: int
     max_live_numel: int
+    max_reuse_numel: int = 1_000_000_000
     overlap_param_gather: bool = False
     ignore_unused_parameters: bool = True
 
@@ -394,6 +395,7 @@ class ShardedOptimizer:
         self.runtime = Stage3Runtime(
             module, units, stream=self.gather_stream, reduce_stream=self.comm_stream,
             prefetch_numel=self.zero.prefetch_numel, max_live_numel=self.zero.max_live_numel,
+            max_reuse_numel=self.zero.max_reuse_numel,
         )
 
     # ------------------------------------------------------------ the groups

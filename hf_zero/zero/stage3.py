@@ -40,6 +40,11 @@ While unit i runs, the all-gathers of the units after it are already in flight o
 as a unit's backward is done and accumulated into this rank's fp32 gradient shard, so stage 3
 communicates on every micro-step (holding full gradients across accumulation steps would undo
 the point of stage 3).
+
+A forward without grad (evaluation, ``generate``) releases each unit after it as well, within the same memory as
+training; it may keep a unit gathered for the next such forward (the next decoding step) only within
+``stage3_max_live_parameters`` and ``stage3_max_reuse_distance`` (:meth:`Stage3Runtime._after_inference`), and the
+next training forward releases whatever is kept.
 """
 
 from __future__ import annotations
@@ -350,6 +355,27 @@ def input_embedding_unit(
     return name, emb
 
 
+def side_entries(root: torch.nn.Module, units: list[torch.nn.Module]) -> list[torch.nn.Module]:
+    """Modules that code runs on their own, outside the root's forward, and that read the root unit's parameters.
+
+    ``generate`` of an encoder-decoder model (T5, BART) runs ``model.get_encoder()(...)`` once before decoding: the
+    encoder reads the shared embedding and its final norm, which belong to the root unit, though the root's hooks
+    never run. Such an entry is the module ``get_encoder()`` returns, unless it is the root, a unit or inside one.
+    """
+    get = getattr(root, "get_encoder", None)
+    try:
+        enc = get() if callable(get) else None
+    except (NotImplementedError, AttributeError, TypeError):
+        return []
+    if not isinstance(enc, torch.nn.Module) or enc is root:
+        return []
+    if not any(m is enc for m in root.modules()):
+        return []
+    if any(any(m is enc for m in u.modules()) for u in units):
+        return []
+    return [enc]
+
+
 def _recomputing() -> bool:
     """Whether a module hook runs inside autograd's backward: the forward of a checkpoint being recomputed.
 
@@ -457,6 +483,7 @@ class Stage3Runtime:
         reduce_stream: torch.cuda.Stream | None = None,
         prefetch_numel: int,
         max_live_numel: int,
+        max_reuse_numel: int = 1_000_000_000,
     ) -> None:
         self.root = root
         self.units = [u for u in units if not u.is_root]
@@ -465,6 +492,7 @@ class Stage3Runtime:
         self.reduce_stream = reduce_stream
         self.prefetch_numel = prefetch_numel
         self.max_live_numel = max_live_numel
+        self.max_reuse_numel = max_reuse_numel
         self.order: list[Unit] = []  # forward execution order, recorded on the first training forward
         self._ahead: dict[bool, tuple[list[Unit], dict[int, int]]] = {}  # _set_order's, by reverse
         self._recording: list[Unit] = []
@@ -473,11 +501,20 @@ class Stage3Runtime:
         # a unit that then runs without grad is inside a reentrant checkpoint, not an inference forward.
         self.grad_forward = False
         self.in_forward = False  # between the root's pre- and post-hook
+        # Whether no-grad forwards left anything gathered (units in `_kept`, the root with the pinned units when
+        # `_root_kept`): what release_inference undoes before the next training forward.
         self.inference_gathered = False
+        self._kept: dict[int, Unit] = {}  # id -> a unit a no-grad forward left gathered for the next one
+        self._root_kept = False
+        # id(unit) -> its reuse distance in no-grad forwards: the elements of the other units that run between
+        # one use and the next, the recorded order taken as repeating (the next decoding step); see _set_order
+        self._reuse: dict[int, int] = {}
         # > 0 while unwrap_model_for_generation holds every parameter whole: the forward hooks stand aside
         self.held_whole = 0
         # False for a model that only ever runs forward (a reference model): each unit is resharded after
         # its forward as in training, since no training forward would ever release what inference kept.
+        # True: a no-grad forward may leave units gathered for the next one, within stage3_max_live_parameters
+        # and stage3_max_reuse_distance (_after_inference).
         self.keep_gathered_for_inference = True
         self.limit = C.InflightLimit()
         self._root_and_pinned: list[Unit] = [self.root_unit] if self.root_unit is not None else []
@@ -496,6 +533,10 @@ class Stage3Runtime:
                     self._sharded_of[id(s.param)] = u
         self.handles.append(root.register_forward_pre_hook(self._root_pre))
         self.handles.append(root.register_forward_hook(self._root_post))
+        self._side_depth = 0  # > 0 while a side entry (below) runs outside the root's forward
+        for entry in side_entries(root, [u.module for u in self.units]):
+            self.handles.append(entry.register_forward_pre_hook(self._side_pre))
+            self.handles.append(entry.register_forward_hook(self._side_post))
         for u in units:
             for g in u.groups:
                 if g.trainable:
@@ -519,6 +560,8 @@ class Stage3Runtime:
             return
         unit.pinned = True
         self._root_and_pinned.append(unit)
+        self._kept.pop(id(unit), None)  # counted with the root from now on, which is kept (or not) afresh
+        self._root_kept = False
         if self.order:
             self._set_order([u for u in self.order if u is not unit])
         if self.in_forward:
@@ -559,6 +602,73 @@ class Stage3Runtime:
             if self.root_unit is not None:
                 self.root_unit.reshard()
             self.inference_gathered = False
+        self._kept.clear()
+        self._root_kept = False
+
+    def kept_numel(self) -> int:
+        """Elements that no-grad forwards left gathered for the next one (units, and the root with the pinned ones)."""
+        n = sum(u.numel for u in self._kept.values() if u.gathered)
+        if self._root_kept:
+            n += sum(u.numel for u in self._with_root())
+        return n
+
+    def _after_inference(self, unit: Unit) -> None:
+        """End of a unit's no-grad forward (evaluation, ``generate``): release it, or keep it for the next forward.
+
+        Kept, as DeepSpeed keeps a parameter whose next use is near, only when its reuse distance (the elements of
+        the other units run before it is used again, the next no-grad forward repeating this one: the next decoding
+        step or evaluation batch) is within ``stage3_max_reuse_distance``, and when what a forward then holds
+        gathered at once stays within ``stage3_max_live_parameters`` (DeepSpeed's "parameters resident before
+        releasing"): everything kept, this unit included, plus the root unit and the largest unit that runs
+        beside them (:meth:`_working_numel`). So a model under the cap is gathered once for a whole
+        ``generate``; a larger one keeps its first units and gathers the rest per forward, as training does,
+        instead of holding the whole model gathered (which a model big enough to need ZeRO-3 has no room for).
+        What is kept is the same on every rank (the order and sizes are), so the ranks' gathers stay matched.
+        """
+        kept = self._kept.get(id(unit))
+        if kept is not None:
+            if unit.gathered:
+                return  # already counted in the cap
+            del self._kept[id(unit)]  # resharded by something else in between (a GatheredParameters exit)
+        reuse = self._reuse.get(id(unit))
+        if reuse is None and not self.order:
+            # The first forward of the engine, before any order is recorded: no unit's distance can exceed the
+            # elements of all the units together, the bound used until the order is known.
+            reuse = sum(u.numel for u in self.units)
+        if (self.keep_gathered_for_inference and reuse is not None and reuse <= self.max_reuse_numel
+                and self.kept_numel() + unit.numel + self._working_numel() <= self.max_live_numel):
+            self._kept[id(unit)] = unit
+            self.inference_gathered = True
+            return
+        unit.reshard()
+
+    def _largest_unit(self) -> int:
+        """Elements of the largest unit: what a forward gathers beside what is kept, at the least (the running unit)."""
+        return max((u.numel for u in self.units if not u.pinned), default=0)
+
+    def _working_numel(self) -> int:
+        """What a no-grad forward holds gathered beside the kept units: the root unit with the pinned units (for the
+        whole forward, unless they are kept themselves) and the running unit (the largest, to be safe)."""
+        root = 0 if self._root_kept else sum(u.numel for u in self._with_root())
+        return root + self._largest_unit()
+
+    def _after_inference_root(self) -> None:
+        """End of a no-grad forward of the root: keep the root unit (with the pinned units) if it fits under the cap.
+
+        Its reuse distance is 0: the next forward gathers it first. It is decided last, so the units that ran before
+        it have taken their share of ``stage3_max_live_parameters`` first; with the largest unit running beside
+        everything kept, the cap still holds.
+        """
+        if self._root_kept:
+            return
+        numel = sum(u.numel for u in self._with_root())
+        if (self.keep_gathered_for_inference and numel
+                and self.kept_numel() + numel + self._largest_unit() <= self.max_live_numel):
+            self._root_kept = True
+            self.inference_gathered = True
+            return
+        for u in self._with_root():
+            u.reshard()
 
     @contextlib.contextmanager
     def standing_aside(self) -> Iterator[None]:
@@ -581,12 +691,34 @@ class Stage3Runtime:
         self.in_forward = True
         for u in self.units:
             u.running = 0  # a forward that raised left its count behind
+        self._side_depth = 0  # likewise a side entry's
         if self.grad_forward:
             self.release_inference()
         for u in self._with_root():
             u.gather(None)
         for u in self._with_root():
             u.wait()
+
+    def _side_pre(self, module: torch.nn.Module, args: tuple) -> None:
+        """A side entry (an encoder that ``generate`` runs on its own) starts outside the root's forward: it reads
+        the root unit's parameters (the shared embedding, its final norm), so they are gathered for it."""
+        if self.held_whole or self.in_forward:
+            return
+        self._side_depth += 1
+        if self._side_depth == 1:
+            for u in self._with_root():
+                u.gather(None)
+            for u in self._with_root():
+                u.wait()
+
+    def _side_post(self, module: torch.nn.Module, args: tuple, output: object) -> None:
+        """Without grad the root is kept or released as after a no-grad forward of the root; with grad it stays
+        for backward, which releases it at its end (finish_backward)."""
+        if self.held_whole or self.in_forward or self._side_depth == 0:
+            return
+        self._side_depth -= 1
+        if self._side_depth == 0 and not torch.is_grad_enabled():
+            self._after_inference_root()
 
     def _with_root(self) -> list[Unit]:
         """The root unit and the pinned units: gathered for the whole forward, released as the root is."""
@@ -600,15 +732,22 @@ class Stage3Runtime:
         recorded = [u for u in self._recording if not u.pinned]
         if recorded and (not self.order or len(recorded) != len(self.order)):
             self._set_order(recorded)
-        if not torch.is_grad_enabled() and self.keep_gathered_for_inference:
-            self.inference_gathered = True
+        if not torch.is_grad_enabled():
+            self._after_inference_root()
             return
-        if not torch.is_grad_enabled() or not _tensors_requiring_grad(output):
+        if not _tensors_requiring_grad(output):
             for u in self._with_root():
                 u.reshard()  # no backward will come through it; otherwise it stays for backward
 
     def _set_order(self, order: list[Unit]) -> None:
-        """Record the forward order, with the backward order and each unit's first place in either, for _prefetch_after."""
+        """Record the forward order, with the backward order and each unit's first place in either, for _prefetch_after,
+        and each unit's reuse distance for no-grad forwards (_after_inference).
+
+        The reuse distance counts, as DeepSpeed's ``stage3_max_reuse_distance`` does, the elements of the units
+        that run between one use of a unit and its next; a unit used once per forward is next used in the next
+        forward (``generate`` runs the same order once per token), so the order is walked round: for such a unit
+        it is the rest of the model. A unit used twice in one forward takes the smaller of its distances.
+        """
         self.order = order
         self._ahead = {}
         for reverse, seq in ((False, order), (True, order[::-1])):
@@ -616,6 +755,19 @@ class Stage3Runtime:
             for i, u in enumerate(seq):
                 first.setdefault(id(u), i)
             self._ahead[reverse] = (seq, first)
+        self._reuse = {}
+        n = len(order)
+        for i, u in enumerate(order):
+            dist = 0
+            for k in range(1, n + 1):
+                nxt = order[(i + k) % n]
+                if nxt is u:
+                    break
+                dist += nxt.numel
+                if dist > self.max_reuse_numel:
+                    break  # beyond the distance already: how far does not matter
+            prev = self._reuse.get(id(u))
+            self._reuse[id(u)] = dist if prev is None else min(prev, dist)
 
     def _prefetch_after(self, unit: Unit, reverse: bool) -> None:
         """Gather the units that run after ``unit``, as far ahead as ``stage3_prefetch_bucket_size`` allows.
@@ -727,17 +879,13 @@ class Stage3Runtime:
             unit.running = max(0, unit.running - 1)
             if unit.pinned:
                 # Released with the root unit; unless it ran on its own, outside the root's forward, without grad.
-                if not self.in_forward and not torch.is_grad_enabled():
-                    if self.keep_gathered_for_inference:
-                        self.inference_gathered = True
-                    else:
-                        unit.reshard()
+                if not self.in_forward and not torch.is_grad_enabled() and not self._root_kept:
+                    unit.reshard()
                 return
-            if not torch.is_grad_enabled() and self.keep_gathered_for_inference and not self.grad_forward:
-                # Inference (evaluation, generate): keep the unit gathered, so that decoding a thousand
-                # tokens is one gather per unit rather than a thousand, and so that ranks generating
-                # different lengths need no collective in lock-step. Released by the next training forward.
-                self.inference_gathered = True
+            if not torch.is_grad_enabled() and not self.grad_forward:
+                # Evaluation, generate: released as in training unless it fits under the live cap to be reused by the
+                # next forward (the next decoding step); released by the next training forward at the latest.
+                self._after_inference(unit)
                 return
             if not torch.is_grad_enabled():
                 unit.needs_backward = True  # a reentrant checkpoint's forward: its recomputation has a backward
