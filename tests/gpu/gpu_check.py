@@ -35,6 +35,7 @@ from tests import (  # noqa: E402
     test_checkpoint,
     test_compile,
     test_ds_api,
+    test_eval_memory,
     test_nvme,
     test_offload,
     test_overlap_param_gather,
@@ -360,6 +361,7 @@ suites: dict[str, Callable[[int, int], list[dict]]] = {
     "released parameters": _released,
     "optimizer-free ZeRO-3": _inference,
     "NVMe offload": test_nvme.gpu_suite,
+    "eval memory": test_eval_memory.gpu_suite,
 }
 
 
