@@ -132,7 +132,9 @@ class _AttentionCalls:
 
 
 def _rel(a: dict, b: dict) -> float:
-    return max(float((a[n] - b[n]).norm() / b[n].norm()) for n in b)
+    """The largest relative difference of ``a`` against ``b``, name by name, wherever each lives (a GPU rank's
+    gathered weights against a CPU reference in gpu_check)."""
+    return max(float((a[n].cpu() - b[n].cpu()).norm() / b[n].cpu().norm()) for n in b)
 
 
 def _grid(rank: int, world: int, cases: list, tmp: str) -> list:

@@ -53,6 +53,7 @@ import contextlib
 import enum
 import functools
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -376,6 +377,46 @@ def side_entries(root: torch.nn.Module, units: list[torch.nn.Module]) -> list[to
     return [enc]
 
 
+class _DecodingScope:
+    """``module.generate`` while a stage-3 runtime watches it: counts the decoding loops that are running.
+
+    Set as an instance attribute over the class's method (the model's own, a peft model's), so ``generate`` and
+    everything that calls it (the Trainer's ``predict_with_generate``, TRL, pipelines) enter the scope;
+    :meth:`remove` (in the runtime's ``handles``, taken off by ``engine.destroy()``) puts the attribute back. A
+    deep copy of the module (TRL's reference model) gets the class's plain method, outside any scope.
+    """
+
+    def __init__(self, module: torch.nn.Module, runtime: Stage3Runtime) -> None:
+        self.module = module
+        self.runtime = runtime
+        self.had = "generate" in module.__dict__
+        self.previous = module.__dict__.get("generate")
+        self.bound = module.generate
+        functools.update_wrapper(self, self.bound)
+        module.__dict__["generate"] = self
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        rt = self.runtime
+        rt.decoding += 1
+        try:
+            return self.bound(*args, **kwargs)
+        finally:
+            rt.decoding -= 1
+            if rt.decoding == 0:
+                rt.release_inference()  # what the decoding steps kept goes with the loop that needed it
+
+    def __deepcopy__(self, memo: dict) -> Any:
+        copy = memo.get(id(self.module))
+        return type(copy).generate.__get__(copy) if copy is not None else self.bound
+
+    def remove(self) -> None:
+        if self.module.__dict__.get("generate") is self:
+            if self.had:
+                self.module.__dict__["generate"] = self.previous
+            else:
+                del self.module.__dict__["generate"]
+
+
 def _recomputing() -> bool:
     """Whether a module hook runs inside autograd's backward: the forward of a checkpoint being recomputed.
 
@@ -501,6 +542,9 @@ class Stage3Runtime:
         # a unit that then runs without grad is inside a reentrant checkpoint, not an inference forward.
         self.grad_forward = False
         self.in_forward = False  # between the root's pre- and post-hook
+        # A training forward's root (and pinned) units stay gathered for its backward: a no-grad forward run between
+        # the two (TRL's DPO: the reference log-probs under no_grad after the policy's forward) must leave them.
+        self.backward_pending = False
         # Whether no-grad forwards left anything gathered (units in `_kept`, the root with the pinned units when
         # `_root_kept`): what release_inference undoes before the next training forward.
         self.inference_gathered = False
@@ -537,6 +581,12 @@ class Stage3Runtime:
         for entry in side_entries(root, [u.module for u in self.units]):
             self.handles.append(entry.register_forward_pre_hook(self._side_pre))
             self.handles.append(entry.register_forward_hook(self._side_post))
+        # > 0 inside ``generate``: only its decoding steps keep units gathered from one forward to the next
+        # (_after_inference); an evaluation forward outside it releases everything, as training does
+        self.decoding = 0
+        for m in root.modules():
+            if callable(getattr(type(m), "generate", None)):
+                self.handles.append(_DecodingScope(m, self))
         for u in units:
             for g in u.groups:
                 if g.trainable:
@@ -635,7 +685,7 @@ class Stage3Runtime:
             # The first forward of the engine, before any order is recorded: no unit's distance can exceed the
             # elements of all the units together, the bound used until the order is known.
             reuse = sum(u.numel for u in self.units)
-        if (self.keep_gathered_for_inference and reuse is not None and reuse <= self.max_reuse_numel
+        if (self.keep_gathered_for_inference and self.decoding and reuse is not None and reuse <= self.max_reuse_numel
                 and self.kept_numel() + unit.numel + self._working_numel() <= self.max_live_numel):
             self._kept[id(unit)] = unit
             self.inference_gathered = True
@@ -659,10 +709,10 @@ class Stage3Runtime:
         it have taken their share of ``stage3_max_live_parameters`` first; with the largest unit running beside
         everything kept, the cap still holds.
         """
-        if self._root_kept:
-            return
+        if self._root_kept or self.backward_pending:
+            return  # kept already, or gathered for a training forward's backward, which releases it
         numel = sum(u.numel for u in self._with_root())
-        if (self.keep_gathered_for_inference and numel
+        if (self.keep_gathered_for_inference and self.decoding and numel
                 and self.kept_numel() + numel + self._largest_unit() <= self.max_live_numel):
             self._root_kept = True
             self.inference_gathered = True
@@ -738,6 +788,8 @@ class Stage3Runtime:
         if not _tensors_requiring_grad(output):
             for u in self._with_root():
                 u.reshard()  # no backward will come through it; otherwise it stays for backward
+        else:
+            self.backward_pending = True
 
     def _set_order(self, order: list[Unit]) -> None:
         """Record the forward order, with the backward order and each unit's first place in either, for _prefetch_after,
@@ -879,7 +931,8 @@ class Stage3Runtime:
             unit.running = max(0, unit.running - 1)
             if unit.pinned:
                 # Released with the root unit; unless it ran on its own, outside the root's forward, without grad.
-                if not self.in_forward and not torch.is_grad_enabled() and not self._root_kept:
+                if (not self.in_forward and not torch.is_grad_enabled() and not self._root_kept
+                        and not self.backward_pending):
                     unit.reshard()
                 return
             if not torch.is_grad_enabled() and not self.grad_forward:
@@ -945,6 +998,7 @@ class Stage3Runtime:
 
     def finish_backward(self) -> None:
         """End of backward: reduce what is still pending (root, units with unused parameters), release all."""
+        self.backward_pending = False
         for u in self.units:
             if u.index in self.in_backward or any(g.has_grads() for g in u.groups):
                 self._reduce(u)

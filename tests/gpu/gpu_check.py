@@ -374,21 +374,39 @@ def main() -> int:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl" if ON_GPU else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    rows = [(name, r) for name in only for r in suites[name](rank, world)]
-    worst = torch.tensor([[r["loss_err"], r["w_err"]] for _, r in rows], device=DEVICE, dtype=torch.float64).reshape(-1, 2)
-    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-    failed = 0
     if rank == 0:
         where = f"NCCL parity on {world} x {torch.cuda.get_device_name()}" if ON_GPU else f"gloo parity on {world} CPU ranks"
         print(f"{where}, torch {torch.__version__}, tolerance {TOL:g} "
               "(inductor, which reorders fp32 sums: 1e-4 on losses, 1e-3 on weights)")
         print("| suite | case (stage/model, accumulation, clip[, scheduler]) | max rel. loss err | max rel. weight err | |")
-        print("|---|---|---|---|---|")
-        for (suite, r), (lw, ww) in zip(rows, worst.tolist()):
+        print("|---|---|---|---|---|", flush=True)
+    passed = failed = 0
+    for name in only:
+        # Each suite's rows are printed as soon as it ends, and a suite that raises is one FAIL row (its error
+        # printed by the ranks that raised), so one broken suite neither hides the others' results nor stops them.
+        try:
+            rows, error = suites[name](rank, world), ""
+        except Exception as e:  # noqa: BLE001 - reported as the suite's failure, the run goes on
+            rows, error = [], f"{type(e).__name__}: {e}"
+            print(f"rank {rank} {name}: raised {error}", flush=True)
+        agree = torch.tensor([len(rows), -len(rows), 1 if error else 0], device=DEVICE, dtype=torch.int64)
+        dist.all_reduce(agree, op=dist.ReduceOp.MAX)
+        if agree[2] or int(agree[0]) != -int(agree[1]):  # a rank raised, or the ranks' rows differ in number
+            failed += 1
+            if rank == 0:
+                why = "raised on a rank (above)" if agree[2] else "the ranks returned different numbers of rows"
+                print(f"| {name} | {why} | | | FAIL |", flush=True)
+            continue
+        worst = torch.tensor([[r["loss_err"], r["w_err"]] for r in rows], device=DEVICE, dtype=torch.float64).reshape(-1, 2)
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+        for r, (lw, ww) in zip(rows, worst.tolist()):
             ok = lw < r.get("tol", TOL) and ww < r.get("w_tol", r.get("tol", TOL))
+            passed += ok
             failed += not ok
-            print(f"| {suite} | {r['case']} | {lw:.2e} | {ww:.2e} | {'ok' if ok else 'FAIL'} |")
-        print(f"{len(rows) - failed} passed, {failed} failed")
+            if rank == 0:
+                print(f"| {name} | {r['case']} | {lw:.2e} | {ww:.2e} | {'ok' if ok else 'FAIL'} |", flush=True)
+    if rank == 0:
+        print(f"{passed} passed, {failed} failed")
     dist.destroy_process_group()
     return 1 if failed else 0
 
