@@ -14,7 +14,7 @@ The old import paths (``hf_zero.engine.UsageError``, ``hf_zero.config.ConfigErro
 from __future__ import annotations
 
 __all__ = [
-    "CheckpointError", "CheckpointTagError", "ConfigError", "HostMemoryError", "HubError", "InitializeArgumentError", "LaunchError", "LossScaleFloorError", "NonFiniteLossError",
+    "BatchSizeError", "CheckpointError", "CheckpointTagError", "ConfigError", "HostMemoryError", "HubError", "InitializeArgumentError", "LaunchError", "LossScaleFloorError", "NonFiniteLossError",
     "OptimizerConfigError", "PeerFailureError", "PipelineError", "ReleasedParameterError", "StepInNoSyncError", "UnusedParameterError",
     "UsageError",
 ]
@@ -22,6 +22,14 @@ __all__ = [
 
 class ConfigError(ValueError):
     """A DeepSpeed config that cannot be run: one sentence with the JSON path, the value and what is allowed."""
+
+
+class BatchSizeError(ConfigError, AssertionError):
+    """``train_batch_size``, ``train_micro_batch_size_per_gpu`` and ``gradient_accumulation_steps`` that cannot agree.
+
+    Also an ``AssertionError``: DeepSpeed checks the batch triple with asserts, and code written for it (its own
+    tests among them) catches ``AssertionError`` there.
+    """
 
 
 class OptimizerConfigError(ConfigError):
