@@ -165,6 +165,7 @@ def _views_outlive_gather(rank: int, world: int, ckpt: str) -> dict:
     faulthandler.dump_traceback_later(120, exit=True)
     torch.manual_seed(0)
     model = torch.nn.Sequential(*(torch.nn.Linear(3, 3) for _ in range(4)))  # 48 elements: uneven shards
+    model[3].weight = model[1].weight  # tied: stored once, under "1.weight"
     cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
            "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}}
@@ -187,6 +188,12 @@ def _views_outlive_gather(rank: int, world: int, ckpt: str) -> dict:
     if rank == 0:  # only rank 0 reads, as DeepSpeed's test compares
         out["max_diff"] = max((kept[n] - loaded[n]).abs().max().item() for n in kept)
         out["finite"] = all(bool(torch.isfinite(kept[n]).all()) for n in kept)
+        # DeepSpeed's pickle holds a tied weight under each name, one tensor (its TestCheckpointConvert checks ids)
+        from hf_zero.utils.zero_to_fp32 import convert_zero_checkpoint_to_fp32_state_dict
+
+        convert_zero_checkpoint_to_fp32_state_dict(ckpt, ckpt + "_fp32", safe_serialization=False)
+        sd = torch.load(ckpt + "_fp32/pytorch_model.bin")
+        out["tied"] = [sorted(sd), sd["3.weight"] is sd["1.weight"]]
     dist.barrier()  # the collective rank 1 waited in
     # training goes on over the new buffers
     engine.backward(engine(torch.randn(2, 3)).pow(2).mean())
@@ -206,8 +213,12 @@ def _views_outlive_gather(rank: int, world: int, ckpt: str) -> dict:
 
 
 def test_tensors_taken_inside_gathered_parameters_stay_readable_after_it(tmp_path) -> None:  # noqa: ANN001
+    """Also: ``ds_status`` after the block (an engine's and ``zero.Init``'s), and a tied weight under both names in the
+    pickled fp32 state dict (hf_zero/checkpoint/save.py records the tie)."""
     r0, r1 = spawn(_views_outlive_gather, 2, str(tmp_path / "ckpt"))
     assert r0["max_diff"] == 0.0 and r0["finite"]  # what rank 0 kept equals the checkpoint's fp32 weights
+    names = sorted(f"{i}.{k}" for i in range(4) for k in ("weight", "bias"))
+    assert r0["tied"] == [names, True]
     for r in (r0, r1):
         assert all(r["status_after_exit"]) and r["released"] and r["after_step_finite"], r
         assert r["init_status"] == ["NOT_AVAILABLE", [0], "AVAILABLE", [3, 6], "NOT_AVAILABLE", [0]]
