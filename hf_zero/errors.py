@@ -14,7 +14,7 @@ The old import paths (``hf_zero.engine.UsageError``, ``hf_zero.config.ConfigErro
 from __future__ import annotations
 
 __all__ = [
-    "BatchSizeError", "CheckpointError", "CheckpointTagError", "ConfigError", "HostMemoryError", "HubError", "InitializeArgumentError", "LaunchError", "LossScaleFloorError", "NonFiniteLossError",
+    "BatchSizeError", "CheckpointError", "CheckpointTagError", "ConfigError", "HostMemoryError", "HubError", "InitializeArgumentError", "LaunchError", "LossScaleFloorError", "NoSyncAtStage3Error", "NonFiniteLossError",
     "OptimizerConfigError", "PeerFailureError", "PipelineError", "ReleasedParameterError", "StepInNoSyncError", "UnusedParameterError",
     "UsageError",
 ]
@@ -64,6 +64,13 @@ class InitializeArgumentError(UsageError, AssertionError):
     """``initialize`` got no model, or the model in the place of ``args`` (its first positional parameter).
 
     An ``AssertionError`` too, because that is what DeepSpeed raises there (its own tests catch it).
+    """
+
+
+class NoSyncAtStage3Error(UsageError, AssertionError):
+    """``engine.no_sync()`` under ZeRO stage 3, which reduce-scatters gradients on every micro-step.
+
+    An ``AssertionError`` too, because DeepSpeed refuses it with one (its own tests catch that type and its words).
     """
 
 
