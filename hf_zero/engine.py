@@ -25,7 +25,7 @@ from hf_zero.checkpoint.ranks import CheckpointLayout
 from hf_zero.checkpoint.state import Progress, TrainState
 from hf_zero.config import ZeroConfig
 from hf_zero.data import to_device
-from hf_zero.errors import CheckpointError, ConfigError, StepInNoSyncError, UsageError
+from hf_zero.errors import CheckpointError, ConfigError, NoSyncAtStage3Error, StepInNoSyncError, UsageError
 from hf_zero.module_setup import broadcast_module, cast_frozen_params, check_presharded, move_to_device
 from hf_zero.parallel import GridShape, ParallelGrid, grid_for
 from hf_zero.precision import loss_scaler_for, reduce_dtype
@@ -341,9 +341,9 @@ class ZeroEngine(torch.nn.Module):
     def no_sync(self) -> Iterator[None]:
         """Backward passes inside skip gradient communication; a later one outside reduces all."""
         if self.zero_optimization_stage() == 3:
-            raise UsageError(
-                "engine.no_sync() cannot be used with ZeRO stage 3, which must reduce-scatter gradients on every "
-                "micro-step; use stage 0-2 or drop no_sync()"
+            raise NoSyncAtStage3Error(
+                "engine.no_sync(): no_sync context manager is incompatible with gradient partitioning logic of ZeRO "
+                "stage 3, which reduce-scatters gradients on every micro-step; use stage 0-2 or drop no_sync()"
             )
         prev, self._no_sync = self._no_sync, True
         try:

@@ -14,7 +14,7 @@ The old import paths (``hf_zero.engine.UsageError``, ``hf_zero.config.ConfigErro
 from __future__ import annotations
 
 __all__ = [
-    "CheckpointError", "CheckpointTagError", "ConfigError", "HostMemoryError", "HubError", "InitializeArgumentError", "LaunchError", "LossScaleFloorError", "NonFiniteLossError",
+    "BatchSizeError", "CheckpointError", "CheckpointTagError", "ConfigError", "HostMemoryError", "HubError", "InitializeArgumentError", "LaunchError", "LossScaleFloorError", "NoSyncAtStage3Error", "NonFiniteLossError",
     "NvmeError",
     "OptimizerConfigError", "PeerFailureError", "PipelineError", "ReleasedParameterError", "StepInNoSyncError", "UnusedParameterError",
     "UsageError",
@@ -23,6 +23,14 @@ __all__ = [
 
 class ConfigError(ValueError):
     """A DeepSpeed config that cannot be run: one sentence with the JSON path, the value and what is allowed."""
+
+
+class BatchSizeError(ConfigError, AssertionError):
+    """``train_batch_size``, ``train_micro_batch_size_per_gpu`` and ``gradient_accumulation_steps`` that cannot agree.
+
+    Also an ``AssertionError``: DeepSpeed checks the batch triple with asserts, and code written for it (its own
+    tests among them) catches ``AssertionError`` there.
+    """
 
 
 class OptimizerConfigError(ConfigError):
@@ -57,6 +65,13 @@ class InitializeArgumentError(UsageError, AssertionError):
     """``initialize`` got no model, or the model in the place of ``args`` (its first positional parameter).
 
     An ``AssertionError`` too, because that is what DeepSpeed raises there (its own tests catch it).
+    """
+
+
+class NoSyncAtStage3Error(UsageError, AssertionError):
+    """``engine.no_sync()`` under ZeRO stage 3, which reduce-scatters gradients on every micro-step.
+
+    An ``AssertionError`` too, because DeepSpeed refuses it with one (its own tests catch that type and its words).
     """
 
 

@@ -145,3 +145,80 @@ def test_generate_under_stage3_matches_unsharded() -> None:
         assert r["got"] == r["want"]
         assert r["gathers"] == r["groups"], r
         assert r["sharded_after"]
+
+
+def _views_outlive_gather(rank: int, world: int, ckpt: str) -> dict:
+    """DeepSpeed's TestZeroToFP32 at stage 3: tensors taken from parameters inside ``GatheredParameters`` are read
+    after it (on the CPU, ``p.detach().cpu()`` is a view of the gathered buffer), by rank 0 only, then every rank
+    meets in a collective. Resizing that buffer's storage to 0 under them killed rank 0 (SIGSEGV) and left rank 1
+    waiting in the barrier: the faulthandler timer turns a hang into a failure."""
+    import faulthandler
+
+    import torch
+    import torch.distributed as dist
+
+    import hf_zero
+    from hf_zero.utils.zero_to_fp32 import load_state_dict_from_zero_checkpoint
+    from hf_zero.zero import GatheredParameters, Init
+    from hf_zero.zero.param_attrs import ZeroParamStatus
+
+    faulthandler.dump_traceback_later(120, exit=True)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(3, 3) for _ in range(4)))  # 48 elements: uneven shards
+    model[3].weight = model[1].weight  # tied: stored once, under "1.weight"
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+           "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+           "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}}
+    engine, _, _, _ = hf_zero.initialize(model=model, config=cfg, model_parameters=model.parameters())
+    for _ in range(4):
+        x = torch.randn(2, 3)
+        engine.backward(engine(x).pow(2).mean())
+        engine.step()
+    engine.save_checkpoint(ckpt)
+    dist.barrier()
+    kept, status = {}, []
+    for name, p in engine.module.named_parameters():
+        with GatheredParameters(p, modifier_rank=None):
+            kept[name] = p.detach().cpu()  # the same storage on the CPU
+        status.append(p.ds_status is ZeroParamStatus.NOT_AVAILABLE)
+    with GatheredParameters(list(engine.module.parameters()), modifier_rank=None):
+        loaded = load_state_dict_from_zero_checkpoint(engine.module, ckpt).state_dict()
+    groups = engine.zero_optimizer.stage3_groups
+    out = {"status_after_exit": status, "released": all(g.full.untyped_storage().nbytes() == 0 for g in groups)}
+    if rank == 0:  # only rank 0 reads, as DeepSpeed's test compares
+        out["max_diff"] = max((kept[n] - loaded[n]).abs().max().item() for n in kept)
+        out["finite"] = all(bool(torch.isfinite(kept[n]).all()) for n in kept)
+        # DeepSpeed's pickle holds a tied weight under each name, one tensor (its TestCheckpointConvert checks ids)
+        from hf_zero.utils.zero_to_fp32 import convert_zero_checkpoint_to_fp32_state_dict
+
+        convert_zero_checkpoint_to_fp32_state_dict(ckpt, ckpt + "_fp32", safe_serialization=False)
+        sd = torch.load(ckpt + "_fp32/pytorch_model.bin")
+        out["tied"] = [sorted(sd), sd["3.weight"] is sd["1.weight"]]
+    dist.barrier()  # the collective rank 1 waited in
+    # training goes on over the new buffers
+    engine.backward(engine(torch.randn(2, 3)).pow(2).mean())
+    engine.step()
+    with GatheredParameters(list(engine.module.parameters())):
+        out["after_step_finite"] = all(bool(torch.isfinite(p).all()) for p in engine.module.parameters())
+    # zero.Init: partitioned (0 elements) before, whole inside, partitioned again after (DeepSpeed's TestScatterGather)
+    with Init():
+        lin = torch.nn.Linear(6, 3)
+    seen = [lin.weight.ds_status.name, list(lin.weight.shape)]
+    with GatheredParameters(lin.weight):
+        seen += [lin.weight.ds_status.name, list(lin.weight.shape)]
+    seen += [lin.weight.ds_status.name, list(lin.weight.shape)]
+    out["init_status"] = seen
+    faulthandler.cancel_dump_traceback_later()
+    return out
+
+
+def test_tensors_taken_inside_gathered_parameters_stay_readable_after_it(tmp_path) -> None:  # noqa: ANN001
+    """Also: ``ds_status`` after the block (an engine's and ``zero.Init``'s), and a tied weight under both names in the
+    pickled fp32 state dict (hf_zero/checkpoint/save.py records the tie)."""
+    r0, r1 = spawn(_views_outlive_gather, 2, str(tmp_path / "ckpt"))
+    assert r0["max_diff"] == 0.0 and r0["finite"]  # what rank 0 kept equals the checkpoint's fp32 weights
+    names = sorted(f"{i}.{k}" for i in range(4) for k in ("weight", "bias"))
+    assert r0["tied"] == [names, True]
+    for r in (r0, r1):
+        assert all(r["status_after_exit"]) and r["released"] and r["after_step_finite"], r
+        assert r["init_status"] == ["NOT_AVAILABLE", [0], "AVAILABLE", [3, 6], "NOT_AVAILABLE", [0]]

@@ -27,6 +27,9 @@ A checkpoint saved with ``exclude_frozen_parameters=True`` has ``"frozen_exclude
 (``"trainable": false``), and a load leaves their values as the model has them (the PEFT case: the
 base weights come from the pretrained model, the checkpoint holds what was trained).
 
+A weight tied under several names in one module is stored once, under its first name; ``"shared"`` in
+``checkpoint.json`` maps each other name to it (absent when nothing is tied; older checkpoints lack it).
+
 Pipelines: every rank of the world writes its own ``rankNNNNN`` files (by global rank), holding
 its stage's parameters under the model's own names; ``checkpoint.json`` carries the parameter
 table of every stage (each entry with its ``stage``) and, under ``"pipeline"``, each stage's

@@ -92,7 +92,21 @@ def optimizer_table(state: TrainState) -> dict[str, Any]:
                 "group": group_of.get(k), **table_entry(p)}
             for n, p in state.module.named_parameters() for k in stored_names(n, p)
         },
+        "shared": shared_names(state.module),
     }
+
+
+def shared_names(module: torch.nn.Module) -> dict[str, str]:
+    """A tied parameter's other names -> the name it is stored under (its first), so that an offline reader can give it
+    under each name as one tensor (DeepSpeed's ``zero_to_fp32`` does; ``torch.load`` of its ``pytorch_model.bin`` has both)."""
+    first: dict[int, str] = {}
+    out = {}
+    for n, p in module.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            out[n] = first[id(p)]
+        else:
+            first[id(p)] = n
+    return out
 
 
 def agreed_tag(tags: list[str], mode: str, rank: int) -> str:
@@ -443,6 +457,8 @@ def checkpoint_meta(state: TrainState, table: dict, stage_tables: list[dict], cl
         "params": table["params"],
         "client_state": client,
     }
+    if table.get("shared") and not stage_tables:  # a pipeline's ties across stages are its own (format.py)
+        meta["shared"] = table["shared"]
     if exclude_frozen:
         meta["frozen_excluded"] = True  # the frozen parameters' values are not in it (hf_zero/checkpoint/format.py)
     if stage_tables:

@@ -49,6 +49,7 @@ from hf_zero.config.sections import (
 from hf_zero.config.sequence import SequenceParallelConfig
 from hf_zero.config.sequence import parse as parse_sequence_parallel
 from hf_zero.config.values import Int, json_kind
+from hf_zero.errors import BatchSizeError
 
 __all__ = [
     "AUTO", "BF16Config", "CompileConfig", "ConfigError", "FP16Config", "OffloadOptimizerConfig", "OffloadParamConfig",
@@ -149,20 +150,25 @@ class ZeroConfig:
         """Complete the batch triple as DeepSpeed does: train_batch_size = micro x accumulation x world size.
 
         Any two determine the third; train_batch_size alone or the micro-batch alone imply one
-        accumulation step. The derived values are written into this config.
+        accumulation step. The derived values are written into this config. Sizes that cannot agree raise
+        :class:`BatchSizeError` (a ``ConfigError``, and an ``AssertionError`` as DeepSpeed's checks are).
         """
         Int(1)(world_size, "world_size")
+        for key in BATCH_KEYS:  # assigned after parsing (DeepSpeedConfig's attributes): the parser's rule again
+            value = getattr(self, key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise BatchSizeError(f"{key}: got {value!r}, expected an integer >= 1 (or None, to derive it)")
         tbs, mbs, gas = self.train_batch_size, self.train_micro_batch_size_per_gpu, self.gradient_accumulation_steps
         ws = world_size
         if tbs is not None and mbs is not None and gas is not None:
             if tbs != mbs * gas * ws:
-                raise ConfigError(
+                raise BatchSizeError(
                     f"train_batch_size: got {tbs}, but train_micro_batch_size_per_gpu {mbs} x gradient_accumulation_steps "
                     f"{gas} x world size {ws} = {mbs * gas * ws}; make them agree or drop one and it will be derived"
                 )
         elif tbs is not None and mbs is not None:
             if tbs % (mbs * ws):
-                raise ConfigError(
+                raise BatchSizeError(
                     f"train_batch_size: got {tbs}, which is not a multiple of train_micro_batch_size_per_gpu {mbs} x "
                     f"world size {ws} = {mbs * ws}, so gradient_accumulation_steps cannot be derived; choose sizes that divide"
                 )
@@ -171,7 +177,7 @@ class ZeroConfig:
             split = f"gradient_accumulation_steps {gas} x world size {ws} = {gas * ws}" if gas else f"world size {ws}"
             gas = gas or 1
             if tbs % (gas * ws):
-                raise ConfigError(
+                raise BatchSizeError(
                     f"train_batch_size: got {tbs}, which is not a multiple of {split}, so "
                     "train_micro_batch_size_per_gpu cannot be derived; choose sizes that divide"
                 )
@@ -183,11 +189,11 @@ class ZeroConfig:
             autos = [k for k in BATCH_KEYS if k in self.auto_keys]
             why = f' (they are "auto": {", ".join(autos)}; the Trainer fills those, initialize() needs numbers)' if autos else ""
             if gas is not None:
-                raise ConfigError(
+                raise BatchSizeError(
                     f"gradient_accumulation_steps: got {gas} alone, which does not fix the batch{why}; also give "
                     "train_micro_batch_size_per_gpu or train_batch_size"
                 )
-            raise ConfigError(
+            raise BatchSizeError(
                 f"train_batch_size: no batch size given{why}; set train_batch_size or train_micro_batch_size_per_gpu"
             )
         self.train_batch_size, self.train_micro_batch_size_per_gpu, self.gradient_accumulation_steps = tbs, mbs, gas

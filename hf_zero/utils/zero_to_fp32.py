@@ -36,7 +36,19 @@ def get_fp32_state_dict_from_zero_checkpoint(
     if lazy_mode:
         raise UsageError("get_fp32_state_dict_from_zero_checkpoint(lazy_mode=True) is not supported by hf_zero; leave it False")
     checkpoint_dir, tag = _split(checkpoint_dir, tag)
-    return read_state_dict(checkpoint_dir, tag, dtype=torch.float32, exclude_frozen=exclude_frozen_parameters)
+    state = read_state_dict(checkpoint_dir, tag, dtype=torch.float32, exclude_frozen=exclude_frozen_parameters)
+    return _with_shared(state, checkpoint_dir, tag)
+
+
+def _with_shared(state: dict[str, torch.Tensor], checkpoint_dir: str, tag: str | None) -> dict[str, torch.Tensor]:
+    """A tied weight under each of its names, as one tensor (the checkpoint stores it once; DeepSpeed's state dict has
+    every name). Only for a state dict kept in memory or pickled: safetensors stores a shared tensor once."""
+    from hf_zero.checkpoint.format import read_meta, resolve_tag
+
+    for alias, first in read_meta(resolve_tag(checkpoint_dir, tag)).get("shared", {}).items():
+        if first in state:
+            state[alias] = state[first]
+    return state
 
 
 def load_state_dict_from_zero_checkpoint(model: torch.nn.Module, checkpoint_dir: str, tag: str | None = None) -> torch.nn.Module:
@@ -71,7 +83,8 @@ def convert_zero_checkpoint_to_fp32_state_dict(
     """Write the checkpoint's fp32 weights into ``output_dir`` as ``model.safetensors`` (sharded above ``max_shard_size``).
 
     With ``safe_serialization=False``, as DeepSpeed's function writes then: ``pytorch_model.bin`` (or its shards and
-    index), built whole in host memory first; the safetensors path holds one tensor at a time. Returns the files
+    index), built whole in host memory first, a tied weight under each of its names as one tensor; the safetensors
+    path holds one tensor at a time (a tied weight once, under its first name, as transformers saves it). Returns the files
     written. For a transformers model the folder also gets ``config.json``, so it loads with ``from_pretrained``.
     """
     from hf_zero.checkpoint.consolidated import checkpoint_weights, save_pickled_shards, write_weights
@@ -82,7 +95,8 @@ def convert_zero_checkpoint_to_fp32_state_dict(
     if safe_serialization:
         files = write_weights(output_dir, entries, produce, max_shard_size, writer=True)
     else:
-        files = save_pickled_shards({name: produce(name).to(dt) for name, dt, _ in entries}, output_dir, max_shard_size)
+        state = _with_shared({name: produce(name).to(dt) for name, dt, _ in entries}, checkpoint_dir, tag)
+        files = save_pickled_shards(state, output_dir, max_shard_size)
     _copy_config(checkpoint_dir, tag, output_dir)
     return files
 

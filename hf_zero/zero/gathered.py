@@ -125,8 +125,8 @@ class GatheredParameters:
                 if fg is not None:
                     fg.write_back_param(next(s for s in fg.slots if s.param is p))
         for g, was in zip(self._groups, self._was_sharded):
-            if was:
-                g.reshard()
+            if was:  # a tensor taken from a parameter inside the block stays readable (ShardedParamGroup.reshard)
+                g.reshard(leave_views=True)
         if self._presharded:
             # Without a modifier the shards are unchanged: every rank keeps the slice it had.
             reshard_(self._presharded, self._preshard_group, self._slice_device)

@@ -202,15 +202,39 @@ class ShardedParamGroup(ShardGroup):
             if store is not None:
                 store.put(self, self.full[self.shard_lo : self.shard_hi])
 
-    def reshard(self) -> None:
-        """Release the full parameters' memory; only this rank's shard remains."""
+    def reshard(self, leave_views: bool = False) -> None:
+        """Release the full parameters' memory; only this rank's shard remains.
+
+        ``leave_views`` (``GatheredParameters``, a user's gather): if tensors other than the parameters view the
+        gathered buffer (``p.detach()``, or ``p.cpu()`` on the CPU, taken inside the block), they keep it and the
+        group takes a new, empty buffer, as DeepSpeed leaves a released parameter's old data to whoever holds it;
+        resizing the storage under them would leave them reading freed memory (a segfault on the CPU: one rank
+        dies and the others hang in their next collective). The hooks' reshard never does this: there the other
+        views are autograd's saved tensors, which must lose their memory and be refilled by the next gather.
+        """
         if self.state is ShardState.SHARDED:
             return
         if self.state is ShardState.GATHERING:
             self.wait()
         if not self.aliased:
-            self.full.untyped_storage().resize_(0)
+            if leave_views and self._viewed_elsewhere():
+                self._new_full()
+            else:
+                self.full.untyped_storage().resize_(0)
         self.state = ShardState.SHARDED
+
+    def _viewed_elsewhere(self) -> bool:
+        """Whether a tensor besides ``full`` and the parameters holds ``full``'s storage."""
+        storage = self.full.untyped_storage()  # this handle is one holder too
+        return torch._C._storage_Use_Count(storage._cdata) > 2 + len(self.slots)
+
+    def _new_full(self) -> None:
+        """Point ``full`` and the parameters at a new buffer, emptied as in ``__init__``; the old one lives on for
+        as long as the tensors viewing it do (they hold the only copy of the values besides the shards)."""
+        self.full = torch.empty(self.padded_numel, dtype=self.full.dtype, device=self.full.device)
+        for s in self.slots:  # views are made while the storage has its size, then it is emptied
+            s.param.data = self.full[s.offset : s.offset + s.numel].view(s.shape)
+        self.full.untyped_storage().resize_(0)
 
     # ------------------------------------------------------------- grads
 

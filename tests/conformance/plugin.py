@@ -86,6 +86,12 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     if out:  # after pytest.ini's -m deselection (DeepSpeed's "sequential", "nightly", ... tests)
         with open(out, "w", encoding="utf-8") as f:
             f.write("".join(item.nodeid + "\n" for item in session.items))
+        # and each id's parameters by name (select.py finds the ZeRO stage of a parametrized test there)
+        params = {item.nodeid: {k: v if isinstance(v, (str, int, float, bool, type(None))) else repr(v)
+                                for k, v in item.callspec.params.items()}
+                  for item in session.items if hasattr(item, "callspec")}
+        with open(out + ".params.json", "w", encoding="utf-8") as f:
+            json.dump(params, f)
 
 
 def pytest_collectreport(report: pytest.CollectReport) -> None:

@@ -45,9 +45,11 @@ def section(subset: dict[str, Any]) -> str:
         " instead of skipping them.",
         "",
         f"Which tests: every test of those files except the functions `tests/conformance/select.py` excludes, each with"
-        f" its reason (DeepSpeed's config class driven directly, internal helpers, ZeRO++ and MiCS); of a function with"
-        f" more than {subset.get('cap')} parametrizations every k-th in DeepSpeed's order, so that {subset.get('cap')}"
-        f" remain. Under DeepSpeed on this CPU: "
+        f" its reason (attributes of DeepSpeed's config class that hf_zero's view of it lacks, internal helpers, ZeRO++"
+        f" and MiCS); of a function with more than {subset.get('cap')} parametrizations every k-th in DeepSpeed's"
+        f" order, so that {subset.get('cap')} remain (but for {len(subset.get('uncapped', {}))} function(s) kept whole,"
+        " each with its reason); and of a function parametrized over the ZeRO stage whose chosen ids hold no stage 3,"
+        " the stage-3 id of each chosen stage-1 or stage-2 one. Under DeepSpeed on this CPU: "
         + ", ".join(f"{v} {k}" for k, v in sorted(outcomes.items()))
         + "; a test DeepSpeed skips or fails here counts on neither side.",
         "",

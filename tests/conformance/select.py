@@ -3,7 +3,10 @@
 ``python -m tests.conformance.select`` collects the vendored files under DeepSpeed 0.19.8 and rewrites the
 ``tests`` list of ``subset.json``: every collected test except the functions named in :data:`EXCLUDED`
 (each with its reason), and of a function with more than :data:`CAP` parametrizations every k-th in
-DeepSpeed's collection order (k = ceil(n / CAP)), so that no one combinatorial grid outweighs the areas.
+DeepSpeed's collection order (k = ceil(n / CAP)), so that no one combinatorial grid outweighs the areas
+(the functions in :data:`UNCAPPED` keep every case). Then, for a function parametrized over ``zero_stage`` whose
+chosen ids hold no stage 3 while DeepSpeed collects stage-3 ids of it, the stage-3 id of each chosen stage-1 or
+stage-2 id (the same other parameters), so that stage 3, hf_zero's hardest stage, is never sampled away.
 Recorded results of tests that stay in the list are kept.
 """
 
@@ -25,9 +28,11 @@ HELPERS = {"test_zero_user_backward.py"}  # vendored because a chosen file impor
 # test function (node id without parameters) -> why it is not in the subset
 EXCLUDED: dict[str, str] = {
     **{f"unit/runtime/test_ds_config_dict.py::{name}": (
-        "drives DeepSpeed's config class (DeepSpeedConfig) directly, not through initialize; no user script "
-        "does, and hf_zero's parser is compared with DeepSpeed's own by tests/test_ds_config_oracle.py")
-       for name in ("TestBatchConfig::test", "test_temp_config_json", "test_gradient_allreduce_op",
+        "drives DeepSpeed's config class (DeepSpeedConfig) or its helpers directly, not through initialize, for "
+        "attributes hf_zero's view of the config (hf_zero/runtime/config.py) does not carry; hf_zero's parser is "
+        "compared with DeepSpeed's own by tests/test_ds_config_oracle.py, the view's batch arithmetic and attributes "
+        "by tests/test_ds_config_view.py")
+       for name in ("test_temp_config_json", "test_gradient_allreduce_op",
                     "test_gradient_allreduce_op_default", "test_invalid_gradient_allreduce_op",
                     "test_sum_gradient_allreduce_rejects_zero3", "test_sum_gradient_allreduce_rejects_zenflow",
                     "test_sum_gradient_allreduce_rejects_deepcompile", "test_gather_16bit_params_on_model_save",
@@ -56,8 +61,16 @@ EXCLUDED: dict[str, str] = {
 }
 
 
-def collect() -> list[str]:
-    """Node ids of the vendored files, as DeepSpeed 0.19.8's pytest collects them."""
+# test function -> why every one of its parametrizations is in the subset, past CAP
+UNCAPPED: dict[str, str] = {
+    "unit/runtime/test_ds_config_dict.py::TestBatchConfig::test":
+        "four cases, each a different rule of the batch arithmetic (all sizes given, two given, refusals), and "
+        "each runs in a second: sampling would drop a rule",
+}
+
+
+def collect() -> tuple[list[str], dict[str, dict]]:
+    """Node ids of the vendored files, as DeepSpeed 0.19.8's pytest collects them, and each id's parameters."""
     from tests.conformance.run import side_command
 
     files = sorted(str(p.relative_to(VENDORED_TESTS)) for p in VENDORED_TESTS.rglob("test_*.py")
@@ -68,12 +81,15 @@ def collect() -> list[str]:
         out = subprocess.run(cmd, env=env, cwd=VENDORED_TESTS, capture_output=True, text=True, timeout=900)
         ids_file = Path(tmp) / "ids.txt"
         ids = ids_file.read_text().split() if ids_file.exists() else []
+        params_file = Path(str(ids_file) + ".params.json")
+        params = json.loads(params_file.read_text()) if params_file.exists() else {}
     if not ids or out.returncode != 0:
         raise SystemExit(f"collection under DeepSpeed failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
-    return ids
+    return ids, params
 
 
-def choose(ids: list[str]) -> list[str]:
+def choose(ids: list[str], params: dict[str, dict] | None = None) -> list[str]:
+    params = params or {}
     groups: OrderedDict[str, list[str]] = OrderedDict()
     for node in ids:
         groups.setdefault(node.split("[")[0], []).append(node)
@@ -81,17 +97,33 @@ def choose(ids: list[str]) -> list[str]:
     for func, nodes in groups.items():
         if func in EXCLUDED:
             continue
-        chosen += nodes[:: math.ceil(len(nodes) / CAP)]
+        picked = nodes if func in UNCAPPED else nodes[:: math.ceil(len(nodes) / CAP)]
+        chosen += picked + _stage3_siblings(picked, nodes, params)
     return chosen
 
 
+def _stage3_siblings(picked: list[str], nodes: list[str], params: dict[str, dict]) -> list[str]:
+    """The stage-3 ids of ``picked``'s stage-1/2 ids, when no picked id is at stage 3 and DeepSpeed has some."""
+    def stage(node: str) -> object:
+        return params.get(node, {}).get("zero_stage")
+
+    if any(stage(n) == 3 for n in picked) or not any(stage(n) == 3 for n in nodes):
+        return []
+    out = []
+    for node in picked:
+        if stage(node) in (1, 2):
+            want = {**params[node], "zero_stage": 3}
+            out += [n for n in nodes if params.get(n) == want and n not in out]
+    return out
+
+
 def main() -> None:
-    ids = collect()
+    ids, params = collect()
     subset = json.loads(SUBSET.read_text()) if SUBSET.exists() else {}
     old = subset.get("tests", {})
-    tests = {node: old.get(node, {}) for node in choose(ids)}
+    tests = {node: old.get(node, {}) for node in choose(ids, params)}
     subset.update({"rule": __doc__.split("\n\n")[1].replace("\n", " "), "cap": CAP, "excluded": EXCLUDED,
-                   "collected": len(ids), "tests": tests})
+                   "uncapped": UNCAPPED, "collected": len(ids), "tests": tests})
     SUBSET.write_text(json.dumps(subset, indent=1) + "\n")
     print(f"{len(tests)} of {len(ids)} collected tests chosen -> {SUBSET}", file=sys.stderr)
 

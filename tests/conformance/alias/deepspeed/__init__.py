@@ -165,8 +165,6 @@ FACTS: dict[str, dict[str, Any]] = {
     "runtime.zero.offload_config": {"OffloadDeviceEnum": OffloadDeviceEnum},
     # DeepSpeed's swap_tensor constant (MIN_AIO_BYTES, 1024**2); the tensor-fragment tests size their model by it
     "runtime.swap_tensor": {"MIN_SWAPPABLE_BYTES": 1024**2},
-    # the shape DeepSpeed gives a ZeRO-3 parameter's data outside a gather (its partition_parameters constant)
-    "runtime.zero.partition_parameters": {"partitioned_param_data_shape": [0]},
 }
 
 # DeepSpeed names hf_zero has at another path: DeepSpeed's module path + name -> hf_zero's candidates (first found)
@@ -188,7 +186,6 @@ STUBS: dict[str, tuple[str, ...]] = {
     "runtime.fp16.unfused_optimizer": ("FP16_UnfusedOptimizer",),
     "runtime.bf16_optimizer": ("BF16_Optimizer",),
     "runtime.engine": (),
-    "runtime.config": ("DeepSpeedConfig",),
     "runtime.precision_config": ("get_bfloat16_config",),
     "checkpoint.utils": ("clone_tensors_for_torch_save", "get_model_ckpt_name_for_rank"),
     "moe.layer": ("MoE",),
