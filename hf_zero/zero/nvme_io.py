@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from hf_zero import dist as hz_dist
 from hf_zero.errors import NvmeError
 
 logger = logging.getLogger("hf_zero")
@@ -126,8 +127,7 @@ def _pool(mine: str | None, group: dist.ProcessGroup | None) -> str | None:
     dist.all_reduce(flag, group=group)
     if int(flag.item()) == 0:
         return None
-    said: list[str | None] = [None] * world
-    dist.all_gather_object(said, mine, group=group)
+    said: list[str | None] = hz_dist.gather_json(mine, group)  # JSON in tensors: nothing in hf_zero unpickles
     if mine:
         return mine
     first = next(i for i, m in enumerate(said) if m)
@@ -152,10 +152,10 @@ def pooled_raise(mine: str | None, where: Scope | dist.ProcessGroup | None) -> N
 def new_run_id(where: Scope | dist.ProcessGroup | None) -> str:
     """A run id the group's ranks share (its first rank's; collective): the folders of one engine."""
     group = _group_of(where)
-    run = [uuid.uuid4().hex[:12]]
+    run = uuid.uuid4().hex[:12]
     if dist.is_initialized() and dist.get_world_size(group) > 1:
-        dist.broadcast_object_list(run, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
-    return run[0]
+        run = hz_dist.gather_json(run, group)[0]  # the group's first rank's (JSON in tensors, never pickle)
+    return run
 
 
 class SwapFolder:
