@@ -217,7 +217,12 @@ def test_unwrap_model_for_generation_holds_the_zero3_weights_whole_for_the_block
     for unwrap in (False, True):
         engine, _, _, _ = hf_zero.initialize(model=make_model(), config=cfg)
         w = engine.module.fc1.weight
-        held = w.untyped_storage().nbytes  # an int, so that a failure never prints a sharded tensor
+        # the bytes of the storage the parameter has now (an int, so that a failure never prints a sharded tensor):
+        # on leaving the block a gathered buffer that other tensors still view (the graph of the forward with grad
+        # below) is left to them and the parameter takes a new empty one, as DeepSpeed leaves a released
+        # parameter's old data to its holders (ShardedParamGroup.reshard)
+        def held(w: torch.nn.Parameter = w) -> int:
+            return w.untyped_storage().nbytes()
         for t in range(3):
             if unwrap and t == 1:
                 with torch.no_grad():

@@ -274,10 +274,23 @@ def _engine_methods(rank: int, world: int, root: str) -> dict:
            "types": [str(t) for t in engine.get_data_types()], "mp": engine.mp_world_size}
     layer_w = engine.module.model.layers[0].mlp.up_proj.weight
     with torch.no_grad():
-        engine(input_ids=ids[0, :MICRO])  # evaluation keeps blocks gathered for the next no-grad forward
+        engine(input_ids=ids[0, :MICRO])  # evaluation releases every block after it, as training does
     out["gathered_after_eval"] = layer_w.untyped_storage().nbytes()
-    engine.empty_partition_cache()
-    out["gathered_after_empty"] = layer_w.untyped_storage().nbytes()
+    seen: dict[str, int] = {}
+
+    def empty_inside(input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        # a logits processor runs between two decoding steps of generate, where blocks stay gathered (within the caps)
+        if not seen:
+            seen["kept"] = layer_w.untyped_storage().nbytes()
+            engine.empty_partition_cache()
+            seen["emptied"] = layer_w.untyped_storage().nbytes()
+        return scores
+
+    with torch.no_grad():
+        engine.module.generate(ids[0, :1, :4], max_new_tokens=3, min_new_tokens=3, do_sample=False, pad_token_id=0,
+                               logits_processor=[empty_inside])
+    out["gathered_in_generate"], out["gathered_after_empty"] = seen["kept"], seen["emptied"]
+    out["gathered_after_generate"] = layer_w.untyped_storage().nbytes()
     # DeepSpeed's unwrap_model_for_generation (TRL's pattern): greedy decoding on the whole weights, as without it
     from hf_zero.runtime.zero import unwrap_model_for_generation
 
@@ -374,7 +387,8 @@ def test_engine_save_16bit_model_and_the_small_engine_methods(tmp_path: Path) ->
     for r in results:
         assert r["batch_info"] == [2 * MICRO * 2, MICRO, 2] and r["mom"] == [[0.8, 0.99]] and r["mp"] == 1, r
         assert r["types"] == ["torch.bfloat16", "torch.float32"], r
-        assert r["gathered_after_eval"] > 0 and r["gathered_after_empty"] == 0, r
+        assert r["gathered_after_eval"] == 0 and r["gathered_in_generate"] > 0 and r["gathered_after_empty"] == 0, r
+        assert r["gathered_after_generate"] == 0, r
         assert r["held_in_unwrap"] > 0 and r["generate_equal"] and r["held_after_unwrap"] == 0, r
         assert r["unused"].startswith("2 trainable parameter(s) got no gradient in this step's backward passes on at "
                                       "least one rank (b.bias, b.weight)"), r
