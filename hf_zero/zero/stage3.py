@@ -43,8 +43,8 @@ the point of stage 3).
 
 A forward without grad (evaluation, ``generate``) releases each unit after it as well, within the same memory as
 training; it may keep a unit gathered for the next such forward (the next decoding step) only within
-``stage3_max_live_parameters`` and ``stage3_max_reuse_distance`` (:meth:`Stage3Runtime._after_inference`), and the
-next training forward releases whatever is kept.
+``stage3_max_live_parameters`` and ``stage3_max_reuse_distance`` (:meth:`hf_zero.zero.inference.InferenceKeep.after_unit`),
+and the next training forward releases whatever is kept.
 """
 
 from __future__ import annotations
@@ -52,12 +52,12 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Iterator
-from typing import Any
 
 import torch
 
 from hf_zero.zero import collectives as C
 from hf_zero.zero.external import OutsideReads, explain_unallocated, external_parameters
+from hf_zero.zero.inference import InferenceKeep, _DecodingScope
 from hf_zero.zero.sharded_group import DS_STATUS, ShardedParamGroup, ShardState
 from hf_zero.zero.units import Unit, find_units, input_embedding_unit, is_lookup, side_entries
 
@@ -65,46 +65,6 @@ from hf_zero.zero.units import Unit, find_units, input_embedding_unit, is_lookup
 # importable from here, where code and tests have imported them.
 __all__ = ["DS_STATUS", "ShardState", "ShardedParamGroup", "Stage3Runtime", "Unit", "find_units",
            "input_embedding_unit", "is_lookup", "side_entries"]
-
-
-class _DecodingScope:
-    """``module.generate`` while a stage-3 runtime watches it: counts the decoding loops that are running.
-
-    Set as an instance attribute over the class's method (the model's own, a peft model's), so ``generate`` and
-    everything that calls it (the Trainer's ``predict_with_generate``, TRL, pipelines) enter the scope;
-    :meth:`remove` (in the runtime's ``handles``, taken off by ``engine.destroy()``) puts the attribute back. A
-    deep copy of the module (TRL's reference model) gets the class's plain method, outside any scope.
-    """
-
-    def __init__(self, module: torch.nn.Module, runtime: Stage3Runtime) -> None:
-        self.module = module
-        self.runtime = runtime
-        self.had = "generate" in module.__dict__
-        self.previous = module.__dict__.get("generate")
-        self.bound = module.generate
-        functools.update_wrapper(self, self.bound)
-        module.__dict__["generate"] = self
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        rt = self.runtime
-        rt.decoding += 1
-        try:
-            return self.bound(*args, **kwargs)
-        finally:
-            rt.decoding -= 1
-            if rt.decoding == 0:
-                rt.release_inference()  # what the decoding steps kept goes with the loop that needed it
-
-    def __deepcopy__(self, memo: dict) -> Any:
-        copy = memo.get(id(self.module))
-        return type(copy).generate.__get__(copy) if copy is not None else self.bound
-
-    def remove(self) -> None:
-        if self.module.__dict__.get("generate") is self:
-            if self.had:
-                self.module.__dict__["generate"] = self.previous
-            else:
-                del self.module.__dict__["generate"]
 
 
 def _recomputing() -> bool:
@@ -171,11 +131,14 @@ class Stage3Runtime:
         self.root = root
         self.units = [u for u in units if not u.is_root]
         self.root_unit = next((u for u in units if u.is_root), None)
+        self._root_and_pinned: list[Unit] = [self.root_unit] if self.root_unit is not None else []
+        # What no-grad forwards keep gathered for the next one (inside generate), and the caps that bound it
+        # (max_live_numel, max_reuse_numel below forward to it): hf_zero/zero/inference.py
+        self.inference = InferenceKeep(self.units, self.root_unit, self._root_and_pinned,
+                                       max_live_numel=max_live_numel, max_reuse_numel=max_reuse_numel)
         self.stream = stream
         self.reduce_stream = reduce_stream
         self.prefetch_numel = prefetch_numel
-        self.max_live_numel = max_live_numel
-        self.max_reuse_numel = max_reuse_numel
         self.order: list[Unit] = []  # forward execution order, recorded on the first training forward
         self._ahead: dict[bool, tuple[list[Unit], dict[int, int]]] = {}  # _set_order's, by reverse
         self._recording: list[Unit] = []
@@ -187,23 +150,9 @@ class Stage3Runtime:
         # A training forward's root (and pinned) units stay gathered for its backward: a no-grad forward run between
         # the two (TRL's DPO: the reference log-probs under no_grad after the policy's forward) must leave them.
         self.backward_pending = False
-        # Whether no-grad forwards left anything gathered (units in `_kept`, the root with the pinned units when
-        # `_root_kept`): what release_inference undoes before the next training forward.
-        self.inference_gathered = False
-        self._kept: dict[int, Unit] = {}  # id -> a unit a no-grad forward left gathered for the next one
-        self._root_kept = False
-        # id(unit) -> its reuse distance in no-grad forwards: the elements of the other units that run between
-        # one use and the next, the recorded order taken as repeating (the next decoding step); see _set_order
-        self._reuse: dict[int, int] = {}
         # > 0 while unwrap_model_for_generation holds every parameter whole: the forward hooks stand aside
         self.held_whole = 0
-        # False for a model that only ever runs forward (a reference model): each unit is resharded after
-        # its forward as in training, since no training forward would ever release what inference kept.
-        # True: a no-grad forward may leave units gathered for the next one, within stage3_max_live_parameters
-        # and stage3_max_reuse_distance (_after_inference).
-        self.keep_gathered_for_inference = True
         self.limit = C.InflightLimit()
-        self._root_and_pinned: list[Unit] = [self.root_unit] if self.root_unit is not None else []
         self._unit_of: dict[int, Unit] = {}  # trainable parameter -> its unit
         # Every sharded parameter of a unit other than the root -> that unit (what a read from outside is about).
         self._sharded_of: dict[int, Unit] = {}
@@ -223,12 +172,9 @@ class Stage3Runtime:
         for entry in side_entries(root, [u.module for u in self.units]):
             self.handles.append(entry.register_forward_pre_hook(self._side_pre))
             self.handles.append(entry.register_forward_hook(self._side_post))
-        # > 0 inside ``generate``: only its decoding steps keep units gathered from one forward to the next
-        # (_after_inference); an evaluation forward outside it releases everything, as training does
-        self.decoding = 0
-        for m in root.modules():
+        for m in root.modules():  # inside generate, its decoding steps may keep units gathered (InferenceKeep)
             if callable(getattr(type(m), "generate", None)):
-                self.handles.append(_DecodingScope(m, self))
+                self.handles.append(_DecodingScope(m, self.inference))
         for u in units:
             for g in u.groups:
                 if g.trainable:
@@ -252,8 +198,8 @@ class Stage3Runtime:
             return
         unit.pinned = True
         self._root_and_pinned.append(unit)
-        self._kept.pop(id(unit), None)  # counted with the root from now on, which is kept (or not) afresh
-        self._root_kept = False
+        self.inference.kept.pop(id(unit), None)  # counted with the root from now on, which is kept (or not) afresh
+        self.inference.root_kept = False
         if self.order:
             self._set_order([u for u in self.order if u is not unit])
         if self.in_forward:
@@ -286,81 +232,64 @@ class Stage3Runtime:
 
     # -------------------------------------------------------------- forward
 
+    # The no-grad forwards' keep policy is InferenceKeep's (hf_zero/zero/inference.py); the runtime's names for its
+    # state, which the engine, the optimizer and tests read or set, forward to it.
+
+    @property
+    def max_live_numel(self) -> int:
+        return self.inference.max_live_numel
+
+    @max_live_numel.setter
+    def max_live_numel(self, value: int) -> None:
+        self.inference.max_live_numel = value
+
+    @property
+    def max_reuse_numel(self) -> int:
+        return self.inference.max_reuse_numel
+
+    @max_reuse_numel.setter
+    def max_reuse_numel(self, value: int) -> None:
+        self.inference.max_reuse_numel = value
+
+    @property
+    def keep_gathered_for_inference(self) -> bool:
+        return self.inference.keep
+
+    @keep_gathered_for_inference.setter
+    def keep_gathered_for_inference(self, value: bool) -> None:
+        self.inference.keep = value
+
+    @property
+    def decoding(self) -> int:
+        return self.inference.decoding
+
+    @decoding.setter
+    def decoding(self, value: int) -> None:
+        self.inference.decoding = value
+
+    @property
+    def inference_gathered(self) -> bool:
+        return self.inference.gathered
+
+    @property
+    def _kept(self) -> dict[int, Unit]:
+        return self.inference.kept
+
+    @property
+    def _root_kept(self) -> bool:
+        return self.inference.root_kept
+
+    @property
+    def _reuse(self) -> dict[int, int]:
+        return self.inference.reuse
+
     def release_inference(self) -> None:
         """Reshard everything that no-grad forwards (evaluation, generate) left gathered."""
-        if self.inference_gathered:
-            for u in self.units:
-                u.reshard()
-            if self.root_unit is not None:
-                self.root_unit.reshard()
-            self.inference_gathered = False
-        self._kept.clear()
-        self._root_kept = False
+        self.inference.release()
 
     def kept_numel(self) -> int:
         """Elements that no-grad forwards left gathered for the next one (units, and the root with the pinned ones)."""
-        n = sum(u.numel for u in self._kept.values() if u.gathered)
-        if self._root_kept:
-            n += sum(u.numel for u in self._with_root())
-        return n
-
-    def _after_inference(self, unit: Unit) -> None:
-        """End of a unit's no-grad forward (evaluation, ``generate``): release it, or keep it for the next forward.
-
-        Kept, as DeepSpeed keeps a parameter whose next use is near, only when its reuse distance (the elements of
-        the other units run before it is used again, the next no-grad forward repeating this one: the next decoding
-        step or evaluation batch) is within ``stage3_max_reuse_distance``, and when what a forward then holds
-        gathered at once stays within ``stage3_max_live_parameters`` (DeepSpeed's "parameters resident before
-        releasing"): everything kept, this unit included, plus the root unit and the largest unit that runs
-        beside them (:meth:`_working_numel`). So a model under the cap is gathered once for a whole
-        ``generate``; a larger one keeps its first units and gathers the rest per forward, as training does,
-        instead of holding the whole model gathered (which a model big enough to need ZeRO-3 has no room for).
-        What is kept is the same on every rank (the order and sizes are), so the ranks' gathers stay matched.
-        """
-        kept = self._kept.get(id(unit))
-        if kept is not None:
-            if unit.gathered:
-                return  # already counted in the cap
-            del self._kept[id(unit)]  # resharded by something else in between (a GatheredParameters exit)
-        reuse = self._reuse.get(id(unit))
-        if reuse is None and not self.order:
-            # The first forward of the engine, before any order is recorded: no unit's distance can exceed the
-            # elements of all the units together, the bound used until the order is known.
-            reuse = sum(u.numel for u in self.units)
-        if (self.keep_gathered_for_inference and self.decoding and reuse is not None and reuse <= self.max_reuse_numel
-                and self.kept_numel() + unit.numel + self._working_numel() <= self.max_live_numel):
-            self._kept[id(unit)] = unit
-            self.inference_gathered = True
-            return
-        unit.reshard()
-
-    def _largest_unit(self) -> int:
-        """Elements of the largest unit: what a forward gathers beside what is kept, at the least (the running unit)."""
-        return max((u.numel for u in self.units if not u.pinned), default=0)
-
-    def _working_numel(self) -> int:
-        """What a no-grad forward holds gathered beside the kept units: the root unit with the pinned units (for the
-        whole forward, unless they are kept themselves) and the running unit (the largest, to be safe)."""
-        root = 0 if self._root_kept else sum(u.numel for u in self._with_root())
-        return root + self._largest_unit()
-
-    def _after_inference_root(self) -> None:
-        """End of a no-grad forward of the root: keep the root unit (with the pinned units) if it fits under the cap.
-
-        Its reuse distance is 0: the next forward gathers it first. It is decided last, so the units that ran before
-        it have taken their share of ``stage3_max_live_parameters`` first; with the largest unit running beside
-        everything kept, the cap still holds.
-        """
-        if self._root_kept or self.backward_pending:
-            return  # kept already, or gathered for a training forward's backward, which releases it
-        numel = sum(u.numel for u in self._with_root())
-        if (self.keep_gathered_for_inference and self.decoding and numel
-                and self.kept_numel() + numel + self._largest_unit() <= self.max_live_numel):
-            self._root_kept = True
-            self.inference_gathered = True
-            return
-        for u in self._with_root():
-            u.reshard()
+        return self.inference.kept_numel()
 
     @contextlib.contextmanager
     def standing_aside(self) -> Iterator[None]:
@@ -410,7 +339,7 @@ class Stage3Runtime:
             return
         self._side_depth -= 1
         if self._side_depth == 0 and not torch.is_grad_enabled():
-            self._after_inference_root()
+            self.inference.after_root(self.backward_pending)
 
     def _with_root(self) -> list[Unit]:
         """The root unit and the pinned units: gathered for the whole forward, released as the root is."""
@@ -425,7 +354,7 @@ class Stage3Runtime:
         if recorded and (not self.order or len(recorded) != len(self.order)):
             self._set_order(recorded)
         if not torch.is_grad_enabled():
-            self._after_inference_root()
+            self.inference.after_root(self.backward_pending)
             return
         if not _tensors_requiring_grad(output):
             for u in self._with_root():
@@ -435,13 +364,7 @@ class Stage3Runtime:
 
     def _set_order(self, order: list[Unit]) -> None:
         """Record the forward order, with the backward order and each unit's first place in either, for _prefetch_after,
-        and each unit's reuse distance for no-grad forwards (_after_inference).
-
-        The reuse distance counts, as DeepSpeed's ``stage3_max_reuse_distance`` does, the elements of the units
-        that run between one use of a unit and its next; a unit used once per forward is next used in the next
-        forward (``generate`` runs the same order once per token), so the order is walked round: for such a unit
-        it is the rest of the model. A unit used twice in one forward takes the smaller of its distances.
-        """
+        and each unit's reuse distance for no-grad forwards (:meth:`InferenceKeep.set_order`)."""
         self.order = order
         self._ahead = {}
         for reverse, seq in ((False, order), (True, order[::-1])):
@@ -449,19 +372,7 @@ class Stage3Runtime:
             for i, u in enumerate(seq):
                 first.setdefault(id(u), i)
             self._ahead[reverse] = (seq, first)
-        self._reuse = {}
-        n = len(order)
-        for i, u in enumerate(order):
-            dist = 0
-            for k in range(1, n + 1):
-                nxt = order[(i + k) % n]
-                if nxt is u:
-                    break
-                dist += nxt.numel
-                if dist > self.max_reuse_numel:
-                    break  # beyond the distance already: how far does not matter
-            prev = self._reuse.get(id(u))
-            self._reuse[id(u)] = dist if prev is None else min(prev, dist)
+        self.inference.set_order(order)
 
     def _prefetch_after(self, unit: Unit, reverse: bool) -> None:
         """Gather the units that run after ``unit``, as far ahead as ``stage3_prefetch_bucket_size`` allows.
@@ -573,14 +484,14 @@ class Stage3Runtime:
             unit.running = max(0, unit.running - 1)
             if unit.pinned:
                 # Released with the root unit; unless it ran on its own, outside the root's forward, without grad.
-                if (not self.in_forward and not torch.is_grad_enabled() and not self._root_kept
+                if (not self.in_forward and not torch.is_grad_enabled() and not self.inference.root_kept
                         and not self.backward_pending):
                     unit.reshard()
                 return
             if not torch.is_grad_enabled() and not self.grad_forward:
                 # Evaluation, generate: released as in training unless it fits under the live cap to be reused by the
                 # next forward (the next decoding step); released by the next training forward at the latest.
-                self._after_inference(unit)
+                self.inference.after_unit(unit, ordered=bool(self.order))
                 return
             if not torch.is_grad_enabled():
                 unit.needs_backward = True  # a reentrant checkpoint's forward: its recomputation has a backward
