@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from hf_zero.errors import UsageError
-from hf_zero.zero.stage3 import find_units, is_lookup
+from hf_zero.zero.units import find_units, is_lookup
 
 __all__ = ["checkpoint", "checkpoint_blocks", "non_reentrant_checkpoint", "configure", "is_configured", "reset"]
 

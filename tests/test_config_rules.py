@@ -70,7 +70,7 @@ def test_deepspeed_field_names_and_stage3_aliases_land_in_the_same_fields() -> N
     assert by_name.zero_optimization == by_alias.zero_optimization
     zo = by_name.zero_optimization
     assert (zo.stage3_prefetch_bucket_size, zo.stage3_param_persistence_threshold, zo.stage3_max_live_parameters) == (7, 8, 9)
-    # max_reuse_distance is read too (no-grad forwards keep a unit within it, hf_zero/zero/stage3.py), not ignored
+    # max_reuse_distance is read too (no-grad forwards keep a unit within it, hf_zero/zero/inference.py), not ignored
     reuse, said = load({**MB, "zero_optimization": {"max_reuse_distance": 5}})
     assert reuse.zero_optimization.stage3_max_reuse_distance == 5 and said == []
     # messages and "auto" name the key as the user spelt it

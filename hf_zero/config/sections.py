@@ -143,7 +143,7 @@ class ZeroOptimizationConfig:
     stage3_param_persistence_threshold: int = 100_000  # parameters smaller than this stay whole at stage 3
     stage3_max_live_parameters: int = 1_000_000_000  # gathered elements alive at once at stage 3
     # a unit used again within this many elements of other units may stay gathered (no-grad forwards: evaluation,
-    # generate; hf_zero/zero/stage3.py Stage3Runtime._after_inference), under stage3_max_live_parameters
+    # generate; hf_zero/zero/inference.py InferenceKeep.after_unit), under stage3_max_live_parameters
     stage3_max_reuse_distance: int = 1_000_000_000
     offload_optimizer: OffloadOptimizerConfig | None = None  # None: the section is absent
     offload_param: OffloadParamConfig | None = None

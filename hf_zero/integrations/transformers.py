@@ -615,7 +615,7 @@ class Seq2SeqTrainer(Trainer, transformers.Seq2SeqTrainer):
     """transformers' ``Seq2SeqTrainer`` on a ZeRO engine: evaluation and prediction can generate.
 
     Under stage 3 a no-grad forward gathers and releases blocks as training does, keeping for the next decoding
-    step only what fits under ``stage3_max_live_parameters`` (hf_zero/zero/stage3.py); transformers passes
+    step only what fits under ``stage3_max_live_parameters`` (hf_zero/zero/inference.py); transformers passes
     ``synced_gpus`` (the stage-3 model asks for it, hf_zero/zero/attach.py), so ranks that finish at different
     lengths keep running forwards together until all are done.
     """

@@ -36,7 +36,7 @@ def tiled_mlp_forward(inner: Callable[[torch.Tensor], torch.Tensor], x: torch.Te
 
 def find_mlps(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The per-block MLPs of a transformers decoder: the ``mlp`` child of each block (``_no_split_modules``)."""
-    from hf_zero.zero.stage3 import find_units
+    from hf_zero.zero.units import find_units
 
     found = []
     for _, block in find_units(model):

@@ -45,7 +45,7 @@ import torch
 
 from hf_zero.errors import UsageError
 from hf_zero.zero import collectives as C
-from hf_zero.zero.stage3 import ShardState
+from hf_zero.zero.sharded_group import ShardState
 
 __all__ = [
     "safe_get_full_fp32_param", "safe_get_full_grad", "safe_get_full_optimizer_state", "safe_get_local_fp32_param",

@@ -23,7 +23,7 @@ import torch
 
 from hf_zero.zero.param_attrs import ZeroParamStatus, clear, mark
 from hf_zero.zero.preshard import is_presharded, preshard_, slice_of
-from hf_zero.zero.stage3 import DS_STATUS, ShardedParamGroup
+from hf_zero.zero.sharded_group import DS_STATUS, ShardedParamGroup
 
 
 def link(zo: Any) -> None:

@@ -12,7 +12,7 @@ from hf_zero import dist as hz_dist
 from hf_zero.zero import collectives as C
 from hf_zero.zero.external import register_external_parameter
 from hf_zero.zero.preshard import is_presharded, materialize_, reshard_
-from hf_zero.zero.stage3 import ShardState
+from hf_zero.zero.sharded_group import ShardState
 
 
 def _as_list(params: torch.nn.Parameter | Iterable[torch.nn.Parameter] | None) -> list[torch.nn.Parameter]:

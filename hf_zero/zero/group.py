@@ -20,7 +20,7 @@ Everything outside ``hf_zero/zero`` talks to groups through :class:`ShardGroup` 
 
 Two implementations: :class:`hf_zero.zero.flat.FlatGroup` (stages 0-2: the parameters stay whole
 on every rank; from stage 1 the master and optimizer state cover only this rank's range) and
-:class:`hf_zero.zero.stage3.ShardedParamGroup` (stage 3: the parameters themselves are sharded and
+:class:`hf_zero.zero.sharded_group.ShardedParamGroup` (stage 3: the parameters themselves are sharded and
 gathered per unit). Each takes its process group explicitly and never assumes the global world,
 so ZeRO can run over a data-parallel sub-group (``world = dp x sp`` for sequence parallelism).
 An offloaded group — master and optimizer state in host memory, gradient shards copied to the host

@@ -2,7 +2,7 @@
 
 DeepSpeed's ``"offload_optimizer": {"device": "cpu"}`` at stages 1-3, as two more shard groups
 (:mod:`hf_zero.zero.group`): the same layouts, reductions and gathers as
-:class:`~hf_zero.zero.flat.FlatGroup` and :class:`~hf_zero.zero.stage3.ShardedParamGroup`, with the
+:class:`~hf_zero.zero.flat.FlatGroup` and :class:`~hf_zero.zero.sharded_group.ShardedParamGroup`, with the
 master moved to the host. Per step:
 
 1. backward reduces each bucket's gradients as without offload, into an fp32 shard on the compute
@@ -64,7 +64,7 @@ from hf_zero.estimate import offload_host_bytes
 from hf_zero.zero import collectives as C
 from hf_zero.zero.flat import FlatGroup
 from hf_zero.zero.group import Placement, ShardGroup
-from hf_zero.zero.stage3 import ShardedParamGroup
+from hf_zero.zero.sharded_group import ShardedParamGroup
 
 if TYPE_CHECKING:
     from hf_zero.zero.nvme_io import NvmeSpec

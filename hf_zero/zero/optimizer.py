@@ -61,7 +61,9 @@ from hf_zero.zero.overlap import DeferredPublish
 from hf_zero.zero.param_attrs import full_numel
 from hf_zero.zero.preshard import materialize_
 from hf_zero.zero.runner import StepRunner, pick_runner
-from hf_zero.zero.stage3 import ShardedParamGroup, Stage3Runtime, Unit, find_units, input_embedding_unit
+from hf_zero.zero.sharded_group import ShardedParamGroup
+from hf_zero.zero.stage3 import Stage3Runtime
+from hf_zero.zero.units import Unit, find_units, input_embedding_unit
 
 NamedParams = list[tuple[str, torch.nn.Parameter]]
 

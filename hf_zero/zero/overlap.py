@@ -47,7 +47,7 @@ from typing import Any
 import torch
 
 from hf_zero.zero.flat import FlatGroup
-from hf_zero.zero.stage3 import find_units
+from hf_zero.zero.units import find_units
 
 
 def blocks_of(module: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:

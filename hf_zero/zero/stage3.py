@@ -1,11 +1,11 @@
 """ZeRO stage 3's runtime: parameters live sharded and are gathered per unit just before use.
 
-Here are stage 3's shard group (:class:`ShardedParamGroup`, a :class:`hf_zero.zero.group.ShardGroup`
-whose parameters exist only as this rank's shard between uses), the :class:`Unit` that gathers
-several of them together, and :class:`Stage3Runtime`, the module hooks that drive them.
+Here is :class:`Stage3Runtime`, the module hooks that drive stage 3's units (:class:`hf_zero.zero.units.Unit`:
+shard groups gathered together, each a :class:`hf_zero.zero.sharded_group.ShardedParamGroup`, a
+:class:`hf_zero.zero.group.ShardGroup` whose parameters exist only as this rank's shard between uses).
 
 A *unit* is a transformer block (for ``transformers`` models, an instance of a class named in
-``_no_split_modules``); in any other model it is found by :func:`find_units`, which walks down
+``_no_split_modules``); in any other model it is found by :func:`hf_zero.zero.units.find_units`, which walks down
 through containers whose own ``forward`` never runs (``ModuleList``, ``ModuleDict``) or that only
 chain their children (``Sequential``), so that nanoGPT's ``transformer.h[i]`` or a ViT's
 ``blocks[i]`` is a unit, and otherwise takes each child with parameters. An input embedding no
@@ -43,402 +43,28 @@ the point of stage 3).
 
 A forward without grad (evaluation, ``generate``) releases each unit after it as well, within the same memory as
 training; it may keep a unit gathered for the next such forward (the next decoding step) only within
-``stage3_max_live_parameters`` and ``stage3_max_reuse_distance`` (:meth:`Stage3Runtime._after_inference`), and the
-next training forward releases whatever is kept.
+``stage3_max_live_parameters`` and ``stage3_max_reuse_distance`` (:meth:`hf_zero.zero.inference.InferenceKeep.after_unit`),
+and the next training forward releases whatever is kept.
 """
 
 from __future__ import annotations
 
 import contextlib
-import enum
 import functools
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Iterator
 
 import torch
 
 from hf_zero.zero import collectives as C
 from hf_zero.zero.external import OutsideReads, explain_unallocated, external_parameters
-from hf_zero.zero.group import Placement, ShardGroup, pack_grads
-from hf_zero.zero.param_attrs import ZeroParamStatus, set_status
-from hf_zero.zero.released import mark_released, mark_whole
+from hf_zero.zero.inference import InferenceKeep, _DecodingScope
+from hf_zero.zero.sharded_group import DS_STATUS, ShardedParamGroup, ShardState
+from hf_zero.zero.units import Unit, find_units, input_embedding_unit, is_lookup, side_entries
 
-
-class ShardState(enum.Enum):
-    SHARDED = "sharded"
-    GATHERING = "gathering"  # all-gather issued on the side stream, not yet waited on
-    GATHERED = "gathered"
-
-
-# DeepSpeed's ds_status of a parameter in each state of its group
-DS_STATUS = {ShardState.SHARDED: ZeroParamStatus.NOT_AVAILABLE, ShardState.GATHERING: ZeroParamStatus.INFLIGHT,
-              ShardState.GATHERED: ZeroParamStatus.AVAILABLE}
-
-
-class ShardedParamGroup(ShardGroup):
-    """The parameters of one unit (and one optimizer param group), sharded across ranks."""
-
-    partitioned = True
-    resident = False
-    # A frozen group whose shard is the whole of its parameters may make them views of that shard (a subclass
-    # that moves the shard elsewhere, to host memory, must not).
-    alias_whole_shard = True
-    # Set by Stage3Runtime for the groups of a unit other than the root: pin_for(module) keeps the unit whole with
-    # the root unit unless ``module`` is inside it (hf_zero.zero.register_external_parameter).
-    pin_for: Callable[[torch.nn.Module], None] | None = None
-
-    def __init__(self, named_params: list[tuple[str, torch.nn.Parameter]], place: Placement, *, trainable: bool,
-                 build_on_host: bool = False) -> None:
-        """``build_on_host``: cut the shard in host memory (the offloading subclasses, whose shard lives there), so
-        that sharding a model that sits whole on the GPU never needs more GPU memory than the model itself."""
-        super().__init__(named_params, place, parts=place.world_size)
-        self.trainable = trainable
-        device, compute_dtype = place.device, place.compute_dtype
-        lo, hi = self.shard_lo, self.shard_hi
-        shard32 = torch.zeros(self.shard_numel, dtype=torch.float32, device="cpu" if build_on_host else device)
-        with torch.no_grad():
-            for s in self.slots:  # copy only the part of each parameter that falls in this shard
-                a, b = max(s.offset, lo), min(s.offset + s.numel, hi)
-                if a < b:
-                    shard32[a - lo : b - lo].copy_(s.param.detach().reshape(-1)[a - s.offset : b - s.offset])
-            # The parameters' own storage goes before the unit's gather buffer is made: with a model built whole on
-            # the GPU, both at once cost the largest unit twice over (8B with offload: 1.9 GiB above FSDP2's peak).
-            for s in self.slots:
-                s.param.data = torch.empty(0, dtype=s.param.dtype, device=s.param.device)
-        # A trainable group keeps only its fp32 master shard: the 16-bit values are cast from it at
-        # gather time (as FSDP2 does), instead of a second, 16-bit copy of every shard living
-        # beside it. Frozen groups have no master and keep their shard in the compute dtype.
-        self.master: torch.Tensor | None = shard32.to(self.master_dtype) if trainable else None  # fp32: shard32 itself
-        self.param_shard: torch.Tensor | None = None if trainable else shard32.to(compute_dtype)
-        del shard32
-        # One full-size tensor for the life of the group; "freeing" it resizes its storage to 0
-        # bytes. Every view of it — the parameters, and the views autograd saved in forward
-        # (a linear layer saves ``weight.t()``) — shares that storage, so a resharded unit really
-        # releases its memory, and the next all-gather refills the same storage in place.
-        # At world size 1 a frozen group's shard is all of its parameters, already in the compute dtype on
-        # the device: the parameters are views of the shard itself, and gathering or releasing the group
-        # moves and frees nothing. A gather would copy it into a second buffer of the same size: on one
-        # GPU, two layers and the LM head of an 8B LoRA's base weights at once, 1.8 GiB for nothing.
-        self.aliased = (self.alias_whole_shard and self.param_shard is not None and self.world_size == 1
-                        and self.padded_numel == self.numel)
-        self.full = self.param_shard if self.aliased else torch.empty(self.padded_numel, dtype=compute_dtype, device=device)
-        self._nbytes = self.full.untyped_storage().nbytes()
-        for s in self.slots:  # views are made while the storage has its size, then it is emptied
-            s.param.data = self.full[s.offset : s.offset + s.numel].view(s.shape)
-            s.param.hf_zero_group = self  # lets GatheredParameters find a parameter's shards
-        if not self.aliased:
-            self.full.untyped_storage().resize_(0)
-        self._marked_released = False  # the parameters' class: ShardedParameter while released (hf_zero/zero/released.py)
-        self.state = ShardState.SHARDED
-        self._event: torch.cuda.Event | None = None
-
-    @property
-    def state(self) -> ShardState:
-        return self._state
-
-    @state.setter
-    def state(self, state: ShardState) -> None:
-        # DeepSpeed's ds_status of the parameters follows (hf_zero/zero/param_attrs.py), for code that asks it
-        self._state = state
-        params = [s.param for s in self.slots]
-        set_status(params, DS_STATUS[state])
-        released = state is ShardState.SHARDED and not self.aliased  # an aliased group's views are never released
-        if released != self._marked_released:  # once per gather and once per release, not at every state
-            (mark_released if released else mark_whole)(params)
-            self._marked_released = released
-
-    def owned_values(self) -> torch.Tensor:
-        """The fp32 master shard, or a frozen group's shard in the compute dtype."""
-        values = self.master if self.master is not None else self.param_shard
-        assert values is not None
-        return values
-
-    # ------------------------------------------------------------ gather
-
-    def gather(self, stream: torch.cuda.Stream | None) -> None:
-        """Issue the all-gather of the full parameters (on ``stream`` when on GPU)."""
-        if self.state is not ShardState.SHARDED:
-            return
-        if self.aliased:
-            self.state = ShardState.GATHERED
-            return
-        with C.on_stream(stream):
-            self.full.untyped_storage().resize_(self._nbytes)
-            # Refilling storage that autograd saved views of is not a modification of their values
-            # (they are the same weights): keep the version counter so backward accepts them.
-            with torch.autograd._unsafe_preserve_version_counter(self.full), torch.no_grad():
-                C.all_gather_(self.full, self._gather_source(), self.group, self.world_size)
-            if stream is not None:
-                self._event = torch.cuda.Event()
-                self._event.record(stream)
-        self.state = ShardState.GATHERING
-
-    def _gather_source(self) -> torch.Tensor:
-        """This rank's shard in the compute dtype on the device, as the all-gather reads it (on the current stream)."""
-        if self.param_shard is not None:
-            return self.param_shard
-        assert self.master is not None
-        return self.master.to(self.compute_dtype) if self.mixed else self.master
-
-    def wait(self) -> None:
-        """Make the gathered parameters usable on the compute stream."""
-        if self.state is ShardState.GATHERED:
-            return
-        if self.state is ShardState.SHARDED:
-            self.gather(None)
-        if self._event is not None:
-            torch.cuda.current_stream(self.device).wait_event(self._event)
-            self._event = None
-        self.state = ShardState.GATHERED
-
-    def write_back_from_full(self) -> None:
-        """The gathered buffer was edited (and is identical on every rank): refresh shard and master."""
-        swap = getattr(self, "nvme_swap", None)  # NVMe offload: the master waits in a file (hf_zero/zero/nvme.py)
-        store = getattr(self, "shard_store", None)  # and the 16-bit shard in another
-        with swap.group_resident(self, write=True) if swap is not None else contextlib.nullcontext(), torch.no_grad():
-            for t in (None if store is not None else self.param_shard, self.master):
-                if t is not None:
-                    t.copy_(self.full[self.shard_lo : self.shard_hi])
-            if store is not None:
-                store.put(self, self.full[self.shard_lo : self.shard_hi])
-
-    def reshard(self, leave_views: bool = False) -> None:
-        """Release the full parameters' memory; only this rank's shard remains.
-
-        ``leave_views`` (``GatheredParameters``, a user's gather): if tensors other than the parameters view the
-        gathered buffer (``p.detach()``, or ``p.cpu()`` on the CPU, taken inside the block), they keep it and the
-        group takes a new, empty buffer, as DeepSpeed leaves a released parameter's old data to whoever holds it;
-        resizing the storage under them would leave them reading freed memory (a segfault on the CPU: one rank
-        dies and the others hang in their next collective). The hooks' reshard never does this: there the other
-        views are autograd's saved tensors, which must lose their memory and be refilled by the next gather.
-        """
-        if self.state is ShardState.SHARDED:
-            return
-        if self.state is ShardState.GATHERING:
-            self.wait()
-        if not self.aliased:
-            if leave_views and self._viewed_elsewhere():
-                self._new_full()
-            else:
-                self.full.untyped_storage().resize_(0)
-        self.state = ShardState.SHARDED
-
-    def _viewed_elsewhere(self) -> bool:
-        """Whether a tensor besides ``full`` and the parameters holds ``full``'s storage."""
-        storage = self.full.untyped_storage()  # this handle is one holder too
-        return torch._C._storage_Use_Count(storage._cdata) > 2 + len(self.slots)
-
-    def _new_full(self) -> None:
-        """Point ``full`` and the parameters at a new buffer, emptied as in ``__init__``; the old one lives on for
-        as long as the tensors viewing it do (they hold the only copy of the values besides the shards)."""
-        self.full = torch.empty(self.padded_numel, dtype=self.full.dtype, device=self.full.device)
-        for s in self.slots:  # views are made while the storage has its size, then it is emptied
-            s.param.data = self.full[s.offset : s.offset + s.numel].view(s.shape)
-        self.full.untyped_storage().resize_(0)
-
-    # ------------------------------------------------------------- grads
-
-    def has_grads(self) -> bool:
-        """Whether any parameter holds a gradient not yet reduce-scattered."""
-        return self.trainable and any(s.param.grad is not None for s in self.slots)
-
-    def reduce_grads(self, stream: torch.cuda.Stream | None, limit: C.InflightLimit | None = None) -> None:
-        """Reduce-scatter this micro-step's gradients and add them to the fp32 gradient shard.
-
-        No flat gradient buffer exists between backward and this call: autograd stores each
-        parameter's gradient as it produces it (no copy), and they are cast straight into the
-        reduce-scatter's input on the communication stream. Accumulating into a zeroed 16-bit
-        flat buffer instead cost a memset and an add over every unit's gradients on the compute
-        stream (about 1% of a 7.2B step) and a second pass to cast it.
-        """
-        grads = [s.param.grad for s in self.slots]
-        if not self.trainable or all(g is None for g in grads):
-            return
-        assert self.master is not None
-        if limit is not None:
-            limit.before_issue(stream)
-        with C.on_stream(stream), torch.no_grad():
-            src, held = pack_grads(self.slots, self.padded_numel, self.reduce_dtype, self.device)
-            out = torch.empty(self.shard_numel, dtype=self.reduce_dtype, device=self.device)
-            C.reduce_scatter_(out, src, self.group, self.world_size)
-            self._sum_over_replicas(out)  # hybrid sharding: the shard only, across the replicate group
-            out = out.float().div_(self.place.averaged_over)
-            if out.dtype != self.master_dtype:  # bf16 masters take bf16 gradients, averaged in fp32 first
-                out = out.to(self.master_dtype)
-            prev = self.reduced_grad()
-            if prev is None:
-                self._set_reduced_grad(out)
-            else:
-                prev.add_(out)
-        # `held`: made on the compute stream, read on `stream`
-        if limit is not None:
-            limit.after_issue(stream, held)
-        elif stream is not None:
-            for g in held:
-                g.record_stream(stream)
-        for slot in self.slots:
-            slot.param.grad = None
-
-    def publish_master(self, stream: torch.cuda.Stream | None) -> None:
-        """Nothing to publish: the next gather reads (and casts) the updated master shard itself."""
-
-    def zero_grads(self) -> None:
-        """Drop the reduced gradient shard (unit gradients were released when reduced)."""
-        if self.master is not None:
-            self._set_reduced_grad(None)
-
-    def held_tensors(self) -> dict[str, list[torch.Tensor | None]]:
-        """The shard (in fp32 the master is the parameter itself) and the gathered buffer; unreduced and reduced grads."""
-        shard = self.master if self.param_shard is None and not self.mixed else self.param_shard
-        grads: list[torch.Tensor | None] = [s.param.grad for s in self.slots]
-        grads.append(self.reduced_grad())
-        return {"params": [shard, self.full], "grads": grads}
-
-
-_CONTAINERS = (torch.nn.ModuleList, torch.nn.ModuleDict, torch.nn.Sequential)
-
-
-def _has_params(module: torch.nn.Module) -> bool:
-    return any(True for _ in module.parameters())
-
-
-def _holds_container(module: torch.nn.Module) -> bool:
-    """Whether a container of parameterised modules sits somewhere under ``module``."""
-    return any(isinstance(m, _CONTAINERS) and _has_params(m) for m in module.modules() if m is not module)
-
-
-def _descend(module: torch.nn.Module, prefix: str, inside: bool, out: list[tuple[str, torch.nn.Module]]) -> None:
-    for name, child in module.named_children():
-        if not _has_params(child):
-            continue
-        if isinstance(child, _CONTAINERS) or (not inside and _holds_container(child)):
-            _descend(child, f"{prefix}{name}.", inside or isinstance(child, _CONTAINERS), out)
-        else:
-            out.append((f"{prefix}{name}", child))
-
-
-def is_lookup(module: torch.nn.Module) -> bool:
-    """A plain ``torch.nn.Embedding``: its weight's gradient is a scatter of the output's gradient by the token ids, and
-    nothing upstream needs a gradient, so its backward never reads the weight and stage 3 does not gather it there.
-    (Nor does block checkpointing wrap it, :func:`hf_zero.recompute.checkpoint_blocks`: a recomputation would read it.)"""
-    return type(module) is torch.nn.Embedding
-
-
-def find_units(module: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
-    """The modules whose parameters are gathered together: transformer blocks, else what :func:`_descend` finds.
-
-    With ``_no_split_modules`` (``transformers`` models), the outermost instances of those classes.
-    Otherwise the tree is walked from the root: a child without parameters is skipped; a ``ModuleList``,
-    ``ModuleDict`` or ``Sequential`` is walked into (the first two never run a ``forward`` of their own, so a
-    hook on them would gather nothing), and so is a child that holds such a container (a GPT-2 style
-    ``transformer`` module iterating its ``h`` list; its own parameters stay with the root unit); every other
-    child with parameters is a unit. Below the first container only containers are walked into: its other
-    children are units whole, so that a block holding a ``ModuleList`` of experts stays one unit (its experts
-    run depending on the data, and a gather per expert would differ from rank to rank).
-    """
-    names = set(getattr(module, "_no_split_modules", None) or [])
-    if names:
-        units = [(n, m) for n, m in module.named_modules() if type(m).__name__ in names and m is not module]
-        if units:
-            # keep outermost blocks only
-            out: list[tuple[str, torch.nn.Module]] = []
-            for n, m in units:
-                if not any(n.startswith(p + ".") for p, _ in out):
-                    out.append((n, m))
-            return out
-    found: list[tuple[str, torch.nn.Module]] = []
-    _descend(module, "", isinstance(module, _CONTAINERS), found)
-    return found
-
-
-def input_embedding_unit(
-    module: torch.nn.Module, units: list[tuple[str, torch.nn.Module]]
-) -> tuple[str, torch.nn.Module] | None:
-    """The model's input embedding as a stage-3 unit of its own, when nothing else uses its weight.
-
-    Left in the root unit it would stay gathered for the whole step, as the root does, though
-    only the lookup at the start of forward and its gradient at the end of backward use it. As a
-    unit it is released in between, which takes its 16-bit size (0.3 GiB for a 13B Llama) off
-    the peak at the start of backward. A weight tied to the LM head (GPT-2) stays in the root.
-    """
-    get = getattr(module, "get_input_embeddings", None)
-    try:
-        emb = get() if callable(get) else None
-    except (NotImplementedError, AttributeError):
-        return None
-    if not isinstance(emb, torch.nn.Module) or emb is module:
-        return None
-    name = next((n for n, m in module.named_modules() if m is emb), "")
-    if not name or any(name == u or name.startswith(u + ".") or u.startswith(name + ".") for u, _ in units):
-        return None  # not found, or already a unit (or inside one, or holding one)
-    own = {id(p) for p in emb.parameters()}
-    if not own:
-        return None
-    for n, p in module.named_parameters(remove_duplicate=False):
-        if id(p) in own and not n.startswith(name + "."):
-            return None  # tied: some other module reads this weight
-    return name, emb
-
-
-def side_entries(root: torch.nn.Module, units: list[torch.nn.Module]) -> list[torch.nn.Module]:
-    """Modules that code runs on their own, outside the root's forward, and that read the root unit's parameters.
-
-    ``generate`` of an encoder-decoder model (T5, BART) runs ``model.get_encoder()(...)`` once before decoding: the
-    encoder reads the shared embedding and its final norm, which belong to the root unit, though the root's hooks
-    never run. Such an entry is the module ``get_encoder()`` returns, unless it is the root, a unit or inside one.
-    """
-    get = getattr(root, "get_encoder", None)
-    try:
-        enc = get() if callable(get) else None
-    except (NotImplementedError, AttributeError, TypeError):
-        return []
-    if not isinstance(enc, torch.nn.Module) or enc is root:
-        return []
-    if not any(m is enc for m in root.modules()):
-        return []
-    if any(any(m is enc for m in u.modules()) for u in units):
-        return []
-    return [enc]
-
-
-class _DecodingScope:
-    """``module.generate`` while a stage-3 runtime watches it: counts the decoding loops that are running.
-
-    Set as an instance attribute over the class's method (the model's own, a peft model's), so ``generate`` and
-    everything that calls it (the Trainer's ``predict_with_generate``, TRL, pipelines) enter the scope;
-    :meth:`remove` (in the runtime's ``handles``, taken off by ``engine.destroy()``) puts the attribute back. A
-    deep copy of the module (TRL's reference model) gets the class's plain method, outside any scope.
-    """
-
-    def __init__(self, module: torch.nn.Module, runtime: Stage3Runtime) -> None:
-        self.module = module
-        self.runtime = runtime
-        self.had = "generate" in module.__dict__
-        self.previous = module.__dict__.get("generate")
-        self.bound = module.generate
-        functools.update_wrapper(self, self.bound)
-        module.__dict__["generate"] = self
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        rt = self.runtime
-        rt.decoding += 1
-        try:
-            return self.bound(*args, **kwargs)
-        finally:
-            rt.decoding -= 1
-            if rt.decoding == 0:
-                rt.release_inference()  # what the decoding steps kept goes with the loop that needed it
-
-    def __deepcopy__(self, memo: dict) -> Any:
-        copy = memo.get(id(self.module))
-        return type(copy).generate.__get__(copy) if copy is not None else self.bound
-
-    def remove(self) -> None:
-        if self.module.__dict__.get("generate") is self:
-            if self.had:
-                self.module.__dict__["generate"] = self.previous
-            else:
-                del self.module.__dict__["generate"]
+# The shard group lives in sharded_group.py, the units and their discovery in units.py; their names are still
+# importable from here, where code and tests have imported them.
+__all__ = ["DS_STATUS", "ShardState", "ShardedParamGroup", "Stage3Runtime", "Unit", "find_units",
+           "input_embedding_unit", "is_lookup", "side_entries"]
 
 
 def _recomputing() -> bool:
@@ -488,54 +114,6 @@ class _InputsDone(torch.autograd.Function):
         return (None, None, *grads)
 
 
-class Unit:
-    """A module whose sharded parameter groups are gathered and released together."""
-
-    def __init__(self, index: int, name: str, module: torch.nn.Module, groups: list[ShardedParamGroup], is_root: bool) -> None:
-        self.index, self.name, self.module, self.groups, self.is_root = index, name, module, groups, is_root
-        self.trainable_count = sum(len(g.slots) for g in groups if g.trainable)
-        self.numel = sum(g.numel for g in groups)
-        self.ready = 0
-        # Frozen groups (a LoRA base layer, frozen norms) are released once the unit's backward is done: its
-        # trainable gradients are reduced (`reduced`) and the gradients of its inputs computed (`pending`: the
-        # calls of the unit whose inputs' gradients are still to come, see Stage3Runtime._watch_inputs).
-        self.has_frozen = any(not g.trainable for g in groups)
-        self.pending = 0
-        self.reduced = False
-        # False when no op in the backward of the unit's last training forward reads its weights (no output
-        # requires grad; or the weights are all frozen and no input needs a gradient; or it is a plain
-        # embedding lookup): backward neither gathers it nor prefetches it.
-        self.needs_backward = True
-        self.lookup_only = is_lookup(module)  # an input embedding: its backward never reads its weight
-        # For a unit without trainable groups: whether an input of its last forward required grad.
-        self.inputs_need_grad = True
-        # Calls of the unit's forward now running (between its pre- and post-hook): a read of its parameters
-        # at any other moment of a forward is a read from outside (hf_zero/zero/external.py).
-        self.running = 0
-        # Read from outside its forward: gathered and released with the root unit from then on (Stage3Runtime.pin).
-        self.pinned = False
-
-    def gather(self, stream: torch.cuda.Stream | None) -> None:
-        for g in self.groups:
-            g.gather(stream)
-
-    def wait(self) -> None:
-        for g in self.groups:
-            g.wait()
-
-    def reshard(self, trainable_only: bool = False) -> None:
-        for g in self.groups:
-            if g.trainable or not trainable_only:
-                g.reshard()
-
-    @property
-    def gathered(self) -> bool:
-        for g in self.groups:  # a loop, not any(genexpr): _prefetch_after asks this of every unit ahead, every call
-            if g.state is not ShardState.SHARDED:
-                return True
-        return False
-
-
 class Stage3Runtime:
     """The hooks that gather units before use, prefetch the next one and reduce-scatter after backward."""
 
@@ -553,11 +131,14 @@ class Stage3Runtime:
         self.root = root
         self.units = [u for u in units if not u.is_root]
         self.root_unit = next((u for u in units if u.is_root), None)
+        self._root_and_pinned: list[Unit] = [self.root_unit] if self.root_unit is not None else []
+        # What no-grad forwards keep gathered for the next one (inside generate), and the caps that bound it
+        # (max_live_numel, max_reuse_numel below forward to it): hf_zero/zero/inference.py
+        self.inference = InferenceKeep(self.units, self.root_unit, self._root_and_pinned,
+                                       max_live_numel=max_live_numel, max_reuse_numel=max_reuse_numel)
         self.stream = stream
         self.reduce_stream = reduce_stream
         self.prefetch_numel = prefetch_numel
-        self.max_live_numel = max_live_numel
-        self.max_reuse_numel = max_reuse_numel
         self.order: list[Unit] = []  # forward execution order, recorded on the first training forward
         self._ahead: dict[bool, tuple[list[Unit], dict[int, int]]] = {}  # _set_order's, by reverse
         self._recording: list[Unit] = []
@@ -569,23 +150,9 @@ class Stage3Runtime:
         # A training forward's root (and pinned) units stay gathered for its backward: a no-grad forward run between
         # the two (TRL's DPO: the reference log-probs under no_grad after the policy's forward) must leave them.
         self.backward_pending = False
-        # Whether no-grad forwards left anything gathered (units in `_kept`, the root with the pinned units when
-        # `_root_kept`): what release_inference undoes before the next training forward.
-        self.inference_gathered = False
-        self._kept: dict[int, Unit] = {}  # id -> a unit a no-grad forward left gathered for the next one
-        self._root_kept = False
-        # id(unit) -> its reuse distance in no-grad forwards: the elements of the other units that run between
-        # one use and the next, the recorded order taken as repeating (the next decoding step); see _set_order
-        self._reuse: dict[int, int] = {}
         # > 0 while unwrap_model_for_generation holds every parameter whole: the forward hooks stand aside
         self.held_whole = 0
-        # False for a model that only ever runs forward (a reference model): each unit is resharded after
-        # its forward as in training, since no training forward would ever release what inference kept.
-        # True: a no-grad forward may leave units gathered for the next one, within stage3_max_live_parameters
-        # and stage3_max_reuse_distance (_after_inference).
-        self.keep_gathered_for_inference = True
         self.limit = C.InflightLimit()
-        self._root_and_pinned: list[Unit] = [self.root_unit] if self.root_unit is not None else []
         self._unit_of: dict[int, Unit] = {}  # trainable parameter -> its unit
         # Every sharded parameter of a unit other than the root -> that unit (what a read from outside is about).
         self._sharded_of: dict[int, Unit] = {}
@@ -605,12 +172,9 @@ class Stage3Runtime:
         for entry in side_entries(root, [u.module for u in self.units]):
             self.handles.append(entry.register_forward_pre_hook(self._side_pre))
             self.handles.append(entry.register_forward_hook(self._side_post))
-        # > 0 inside ``generate``: only its decoding steps keep units gathered from one forward to the next
-        # (_after_inference); an evaluation forward outside it releases everything, as training does
-        self.decoding = 0
-        for m in root.modules():
+        for m in root.modules():  # inside generate, its decoding steps may keep units gathered (InferenceKeep)
             if callable(getattr(type(m), "generate", None)):
-                self.handles.append(_DecodingScope(m, self))
+                self.handles.append(_DecodingScope(m, self.inference))
         for u in units:
             for g in u.groups:
                 if g.trainable:
@@ -634,8 +198,8 @@ class Stage3Runtime:
             return
         unit.pinned = True
         self._root_and_pinned.append(unit)
-        self._kept.pop(id(unit), None)  # counted with the root from now on, which is kept (or not) afresh
-        self._root_kept = False
+        self.inference.kept.pop(id(unit), None)  # counted with the root from now on, which is kept (or not) afresh
+        self.inference.root_kept = False
         if self.order:
             self._set_order([u for u in self.order if u is not unit])
         if self.in_forward:
@@ -668,81 +232,64 @@ class Stage3Runtime:
 
     # -------------------------------------------------------------- forward
 
+    # The no-grad forwards' keep policy is InferenceKeep's (hf_zero/zero/inference.py); the runtime's names for its
+    # state, which the engine, the optimizer and tests read or set, forward to it.
+
+    @property
+    def max_live_numel(self) -> int:
+        return self.inference.max_live_numel
+
+    @max_live_numel.setter
+    def max_live_numel(self, value: int) -> None:
+        self.inference.max_live_numel = value
+
+    @property
+    def max_reuse_numel(self) -> int:
+        return self.inference.max_reuse_numel
+
+    @max_reuse_numel.setter
+    def max_reuse_numel(self, value: int) -> None:
+        self.inference.max_reuse_numel = value
+
+    @property
+    def keep_gathered_for_inference(self) -> bool:
+        return self.inference.keep
+
+    @keep_gathered_for_inference.setter
+    def keep_gathered_for_inference(self, value: bool) -> None:
+        self.inference.keep = value
+
+    @property
+    def decoding(self) -> int:
+        return self.inference.decoding
+
+    @decoding.setter
+    def decoding(self, value: int) -> None:
+        self.inference.decoding = value
+
+    @property
+    def inference_gathered(self) -> bool:
+        return self.inference.gathered
+
+    @property
+    def _kept(self) -> dict[int, Unit]:
+        return self.inference.kept
+
+    @property
+    def _root_kept(self) -> bool:
+        return self.inference.root_kept
+
+    @property
+    def _reuse(self) -> dict[int, int]:
+        return self.inference.reuse
+
     def release_inference(self) -> None:
         """Reshard everything that no-grad forwards (evaluation, generate) left gathered."""
-        if self.inference_gathered:
-            for u in self.units:
-                u.reshard()
-            if self.root_unit is not None:
-                self.root_unit.reshard()
-            self.inference_gathered = False
-        self._kept.clear()
-        self._root_kept = False
+        self.inference.release()
 
     def kept_numel(self) -> int:
         """Elements that no-grad forwards left gathered for the next one (units, and the root with the pinned ones)."""
-        n = sum(u.numel for u in self._kept.values() if u.gathered)
-        if self._root_kept:
-            n += sum(u.numel for u in self._with_root())
-        return n
-
-    def _after_inference(self, unit: Unit) -> None:
-        """End of a unit's no-grad forward (evaluation, ``generate``): release it, or keep it for the next forward.
-
-        Kept, as DeepSpeed keeps a parameter whose next use is near, only when its reuse distance (the elements of
-        the other units run before it is used again, the next no-grad forward repeating this one: the next decoding
-        step or evaluation batch) is within ``stage3_max_reuse_distance``, and when what a forward then holds
-        gathered at once stays within ``stage3_max_live_parameters`` (DeepSpeed's "parameters resident before
-        releasing"): everything kept, this unit included, plus the root unit and the largest unit that runs
-        beside them (:meth:`_working_numel`). So a model under the cap is gathered once for a whole
-        ``generate``; a larger one keeps its first units and gathers the rest per forward, as training does,
-        instead of holding the whole model gathered (which a model big enough to need ZeRO-3 has no room for).
-        What is kept is the same on every rank (the order and sizes are), so the ranks' gathers stay matched.
-        """
-        kept = self._kept.get(id(unit))
-        if kept is not None:
-            if unit.gathered:
-                return  # already counted in the cap
-            del self._kept[id(unit)]  # resharded by something else in between (a GatheredParameters exit)
-        reuse = self._reuse.get(id(unit))
-        if reuse is None and not self.order:
-            # The first forward of the engine, before any order is recorded: no unit's distance can exceed the
-            # elements of all the units together, the bound used until the order is known.
-            reuse = sum(u.numel for u in self.units)
-        if (self.keep_gathered_for_inference and self.decoding and reuse is not None and reuse <= self.max_reuse_numel
-                and self.kept_numel() + unit.numel + self._working_numel() <= self.max_live_numel):
-            self._kept[id(unit)] = unit
-            self.inference_gathered = True
-            return
-        unit.reshard()
-
-    def _largest_unit(self) -> int:
-        """Elements of the largest unit: what a forward gathers beside what is kept, at the least (the running unit)."""
-        return max((u.numel for u in self.units if not u.pinned), default=0)
-
-    def _working_numel(self) -> int:
-        """What a no-grad forward holds gathered beside the kept units: the root unit with the pinned units (for the
-        whole forward, unless they are kept themselves) and the running unit (the largest, to be safe)."""
-        root = 0 if self._root_kept else sum(u.numel for u in self._with_root())
-        return root + self._largest_unit()
-
-    def _after_inference_root(self) -> None:
-        """End of a no-grad forward of the root: keep the root unit (with the pinned units) if it fits under the cap.
-
-        Its reuse distance is 0: the next forward gathers it first. It is decided last, so the units that ran before
-        it have taken their share of ``stage3_max_live_parameters`` first; with the largest unit running beside
-        everything kept, the cap still holds.
-        """
-        if self._root_kept or self.backward_pending:
-            return  # kept already, or gathered for a training forward's backward, which releases it
-        numel = sum(u.numel for u in self._with_root())
-        if (self.keep_gathered_for_inference and self.decoding and numel
-                and self.kept_numel() + numel + self._largest_unit() <= self.max_live_numel):
-            self._root_kept = True
-            self.inference_gathered = True
-            return
-        for u in self._with_root():
-            u.reshard()
+        return self.inference.kept_numel()
 
     @contextlib.contextmanager
     def standing_aside(self) -> Iterator[None]:
@@ -792,7 +339,7 @@ class Stage3Runtime:
             return
         self._side_depth -= 1
         if self._side_depth == 0 and not torch.is_grad_enabled():
-            self._after_inference_root()
+            self.inference.after_root(self.backward_pending)
 
     def _with_root(self) -> list[Unit]:
         """The root unit and the pinned units: gathered for the whole forward, released as the root is."""
@@ -807,7 +354,7 @@ class Stage3Runtime:
         if recorded and (not self.order or len(recorded) != len(self.order)):
             self._set_order(recorded)
         if not torch.is_grad_enabled():
-            self._after_inference_root()
+            self.inference.after_root(self.backward_pending)
             return
         if not _tensors_requiring_grad(output):
             for u in self._with_root():
@@ -817,13 +364,7 @@ class Stage3Runtime:
 
     def _set_order(self, order: list[Unit]) -> None:
         """Record the forward order, with the backward order and each unit's first place in either, for _prefetch_after,
-        and each unit's reuse distance for no-grad forwards (_after_inference).
-
-        The reuse distance counts, as DeepSpeed's ``stage3_max_reuse_distance`` does, the elements of the units
-        that run between one use of a unit and its next; a unit used once per forward is next used in the next
-        forward (``generate`` runs the same order once per token), so the order is walked round: for such a unit
-        it is the rest of the model. A unit used twice in one forward takes the smaller of its distances.
-        """
+        and each unit's reuse distance for no-grad forwards (:meth:`InferenceKeep.set_order`)."""
         self.order = order
         self._ahead = {}
         for reverse, seq in ((False, order), (True, order[::-1])):
@@ -831,19 +372,7 @@ class Stage3Runtime:
             for i, u in enumerate(seq):
                 first.setdefault(id(u), i)
             self._ahead[reverse] = (seq, first)
-        self._reuse = {}
-        n = len(order)
-        for i, u in enumerate(order):
-            dist = 0
-            for k in range(1, n + 1):
-                nxt = order[(i + k) % n]
-                if nxt is u:
-                    break
-                dist += nxt.numel
-                if dist > self.max_reuse_numel:
-                    break  # beyond the distance already: how far does not matter
-            prev = self._reuse.get(id(u))
-            self._reuse[id(u)] = dist if prev is None else min(prev, dist)
+        self.inference.set_order(order)
 
     def _prefetch_after(self, unit: Unit, reverse: bool) -> None:
         """Gather the units that run after ``unit``, as far ahead as ``stage3_prefetch_bucket_size`` allows.
@@ -955,14 +484,14 @@ class Stage3Runtime:
             unit.running = max(0, unit.running - 1)
             if unit.pinned:
                 # Released with the root unit; unless it ran on its own, outside the root's forward, without grad.
-                if (not self.in_forward and not torch.is_grad_enabled() and not self._root_kept
+                if (not self.in_forward and not torch.is_grad_enabled() and not self.inference.root_kept
                         and not self.backward_pending):
                     unit.reshard()
                 return
             if not torch.is_grad_enabled() and not self.grad_forward:
                 # Evaluation, generate: released as in training unless it fits under the live cap to be reused by the
                 # next forward (the next decoding step); released by the next training forward at the latest.
-                self._after_inference(unit)
+                self.inference.after_unit(unit, ordered=bool(self.order))
                 return
             if not torch.is_grad_enabled():
                 unit.needs_backward = True  # a reentrant checkpoint's forward: its recomputation has a backward
