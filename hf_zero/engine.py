@@ -159,8 +159,6 @@ class ZeroEngine(torch.nn.Module):
             # The zero.Init slices were freed while the shards were laid out around them; hand those
             # blocks back so training's allocations start from unfragmented memory.
             torch.cuda.empty_cache()
-        if self.inference_only and self.zero_optimizer.runtime is not None:
-            self.zero_optimizer.runtime.keep_gathered_for_inference = False
         self.basic_optimizer = optimizer if not self.inference_only else None
         # What initialize returns and DeepSpeed's engine.optimizer is: as in DeepSpeed (_do_optimizer_sanity_check),
         # the client's (or the config's) optimizer itself where nothing wraps it, stage 0 without fp16/bf16; the

@@ -142,15 +142,15 @@ def eval_memory(rank: int, world: int, device: torch.device, max_live: int | Non
     held0, mem0 = held_bytes(engine), _memory(device)
     engine.eval()
     runtime = engine.zero_optimizer.runtime
-    runtime.decoding += decoding
+    runtime.inference.decoding += decoding
     with torch.no_grad():
         for k in range(1, 4):
             logits = engine(input_ids=ids[k]).logits.float()
     held1, mem1 = held_bytes(engine), _memory(device)
     out = {"model_bytes": model_bytes, "held_growth": held1 - held0, "mem_growth": mem1 - mem0,
-           "kept_numel": runtime.kept_numel(), "kept_units": len(runtime._kept)}
+           "kept_numel": runtime.kept_numel(), "kept_units": len(runtime.inference.kept)}
     if decoding:  # the end of the loop, as _DecodingScope ends it
-        runtime.decoding -= 1
+        runtime.inference.decoding -= 1
         runtime.release_inference()
         out["scope_growth"] = held_bytes(engine) - held0
     want = _whole_logits(model, MEM_SHAPE, ids[3], torch_dtype)
@@ -202,8 +202,8 @@ def different_lengths(rank: int, world: int, device: torch.device) -> dict:
     kept_during: list[int] = []  # groups left gathered after each forward of the loop (the runtime's hook runs first)
 
     def _kept_groups() -> int:
-        n = sum(len(u.groups) for u in runtime._kept.values())
-        return n + (sum(len(u.groups) for u in runtime._with_root()) if runtime._root_kept else 0)
+        n = sum(len(u.groups) for u in runtime.inference.kept.values())
+        return n + (sum(len(u.groups) for u in runtime._with_root()) if runtime.inference.root_kept else 0)
 
     model.register_forward_hook(lambda m, a, o: kept_during.append(_kept_groups()))
     orig = collectives.all_gather_
@@ -230,7 +230,7 @@ def different_lengths(rank: int, world: int, device: torch.device) -> dict:
                                     **{k: v for k, v in kw.items() if k != "synced_gpus"})
             out[name] = {"got": got.tolist(), "want": want.tolist(), "gathers": n_gathers, "forwards": n_forwards,
                          "kept_numel": runtime.kept_numel(), "kept_groups": max(kept_during, default=0),
-                         "released_after": runtime.kept_numel() == 0 and not runtime.inference_gathered}
+                         "released_after": runtime.kept_numel() == 0 and not runtime.inference.gathered}
     finally:
         collectives.all_gather_ = orig
     out["groups"] = len(engine.zero_optimizer.stage3_groups)

@@ -7,7 +7,8 @@ set over each ``generate`` under the root), a unit may stay gathered for the nex
 ``stage3_max_live_parameters`` and ``stage3_max_reuse_distance``, and what is kept goes when ``generate`` returns or
 the next training forward begins. :class:`InferenceKeep` holds that policy and its state for
 :class:`hf_zero.zero.stage3.Stage3Runtime`, whose hooks call it; the runtime's own names for it
-(``release_inference()``, ``kept_numel()``, ``decoding``, ``keep_gathered_for_inference``, ...) forward here.
+(``release_inference()``, ``kept_numel()``) forward here. A model that only runs forward (a reference model, an
+optimizer-free engine) follows the same rule: ``generate``'s end releases what its steps kept.
 """
 
 from __future__ import annotations
@@ -44,11 +45,6 @@ class InferenceKeep:
         # id(unit) -> its reuse distance in no-grad forwards: the elements of the other units that run between
         # one use and the next, the recorded order taken as repeating (the next decoding step); see set_order
         self.reuse: dict[int, int] = {}
-        # False for a model that only ever runs forward (a reference model): each unit is resharded after
-        # its forward as in training, since no training forward would ever release what inference kept.
-        # True: a no-grad forward may leave units gathered for the next one, within stage3_max_live_parameters
-        # and stage3_max_reuse_distance (after_unit).
-        self.keep = True
         # > 0 inside ``generate``: only its decoding steps keep units gathered from one forward to the next
         # (after_unit); an evaluation forward outside it releases everything, as training does
         self.decoding = 0
@@ -117,7 +113,7 @@ class InferenceKeep:
             # The first forward of the engine, before any order is recorded: no unit's distance can exceed the
             # elements of all the units together, the bound used until the order is known.
             reuse = sum(u.numel for u in self.units)
-        if (self.keep and self.decoding and reuse is not None and reuse <= self.max_reuse_numel
+        if (self.decoding and reuse is not None and reuse <= self.max_reuse_numel
                 and self.kept_numel() + unit.numel + self.working_numel() <= self.max_live_numel):
             self.kept[id(unit)] = unit
             self.gathered = True
@@ -145,7 +141,7 @@ class InferenceKeep:
         if self.root_kept or backward_pending:
             return  # kept already, or gathered for a training forward's backward, which releases it
         numel = sum(u.numel for u in self.with_root)
-        if (self.keep and self.decoding and numel
+        if (self.decoding and numel
                 and self.kept_numel() + numel + self.largest_unit() <= self.max_live_numel):
             self.root_kept = True
             self.gathered = True

@@ -439,7 +439,7 @@ class ShardedOptimizer:
         """This rank's masters of each optimizer param group, bucket after bucket, as one new tensor per group."""
         out = []
         swap = self.nvme.swap if self.nvme is not None else None
-        owner = {id(g.master): g for g in self.groups if g.master is not None}
+        owner = {id(g.master): g for g in self.groups if g.master is not None} if swap is not None else {}
 
         def flat(m: torch.Tensor) -> torch.Tensor:
             if swap is None or id(m) not in owner:

@@ -132,8 +132,8 @@ class Stage3Runtime:
         self.units = [u for u in units if not u.is_root]
         self.root_unit = next((u for u in units if u.is_root), None)
         self._root_and_pinned: list[Unit] = [self.root_unit] if self.root_unit is not None else []
-        # What no-grad forwards keep gathered for the next one (inside generate), and the caps that bound it
-        # (max_live_numel, max_reuse_numel below forward to it): hf_zero/zero/inference.py
+        # What no-grad forwards keep gathered for the next one (inside generate): hf_zero/zero/inference.py
+        self.max_live_numel = max_live_numel  # stage3_max_live_parameters: bounds the prefetch too (_prefetch_after)
         self.inference = InferenceKeep(self.units, self.root_unit, self._root_and_pinned,
                                        max_live_numel=max_live_numel, max_reuse_numel=max_reuse_numel)
         self.stream = stream
@@ -232,56 +232,8 @@ class Stage3Runtime:
 
     # -------------------------------------------------------------- forward
 
-    # The no-grad forwards' keep policy is InferenceKeep's (hf_zero/zero/inference.py); the runtime's names for its
-    # state, which the engine, the optimizer and tests read or set, forward to it.
-
-    @property
-    def max_live_numel(self) -> int:
-        return self.inference.max_live_numel
-
-    @max_live_numel.setter
-    def max_live_numel(self, value: int) -> None:
-        self.inference.max_live_numel = value
-
-    @property
-    def max_reuse_numel(self) -> int:
-        return self.inference.max_reuse_numel
-
-    @max_reuse_numel.setter
-    def max_reuse_numel(self, value: int) -> None:
-        self.inference.max_reuse_numel = value
-
-    @property
-    def keep_gathered_for_inference(self) -> bool:
-        return self.inference.keep
-
-    @keep_gathered_for_inference.setter
-    def keep_gathered_for_inference(self, value: bool) -> None:
-        self.inference.keep = value
-
-    @property
-    def decoding(self) -> int:
-        return self.inference.decoding
-
-    @decoding.setter
-    def decoding(self, value: int) -> None:
-        self.inference.decoding = value
-
-    @property
-    def inference_gathered(self) -> bool:
-        return self.inference.gathered
-
-    @property
-    def _kept(self) -> dict[int, Unit]:
-        return self.inference.kept
-
-    @property
-    def _root_kept(self) -> bool:
-        return self.inference.root_kept
-
-    @property
-    def _reuse(self) -> dict[int, int]:
-        return self.inference.reuse
+    # The no-grad forwards' keep policy and its state are InferenceKeep's (``self.inference``,
+    # hf_zero/zero/inference.py); the engine, the optimizer and the checkpoints call these two.
 
     def release_inference(self) -> None:
         """Reshard everything that no-grad forwards (evaluation, generate) left gathered."""
