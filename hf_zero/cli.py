@@ -122,20 +122,19 @@ def _visible_devices(environ: Mapping[str, str], gpu_count: int) -> list[str]:
 
 def _parse_node_filter(text: str, flag: str) -> list[str] | None:
     """Slots named by a DeepSpeed ``NAME[:SLOT,...][@NAME...]`` filter for this node; None means all."""
+    from hf_zero.launch.hostfile import parse_filter
+
     local_names = {"localhost", "127.0.0.1", socket.gethostname()}
-    slots: list[str] = []
-    whole_node = False
-    for spec in text.split("@"):
-        name, _, slot_text = spec.partition(":")
+    named = parse_filter(text, flag)
+    for name in named:
         if name not in local_names:
             raise LaunchError(
                 f"{flag} {text!r} names host {name!r}, but hf-zero launch only selects GPUs of this node "
                 '(write e.g. "localhost:0,1" and run hf-zero launch on each node).'
             )
-        if not slot_text:
-            whole_node = True
-        slots += [s.strip() for s in slot_text.split(",") if s.strip()]
-    return None if whole_node else list(dict.fromkeys(slots))
+    if any(not slots for slots in named.values()):
+        return None  # a name without slots: the whole node
+    return list(dict.fromkeys(str(s) for slots in named.values() for s in slots))
 
 
 def _select_devices(include: str, exclude: str, available: list[str]) -> list[str]:

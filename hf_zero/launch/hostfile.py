@@ -62,7 +62,10 @@ def find_hostfile(given: str | None) -> str | None:
 
 
 def parse_filter(text: str, flag: str) -> dict[str, list[int]]:
-    """``NAME[:SLOT,...]@...`` as ``{name: slots}`` (an empty list: the whole host), names in the order given."""
+    """``NAME[:SLOT,...]@...`` as ``{name: slots}`` (an empty list: the whole host), names and slots in the order given.
+
+    The one parser of DeepSpeed's filter syntax: the hostfile's hosts (:func:`select`) and, without a hostfile, this
+    node's GPUs (``hf_zero.cli``) both read it."""
     named: dict[str, list[int]] = {}
     for spec in text.split("@"):
         name, colon, slot_text = spec.strip().partition(":")
@@ -75,8 +78,9 @@ def parse_filter(text: str, flag: str) -> dict[str, list[int]]:
             slots.append(int(s))
         if colon and not slots:
             raise LaunchError(f"{flag} {text!r} names no slot after '{name}:'; drop the colon to mean the whole host.")
-        named.setdefault(name, [])
-        named[name] = sorted(set(named[name] + slots))
+        # in the order given, a repeat dropped (DeepSpeed's _stable_remove_duplicates): the order of a node's slots is
+        # its CUDA_VISIBLE_DEVICES, so the first slot named is local rank 0
+        named[name] = list(dict.fromkeys(named.get(name, []) + slots))
     return named
 
 
