@@ -127,7 +127,8 @@ TRAIN = textwrap.dedent(
     losses = []
     for step in range(5):
         mine = slice(4 * rank, 4 * rank + 4)
-        loss = torch.nn.functional.mse_loss(engine(x[step, mine]), y[step, mine])
+        xs, ys = x[step, mine].to(engine.device), y[step, mine].to(engine.device)  # as a DeepSpeed script moves them
+        loss = torch.nn.functional.mse_loss(engine(xs), ys)
         engine.backward(loss)
         engine.step()
         mean = loss.detach().clone()
