@@ -39,8 +39,9 @@ from hf_zero.tp_split import split_of
 from hf_zero.zero import attach
 from hf_zero.zero import collectives as C
 from hf_zero.zero.group import Placement
+from hf_zero.zero.host_step import host_step_threads
 from hf_zero.zero.nvme_io import NvmeSpec
-from hf_zero.zero.offload import OffloadPolicy, host_step_threads
+from hf_zero.zero.offload import OffloadPolicy
 from hf_zero.zero.optimizer import ShardedOptimizer, ZeroPolicy
 
 logger = logging.getLogger("hf_zero")

@@ -109,7 +109,7 @@ class OffloadOptimizerConfig:
     ratio: float = 1.0  # the share of the optimizer state offloaded (below 1 only at stage 3)
     super_offload: bool = False
     # DeepSpeed's default is 0.8 (for its SuperOffload); None here: the host step uses the whole share of this rank's
-    # CPUs (hf_zero/zero/offload.py host_step_threads), a given value takes that part of it
+    # CPUs (hf_zero/zero/host_step.py host_step_threads), a given value takes that part of it
     cpuadam_cores_perc: float | None = None
 
 

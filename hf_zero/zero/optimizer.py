@@ -43,6 +43,7 @@ from hf_zero.tp_split import checkpoint_name, split_of
 from hf_zero.zero import collectives as C
 from hf_zero.zero.flat import FlatGroup
 from hf_zero.zero.group import ParamSlot, Placement, ShardGroup
+from hf_zero.zero.host_step import intra_op_threads
 from hf_zero.zero.nvme import NvmeStores, open_stores
 from hf_zero.zero.nvme_io import Scope
 from hf_zero.zero.offload import (
@@ -53,7 +54,6 @@ from hf_zero.zero.offload import (
     OffloadPolicy,
     ShardSizes,
     _HostParamShard,
-    intra_op_threads,
     plan_host_memory,
     state_bytes_per_element,
 )
@@ -599,7 +599,7 @@ class ShardedOptimizer:
         """Optimizer step on this rank's masters, then publish the new weights to every rank.
 
         How is the runner's, picked once when this optimizer was built (:mod:`hf_zero.zero.runner`): on the
-        device, or, offloaded, the host masters one shard group at a time (:class:`hf_zero.zero.offload.HostStep`);
+        device, or, offloaded, the host masters one shard group at a time (:class:`hf_zero.zero.host_step.HostStep`);
         with ``overlap_param_gather`` the publish (and an offloaded step) is finished where the next forward
         first reads each group. ``timed(part, seconds)``, when given, receives the offloaded step's three parts
         (``hf_zero/timers.py``; deferred: the CPU optimizer's only, once done).

@@ -11,7 +11,7 @@ taken per step:
   published in forward order with their all-gathers left in flight, each waited for by the first forward
   hook that reads it (:class:`hf_zero.zero.overlap.DeferredPublish`);
 - :class:`HostRunner` (``offload_optimizer``): the host masters stepped group by group on the CPU, each group
-  copied back and published at once (:class:`hf_zero.zero.offload.HostStep`), inside ``engine.step()``;
+  copied back and published at once (:class:`hf_zero.zero.host_step.HostStep`), inside ``engine.step()``;
 - :class:`DeferredHostRunner` (``offload_optimizer`` with ``overlap_param_gather`` at stages 1-2): the first
   group the forward reads stepped at once, every other one where the next forward first reads it;
 - :class:`NvmeRunner` (``"device": "nvme"``): :class:`HostRunner`'s step with the masters and optimizer state
@@ -35,9 +35,9 @@ import torch
 
 from hf_zero.zero import collectives as C
 from hf_zero.zero.group import ShardGroup
+from hf_zero.zero.host_step import HostStep
 from hf_zero.zero.nvme import NvmeStores, pooled_raise
 from hf_zero.zero.offload import (
-    HostStep,
     OffloadPolicy,
     host_buffer,
     use_host_kernels,
@@ -118,7 +118,7 @@ class DeferredPublishRunner(StepRunner):
 
 class HostRunner(StepRunner):
     """``offload_optimizer``: the host masters stepped one group at a time on the CPU, each group's copy back to the
-    device and all-gather issued as soon as it is stepped (:class:`hf_zero.zero.offload.HostStep`), all inside the
+    device and all-gather issued as soon as it is stepped (:class:`hf_zero.zero.host_step.HostStep`), all inside the
     step; the compute stream then waits for them.
 
     ``stream_grads`` (:attr:`hf_zero.zero.offload.HostPlan.STREAM_GRADS`): the groups kept their fp32 gradient
@@ -183,7 +183,7 @@ class DeferredHostRunner(HostRunner):
     """``offload_optimizer`` with ``overlap_param_gather`` at stages 1-2: only the group the next forward reads first
     is stepped inside the step; every other group is handed the step (:meth:`hf_zero.zero.flat.FlatGroup.defer_step`)
     and stepped, with every group before it in forward order, by the first forward hook that waits for it, with the
-    hyperparameters of the step that deferred it (:class:`hf_zero.zero.offload.HostStep`). ``timed`` receives the wait
+    hyperparameters of the step that deferred it (:class:`hf_zero.zero.host_step.HostStep`). ``timed`` receives the wait
     for the gradients at once and the CPU optimizer's time once the last group is stepped."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, groups: list[ShardGroup], stream: torch.cuda.Stream | None,
