@@ -143,6 +143,9 @@ class ZeroEngine(torch.nn.Module):
         )
         if self.timers.enabled:
             self.step_policy.timed = self.timers.add
+        if self.zero_optimizer is not None and self.loss_scaler is not None:
+            scaler = self.loss_scaler
+            self.zero_optimizer.loss_scale = lambda: scaler.scale  # super_offload's speculative step unscales by it
         if self.zero_optimizer is not None:
             attach.link(self.zero_optimizer)  # deepspeed.utils.safe_get_full_* start from a parameter
         if stage == 3 and self.zero_optimizer is not None:
@@ -261,6 +264,7 @@ class ZeroEngine(torch.nn.Module):
             params_pin_memory=bool(par.pin_memory) if par is not None else True,
             optimizer_nvme=nvme(off, "offload_optimizer") if offload_optimizer else None,
             params_nvme=nvme(par, "offload_param") if params_on and offload_optimizer else None,
+            speculate=offload_optimizer and bool(off.super_offload) and off.device == "cpu",
         )
         return ShardedOptimizer(self.module, optimizer, place=place, zero=zero, offload=offload)
 

@@ -17,6 +17,8 @@ import socket
 import time
 import zlib
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -47,8 +49,11 @@ class HostStep:
     def __init__(self, optimizer: torch.optim.Optimizer, stream: torch.cuda.Stream | None,
                  work: list[tuple[ShardGroup, torch.Tensor]], *, streamed: list[torch.Tensor] | None = None,
                  defer: bool = False, on_done: Callable[[float], None] | None = None, threads: int | None = None,
-                 swap: Any = None) -> None:
+                 swap: Any = None, prestepped: frozenset[int] = frozenset()) -> None:
         self.optimizer, self.stream, self.defer, self.on_done = optimizer, stream, defer, on_done
+        # ids of the groups SpeculativeHostStep already stepped with this step's gradient, coefficient and
+        # hyperparameters (super_offload): only published here
+        self.prestepped = prestepped
         # NVMe (hf_zero/zero/nvme.py OptimizerSwap): each group's master and state read in before its step, written after
         self.swap = swap
         self.threads = threads  # the optimizer's intra-op threads (host_step_threads); None: the process's count
@@ -113,7 +118,8 @@ class HostStep:
             start = time.perf_counter()
             g.master.grad = grad
             try:
-                self.optimizer.step()
+                if id(g) not in self.prestepped:
+                    self.optimizer.step()
             finally:
                 g.master.grad = None
                 self.cpu_seconds += time.perf_counter() - start
@@ -127,6 +133,213 @@ class HostStep:
             self.swap.detach(g)
         if self.done and self.on_done is not None:
             self.on_done(self.cpu_seconds)
+
+
+
+def _hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    return [{k: v for k, v in pg.items() if k != "params"} for pg in optimizer.param_groups]
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, tuple | list) and isinstance(b, tuple | list):
+        return len(a) == len(b) and all(_same_value(x, y) for x, y in zip(a, b))
+    return type(a) is type(b) and (a == b or (a != a and b != b))  # NaN equals NaN here: the same setting
+
+
+def _same_hyperparameters(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> bool:
+    return len(a) == len(b) and all(x.keys() == y.keys() and all(_same_value(x[k], y[k]) for k in x) for x, y in zip(a, b))
+
+
+@dataclass
+class _Undo:
+    """What a speculative step of one group overwrote: its master and its optimizer state (None: it had none yet)."""
+
+    group: ShardGroup
+    master: torch.Tensor
+    state: dict[str, Any] | None
+
+
+class SpeculativeHostStep:
+    """``offload_optimizer.super_offload``: each group's host step taken during the backward that ends the step, as
+    soon as its gradient is in host memory, on a background thread, and undone exactly where the step decides
+    otherwise.
+
+    Why: :class:`HostStep` starts only once backward has ended and the global norm is known, so the CPU waits
+    through the backward and the GPU through the CPU step. What a group's step needs that is global is one number,
+    the coefficient the step policy (:mod:`hf_zero.step`) multiplies the gradients by (the fp16 unscale times the
+    clipping factor), and whether the step is applied at all (an fp16 overflow or a non-finite gradient skips it).
+    Both are known only after the last gradient, so the step is taken *speculatively* with the coefficient of a
+    step that does not clip (``1 / loss scale``, :meth:`arm`), and :meth:`verdict` compares it with the one the
+    policy computed: equal, the steps stand and the runner only publishes those groups; different (clipping
+    applies), or the step is skipped (:meth:`discard`), every speculatively stepped group gets back its master and
+    optimizer state, saved just before its step, and the runner steps it the ordinary way. The arithmetic of a
+    step that stands is the ordinary step's (the same optimizer call on the same master and the same gradient
+    values, multiplied by the same float), so the weights equal :class:`HostStep`'s bit for bit either way.
+
+    The gradient a group steps with is its host copy (:class:`hf_zero.zero.offload._HostMaster`), read, never
+    written: with a coefficient other than 1 the product goes to a scratch buffer of the largest group, so the
+    copy stays as the ordinary step expects it. The price is the undo copy of each master and its state (16 bytes
+    per element with Adam) in host memory until the step, DeepSpeed's SuperOffload undoes its step arithmetically
+    instead, which does not give back the same bits. The optimizer's hyperparameters are checked too: a change
+    between the backward and the step (a scheduler stepped early) undoes the speculation.
+
+    One background thread steps the groups in the order their gradients arrive, on ``threads`` intra-op threads
+    (:func:`host_step_threads`; torch's thread count is per thread, so the backward keeps the launcher's).
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, threads: int | None) -> None:
+        self.optimizer, self.threads = optimizer, threads
+        self._pool: ThreadPoolExecutor | None = None
+        self._futures: dict[int, Future[None]] = {}
+        self._undo: dict[int, _Undo] = {}
+        self._coef: float | None = None  # armed: the coefficient the groups are stepped with
+        self._hyper: list[dict[str, Any]] = []
+        self._scratch: torch.Tensor | None = None
+        self.cpu_seconds = 0.0  # the background steps' own time this step
+        self.counts = {"stepped": 0, "kept": 0, "undone": 0}  # since the start of the run
+
+    @property
+    def armed(self) -> bool:
+        return self._coef is not None
+
+    def arm(self, groups: list[ShardGroup], coef: float) -> bool:
+        """Before the backward that ends a step: step each group with ``coef`` as its gradient arrives.
+
+        Not armed (False) when a master still holds a ``.grad`` (a step whose gradients nobody dropped): torch's
+        optimizer would step that master as well.
+        """
+        self.discard()
+        if any(g.master is not None and g.master.grad is not None for g in groups):
+            return False
+        self._coef, self._hyper, self.cpu_seconds = float(coef), _hyperparameters(self.optimizer), 0.0
+        return True
+
+    def submit(self, group: ShardGroup, grad: torch.Tensor, ready: torch.cuda.Event | None) -> None:
+        """``group``'s gradient is (or, once ``ready`` has fired, will be) in host memory: step it in the background."""
+        if self._coef is None or id(group) in self._futures:
+            return
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf_zero-host-step")
+        self._futures[id(group)] = self._pool.submit(self._step, group, grad, ready, self._coef)
+
+    def _step(self, group: ShardGroup, grad: torch.Tensor, ready: torch.cuda.Event | None, coef: float) -> None:
+        if ready is not None:
+            ready.synchronize()
+        master = group.master
+        assert master is not None
+        with intra_op_threads(self.threads):
+            start = time.perf_counter()
+            state = self.optimizer.state.get(master)
+            saved = None if not state else {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+            self._undo[id(group)] = _Undo(group, master.clone(), saved)
+            if coef != 1.0:  # the policy's scale_grads multiplies the host copy by this same float
+                if self._scratch is None or self._scratch.numel() < grad.numel():
+                    self._scratch = torch.empty(grad.numel(), dtype=grad.dtype)
+                grad = torch.mul(grad, coef, out=self._scratch[: grad.numel()].view_as(grad))
+            master.grad = grad
+            try:
+                self.optimizer.step()
+            finally:
+                master.grad = None
+                self.cpu_seconds += time.perf_counter() - start
+        self.counts["stepped"] += 1
+
+    def undo(self, group: ShardGroup) -> None:
+        """Give ``group`` back its master and optimizer state from before its speculative step (none: nothing to do);
+        its gradient changed (reduced again in this backward) or the step will not stand."""
+        future = self._futures.pop(id(group), None)
+        if future is None:
+            return
+        try:
+            future.result()
+        finally:
+            saved = self._undo.pop(id(group), None)
+            if saved is not None:
+                self._restore(saved)
+
+    def _restore(self, saved: _Undo) -> None:
+        master = saved.group.master
+        assert master is not None
+        master.copy_(saved.master)
+        if saved.state is None:
+            self.optimizer.state.pop(master, None)
+        else:
+            state = self.optimizer.state[master]
+            for k in [k for k in state if k not in saved.state]:
+                del state[k]
+            for k, v in saved.state.items():
+                if isinstance(v, torch.Tensor) and isinstance(state.get(k), torch.Tensor) and state[k].shape == v.shape:
+                    state[k].copy_(v)
+                else:
+                    state[k] = v
+        self.counts["undone"] += 1
+
+    def drain(self) -> None:
+        """Wait for every step in flight; a failed one undoes them all and raises."""
+        try:
+            for future in list(self._futures.values()):
+                future.result()
+        except BaseException:
+            self.discard()
+            raise
+
+    def verdict(self, coef: torch.Tensor | float) -> None:
+        """The step policy's coefficient for this step: the speculative steps stand only if they used it."""
+        if self._coef is None:
+            return
+        self.drain()
+        if float(coef) != self._coef or not _same_hyperparameters(self._hyper, _hyperparameters(self.optimizer)):
+            self.discard()
+
+    def commit(self, stepped: set[int]) -> frozenset[int]:
+        """At the step: the ids of the groups whose speculative step stands (the runner only publishes them).
+
+        ``stepped`` are the ids of the groups the step takes; a speculative step of any other group is undone.
+        """
+        if self._coef is None:
+            return frozenset()
+        self.drain()
+        if not _same_hyperparameters(self._hyper, _hyperparameters(self.optimizer)):
+            self.discard()
+            return frozenset()
+        for gid in [gid for gid in self._futures if gid not in stepped]:
+            self.undo(self._undo[gid].group)
+        kept = frozenset(self._futures)
+        self.counts["kept"] += len(kept)
+        self._futures.clear()
+        self._undo.clear()
+        self._coef = None
+        return kept
+
+    def discard(self) -> None:
+        """Undo every speculative step of this step (skipped, cleared, or the masters read for a save); disarm."""
+        self._coef = None
+        first: BaseException | None = None
+        for gid in list(self._futures):
+            future = self._futures[gid]
+            saved = None
+            try:
+                future.result()
+            except BaseException as e:  # restore the others first, then say what failed
+                first = first or e
+            self._futures.pop(gid)
+            saved = self._undo.pop(gid, None)
+            if saved is not None:
+                self._restore(saved)
+        self._undo.clear()
+        if first is not None:
+            raise first
+
+    def close(self) -> None:
+        """Stop the background thread (``engine.destroy()``); what it stepped this step is undone first."""
+        try:
+            self.discard()
+        finally:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+                self._pool = None
 
 
 # The environment variable that fixes the host step's thread count, over what host_step_threads would choose.

@@ -22,6 +22,10 @@ master moved to the host. Per step:
    1-2: this rank's range of ``param_flat``, then the all-gather; stage 3: the 16-bit shard the next
    all-gather reads; DeepSpeed keeps that shard on the GPU too).
 
+With ``offload_optimizer.super_offload`` step 3 moves into step 2: each group is stepped on a background thread as
+soon as its host copy lands, assuming the step neither clips nor is skipped, and undone exactly where the policy says
+otherwise (:class:`hf_zero.zero.host_step.SpeculativeHostStep`); the weights are the same bits.
+
 When the host cannot hold the gradient copy beside the masters and the optimizer state (4 of each rank's
 16 bytes per element with Adam; an 8B full fine-tune on one 125 GiB host is that case),
 :func:`check_host_memory` says so before anything is allocated and every rank takes the *streamed* mode
@@ -84,6 +88,9 @@ class OffloadPolicy:
       the frozen groups' always, the trainable groups' when the optimizer is offloaded too (otherwise their master
       is the shard, stepped on the device); ``params_pin_memory`` is its ``pin_memory`` (the frozen groups'
       shards; a trainable group's host shard is pinned as its master is, by ``pin_memory``).
+    - ``speculate`` (``offload_optimizer.super_offload``): the host step of each group taken while backward runs,
+      as soon as its gradient is in host memory, and undone exactly where clipping or a skipped step says so
+      (:class:`hf_zero.zero.runner.SpeculativeHostRunner`).
     - ``optimizer_nvme`` / ``params_nvme`` (``"device": "nvme"``): the same state, kept in files on disk between
       steps instead (:mod:`hf_zero.zero.nvme`); ``optimizer`` / ``params`` are on as well, the step is then
       :class:`hf_zero.zero.runner.NvmeRunner`'s.
@@ -97,6 +104,9 @@ class OffloadPolicy:
     # ``"device": "nvme"`` (hf_zero/zero/nvme.py): where on disk the offloaded optimizer state / parameter shards live
     optimizer_nvme: NvmeSpec | None = None
     params_nvme: NvmeSpec | None = None
+    # offload_optimizer.super_offload: each group's host step taken during the backward that ends the step, undone
+    # exactly where clipping or a skipped step says so (hf_zero/zero/host_step.py SpeculativeHostStep)
+    speculate: bool = False
 
     def __post_init__(self) -> None:
         if self.host_threads is not None and self.host_threads < 1:
@@ -195,6 +205,9 @@ class _HostMaster(ShardGroup):
     # stays on the device until the step, which streams it through two shared host buffers (HostStep). Given to the
     # constructor, from the plan made before any group existed.
     stream_grads = False
+    # super_offload (hf_zero/zero/host_step.py SpeculativeHostStep, set by the runner): each host copy of the
+    # backward that ends the step is handed to it to step at once, and a group reduced again is undone first
+    speculation: Any = None
 
     def _move_master_to_host(self, pin: bool, stream_grads: bool) -> None:
         assert self.master is not None
@@ -240,6 +253,8 @@ class _HostMaster(ShardGroup):
         weight tied across pipeline stages): bring the host copy back."""
         if self._released is None:
             return
+        if self.speculation is not None:  # its speculative step read the gradient about to change
+            self.speculation.undo(self)
         self._wait_for_host_copy()
         assert self._host_grad is not None
         with C.on_stream(stream):
@@ -270,6 +285,9 @@ class _HostMaster(ShardGroup):
             # its memory is reused only after the copy): GPU memory holds only the gradients still in flight.
             self._released = (torch.linalg.vector_norm(grad, dtype=torch.float32).square(), (~torch.isfinite(grad)).any().float())
             self._device_grad = None
+        if self.speculation is not None:
+            in_flight = self._in_flight
+            self.speculation.submit(self, host, in_flight if isinstance(in_flight, torch.cuda.Event) else None)
 
     def _wait_for_host_copy(self) -> None:
         if isinstance(self._in_flight, torch.cuda.Event):
