@@ -240,7 +240,7 @@ class ZeroEngine(torch.nn.Module):
         offload_optimizer = off is not None and off.device in ("cpu", "nvme") and not self.inference_only
         host_threads = None
         if offload_optimizer:
-            host_threads, why = host_step_threads(None, off.cpuadam_cores_perc)
+            host_threads, why = host_step_threads(None, off.cores_share())
             if self.timers.enabled:
                 self.timers.note("step.cpu_optimizer", f"{host_threads} threads")
                 if self.global_rank == 0:

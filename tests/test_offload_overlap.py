@@ -116,3 +116,18 @@ def test_super_offload_equals_the_step_after_backward_bit_for_bit() -> None:
                 assert counts["undone"] > 0, (case, counts)  # ... whose speculative steps were undone
             if clip and not fp16:
                 assert counts["undone"] > 0, (case, counts)  # clipping applied on a step: its speculation was undone
+
+
+def test_super_offload_takes_deepspeeds_share_of_the_cores() -> None:
+    """DeepSpeed's cpuadam_cores_perc defaults to 0.8 for SuperOffload (the step runs beside backward); given, it wins."""
+    from hf_zero.config import ZeroConfig
+
+    def share(section: dict) -> float | None:
+        cfg = ZeroConfig.load({"train_micro_batch_size_per_gpu": 1,
+                               "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", **section}}})
+        return cfg.zero_optimization.offload_optimizer.cores_share()
+
+    assert share({}) is None
+    assert share({"super_offload": True}) == 0.8
+    assert share({"super_offload": True, "cpuadam_cores_perc": 0.5}) == 0.5
+    assert share({"cpuadam_cores_perc": 0.25}) == 0.25
