@@ -8,6 +8,7 @@ Run on the GPU machine:
     python benchmarks/bench.py --gpus 1 --model 2.8b --engines hf3op,hf2nvme,hf3nvme --steps 4 --nvme_path /local_nvme   # NVMe
     python benchmarks/bench.py --gpus 1 --model 2.8b --engines hf2,hf2o,hf3,hf3o --gas 8 --steps 3   # offload's cost at accumulation 8
     python benchmarks/bench.py --gpus 1 --model 2.8b --engines hf2o,hf2og,fsdp2o --bucket 1e8   # the CPU step beside the next forward
+    python benchmarks/bench.py --gpus 2 --model 2.8b --engines hf2o,hf2os,hf3op,hf3ops,fsdp2o --bucket 1e8   # super_offload
     python benchmarks/bench.py --gpus 1 --model 1.1b --engines hf2,tr2,hf3,tr3   # the Trainer path against the raw engine
     python benchmarks/bench.py --gpus 2 --model 1.1b --engines hf2,hf2g,fsdp2 --bucket 1e8   # the step's all-gather in the next forward
     python benchmarks/bench.py --gpus 4 --model 8b --micro 1 --engines hf3,hf3h,hf3tp,fsdp2,fsdp2tp --bucket 1e8   # composed layouts
@@ -142,6 +143,9 @@ def check_layouts(args: argparse.Namespace, world: int) -> None:
 
 # hf2nvme, hf3nvme: offload to NVMe under --nvme_path (hf_zero/zero/nvme.py); the aio section from --hf_config
 NVME_ENGINES = ("hf2nvme", "hf3nvme")
+# hf1os, hf2os, hf3os, hf3ops: optimizer offload with offload_optimizer.super_offload (each group's CPU step taken
+# during backward, hf_zero/zero/host_step.py SpeculativeHostStep); hf3ops with the parameter shards offloaded too
+SUPER_ENGINES = ("hf1os", "hf2os", "hf3os", "hf3ops")
 
 
 def hf_engine_config(name: str, args: argparse.Namespace, world: int, offload: bool = False,
@@ -155,6 +159,8 @@ def hf_engine_config(name: str, args: argparse.Namespace, world: int, offload: b
     zero = {**hf_zero_section(stage, args, name),
             **({"offload_optimizer": {"device": "cpu", "pin_memory": True}} if offload else {}),
             **(param_section or {})}
+    if name in SUPER_ENGINES:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True, "super_offload": True}
     if name in NVME_ENGINES:  # ZeRO-Infinity: the optimizer state (hf2nvme), and at stage 3 the parameters too, on NVMe
         nvme = {"device": "nvme", "nvme_path": args.nvme_path, "pin_memory": True}
         zero["offload_optimizer"] = {**nvme, "buffer_count": 4}
@@ -330,7 +336,7 @@ def run_trainer(name: str, args: argparse.Namespace, model: torch.nn.Module, fpt
 def run_engine(name: str, args: argparse.Namespace) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     build_peak = None
-    offload_param = name in ("hf3op", "ds3op")
+    offload_param = name in ("hf3op", "ds3op", "hf3ops")
     if name == "hf3i" or (args.zero_init and name.startswith("hf3")):
         # stage 3 with the model built under zero.Init: no GPU ever holds all of it; with --zero_init and
         # parameter offload each slice is made in host memory (remote_device="cpu"), as DeepSpeed's docs build a
@@ -349,7 +355,7 @@ def run_engine(name: str, args: argparse.Namespace) -> dict:
     # hf2o, hf3o, ds2o, ds3o, fsdp2o: optimizer state on the host; hf3op, ds3op: the parameter shards too
     # (stage 3's offload_param; FSDP2's CPUOffloadPolicy always offloads both)
     # hf1og, hf2og: optimizer offload with overlap_param_gather (each group's CPU step deferred to the next forward)
-    offload = name.removesuffix("g") in ("hf1o", "hf2o", "hf3o", "ds2o", "ds3o", "fsdp2o", "hf3op", "ds3op")
+    offload = name.removesuffix("g") in ("hf1o", "hf2o", "hf3o", "ds2o", "ds3o", "fsdp2o", "hf3op", "ds3op") or name in SUPER_ENGINES
     param_section = {"offload_param": {"device": "cpu", "pin_memory": True}} if offload_param else {}
     data_rank = rank  # the batch stream this rank draws: the ranks of one tensor-parallel group draw the same
     if name.startswith("hf"):

@@ -39,8 +39,9 @@ from hf_zero.tp_split import split_of
 from hf_zero.zero import attach
 from hf_zero.zero import collectives as C
 from hf_zero.zero.group import Placement
+from hf_zero.zero.host_step import host_step_threads
 from hf_zero.zero.nvme_io import NvmeSpec
-from hf_zero.zero.offload import OffloadPolicy, host_step_threads
+from hf_zero.zero.offload import OffloadPolicy
 from hf_zero.zero.optimizer import ShardedOptimizer, ZeroPolicy
 
 logger = logging.getLogger("hf_zero")
@@ -142,6 +143,9 @@ class ZeroEngine(torch.nn.Module):
         )
         if self.timers.enabled:
             self.step_policy.timed = self.timers.add
+        if self.zero_optimizer is not None and self.loss_scaler is not None:
+            scaler = self.loss_scaler
+            self.zero_optimizer.loss_scale = lambda: scaler.scale  # super_offload's speculative step unscales by it
         if self.zero_optimizer is not None:
             attach.link(self.zero_optimizer)  # deepspeed.utils.safe_get_full_* start from a parameter
         if stage == 3 and self.zero_optimizer is not None:
@@ -236,7 +240,7 @@ class ZeroEngine(torch.nn.Module):
         offload_optimizer = off is not None and off.device in ("cpu", "nvme") and not self.inference_only
         host_threads = None
         if offload_optimizer:
-            host_threads, why = host_step_threads(None, off.cpuadam_cores_perc)
+            host_threads, why = host_step_threads(None, off.cores_share())
             if self.timers.enabled:
                 self.timers.note("step.cpu_optimizer", f"{host_threads} threads")
                 if self.global_rank == 0:
@@ -260,6 +264,7 @@ class ZeroEngine(torch.nn.Module):
             params_pin_memory=bool(par.pin_memory) if par is not None else True,
             optimizer_nvme=nvme(off, "offload_optimizer") if offload_optimizer else None,
             params_nvme=nvme(par, "offload_param") if params_on and offload_optimizer else None,
+            speculate=offload_optimizer and bool(off.super_offload) and off.device == "cpu",
         )
         return ShardedOptimizer(self.module, optimizer, place=place, zero=zero, offload=offload)
 

@@ -151,11 +151,13 @@ class StepPolicy:
         norm, bad = stats if stats is not None else self._compute(optimizer)
         scale = scaler.scale if scaler is not None else 1.0
         if scaler is not None and bool(bad > 0):  # fp16 needs this one host sync per step
+            optimizer.discard_speculation()  # super_offload stepped during backward, assuming no overflow
             scaler.update(True)  # raises once the scale is already at min_loss_scale
             return StepResult(False, reason=f"fp16 gradient overflow, step skipped; loss scale now {scaler.scale:g}")
         if scaler is None and self.nonfinite != "off" and not bool(torch.isfinite(norm)):
             # bf16/fp32: one host sync per optimizer step (fp16 already has one, above). The global
             # norm is the same number on every rank, so every rank reaches the same verdict.
+            optimizer.discard_speculation()
             if self.nonfinite == "stop":
                 raise NonFiniteLossError(
                     f"step {step}: the loss or gradients are not finite (global gradient norm {float(norm)}); "

@@ -26,6 +26,8 @@ SPANS = {
     "step.wait_grads": "offload: waiting for the gradient shards' copies to the host",
     "step.cpu_optimizer": "offload: the optimizer on the host masters (with overlap_param_gather most of it runs in "
                           "the next forward and is counted when its last group is stepped)",
+    "step.cpu_optimizer_overlapped": "super_offload: the optimizer on the host masters taken during backward, on a "
+                                     "background thread (hidden behind backward as far as the cores allow)",
     "step.to_device": "offload: copying the updated weights back (and, at stages 1-2, the all-gather) not hidden "
                       "behind the CPU optimizer",
     "step.nvme_wait": "NVMe offload: waiting for the masters' and optimizer state's reads (and for free buffers) "

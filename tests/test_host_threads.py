@@ -1,4 +1,4 @@
-"""The offloaded CPU step sizes its own thread pool (hf_zero/zero/offload.py ``host_step_threads``).
+"""The offloaded CPU step sizes its own thread pool (hf_zero/zero/host_step.py ``host_step_threads``).
 
 Launchers export ``OMP_NUM_THREADS=1`` when they start several processes; the host optimizer must not inherit that.
 Each rank's count is its share of the CPUs its affinity allows, a CPU counting for every local rank that may use it.
@@ -27,12 +27,12 @@ def _worker(rank: int, world: int, case: str, perc: float | None) -> dict:
     from unittest import mock
 
     import hf_zero
-    from hf_zero.zero import offload
+    from hf_zero.zero import host_step
 
     affinity = set(CASES[case][rank])
     with mock.patch.object(os, "sched_getaffinity", lambda pid: affinity), \
-            mock.patch.object(os, "cpu_count", lambda: 32), mock.patch.object(offload, "_cgroup_cpus", lambda: None):
-        threads, why = offload.host_step_threads(None, perc)
+            mock.patch.object(os, "cpu_count", lambda: 32), mock.patch.object(host_step, "_cgroup_cpus", lambda: None):
+        threads, why = host_step.host_step_threads(None, perc)
         # the whole engine: the optimizer step runs on that many threads, the rest of the process keeps the launcher's
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(7, 15), torch.nn.Linear(15, 3))
@@ -76,10 +76,10 @@ def test_cores_perc_and_environment_override(monkeypatch: pytest.MonkeyPatch) ->
     out = spawn(_worker, 2, "unpinned", 0.5)
     assert [r["threads"] for r in out] == [8, 8]
     assert "cpuadam_cores_perc 0.5" in out[0]["why"]
-    from hf_zero.zero import offload
+    from hf_zero.zero import host_step
 
-    monkeypatch.setenv(offload.HOST_THREADS_ENV, "3")
-    assert offload.host_step_threads() == (3, "HF_ZERO_HOST_THREADS=3")
-    monkeypatch.setenv(offload.HOST_THREADS_ENV, "many")
+    monkeypatch.setenv(host_step.HOST_THREADS_ENV, "3")
+    assert host_step.host_step_threads() == (3, "HF_ZERO_HOST_THREADS=3")
+    monkeypatch.setenv(host_step.HOST_THREADS_ENV, "many")
     with pytest.raises(ValueError, match="HF_ZERO_HOST_THREADS='many' is not a thread count"):
-        offload.host_step_threads()
+        host_step.host_step_threads()

@@ -601,9 +601,14 @@ def refuse_missing_features(cfg: Any) -> list[str]:
         if opt.ratio < 1.0:
             raise ConfigError(f"zero_optimization.offload_optimizer.ratio: got {opt.ratio:g}, but partial offload is not "
                               "supported yet; remove ratio (1.0: the whole optimizer state in host memory)")
-        if opt.super_offload:
-            raise ConfigError("zero_optimization.offload_optimizer.super_offload: SuperOffload is not supported; remove it "
-                              "(hf_zero offloads the optimizer state to host memory without it)")
+        if opt.super_offload and opt.device == "nvme":  # the speculative step needs the masters in host memory
+            raise ConfigError('zero_optimization.offload_optimizer.super_offload: got true with "device": "nvme", but '
+                              'the speculative host step keeps the masters in host memory; use "device": "cpu" or '
+                              "remove super_offload")
+        if opt.super_offload and zo.overlap_param_gather:
+            raise ConfigError("zero_optimization.offload_optimizer.super_offload: got true with "
+                              "zero_optimization.overlap_param_gather, which defers the host step to the next forward "
+                              "instead of taking it during backward; keep one of the two")
     par = zo.offload_param
     nvme = [(key, sec) for key, sec in (("offload_optimizer", opt), ("offload_param", par))
             if sec is not None and sec.device == "nvme" and (key == "offload_optimizer" or zo.stage == 3)]

@@ -108,9 +108,20 @@ class OffloadOptimizerConfig:
     fast_init: bool = False
     ratio: float = 1.0  # the share of the optimizer state offloaded (below 1 only at stage 3)
     super_offload: bool = False
-    # DeepSpeed's default is 0.8 (for its SuperOffload); None here: the host step uses the whole share of this rank's
-    # CPUs (hf_zero/zero/offload.py host_step_threads), a given value takes that part of it
+    # DeepSpeed's default is 0.8 (for its SuperOffload; cores_share applies it there); None otherwise: the host step
+    # uses the whole share of this rank's CPUs (hf_zero/zero/host_step.py host_step_threads), a given value that part
     cpuadam_cores_perc: float | None = None
+
+    def cores_share(self) -> float | None:
+        """The part of this rank's share of the cores the host optimizer step runs on (None: all of it).
+
+        ``cpuadam_cores_perc`` when given. Without it, under ``super_offload`` DeepSpeed's default of 0.8: the host step
+        then runs during backward, beside the thread that drives the backward and its collectives, which keeps the
+        rest; the ordinary host step runs after backward and takes the whole share.
+        """
+        if self.cpuadam_cores_perc is not None:
+            return self.cpuadam_cores_perc
+        return 0.8 if self.super_offload else None
 
 
 @dataclass

@@ -218,7 +218,7 @@ class FlatGroup(ShardGroup):
     def defer_step(self, through: Callable[[ShardGroup], None]) -> None:
         """The optimizer has not stepped this group yet: the first :meth:`wait` calls ``through(self)``, which steps
         and publishes it (``defer=True``) and every group before it (an offloaded step run where the next forward
-        first reads the group: :meth:`hf_zero.zero.offload.HostStep.through`, the same bound method for every group)."""
+        first reads the group: :meth:`hf_zero.zero.host_step.HostStep.through`, the same bound method for every group)."""
         self._pending = through
 
     @property

@@ -22,6 +22,10 @@ master moved to the host. Per step:
    1-2: this rank's range of ``param_flat``, then the all-gather; stage 3: the 16-bit shard the next
    all-gather reads; DeepSpeed keeps that shard on the GPU too).
 
+With ``offload_optimizer.super_offload`` step 3 moves into step 2: each group is stepped on a background thread as
+soon as its host copy lands, assuming the step neither clips nor is skipped, and undone exactly where the policy says
+otherwise (:class:`hf_zero.zero.host_step.SpeculativeHostStep`); the weights are the same bits.
+
 When the host cannot hold the gradient copy beside the masters and the optimizer state (4 of each rank's
 16 bytes per element with Adam; an 8B full fine-tune on one 125 GiB host is that case),
 :func:`check_host_memory` says so before anything is allocated and every rank takes the *streamed* mode
@@ -44,15 +48,11 @@ runner chosen once (:func:`hf_zero.zero.runner.pick_runner`).
 
 from __future__ import annotations
 
-import contextlib
 import enum
 import logging
-import os
 import socket
-import time
 import weakref
 import zlib
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -88,6 +88,9 @@ class OffloadPolicy:
       the frozen groups' always, the trainable groups' when the optimizer is offloaded too (otherwise their master
       is the shard, stepped on the device); ``params_pin_memory`` is its ``pin_memory`` (the frozen groups'
       shards; a trainable group's host shard is pinned as its master is, by ``pin_memory``).
+    - ``speculate`` (``offload_optimizer.super_offload``): the host step of each group taken while backward runs,
+      as soon as its gradient is in host memory, and undone exactly where clipping or a skipped step says so
+      (:class:`hf_zero.zero.runner.SpeculativeHostRunner`).
     - ``optimizer_nvme`` / ``params_nvme`` (``"device": "nvme"``): the same state, kept in files on disk between
       steps instead (:mod:`hf_zero.zero.nvme`); ``optimizer`` / ``params`` are on as well, the step is then
       :class:`hf_zero.zero.runner.NvmeRunner`'s.
@@ -101,6 +104,9 @@ class OffloadPolicy:
     # ``"device": "nvme"`` (hf_zero/zero/nvme.py): where on disk the offloaded optimizer state / parameter shards live
     optimizer_nvme: NvmeSpec | None = None
     params_nvme: NvmeSpec | None = None
+    # offload_optimizer.super_offload: each group's host step taken during the backward that ends the step, undone
+    # exactly where clipping or a skipped step says so (hf_zero/zero/host_step.py SpeculativeHostStep)
+    speculate: bool = False
 
     def __post_init__(self) -> None:
         if self.host_threads is not None and self.host_threads < 1:
@@ -199,6 +205,9 @@ class _HostMaster(ShardGroup):
     # stays on the device until the step, which streams it through two shared host buffers (HostStep). Given to the
     # constructor, from the plan made before any group existed.
     stream_grads = False
+    # super_offload (hf_zero/zero/host_step.py SpeculativeHostStep, set by the runner): each host copy of the
+    # backward that ends the step is handed to it to step at once, and a group reduced again is undone first
+    speculation: Any = None
 
     def _move_master_to_host(self, pin: bool, stream_grads: bool) -> None:
         assert self.master is not None
@@ -244,6 +253,8 @@ class _HostMaster(ShardGroup):
         weight tied across pipeline stages): bring the host copy back."""
         if self._released is None:
             return
+        if self.speculation is not None:  # its speculative step read the gradient about to change
+            self.speculation.undo(self)
         self._wait_for_host_copy()
         assert self._host_grad is not None
         with C.on_stream(stream):
@@ -274,6 +285,9 @@ class _HostMaster(ShardGroup):
             # its memory is reused only after the copy): GPU memory holds only the gradients still in flight.
             self._released = (torch.linalg.vector_norm(grad, dtype=torch.float32).square(), (~torch.isfinite(grad)).any().float())
             self._device_grad = None
+        if self.speculation is not None:
+            in_flight = self._in_flight
+            self.speculation.submit(self, host, in_flight if isinstance(in_flight, torch.cuda.Event) else None)
 
     def _wait_for_host_copy(self) -> None:
         if isinstance(self._in_flight, torch.cuda.Event):
@@ -405,204 +419,6 @@ class OffloadedShardedParamGroup(_HostMaster, _HostParamShard):
             return
         with C.on_stream(stream):
             _to_device(self.param_shard, self.master, self.pin)
-
-
-class HostStep:
-    """One optimizer step over host masters, one shard group at a time, each group published once it is stepped.
-
-    ``work`` lists ``(group, gradient)`` in the order to step: the gradient is the group's host copy, or, in
-    the streamed mode, its fp32 shard on the device, which is copied into one of the two shared pinned
-    ``streamed`` buffers while the CPU steps the group before it. The optimizer is the one the user or the
-    config made; it sees one group's gradient at a time (torch's optimizers skip a parameter without
-    ``.grad``), so each master is updated once with its own step count, and its state, ``state_dict()`` and
-    any LR scheduler built on it stay as they are.
-
-    Run whole inside ``engine.step()`` (:meth:`finish`), or, with ``overlap_param_gather`` at stages 1-2
-    (``defer``), group by group where the next forward first reads each group: the group's
-    :meth:`~hf_zero.zero.flat.FlatGroup.wait` calls :meth:`through`, which steps every group up to it, so the
-    CPU steps the later blocks' masters while the GPU runs the earlier blocks' forward. The hyperparameters
-    (lr, betas, weight decay) each group steps with are those of the ``engine.step()`` that made this object:
-    a scheduler's ``step()`` right after it must not reach groups stepped later.
-    """
-
-    def __init__(self, optimizer: torch.optim.Optimizer, stream: torch.cuda.Stream | None,
-                 work: list[tuple[ShardGroup, torch.Tensor]], *, streamed: list[torch.Tensor] | None = None,
-                 defer: bool = False, on_done: Callable[[float], None] | None = None, threads: int | None = None,
-                 swap: Any = None) -> None:
-        self.optimizer, self.stream, self.defer, self.on_done = optimizer, stream, defer, on_done
-        # NVMe (hf_zero/zero/nvme.py OptimizerSwap): each group's master and state read in before its step, written after
-        self.swap = swap
-        self.threads = threads  # the optimizer's intra-op threads (host_step_threads); None: the process's count
-        self.work: list[tuple[ShardGroup, torch.Tensor | None]] = list(work)
-        self._index = {id(g): i for i, (g, _) in enumerate(self.work)}
-        self._hyper = [{k: v for k, v in pg.items() if k != "params"} for pg in optimizer.param_groups]
-        self._streamed = streamed
-        self.next = 0  # groups stepped so far
-        self.cpu_seconds = 0.0  # the optimizer's own time
-        self._fetched = self._fetch(0) if streamed is not None and self.work else None
-
-    @property
-    def done(self) -> bool:
-        return self.next >= len(self.work)
-
-    def _fetch(self, i: int) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-        """Start copying group ``i``'s device gradient into its shared host buffer (streamed mode)."""
-        assert self._streamed is not None
-        grad = self.work[i][1]
-        assert grad is not None
-        dst = self._streamed[i % 2][: grad.numel()]
-        event = None
-        with C.on_stream(self.stream):
-            dst.copy_(grad, non_blocking=dst.is_pinned())
-            if self.stream is not None:
-                event = torch.cuda.Event()
-                event.record(self.stream)
-        return dst, event
-
-    def through(self, group: ShardGroup) -> None:
-        """Step, in order, every group up to and including ``group`` that is not stepped yet."""
-        last = self._index.get(id(group), -1)
-        while self.next <= last:
-            self._step_one()
-
-    def finish(self) -> None:
-        """Step every group not stepped yet."""
-        while not self.done:
-            self._step_one()
-
-    def _step_one(self) -> None:
-        i = self.next
-        self.next += 1  # first: the publish below may wait on a group whose deferred step points back here
-        g, grad = self.work[i]
-        if self._fetched is not None:
-            grad, event = self._fetched
-            if event is not None:
-                event.synchronize()
-            if i + 1 < len(self.work):
-                self._fetched = self._fetch(i + 1)  # into the other buffer, whose group was stepped last round
-        self.work[i] = (g, None)  # streamed: the device shard may go once its copy has landed
-        assert g.master is not None and grad is not None
-        groups = self.optimizer.param_groups
-        live = [{k: pg[k] for k in hyper} for pg, hyper in zip(groups, self._hyper)] if self.defer else []
-        for pg, hyper in zip(groups, self._hyper if self.defer else []):
-            pg.update(hyper)  # this step's lr etc., whatever a scheduler set since
-        # The group's host passes (the optimizer, and under offload_param the cast of the master into the 16-bit
-        # shard the gathers read) run on the rank's share of the CPUs, not on the launcher's OMP_NUM_THREADS=1.
-        if self.swap is not None:
-            self.swap.attach(g)
-        with intra_op_threads(self.threads):
-            start = time.perf_counter()
-            g.master.grad = grad
-            try:
-                self.optimizer.step()
-            finally:
-                g.master.grad = None
-                self.cpu_seconds += time.perf_counter() - start
-                for pg, values in zip(groups, live):
-                    pg.update(values)
-            if self.defer:
-                g.publish_master(self.stream, defer=True)  # type: ignore[call-arg]
-            else:
-                g.publish_master(self.stream)
-        if self.swap is not None:
-            self.swap.detach(g)
-        if self.done and self.on_done is not None:
-            self.on_done(self.cpu_seconds)
-
-
-# The environment variable that fixes the host step's thread count, over what host_step_threads would choose.
-HOST_THREADS_ENV = "HF_ZERO_HOST_THREADS"
-
-
-def _cgroup_cpus() -> float | None:
-    """The CPUs a cgroup-v2 quota (``cpu.max``, a container's CPU limit) allows this process, or None without one."""
-    try:
-        with open("/sys/fs/cgroup/cpu.max") as f:
-            quota, period = f.read().split()[:2]
-    except (OSError, ValueError):
-        return None
-    return None if quota == "max" else max(1.0, int(quota) / int(period))
-
-
-def host_step_threads(group: dist.ProcessGroup | None = None, cores_perc: float | None = None) -> tuple[int, str]:
-    """How many threads this rank's offloaded CPU step runs on, and a phrase saying where the figure came from.
-
-    Launchers (torchrun, ``hf-zero launch``, ``accelerate launch``) export ``OMP_NUM_THREADS=1`` when they start
-    several processes, which is right for the model's CPU ops but leaves the host optimizer, the bulk of an offloaded
-    step, on one core of a 32-core machine (2.8B on 2 H100s: 3,618 tokens/s per GPU, against 8,728 with 16 threads). So the step
-    sizes its own pool from the CPUs this rank may run on (its affinity), each CPU shared among the ranks of this
-    machine whose affinity holds it, capped by a container's CPU quota, times ``cores_perc`` when the config gives
-    DeepSpeed's ``offload_optimizer.cpuadam_cores_perc``. ``HF_ZERO_HOST_THREADS`` overrides all of it. The ranks
-    exchange their affinity masks with one all-gather over ``group`` (every rank calls this).
-    """
-    forced = os.environ.get(HOST_THREADS_ENV, "").strip()
-    if forced:
-        try:
-            n = int(forced)
-        except ValueError:
-            n = 0
-        if n < 1:
-            raise ValueError(f"{HOST_THREADS_ENV}={forced!r} is not a thread count; set it to a positive integer or unset it")
-        return n, f"{HOST_THREADS_ENV}={n}"
-    try:
-        mine = sorted(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # not Linux
-        mine = list(range(os.cpu_count() or 1))
-    ncpu = max([os.cpu_count() or 1, *(c + 1 for c in mine)])
-    words = (ncpu + 63) // 64
-    mask = [0] * words
-    for c in mine:
-        mask[c // 64] |= 1 << (c % 64)
-    host = zlib.crc32(socket.gethostname().encode())
-    # int64 words: the top bit of a mask word would overflow a signed tensor, so each word carries 63 bits at most
-    row = [host, ncpu, *(w if w < 2**63 else w - 2**64 for w in mask)]
-    rows = [row]
-    world = dist.get_world_size(group) if dist.is_initialized() else 1
-    if world > 1:
-        width = torch.tensor([len(row)], dtype=torch.int64)
-        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
-        widths = [torch.empty(1, dtype=torch.int64, device=device) for _ in range(world)]
-        dist.all_gather(widths, width.to(device), group=group)
-        longest = max(int(w) for w in widths)
-        padded = torch.tensor(row + [0] * (longest - len(row)), dtype=torch.int64)
-        out = [torch.empty(longest, dtype=torch.int64, device=device) for _ in range(world)]
-        dist.all_gather(out, padded.to(device), group=group)
-        rows = [r.cpu().tolist() for r in out]
-    local = [r for r in rows if r[0] == host]
-
-    def cpus(r: list[int]) -> set[int]:
-        return {64 * i + b for i, w in enumerate(r[2:]) for b in range(64) if (w % 2**64) >> b & 1}
-
-    sharers: dict[int, int] = {}
-    for r in local:
-        for c in cpus(r):
-            sharers[c] = sharers.get(c, 0) + 1
-    share = sum(1.0 / sharers[c] for c in mine if c in sharers) or 1.0
-    quota = _cgroup_cpus()
-    if quota is not None:
-        share = min(share, quota / len(local))
-    why = f"{len(mine)} CPUs in its affinity, shared by {len(local)} rank(s) of this machine"
-    if quota is not None:
-        why += f", a CPU quota of {quota:g}"
-    if cores_perc is not None:
-        share *= cores_perc
-        why += f", cpuadam_cores_perc {cores_perc:g}"
-    return max(1, int(share)), why
-
-
-@contextlib.contextmanager
-def intra_op_threads(n: int | None) -> Iterator[None]:
-    """Run the block on ``n`` intra-op threads (torch's pool; the fused CPU Adam splits its pass over them), then put
-    back what the process had, so the model's own CPU ops keep the count the launcher chose."""
-    before = torch.get_num_threads()
-    if n is None or n == before:
-        yield
-        return
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def state_bytes_per_element(optimizer: torch.optim.Optimizer) -> int:

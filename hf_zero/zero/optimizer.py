@@ -43,6 +43,7 @@ from hf_zero.tp_split import checkpoint_name, split_of
 from hf_zero.zero import collectives as C
 from hf_zero.zero.flat import FlatGroup
 from hf_zero.zero.group import ParamSlot, Placement, ShardGroup
+from hf_zero.zero.host_step import intra_op_threads
 from hf_zero.zero.nvme import NvmeStores, open_stores
 from hf_zero.zero.nvme_io import Scope
 from hf_zero.zero.offload import (
@@ -53,7 +54,6 @@ from hf_zero.zero.offload import (
     OffloadPolicy,
     ShardSizes,
     _HostParamShard,
-    intra_op_threads,
     plan_host_memory,
     state_bytes_per_element,
 )
@@ -270,6 +270,9 @@ class ShardedOptimizer:
         # optimizer.step() (DeepSpeed's: the ZeRO optimizer steps itself): the engine's step, set by the engine
         self.step_fn: Callable[[], None] | None = None
         self._global_grad_norm: torch.Tensor | None = None  # DeepSpeed's attribute: the last applied step's norm
+        # the loss scale the gradients of the next backward carry (fp16: the engine points it at its LossScaler); the
+        # speculative host step (super_offload) assumes the step multiplies them by its inverse, as without clipping
+        self.loss_scale: Callable[[], float] = lambda: 1.0
         plan = HostPlan.FITS
         if offload.host_memory:  # before any host buffer exists; every rank gets the same answer
             plan = plan_host_memory(offload, self._shard_sizes(module, group_named),
@@ -516,6 +519,8 @@ class ShardedOptimizer:
         if self.offload.optimizer:
             for g in self.groups:
                 g.copy_after_reduce = sync and final
+            if sync and final:  # super_offload: the groups are stepped as their host copies land (hf_zero/zero/runner.py)
+                self.runner.arm(1.0 / self.loss_scale())
         if not sync:
             self.reduced = False
             self.unreduced_backward = True
@@ -584,7 +589,11 @@ class ShardedOptimizer:
     # --------------------------------------------------------------- step
 
     def scale_grads(self, coef: torch.Tensor | float) -> None:
-        """Multiply every reduced gradient shard by ``coef`` (unscale and clip in one pass)."""
+        """Multiply every reduced gradient shard by ``coef`` (unscale and clip in one pass).
+
+        The runner hears ``coef`` first: under ``super_offload`` the groups already stepped with the coefficient of a
+        step that does not clip keep that step only if ``coef`` is that one."""
+        self.runner.verdict(coef)
         if isinstance(coef, float) and coef == 1.0:
             return
         grads = [g for g in (group.reduced_grad() for group in self.groups) if g is not None]
@@ -595,11 +604,15 @@ class ShardedOptimizer:
                 for g in self.groups:
                     g.scale_host_copy(coef)
 
+    def discard_speculation(self) -> None:
+        """The step policy skips this step: undo the host steps ``super_offload`` took for it during backward."""
+        self.runner.discard()
+
     def step_and_publish(self, timed: Callable[[str, float], None] | None = None) -> None:
         """Optimizer step on this rank's masters, then publish the new weights to every rank.
 
         How is the runner's, picked once when this optimizer was built (:mod:`hf_zero.zero.runner`): on the
-        device, or, offloaded, the host masters one shard group at a time (:class:`hf_zero.zero.offload.HostStep`);
+        device, or, offloaded, the host masters one shard group at a time (:class:`hf_zero.zero.host_step.HostStep`);
         with ``overlap_param_gather`` the publish (and an offloaded step) is finished where the next forward
         first reads each group. ``timed(part, seconds)``, when given, receives the offloaded step's three parts
         (``hf_zero/timers.py``; deferred: the CPU optimizer's only, once done).
@@ -609,6 +622,7 @@ class ShardedOptimizer:
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear gradients. Gradient buffers are always reused (or freed under stage 2)."""
         del set_to_none
+        self.runner.discard()  # a step skipped (or gradients cleared): a speculative step taken for it is undone
         for g in self.groups:
             g.zero_grads()
         self.reduced = False

@@ -31,7 +31,7 @@ gathers still in flight and makes each reader wait for exactly the groups it rea
 With the optimizer offloaded (:mod:`hf_zero.zero.offload`) the same waits carry the CPU optimizer step too:
 each group's step is deferred (:meth:`hf_zero.zero.flat.FlatGroup.defer_step`) and its first wait runs
 it, and every group before it in this order, before the copy back and the gather
-(:class:`hf_zero.zero.offload.HostStep`), so the CPU steps the later blocks while the GPU runs the first.
+(:class:`hf_zero.zero.host_step.HostStep`), so the CPU steps the later blocks while the GPU runs the first.
 
 On CUDA a group's wait is its all-gather's event (the compute stream waits for it, no host sync);
 on CPU (gloo) it is the collective's ``async_op`` work handle, so the deferred wait is exercised

@@ -11,9 +11,11 @@ taken per step:
   published in forward order with their all-gathers left in flight, each waited for by the first forward
   hook that reads it (:class:`hf_zero.zero.overlap.DeferredPublish`);
 - :class:`HostRunner` (``offload_optimizer``): the host masters stepped group by group on the CPU, each group
-  copied back and published at once (:class:`hf_zero.zero.offload.HostStep`), inside ``engine.step()``;
+  copied back and published at once (:class:`hf_zero.zero.host_step.HostStep`), inside ``engine.step()``;
 - :class:`DeferredHostRunner` (``offload_optimizer`` with ``overlap_param_gather`` at stages 1-2): the first
   group the forward reads stepped at once, every other one where the next forward first reads it;
+- :class:`SpeculativeHostRunner` (``offload_optimizer.super_offload``): :class:`HostRunner`'s step with each group
+  stepped during the backward that ends the step, undone exactly where clipping or a skipped step says so;
 - :class:`NvmeRunner` (``"device": "nvme"``): :class:`HostRunner`'s step with the masters and optimizer state
   read from files and written back around each group's step (:mod:`hf_zero.zero.nvme`).
 
@@ -35,9 +37,9 @@ import torch
 
 from hf_zero.zero import collectives as C
 from hf_zero.zero.group import ShardGroup
+from hf_zero.zero.host_step import HostStep, SpeculativeHostStep
 from hf_zero.zero.nvme import NvmeStores, pooled_raise
 from hf_zero.zero.offload import (
-    HostStep,
     OffloadPolicy,
     host_buffer,
     use_host_kernels,
@@ -74,6 +76,16 @@ class StepRunner:
         """Every master, optimizer state and shard in memory for the block (a save, a load); collective. Only
         :class:`NvmeRunner` keeps any of them elsewhere."""
         yield
+
+    # The speculative step's three moments (SpeculativeHostRunner); the other runners take no step before the verdict.
+    def arm(self, coef: float) -> None:
+        """Before the backward that ends a step, whose gradients the policy will multiply by ``coef`` unless it clips."""
+
+    def verdict(self, coef: torch.Tensor | float) -> None:
+        """The coefficient the step policy multiplies this step's gradients by, before it does."""
+
+    def discard(self) -> None:
+        """This step's gradients are dropped without a step (skipped, cleared)."""
 
 
 class DeviceRunner(StepRunner):
@@ -118,7 +130,7 @@ class DeferredPublishRunner(StepRunner):
 
 class HostRunner(StepRunner):
     """``offload_optimizer``: the host masters stepped one group at a time on the CPU, each group's copy back to the
-    device and all-gather issued as soon as it is stepped (:class:`hf_zero.zero.offload.HostStep`), all inside the
+    device and all-gather issued as soon as it is stepped (:class:`hf_zero.zero.host_step.HostStep`), all inside the
     step; the compute stream then waits for them.
 
     ``stream_grads`` (:attr:`hf_zero.zero.offload.HostPlan.STREAM_GRADS`): the groups kept their fp32 gradient
@@ -160,7 +172,8 @@ class HostRunner(StepRunner):
             g.before_step()
         t1 = clock()
         work, streamed = self._work()
-        run = HostStep(self.optimizer, self.stream, work, streamed=streamed, threads=self.threads)
+        run = HostStep(self.optimizer, self.stream, work, streamed=streamed, threads=self.threads,
+                       prestepped=self._prestepped(work))
         run.finish()
         if streamed is None:
             for g, grad in work:
@@ -174,16 +187,80 @@ class HostRunner(StepRunner):
             timed("step.cpu_optimizer", run.cpu_seconds)
             timed("step.to_device", (t2 - t1 - run.cpu_seconds) + (clock() - t2))
 
+    def _prestepped(self, work: list[tuple[ShardGroup, torch.Tensor]]) -> frozenset[int]:
+        """The groups of ``work`` already stepped for this step (only :class:`SpeculativeHostRunner` has any)."""
+        return frozenset()
+
     def release(self) -> None:
         super().release()
         self.grad_buffers = []
+
+
+class SpeculativeHostRunner(HostRunner):
+    """``offload_optimizer.super_offload``: :class:`HostRunner`'s step, with each group already stepped during the
+    backward that ended it, as soon as its gradient reached host memory, on a background thread
+    (:class:`hf_zero.zero.host_step.SpeculativeHostStep`), assuming the step does not clip and is not skipped; the
+    step then only publishes those groups. Where the assumption fails (``verdict``: clipping applies; ``discard``: an
+    fp16 overflow or a non-finite gradient skips the step, or the gradients are cleared) the speculative steps are
+    undone exactly and the step is the ordinary one. The weights equal :class:`HostRunner`'s bit for bit.
+
+    With the gradients streamed from the device (``stream_grads``) no host copy exists during backward, and the step
+    is :class:`HostRunner`'s. A save or load (``resident``) undoes a speculation in flight first, so it reads the
+    masters of the last step.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, groups: list[ShardGroup], stream: torch.cuda.Stream | None,
+                 device: torch.device, offload: OffloadPolicy, stream_grads: bool) -> None:
+        super().__init__(optimizer, groups, stream, device, offload, stream_grads)
+        self.speculation: SpeculativeHostStep | None = SpeculativeHostStep(optimizer, self.threads)
+        for g in groups:
+            if g.master is not None and hasattr(g, "speculation"):  # the host-master groups (hf_zero/zero/offload.py)
+                g.speculation = self.speculation  # type: ignore[attr-defined]
+
+    def arm(self, coef: float) -> None:
+        if self.speculation is not None and not self.stream_grads:
+            self.speculation.arm(self.groups, coef)
+
+    def verdict(self, coef: torch.Tensor | float) -> None:
+        if self.speculation is not None:
+            self.speculation.verdict(coef)
+
+    def discard(self) -> None:
+        if self.speculation is not None:
+            self.speculation.discard()
+
+    def _prestepped(self, work: list[tuple[ShardGroup, torch.Tensor]]) -> frozenset[int]:
+        if self.speculation is None:
+            return frozenset()
+        return self.speculation.commit({id(g) for g, _ in work})
+
+    def step(self, timed: Timed | None) -> None:
+        if self.speculation is not None:
+            self.speculation.drain()  # before before_step hands the host copies to the masters' .grad
+        super().step(timed)
+        if timed is not None and self.speculation is not None:
+            timed("step.cpu_optimizer_overlapped", self.speculation.cpu_seconds)
+
+    @contextlib.contextmanager
+    def resident(self) -> Iterator[None]:
+        self.discard()
+        yield
+
+    def release(self) -> None:
+        if self.speculation is not None:
+            self.speculation.close()
+        for g in self.groups:
+            if hasattr(g, "speculation"):
+                g.speculation = None  # type: ignore[attr-defined]
+        self.speculation = None
+        super().release()
 
 
 class DeferredHostRunner(HostRunner):
     """``offload_optimizer`` with ``overlap_param_gather`` at stages 1-2: only the group the next forward reads first
     is stepped inside the step; every other group is handed the step (:meth:`hf_zero.zero.flat.FlatGroup.defer_step`)
     and stepped, with every group before it in forward order, by the first forward hook that waits for it, with the
-    hyperparameters of the step that deferred it (:class:`hf_zero.zero.offload.HostStep`). ``timed`` receives the wait
+    hyperparameters of the step that deferred it (:class:`hf_zero.zero.host_step.HostStep`). ``timed`` receives the wait
     for the gradients at once and the CPU optimizer's time once the last group is stepped."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, groups: list[ShardGroup], stream: torch.cuda.Stream | None,
@@ -309,6 +386,8 @@ def pick_runner(optimizer: torch.optim.Optimizer, groups: list[ShardGroup], stre
     """
     if offload.optimizer and nvme is not None:  # the config refuses NVMe with overlap_param_gather
         return NvmeRunner(optimizer, groups, stream, device, offload, process_group, nvme)
+    if offload.optimizer and offload.speculate and overlap is None:  # the config refuses it with overlap_param_gather
+        return SpeculativeHostRunner(optimizer, groups, stream, device, offload, stream_grads)
     if offload.optimizer:
         if overlap is not None:
             return DeferredHostRunner(optimizer, groups, stream, device, offload, stream_grads, overlap)

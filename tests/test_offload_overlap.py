@@ -1,0 +1,133 @@
+"""``offload_optimizer.super_offload``: the host step taken during backward equals the ordinary offloaded step, bit for bit.
+
+hf_zero/zero/host_step.py ``SpeculativeHostStep`` steps each group's host master on a background thread as soon as
+its gradient is copied to host memory in the backward that ends the step, assuming the step neither clips nor is
+skipped, and undoes it exactly when it does either. The oracle is the same run with ``super_offload`` off
+(``HostStep`` after backward), on 2 CPU ranks over gloo with a small transformers Llama: the weights and the
+optimizer state must be equal (``torch.equal``) at stages 1, 2 and 3 with clipping on, with gradient accumulation,
+and in an fp16 run whose first steps overflow and are skipped. Each case also checks that the speculative path ran:
+groups stepped in the background and kept, and (where clipping or a skip happened) undone, so an engine that quietly
+fell back to the ordinary step would fail here.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tests.distributed import spawn
+
+STEPS = 4
+VOCAB = 64
+
+
+def _model():  # noqa: ANN202 - a test helper
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16))
+
+
+def _config(stage: int, gas: int, clip: float, fp16: bool, speculate: bool) -> dict:
+    zo: dict = {"stage": stage, "reduce_bucket_size": 2000, "stage3_param_persistence_threshold": 40,
+                "offload_optimizer": {"device": "cpu", "super_offload": speculate}}
+    cfg: dict = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": gas, "gradient_clipping": clip,
+                 "zero_optimization": zo, "steps_per_print": 1000,
+                 "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}}}
+    if fp16:  # 2^30: the first steps overflow in fp16 and are skipped, the scale halving until they fit
+        cfg["fp16"] = {"enabled": True, "initial_scale_power": 20, "loss_scale_window": 2}
+    return cfg
+
+
+def _batch(step: int, micro: int, rank: int) -> dict:
+    g = torch.Generator().manual_seed(1000 * step + 10 * micro + rank)
+    ids = torch.randint(0, VOCAB, (2, 12), generator=g)
+    return {"input_ids": ids, "labels": ids}
+
+
+def _state(engine) -> dict[str, torch.Tensor]:  # noqa: ANN001 - a test helper
+    """The gathered weights and this rank's masters and optimizer state, by name."""
+    from hf_zero.zero import GatheredParameters
+
+    out = {}
+    with GatheredParameters(list(engine.module.parameters())):
+        for n, p in engine.module.named_parameters():
+            out[f"w.{n}"] = p.detach().clone()
+    zo = engine.zero_optimizer
+    for i, g in enumerate(g for g in zo.groups if g.master is not None):
+        out[f"master.{i}"] = g.master.detach().clone()
+        for k, v in zo.optimizer.state.get(g.master, {}).items():
+            out[f"state.{i}.{k}"] = v.detach().clone() if isinstance(v, torch.Tensor) else torch.tensor(float(v))
+    return out
+
+
+def _run(stage: int, gas: int, clip: float, fp16: bool, speculate: bool, rank: int) -> dict:
+    import hf_zero
+
+    engine, *_ = hf_zero.initialize(model=_model(), config=_config(stage, gas, clip, fp16, speculate))
+    runner = engine.zero_optimizer.runner
+    assert (type(runner).__name__ == "SpeculativeHostRunner") == speculate, type(runner).__name__
+    losses, norms = [], []
+    for t in range(STEPS):
+        for k in range(gas):
+            loss = engine(**_batch(t, k, rank)).loss
+            engine.backward(loss)
+            engine.step()
+        losses.append(float(loss.detach()))
+        norm = engine.get_global_grad_norm()
+        norms.append(None if norm is None else float(norm))
+    counts = dict(runner.speculation.counts) if speculate else {}
+    return {"state": _state(engine), "losses": losses, "norms": norms, "skipped": engine.skipped_steps,
+            "counts": counts}
+
+
+def _grid(rank: int, world: int, cases: list) -> list:
+    out = []
+    for stage, gas, clip, fp16 in cases:
+        off = _run(stage, gas, clip, fp16, False, rank)
+        on = _run(stage, gas, clip, fp16, True, rank)
+        differ = sorted(k for k in off["state"] if not torch.equal(off["state"][k], on["state"][k]))
+        out.append({"case": [stage, gas, clip, fp16], "differ": differ, "same_keys": off["state"].keys() == on["state"].keys(),
+                    "losses": [off["losses"], on["losses"]], "norms": off["norms"], "skipped": [off["skipped"], on["skipped"]],
+                    "counts": on["counts"], "n": len(off["state"])})
+    return out
+
+
+# (stage, gradient accumulation steps, gradient_clipping, fp16). The clip values sit between this model's step norms
+# (about 0.92-1.61 unclipped), so some steps clip and some do not (the test checks both happened); the fp16 runs start
+# at a scale that overflows, skip 3 and 2 steps, then step (the stage-2 one with a clip that does not bite).
+CASES = [(1, 1, 1.37, False), (2, 2, 1.0, False), (3, 1, 1.37, False), (2, 1, 1.3, True), (3, 2, 0.95, True)]
+
+
+def test_super_offload_equals_the_step_after_backward_bit_for_bit() -> None:
+    rows = spawn(_grid, 2, CASES)
+    for rank_rows in rows:
+        for row in rank_rows:
+            case = row["case"]
+            assert row["same_keys"] and row["n"] > 0, case
+            assert row["differ"] == [], (case, row["differ"][:5])
+            assert row["losses"][0] == row["losses"][1], (case, row["losses"])
+            assert row["skipped"][0] == row["skipped"][1], case
+            counts = row["counts"]
+            assert counts["stepped"] > 0 and counts["kept"] > 0, (case, counts)  # the background steps ran and stood
+            stage, gas, clip, fp16 = case
+            if fp16:
+                assert row["skipped"][0] >= 1, (case, row["skipped"])  # an overflow skipped a step ...
+                assert counts["undone"] > 0, (case, counts)  # ... whose speculative steps were undone
+            if clip and not fp16:
+                assert counts["undone"] > 0, (case, counts)  # clipping applied on a step: its speculation was undone
+
+
+def test_super_offload_takes_deepspeeds_share_of_the_cores() -> None:
+    """DeepSpeed's cpuadam_cores_perc defaults to 0.8 for SuperOffload (the step runs beside backward); given, it wins."""
+    from hf_zero.config import ZeroConfig
+
+    def share(section: dict) -> float | None:
+        cfg = ZeroConfig.load({"train_micro_batch_size_per_gpu": 1,
+                               "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", **section}}})
+        return cfg.zero_optimization.offload_optimizer.cores_share()
+
+    assert share({}) is None
+    assert share({"super_offload": True}) == 0.8
+    assert share({"super_offload": True, "cpuadam_cores_perc": 0.5}) == 0.5
+    assert share({"cpuadam_cores_perc": 0.25}) == 0.25
