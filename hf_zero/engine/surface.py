@@ -89,6 +89,81 @@ class DeepSpeedSurface:
         """The dtype the model computes in and the dtype gradients are averaged in."""
         return self.compute_dtype, reduce_dtype(self.config)
 
+    def steps_per_print(self) -> int | None:
+        """How often the engine logs its step line (None: never)."""
+        return self.config.steps_per_print
+
+    def wall_clock_breakdown(self) -> bool:
+        """Whether forward, backward and step are timed (``hf_zero/timers.py``)."""
+        return bool(self.config.wall_clock_breakdown)
+
+    def fp16_auto_cast(self) -> bool:
+        """Whether ``engine(...)`` casts floating inputs to fp16 (``fp16.auto_cast``)."""
+        return bool(self.config.fp16.auto_cast)
+
+    def dynamic_loss_scale(self) -> bool:
+        """DeepSpeed's: ``fp16.loss_scale`` is 0, the scale moves with overflows (read even with fp16 off, as there)."""
+        return self.config.fp16.loss_scale == 0
+
+    def initial_dynamic_scale(self) -> int:
+        """``2 ** fp16.initial_scale_power``: where a dynamic loss scale starts."""
+        return 2 ** int(self.config.fp16.initial_scale_power)
+
+    def torch_autocast_enabled(self) -> bool:
+        return bool(self.config.torch_autocast.enabled)
+
+    def torch_autocast_dtype(self) -> torch.dtype | None:
+        """``torch_autocast.dtype`` (None: torch's default for the device)."""
+        return self.config.autocast_dtype
+
+    def optimizer_params(self) -> dict | None:
+        """The config's ``optimizer.params`` (None without an ``optimizer`` section)."""
+        return dict(self.config.optimizer.params) if self.config.optimizer is not None else None
+
+    def scheduler_name(self) -> str | None:
+        return self.config.scheduler.type if self.config.scheduler is not None else None
+
+    def scheduler_params(self) -> dict | None:
+        return dict(self.config.scheduler.params) if self.config.scheduler is not None else None
+
+    # ----------------------------------------------------- the ZeRO section
+
+    def zero_reduce_bucket_size(self) -> int:
+        return int(self.config.zero_optimization.reduce_bucket_size)
+
+    def zero_prefetch_bucket_size(self) -> int:
+        return int(self.config.zero_optimization.stage3_prefetch_bucket_size)
+
+    def zero_param_persistence_threshold(self) -> int:
+        return int(self.config.zero_optimization.stage3_param_persistence_threshold)
+
+    def zero_max_live_parameters(self) -> int:
+        return int(self.config.zero_optimization.stage3_max_live_parameters)
+
+    def zero_max_reuse_distance(self) -> int:
+        return int(self.config.zero_optimization.stage3_max_reuse_distance)
+
+    def zero_ignore_unused_parameters(self) -> bool:
+        return bool(self.config.zero_optimization.ignore_unused_parameters)
+
+    def zero_optimization_partition_gradients(self) -> bool:
+        """Stage 2 and up: each rank keeps only the gradient shard it steps."""
+        return self.zero_optimization_stage() >= 2
+
+    def zero_optimization_partition_weights(self) -> bool:
+        """Stage 3: the parameters themselves are sharded."""
+        return self.zero_optimization_stage() >= 3
+
+    def zero_cpu_offload(self) -> bool:
+        """Whether the optimizer state waits in host memory (``offload_optimizer.device`` "cpu")."""
+        off = self.config.zero_optimization.offload_optimizer
+        return off is not None and off.device == "cpu"
+
+    def zero_nvme_offload_optimizer(self) -> bool:
+        """Whether the optimizer state waits on NVMe (``offload_optimizer.device`` "nvme")."""
+        off = self.config.zero_optimization.offload_optimizer
+        return off is not None and off.device == "nvme"
+
     @property
     def cur_scale(self) -> float:
         return self.loss_scaler.scale if self.loss_scaler else 1.0
