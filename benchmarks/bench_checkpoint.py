@@ -209,10 +209,9 @@ def run_hf(args: argparse.Namespace, out: str) -> dict:
     # checkpoint.save_on_signal's agreement (one all-reduce per step, read a step later): what it costs a step
     from hf_zero import preemption
 
-    engine._preemption = preemption.Agreement([int(signal.SIGUSR2)], None)
+    engine.long_runs.preemption = preemption.Agreement([int(signal.SIGUSR2)], None)
     row["step_watch_s"] = _slowest(statistics.median(_timed_steps(step, args.steps, args)), args)
-    engine._preemption.close()
-    engine._preemption = None
+    engine.long_runs.close()
     sync_dir, async_dir = os.path.join(out, "hf_sync"), os.path.join(out, "hf_async")
     call, blocked, _ = _blocked(_profiled(lambda: engine.save_checkpoint(sync_dir), "save", args), step, base, args)
     row["save_s"], row["blocked_s"] = _slowest(call, args), _slowest(blocked, args)
@@ -228,7 +227,7 @@ def run_hf(args: argparse.Namespace, out: str) -> dict:
     _drop(sync_dir)  # the disk holds one checkpoint at a time (8B: 96 GB)
     if not args.sync_only:
         engine.config.checkpoint_async_save = True
-        engine._save(async_dir, background=True)  # the first background save allocates (and pins) its host buffers
+        engine.persistence.save(async_dir, background=True)  # the first background save allocates (and pins) its host buffers
         engine.wait_for_checkpoint()
         _drop(async_dir)
         call, blocked, _ = _blocked(lambda: engine.save_checkpoint(async_dir), step, base, args)

@@ -8,6 +8,8 @@ construction), and only stage 3 with an optimizer keeps them as slices.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.distributed as dist
 
@@ -15,6 +17,8 @@ from hf_zero.errors import UsageError
 from hf_zero.zero import collectives as C
 from hf_zero.zero import param_attrs
 from hf_zero.zero.preshard import is_presharded, materialize_
+
+logger = logging.getLogger("hf_zero")
 
 
 def check_presharded(model: torch.nn.Module, world_size: int, device: torch.device, gather: bool) -> bool:
@@ -70,3 +74,17 @@ def cast_frozen_params(module: torch.nn.Module, compute_dtype: torch.dtype) -> N
         for p in module.parameters():
             if p.is_floating_point() and p.dtype != compute_dtype:
                 p.data = p.data.to(compute_dtype)
+
+
+def no_kv_cache_in_training(module: torch.nn.Module, why: str) -> None:
+    """Turn a transformers model's ``config.use_cache`` off, as transformers does under gradient checkpointing.
+
+    A KV cache filled while training is dead weight; its writes inside a recomputed block stop
+    torch.compile from capturing the block, and its per-layer index makes dynamo compile each
+    block separately (past ``torch._dynamo.config.cache_size_limit`` blocks, silently eager).
+    ``generate`` passes ``use_cache`` itself, so decoding still caches. ``why``: the setting that asked, for the log.
+    """
+    mc = getattr(module, "config", None)
+    if getattr(mc, "use_cache", False):
+        logger.info("%s: setting the model's config.use_cache to False", why)
+        mc.use_cache = False

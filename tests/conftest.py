@@ -35,7 +35,7 @@ UNIT = ("test_api.py test_optim.py test_sequence_parallel.py test_config.py test
         "test_checkpoint_fileio.py test_init_memory.py")
 ORACLE = ("test_cpu_adam.py test_deepspeed_checkpoints.py test_deepspeed_parity.py test_ds_config_oracle.py test_ds_config_view.py "
           "test_ds_semantics.py test_estimate_offload.py test_tensor_parallel.py test_trl.py test_peft.py "
-          "test_any_module.py test_conformance.py test_pipe_topology.py")
+          "test_any_module.py test_conformance.py test_pipe_topology.py test_ds_getters.py")
 INTEGRATION = ("test_accelerate.py test_accelerate_deepspeed_yaml.py test_bench_checkpoint.py test_bench_finetune.py "
                "test_cli.py test_ds_corpus_trainer.py test_examples.py test_finetune.py test_host_overhead.py "
                "test_hub.py test_model_cards.py test_reliability_secrets.py test_sequence_parallel_trainer.py "

@@ -4,7 +4,7 @@ Saving, loading, consolidating weights and recording how a model was trained rea
 of an engine: who writes (the :class:`~hf_zero.checkpoint.ranks.CheckpointLayout`), the module, the
 shard groups and torch's optimizer (the ``ShardedOptimizer``), the scheduler, the loss scaler, the
 counters, the data position, the device and dtypes, the config. The engine builds this value
-(``engine.train_state()``, ``hf_zero/engine.py``) each time one of them runs, so nothing below the
+(``engine.train_state()``, ``hf_zero/engine/train_state.py``) each time one of them runs, so nothing below the
 engine reads the engine itself (``tests/test_layering.py`` checks that no function there takes one).
 
 How a load writes back. The objects the state holds are the engine's own (the module, the shard

@@ -101,7 +101,7 @@ TOP = Section(
         "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping",
         "optimizer", "scheduler", "fp16", "bf16", "zero_optimization", "communication_data_type",
         "steps_per_print", "activation_checkpointing", "checkpoint", "pipeline", "compile",
-        "torch_autocast",  # DeepSpeed's: forward under torch.autocast (hf_zero/engine.py)
+        "torch_autocast",  # DeepSpeed's: forward under torch.autocast (hf_zero/engine/zero_engine.py)
         "sequence_parallel_size",  # DeepSpeed's (ALST): the Ulysses degree (hf_zero/config/sequence.py)
         "sequence_parallel",  # hf_zero's tiling switches; LLaMA-Factory's keys of the section are read too
         "wall_clock_breakdown",  # DeepSpeed's: time forward, backward and step (hf_zero/timers.py)

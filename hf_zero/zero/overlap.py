@@ -21,7 +21,7 @@ gathers still in flight and makes each reader wait for exactly the groups it rea
   ``state_dict()`` and ``load_state_dict()`` of the model or of any module in it (pre-hooks
   here), the next step and the next backward (:class:`hf_zero.zero.optimizer.ShardedOptimizer`),
   ``GatheredParameters`` and a group's own next publish (:meth:`hf_zero.zero.flat.FlatGroup.wait`),
-  the engine's saves, loads and consolidation (``hf_zero/engine.py``). ``zero_grad`` does not
+  the engine's saves, loads and consolidation (``hf_zero/engine/``). ``zero_grad`` does not
   wait (it touches gradients only, and the engine calls it right after the step). Code that
   reads ``module.parameters()`` directly between ``step()`` and the next forward (an EMA of the
   weights, ``copy.deepcopy``, ``.cpu()``), or calls a module inside a block on its own, passes
