@@ -132,6 +132,15 @@ class ZeroEngine(torch.nn.Module):
         built_presharded = check_presharded(model, self.world_size, self.device, gather=stage != 3)
         move_to_device(model, self.device)
         broadcast_module(model, self.group)
+        # Float8 linears (hf_zero/float8.py) replace the model's before ZeRO lays the parameters out: the same
+        # Parameter objects, so the user's optimizer still holds them; at stage 3 the tensorwise recipe's weights are
+        # then gathered as float8 by their shard groups (hf_zero/zero/float8_gather.py).
+        self.float8_layers: list[str] = []
+        if config.fp8.enabled:
+            from hf_zero.float8 import convert_to_float8, mark_float8_all_gather
+
+            self.float8_layers = convert_to_float8(model, config.fp8)
+            mark_float8_all_gather(model, config.fp8, stage)
         self.loss_scaler = loss_scaler_for(config)
         self.timers = StepTimers(config.wall_clock_breakdown, self.device)
         self.zero_optimizer = self._sharded_optimizer(optimizer) if optimizer is not None else None
