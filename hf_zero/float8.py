@@ -50,7 +50,10 @@ def require_torchao() -> Any:
 def recipe_config(cfg: Float8Config) -> Any:
     """torchao's ``Float8LinearConfig`` for the section's recipe (and ``emulate``)."""
     ao = require_torchao()
-    config = ao.Float8LinearConfig.from_recipe_name(cfg.recipe)
+    config = cfg.torchao_config if cfg.torchao_config is not None else ao.Float8LinearConfig.from_recipe_name(cfg.recipe)
+    # torchao's own float8 all-gather wraps each weight in a new Parameter for FSDP2's hooks; hf_zero gathers float8
+    # itself (hf_zero/zero/float8_gather.py) and needs the user's Parameter objects kept
+    config = dataclasses.replace(config, enable_fsdp_float8_all_gather=False)
     return dataclasses.replace(config, emulate=True) if cfg.emulate else config
 
 
@@ -88,7 +91,7 @@ def convert_to_float8(model: torch.nn.Module, cfg: Float8Config) -> list[str]:
     Refuses a model where nothing qualifies, since a run the user asked to be float8 would silently be bf16.
     """
     ao = require_torchao()
-    keep = float8_filter(model, cfg.skip)
+    keep = cfg.module_filter if cfg.module_filter is not None else float8_filter(model, cfg.skip)
     names = [n for n, m in model.named_modules() if n and keep(m, n)]
     if not names:
         raise UsageError(

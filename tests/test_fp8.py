@@ -247,3 +247,40 @@ def test_float8_without_torchao_and_default_skips(monkeypatch) -> None:  # noqa:
     monkeypatch.setitem(sys.modules, "torchao.float8", None)  # import torchao.float8 now raises ImportError
     with pytest.raises(UsageError, match=r"needs torchao's float8 training, which is not importable.*hf_zero\[fp8\]"):
         convert_to_float8(_model(), Float8Config(enabled=True))
+
+
+def _accelerate(rank: int, world: int) -> dict:
+    from accelerate.utils import AORecipeKwargs
+
+    import hf_zero
+    from hf_zero.errors import UsageError
+    from hf_zero.zero.float8_gather import Float8ShardedParamGroup
+
+    zc = {"train_micro_batch_size_per_gpu": MICRO, "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+    acc = hf_zero.Accelerator(mixed_precision="fp8", zero_config=zc, kwargs_handlers=[AORecipeKwargs()])
+    model = _model()
+    engine, _ = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=LR))
+    f8 = [g for g in engine.zero_optimizer.stage3_groups if isinstance(g, Float8ShardedParamGroup)]
+    loss = engine(**_take(_data(MICRO * world), 0, rank * MICRO)).loss
+    acc.backward(loss)
+    out = {"converted": len(engine.float8_layers), "float8_groups": len(f8), "bf16": engine.config.bf16.enabled,
+           "gathers": sum(g.float8_gathers for g in f8), "recipe": engine.config.fp8.recipe}
+    engine.destroy()
+    acc.te_recipe_handler, acc.ao_recipe_handler = object(), None  # as TERecipeKwargs would leave it
+    try:
+        m2 = _model()
+        acc.prepare(m2, torch.optim.AdamW(m2.parameters(), lr=LR))
+        out["te"] = "accepted"
+    except UsageError as e:
+        out["te"] = str(e)
+    return out
+
+
+def test_accelerate_mixed_precision_fp8_builds_float8_zero3() -> None:
+    res = spawn(_accelerate, 2)
+    for r in res:
+        assert {k: r[k] for k in ("converted", "float8_groups", "bf16", "recipe")} == {
+            "converted": 14, "float8_groups": 2, "bf16": True, "recipe": "tensorwise"}, r
+        assert r["gathers"] == 4, r  # 2 groups, forward and backward
+        assert r["te"].startswith("Accelerator(mixed_precision='fp8') with TERecipeKwargs: hf_zero trains float8 "
+                                  "through torchao only"), r["te"]

@@ -198,6 +198,11 @@ class Float8Config:
     fp8_all_gather: bool = True
     skip: tuple[str, ...] = ()
     emulate: bool = False
+    # Set in code only (Accelerate's AORecipeKwargs, hf_zero/integrations/accelerate.py), never from JSON: torchao's
+    # own Float8LinearConfig, used instead of the recipe's, and a module_filter_fn(module, name) used instead of the
+    # default filter.
+    torchao_config: Any = None
+    module_filter: Any = None
 
 
 @dataclass
