@@ -12,6 +12,7 @@ Run on the GPU machine:
     python benchmarks/bench.py --gpus 1 --model 1.1b --engines hf2,tr2,hf3,tr3   # the Trainer path against the raw engine
     python benchmarks/bench.py --gpus 2 --model 1.1b --engines hf2,hf2g,fsdp2 --bucket 1e8   # the step's all-gather in the next forward
     python benchmarks/bench.py --gpus 4 --model 8b --micro 1 --engines hf3,hf3h,hf3tp,fsdp2,fsdp2tp --bucket 1e8   # composed layouts
+    python benchmarks/bench.py --gpus 2 --model 1.1b --compile --engines hf3,hf3f8,fsdp2,fsdp2f8   # float8 (torchao)
 
 Composed layouts (each as a user configures it): ``hf3h`` ZeRO-3 with hybrid sharding (``mics_shard_size`` =
 ``--shard``, default half the GPUs; 1 x 2 on 2 GPUs), ``hf3tp`` AutoTP ``--tp`` (default 2) x ZeRO-3 over the
@@ -168,6 +169,8 @@ def hf_engine_config(name: str, args: argparse.Namespace, world: int, offload: b
             zero["offload_param"] = {**nvme, "buffer_count": 5, "max_in_cpu": int(args.max_in_cpu)}
     if name == "hf3h":
         zero["mics_shard_size"] = hybrid_shard(args, world)
+    # hf3f8: float8 linears (torchao, tensorwise) with stage 3's float8 all-gather; hf3f8r: rowwise, gathers in bf16
+    fp8 = {"enabled": True, "recipe": "rowwise" if name.endswith("f8r") else "tensorwise"} if "f8" in name else None
     cfg = {
         "train_micro_batch_size_per_gpu": args.micro,
         "gradient_accumulation_steps": args.gas,
@@ -176,6 +179,7 @@ def hf_engine_config(name: str, args: argparse.Namespace, world: int, offload: b
         "optimizer": {"type": "AdamW", "params": {"lr": getattr(args, "lr", 1e-5), "weight_decay": 0.0}},
         "zero_optimization": zero,
         **({"tensor_parallel": {"autotp_size": args.tp}} if name == "hf3tp" else {}),
+        **({"fp8": fp8} if fp8 else {}),
         "steps_per_print": 10**9,
         "activation_checkpointing": {"checkpoint_blocks": bool(args.checkpoint_blocks)},
         "wall_clock_breakdown": bool(args.breakdown),
@@ -193,7 +197,7 @@ LLAMA_TP_PLAN = {"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "
 
 
 def fsdp2_step(model: torch.nn.Module, args: argparse.Namespace, offload: bool = False,
-               tp: int = 1) -> tuple[Callable, int]:
+               tp: int = 1, float8: bool = False) -> tuple[Callable, int]:
     """FSDP2 (``fully_shard`` per block, then at the root; bf16 parameters, fp32 reduction): ``(step, data_rank)``.
 
     With ``tp`` > 1, tensor parallelism first, as torchtitan composes them: a 2-D DeviceMesh ``(dp, tp)`` (tp the
@@ -205,8 +209,27 @@ def fsdp2_step(model: torch.nn.Module, args: argparse.Namespace, offload: bool =
     work as they are; older versions kept ``num_heads``, ``num_key_value_heads`` and ``hidden_size`` on the module
     for those reshapes, and those are divided by tp where present (as torchtitan divides its own ``n_heads``).
 
+    ``float8`` (the fsdp2f8 row): torchtitan's float8 recipe before sharding: torchao's ``convert_to_float8_training``
+    (tensorwise, ``enable_fsdp_float8_all_gather``) on the linears hf_zero's default filter keeps (not the head, both
+    dims multiples of 16), and ``precompute_float8_dynamic_scale_for_fsdp`` after every optimizer step (one all-reduce
+    of the amaxes, as torchtitan's ``precompute_float8_dynamic_scale_for_fsdp`` option does).
+
     ``args.dtype`` ``"fp32"`` (no flag) keeps the parameters in fp32, for the CPU check; ``args.lr`` likewise."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    precompute = None
+    if float8:
+        from torchao.float8 import (
+            Float8LinearConfig,
+            convert_to_float8_training,
+            precompute_float8_dynamic_scale_for_fsdp,
+        )
+
+        from hf_zero.float8 import float8_filter
+
+        convert_to_float8_training(model, config=Float8LinearConfig(enable_fsdp_float8_all_gather=True),
+                                   module_filter_fn=float8_filter(model))
+        precompute = precompute_float8_dynamic_scale_for_fsdp
 
     bf16 = getattr(args, "dtype", "bf16") == "bf16"
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32)
@@ -239,6 +262,8 @@ def fsdp2_step(model: torch.nn.Module, args: argparse.Namespace, offload: bool =
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        if precompute is not None:
+            precompute(model)
         return loss
 
     return step, data_rank
@@ -420,8 +445,9 @@ def run_engine(name: str, args: argparse.Namespace) -> dict:
             ds_engine.step()
             return loss
 
-    elif name in ("fsdp2", "fsdp2o", "fsdp2tp"):
-        step, data_rank = fsdp2_step(model, args, offload=offload, tp=args.tp if name == "fsdp2tp" else 1)
+    elif name in ("fsdp2", "fsdp2o", "fsdp2tp", "fsdp2f8"):
+        step, data_rank = fsdp2_step(model, args, offload=offload, tp=args.tp if name == "fsdp2tp" else 1,
+                                     float8=name == "fsdp2f8")
 
     else:
         raise SystemExit(f"unknown engine {name!r}")

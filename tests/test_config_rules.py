@@ -125,7 +125,7 @@ UNKNOWN = [  # real keys of other tools, or far from any DeepSpeed key: a warnin
     ({"_comment": "supported model list: ..."}, ["_comment"]),
     ({"cuda_visible_devices": 0, "frobnicate": 1}, ["cuda_visible_devices", "frobnicate"]),
     ({"stage3_max_live_parameters": 1e9}, ["stage3_max_live_parameters (a key of zero_optimization)"]),
-    ({"fp8": {"enabled": True}}, ["fp8"]),
+    ({"transformer_engine": {"enabled": True}}, ["transformer_engine"]),  # ("fp8" is hf_zero's own section now)
     # sections DeepSpeed reads key by key, ignoring the rest: hf_zero warns, as before
     ({"checkpoint": {"keep": 3}, "activation_checkpointing": {"checkpoint_every": 2}},
      ["activation_checkpointing.checkpoint_every", "checkpoint.keep"]),
@@ -196,6 +196,7 @@ CLOSED_TYPOS = [  # an unknown key in each closed section hf_zero walks, and in 
      "zero_optimization.leaf_module.class: unknown key; did you mean 'classes'?"),
     ({"compile": {"enabled": True, "mode": "max-autotune"}}, "compile.mode: unknown key, and DeepSpeed 0.19.8 refuses"),
     ({"tensor_parallel": {"autotp": 2}}, "tensor_parallel.autotp: unknown key; did you mean 'autotp_size'?"),
+    ({"fp8": {"enabled": True, "recipee": "rowwise"}}, "fp8.recipee: unknown key; did you mean 'recipe'? (hf_zero's own"),
     ({"tensor_parallel": {"tp": {"tpsize": 2}}}, "tensor_parallel.tp.tpsize: unknown key; did you mean 'tp_size'?"),
     ({"tensorboard": {"enabled": False, "output": "tb"}}, "tensorboard.output: unknown key; did you mean 'output_path'?"),
     ({"wandb": {"enabled": False, "name": "x"}}, "wandb.name: unknown key, and DeepSpeed 0.19.8 refuses unknown keys in "

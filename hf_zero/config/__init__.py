@@ -37,6 +37,7 @@ from hf_zero.config.sections import (
     AioConfig,
     BF16Config,
     CompileConfig,
+    Float8Config,
     FP16Config,
     OffloadOptimizerConfig,
     OffloadParamConfig,
@@ -52,7 +53,7 @@ from hf_zero.config.values import Int, json_kind
 from hf_zero.errors import BatchSizeError
 
 __all__ = [
-    "AUTO", "BF16Config", "CompileConfig", "ConfigError", "FP16Config", "OffloadOptimizerConfig", "OffloadParamConfig",
+    "AUTO", "BF16Config", "CompileConfig", "ConfigError", "Float8Config", "FP16Config", "OffloadOptimizerConfig", "OffloadParamConfig",
     "OptimizerConfig", "PipelineConfig", "SchedulerConfig", "TorchAutocastConfig", "ZeroConfig", "ZeroOptimizationConfig",
 ]
 
@@ -70,6 +71,7 @@ class ZeroConfig:
     fp16: FP16Config = field(default_factory=FP16Config)
     bf16: BF16Config = field(default_factory=BF16Config)
     torch_autocast: TorchAutocastConfig = field(default_factory=TorchAutocastConfig)
+    fp8: Float8Config = field(default_factory=Float8Config)  # hf_zero extension: float8 linears (hf_zero/float8.py)
     zero_optimization: ZeroOptimizationConfig = field(default_factory=ZeroOptimizationConfig)
     communication_data_type: str | None = None  # "fp32" | "fp16" | "bf16"; None: the engine's default
     steps_per_print: int | None = 10  # null: never print, DeepSpeed's own default

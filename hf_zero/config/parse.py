@@ -43,6 +43,8 @@ from hf_zero.config.schema import (
     COMPILE_MODES,
     DEEPSPEED_ONLY_OPTIMIZERS,
     DEEPSPEED_ONLY_SCHEDULERS,
+    FLOAT8_RECIPES,
+    FP8,
     FP16,
     NONFINITE_LOSS,
     OFFLOAD_DEVICES,
@@ -71,6 +73,7 @@ from hf_zero.config.sections import (
     AioConfig,
     BF16Config,
     CompileConfig,
+    Float8Config,
     FP16Config,
     OffloadOptimizerConfig,
     OffloadParamConfig,
@@ -176,10 +179,15 @@ def _read_elsewhere(key: str) -> str:
     return " (a top-level key)" if home == "" else f" (a key of {home})"
 
 
+OWN_CLOSED = ("fp8",)  # closed sections DeepSpeed 0.19.8 does not have
+
+
 def _unknown_in_closed(full: str, key: str, section: str, names: Iterable[str]) -> str:
     """The sentence refusing ``key`` (at JSON path ``full``) in the closed ``section``, which takes ``names``."""
     names = sorted(set(names))
-    too = f"DeepSpeed 0.19.8 refuses unknown keys in {section} too"
+    # hf_zero's own closed sections (fp8) have no DeepSpeed counterpart to cite
+    too = ("hf_zero's own section refuses unknown keys" if section in OWN_CLOSED
+           else f"DeepSpeed 0.19.8 refuses unknown keys in {section} too")
     close = suggest(key, names)
     if close is not None:
         return f"{full}: unknown key; did you mean {close!r}? ({too})"
@@ -285,6 +293,10 @@ class Parser:
             optimizer_states=bf16.get("bf16_optimizer_states", Bool(), False),
         )
         fields["torch_autocast"] = self.torch_autocast(top)
+        fields["fp8"] = self.fp8(top)
+        if fields["fp8"].enabled and fields["fp16"].enabled:
+            raise ConfigError("fp8.enabled: got True while fp16.enabled is also True; float8 training keeps its "
+                              'parameters in bf16 (torchao\'s recipes are tuned for it): use "bf16": {"enabled": true}')
         if fields["fp16"].enabled and fields["bf16"].enabled:
             raise ConfigError(f"fp16.enabled: got True while {bf16.path}.enabled is also True; "
                               "enable at most one of fp16 and bf16")
@@ -465,6 +477,29 @@ class Parser:
                 every = ", ".join(repr(n) for k in TORCH_AUTOCAST_DTYPES for n in spellings[k])
                 raise ConfigError(f"torch_autocast.dtype: got {show(given)}, expected a 16-bit dtype: one of {every}")
             out.dtype = name
+        return out
+
+    def fp8(self, top: _Object) -> Float8Config:
+        """``fp8``: hf_zero's float8 section; torchao itself is looked for when the engine converts the model."""
+        obj = self.object(top.raw("fp8", '{"enabled": true, "recipe": "tensorwise"}'), "fp8", FP8)
+        out = Float8Config(
+            enabled=obj.get("enabled", Bool(), False),
+            recipe=obj.get("recipe", OneOf(FLOAT8_RECIPES), Float8Config.recipe),
+            fp8_all_gather=obj.get("fp8_all_gather", Bool(), Float8Config.fp8_all_gather),
+            emulate=obj.get("emulate", Bool(), False),
+        )
+        skip = obj.values.get("skip")
+        if skip is not None:
+            if not isinstance(skip, list) or not all(isinstance(x, str) and x for x in skip):
+                raise ConfigError(f"fp8.skip: got {show(skip)}, expected a list of module-name patterns like [\"lm_head\"]")
+            import re
+
+            for pattern in skip:
+                try:
+                    re.compile(pattern)
+                except re.error as e:
+                    raise ConfigError(f"fp8.skip: {pattern!r} is not a regular expression ({e}); escape it or fix it") from e
+            out.skip = tuple(skip)
         return out
 
     def fp16(self, top: _Object) -> FP16Config:

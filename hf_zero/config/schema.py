@@ -108,6 +108,7 @@ TOP = Section(
         "seed",  # hf_zero's: the seed of the distributed sampler's shuffle
         "nonfinite_loss",  # hf_zero's: what a bf16/fp32 step with an inf/nan loss or gradient does
         "tensor_parallel",  # DeepSpeed's AutoTP training: autotp_size (hf_zero/tensor_parallel.py)
+        "fp8",  # hf_zero's: float8 linear layers through torchao (hf_zero/float8.py)
         "aio",  # DeepSpeed's: NVMe offload's file I/O (hf_zero/zero/nvme.py)
     ),
     aliases={"bfloat16": "bf16"},
@@ -303,6 +304,9 @@ COMPILE = Section(
     closed=True,
     legacy={"disable": "not a field of its compile section; DeepSpeed 0.14.4-0.16.5 read no compile section at all"},
 )
+# hf_zero's float8 training (DeepSpeed 0.19.8 has no such section): torchao's recipes by their names
+FLOAT8_RECIPES = ("tensorwise", "rowwise")
+FP8 = Section(keys=("enabled", "recipe", "fp8_all_gather", "skip", "emulate"), closed=True)
 OPTIMIZER = Section(keys=("type", "params"), inert={"legacy_fusion": False})
 SCHEDULER = Section(keys=("type", "params"))
 ACTIVATION_CHECKPOINTING = Section(keys=(
@@ -357,7 +361,7 @@ TENSOR_PARALLEL_GROUPS = Section(
 SECTIONS: dict[str, Section] = {
     "": TOP, "fp16": FP16, "bf16": BF16, "zero_optimization": ZERO,
     "zero_optimization.offload_param": OFFLOAD_PARAM, "zero_optimization.offload_optimizer": OFFLOAD_OPTIMIZER,
-    "checkpoint": CHECKPOINT, "compile": COMPILE, "aio": AIO, "torch_autocast": TORCH_AUTOCAST, "optimizer": OPTIMIZER, "scheduler": SCHEDULER,
+    "checkpoint": CHECKPOINT, "compile": COMPILE, "aio": AIO, "torch_autocast": TORCH_AUTOCAST, "fp8": FP8, "optimizer": OPTIMIZER, "scheduler": SCHEDULER,
     "activation_checkpointing": ACTIVATION_CHECKPOINTING, "pipeline": PIPELINE,
     "tensor_parallel": TENSOR_PARALLEL, "tensor_parallel.tensor_parallel": TENSOR_PARALLEL_GROUPS,
 }

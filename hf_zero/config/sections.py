@@ -182,6 +182,30 @@ class PipelineConfig:
 
 
 @dataclass
+class Float8Config:
+    """``fp8``: hf_zero's float8 training section (DeepSpeed 0.19.8 has none; torchtitan's float8 converter is the model).
+
+    The linear layers compute in float8 through torchao's ``Float8Linear`` (``recipe``: torchao's "tensorwise" or
+    "rowwise" scaling); the parameters, masters, optimizer state and checkpoints stay in the bf16/fp32 the rest of the
+    config gives, so a float8 run resumes in bf16 and back. ``fp8_all_gather`` (stage 3, tensorwise only): the
+    gathers move float8 shards scaled over the whole weight, half the bytes of bf16. ``skip``: regular expressions
+    matched (``re.search``) against module names, added to the default skips (:mod:`hf_zero.float8`). ``emulate``:
+    torchao's matmuls in high precision on float8-rounded values, for hardware without float8 kernels.
+    """
+
+    enabled: bool = False
+    recipe: str = "tensorwise"  # "tensorwise" | "rowwise" (schema.FLOAT8_RECIPES)
+    fp8_all_gather: bool = True
+    skip: tuple[str, ...] = ()
+    emulate: bool = False
+    # Set in code only (Accelerate's AORecipeKwargs, hf_zero/integrations/accelerate.py), never from JSON: torchao's
+    # own Float8LinearConfig, used instead of the recipe's, and a module_filter_fn(module, name) used instead of the
+    # default filter.
+    torchao_config: Any = None
+    module_filter: Any = None
+
+
+@dataclass
 class CompileConfig:
     """``compile``: ``torch.compile`` each block at ``initialize`` (see :mod:`hf_zero.compile`)."""
 

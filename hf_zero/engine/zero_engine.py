@@ -32,6 +32,7 @@ from hf_zero.engine.surface import DeepSpeedSurface
 from hf_zero.engine.train_state import TrainStateSource
 from hf_zero.engine.zero_setup import NoOptimizer, sharded_optimizer
 from hf_zero.errors import ConfigError, NoSyncAtStage3Error, StepInNoSyncError, UsageError
+from hf_zero.float8 import apply_float8
 from hf_zero.module_setup import (
     broadcast_module,
     cast_frozen_params,
@@ -163,6 +164,7 @@ class ZeroEngine(DeepSpeedSurface, TrainStateSource, torch.nn.Module):
         built_presharded = check_presharded(model, self.world_size, self.device, gather=stage != 3)
         move_to_device(model, self.device)
         broadcast_module(model, self.group)
+        self.float8_layers: list[str] = apply_float8(model, config.fp8, stage)  # before ZeRO lays parameters out
         self.loss_scaler = loss_scaler_for(config)
         self.timers = StepTimers(config.wall_clock_breakdown, self.device)
         self.zero_optimizer = sharded_optimizer(
@@ -170,18 +172,16 @@ class ZeroEngine(DeepSpeedSurface, TrainStateSource, torch.nn.Module):
         ) if optimizer is not None else None
         # Clip, loss scale, the non-finite rule and the global norm (over the whole grid, _norm_scope): one policy
         # for every engine (hf_zero/step.py), made once the shard groups exist (a pipeline leaves out its tied copies).
-        self.step_policy = StepPolicy(
-            scaler=self.loss_scaler, nonfinite=config.nonfinite_loss, device=self.device,
-            scope=self._norm_scope(),
-        )
+        self.step_policy = StepPolicy(scaler=self.loss_scaler, nonfinite=config.nonfinite_loss, device=self.device,
+                                      scope=self._norm_scope())
         if self.timers.enabled:
             self.step_policy.timed = self.timers.add
-        if self.zero_optimizer is not None and self.loss_scaler is not None:  # super_offload's speculation unscales by it
-            self.zero_optimizer.loss_scale = lambda s=self.loss_scaler: s.scale
         if self.zero_optimizer is not None:
             attach.link(self.zero_optimizer)  # deepspeed.utils.safe_get_full_* start from a parameter
-        if stage == 3 and self.zero_optimizer is not None:
-            attach.mark_stage3(model, self.zero_optimizer)  # DeepSpeed's ds_* attributes, for code that reads them
+            if self.loss_scaler is not None:  # super_offload's speculation unscales by it
+                self.zero_optimizer.loss_scale = lambda s=self.loss_scaler: s.scale
+            if stage == 3:  # DeepSpeed's ds_* attributes, for code that reads them
+                attach.mark_stage3(model, self.zero_optimizer)
         self._destroyed = False
         cast_frozen_params(model, self.compute_dtype)
         if config.compile.enabled:  # before checkpointing, so the recomputation runs the compiled blocks too

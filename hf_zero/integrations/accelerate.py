@@ -254,6 +254,8 @@ class Accelerator(accelerate.Accelerator):
         clash = fill_precision(cfg, mp in ("bf16", "fp8"), mp == "fp16", must_match=False)
         if clash:
             raise UsageError(f"zero_config contradicts Accelerator(mixed_precision={mp!r}): {'; '.join(clash)}")
+        if mp == "fp8":
+            self._fill_fp8(cfg)
         if isinstance(optimizer, DummyOptim):
             fill_dummy_optimizer(cfg, optimizer)
         if isinstance(scheduler, DummyScheduler) and scheduler.lr_scheduler_callable is None:
@@ -261,6 +263,38 @@ class Accelerator(accelerate.Accelerator):
             max_lr = inner.defaults["lr"] if getattr(inner, "defaults", None) else getattr(inner, "lr", None)
             fill_dummy_scheduler(cfg, scheduler, max_lr, self.num_processes, self.split_batches)
         return cfg
+
+    def _fill_fp8(self, cfg: dict) -> None:
+        """``mixed_precision="fp8"``: the config's ``fp8`` section from Accelerate's torchao recipe (``AORecipeKwargs``).
+
+        Only torchao's backend composes with ZeRO's sharding here (its float8 linear is plain PyTorch over the same
+        parameters); Transformer Engine and MS-AMP replace the modules and the optimizer with their own.
+        """
+        if getattr(self, "te_recipe_handler", None) is not None or getattr(self, "msamp_recipe_handler", None) is not None:
+            which = "TERecipeKwargs" if getattr(self, "te_recipe_handler", None) is not None else "MSAMPRecipeKwargs"
+            raise UsageError(f"Accelerator(mixed_precision='fp8') with {which}: hf_zero trains float8 through torchao "
+                             "only; pass accelerate.utils.AORecipeKwargs() (or set fp8_backend to torchao) instead")
+        section = dict(cfg.get("fp8") or {})
+        if section.get("enabled") is False:
+            raise UsageError("Accelerator(mixed_precision='fp8') but zero_config's fp8.enabled is false; drop one of them")
+        section["enabled"] = True
+        handler = getattr(self, "ao_recipe_handler", None)
+        ao_config = getattr(handler, "config", None)
+        if ao_config is not None:  # the recipe torchao's config describes; its own object is used at conversion
+            from torchao.float8.config import ScalingGranularity
+
+            axiswise = ao_config.cast_config_weight.scaling_granularity is ScalingGranularity.AXISWISE
+            section.setdefault("recipe", "rowwise" if axiswise else "tensorwise")
+            if handler.enable_fsdp_float8_all_gather is not None:
+                section.setdefault("fp8_all_gather", bool(handler.enable_fsdp_float8_all_gather))
+        cfg["fp8"] = section
+
+    def _float8_objects(self, cfg: Any) -> None:
+        """Hand the parsed config torchao's own ``Float8LinearConfig`` and module filter from ``AORecipeKwargs``."""
+        handler = getattr(self, "ao_recipe_handler", None)
+        if cfg.fp8.enabled and handler is not None:
+            cfg.fp8.torchao_config = getattr(handler, "config", None)
+            cfg.fp8.module_filter = getattr(handler, "module_filter_func", None)
 
     def _check_optimizer_sections(self, optimizer: Any, scheduler: Any, real_scheduler: Any) -> None:
         """Accelerate's rules for DeepSpeed's optimizer and scheduler sections, one sentence each."""
@@ -362,6 +396,7 @@ class Accelerator(accelerate.Accelerator):
 
         resolved = self._engine_config(loaders, model, optimizer, dummy_sched)
         cfg = hz_parallelism.apply_to(parse_once(resolved), self.parallelism_config, self.state.num_processes)
+        self._float8_objects(cfg)
         plugin = getattr(self, "_deepspeed_plugin", None)
         if plugin is not None:  # as Accelerate's prepare leaves it: "auto" resolved in the plugin's own config
             plugin.deepspeed_config.update(copy.deepcopy(resolved))

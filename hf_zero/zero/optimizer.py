@@ -42,6 +42,7 @@ from hf_zero.errors import UnusedParameterError, UsageError
 from hf_zero.tp_split import checkpoint_name, split_of
 from hf_zero.zero import collectives as C
 from hf_zero.zero.flat import FlatGroup
+from hf_zero.zero.float8_gather import Float8ShardedParamGroup, float8_module_of
 from hf_zero.zero.group import ParamSlot, Placement, ShardGroup
 from hf_zero.zero.host_step import intra_op_threads
 from hf_zero.zero.nvme import NvmeStores, open_stores
@@ -373,8 +374,16 @@ class ShardedOptimizer:
                 # tensor-parallel slices and whole parameters in groups of their own, as the flat buckets keep
                 # them (_buckets_by_split): the global norm counts the two kinds differently (hf_zero/step.py)
                 kinds = [[x for x in picked if split_of(x[1])], [x for x in picked if not split_of(x[1])]]
+                # float8 linears' weights marked for the float8 all-gather (hf_zero/float8.py), trainable and not
+                # offloaded, in groups of their own: their unit's compute gathers them as float8
+                f8 = [x for x in kinds[1] if float8_module_of(x[1]) is not None] if gi >= 0 and not (
+                    offload.optimizer or offload.params) else []
+                if f8:
+                    kinds = [kinds[0], [x for x in kinds[1] if float8_module_of(x[1]) is None], f8]
                 for part in (k for k in kinds if k):
-                    if gi < 0 and offload.params:
+                    if part is f8:
+                        g = Float8ShardedParamGroup(part, self.place, trainable=True)
+                    elif gi < 0 and offload.params:
                         g = OffloadedFrozenGroup(part, self.place,
                                                  pin=offload.params_pin_memory and offload.params_nvme is None)
                     elif not offload.optimizer or gi < 0:

@@ -133,6 +133,11 @@ class ShardedParamGroup(ShardGroup):
                 self._event.record(stream)
         self.state = ShardState.GATHERING
 
+    def gather_for_compute(self, stream: torch.cuda.Stream | None) -> None:
+        """The gather of the unit's own forward and backward (the runtime's hooks): the plain gather here; a float8
+        group (hf_zero/zero/float8_gather.py) gathers float8 weights instead, which only its linears can read."""
+        self.gather(stream)
+
     def _gather_source(self) -> torch.Tensor:
         """This rank's shard in the compute dtype on the device, as the all-gather reads it (on the current stream)."""
         if self.param_shard is not None:

@@ -152,7 +152,7 @@ class Unit:
 
     def gather(self, stream: torch.cuda.Stream | None) -> None:
         for g in self.groups:
-            g.gather(stream)
+            g.gather_for_compute(stream)
 
     def wait(self) -> None:
         for g in self.groups:
