@@ -181,7 +181,7 @@ class SpeculativeHostStep:
     The gradient a group steps with is its host copy (:class:`hf_zero.zero.offload._HostMaster`), read, never
     written: with a coefficient other than 1 the product goes to a scratch buffer of the largest group, so the
     copy stays as the ordinary step expects it. The price is the undo copy of each master and its state (16 bytes
-    per element with Adam) in host memory until the step, DeepSpeed's SuperOffload undoes its step arithmetically
+    per element with Adam) in host memory, buffers kept for the run and reused every step; DeepSpeed's SuperOffload undoes its step arithmetically
     instead, which does not give back the same bits. The optimizer's hyperparameters are checked too: a change
     between the backward and the step (a scheduler stepped early) undoes the speculation.
 
@@ -197,6 +197,7 @@ class SpeculativeHostStep:
         self._coef: float | None = None  # armed: the coefficient the groups are stepped with
         self._hyper: list[dict[str, Any]] = []
         self._scratch: torch.Tensor | None = None
+        self._backup: dict[int, dict[str, torch.Tensor]] = {}  # each group's undo buffers, reused every step
         self.cpu_seconds = 0.0  # the background steps' own time this step
         self.counts = {"stepped": 0, "kept": 0, "undone": 0}  # since the start of the run
 
@@ -232,8 +233,7 @@ class SpeculativeHostStep:
         with intra_op_threads(self.threads):
             start = time.perf_counter()
             state = self.optimizer.state.get(master)
-            saved = None if not state else {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
-            self._undo[id(group)] = _Undo(group, master.clone(), saved)
+            self._undo[id(group)] = self._save(group, master, state)
             if coef != 1.0:  # the policy's scale_grads multiplies the host copy by this same float
                 if self._scratch is None or self._scratch.numel() < grad.numel():
                     self._scratch = torch.empty(grad.numel(), dtype=grad.dtype)
@@ -245,6 +245,31 @@ class SpeculativeHostStep:
                 master.grad = None
                 self.cpu_seconds += time.perf_counter() - start
         self.counts["stepped"] += 1
+
+    def _save(self, group: ShardGroup, master: torch.Tensor, state: dict[str, Any] | None) -> _Undo:
+        """Copy ``master`` and its optimizer state into this group's undo buffers, allocated at its first step.
+
+        The buffers live as long as the run: a fresh ``clone`` per step would hand the allocator 16 bytes per element
+        that it returns to the system at every free, and touching new pages again each step cost more than the step
+        (2.81B parameters on 2 GPUs: 2,511 tokens/s/GPU against 8,547 without speculation).
+        """
+        keep = self._backup.setdefault(id(group), {})
+        copy = keep.get("__master__")
+        if copy is None or copy.shape != master.shape or copy.dtype != master.dtype:
+            copy = keep["__master__"] = torch.empty_like(master)
+        copy.copy_(master)
+        if not state:
+            return _Undo(group, copy, None)
+        saved: dict[str, Any] = {}
+        for k, v in state.items():
+            if isinstance(v, torch.Tensor):
+                buf = keep.get(k)
+                if buf is None or buf.shape != v.shape or buf.dtype != v.dtype:
+                    buf = keep[k] = torch.empty_like(v)
+                saved[k] = buf.copy_(v)
+            else:
+                saved[k] = v
+        return _Undo(group, copy, saved)
 
     def undo(self, group: ShardGroup) -> None:
         """Give ``group`` back its master and optimizer state from before its speculative step (none: nothing to do);
@@ -272,8 +297,8 @@ class SpeculativeHostStep:
             for k, v in saved.state.items():
                 if isinstance(v, torch.Tensor) and isinstance(state.get(k), torch.Tensor) and state[k].shape == v.shape:
                     state[k].copy_(v)
-                else:
-                    state[k] = v
+                else:  # a copy: the undo buffers are reused next step
+                    state[k] = v.clone() if isinstance(v, torch.Tensor) else v
         self.counts["undone"] += 1
 
     def drain(self) -> None:
@@ -337,6 +362,7 @@ class SpeculativeHostStep:
         try:
             self.discard()
         finally:
+            self._backup.clear()
             if self._pool is not None:
                 self._pool.shutdown(wait=True)
                 self._pool = None
