@@ -181,8 +181,8 @@ class SpeculativeHostStep:
     The gradient a group steps with is its host copy (:class:`hf_zero.zero.offload._HostMaster`), read, never
     written: with a coefficient other than 1 the product goes to a scratch buffer of the largest group, so the
     copy stays as the ordinary step expects it. The price is the undo copy of each master and its state (16 bytes
-    per element with Adam) in host memory, buffers kept for the run and reused every step; DeepSpeed's SuperOffload undoes its step arithmetically
-    instead, which does not give back the same bits. The optimizer's hyperparameters are checked too: a change
+    per element with Adam) in host memory, in buffers kept for the run and reused every step; DeepSpeed's
+    SuperOffload undoes its step arithmetically instead, which does not give back the same bits. The optimizer's hyperparameters are checked too: a change
     between the backward and the step (a scheduler stepped early) undoes the speculation.
 
     One background thread steps the groups in the order their gradients arrive, on ``threads`` intra-op threads
