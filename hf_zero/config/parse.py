@@ -633,9 +633,20 @@ def refuse_missing_features(cfg: Any) -> list[str]:
         if zo.stage == 0:
             raise ConfigError("zero_optimization.offload_optimizer: offload needs ZeRO stage 1, 2 or 3 (the offloaded state is "
                               "the rank's shard), and the stage is 0; set zero_optimization.stage, or remove offload_optimizer")
-        if opt.ratio < 1.0:
-            raise ConfigError(f"zero_optimization.offload_optimizer.ratio: got {opt.ratio:g}, but partial offload is not "
-                              "supported yet; remove ratio (1.0: the whole optimizer state in host memory)")
+        # ratio < 1 (Twin-Flow, hf_zero/zero/offload.py device_group_count): the first groups stay and step on the
+        # device. DeepSpeed runs it at stage 3 only; hf_zero at stages 1-3, but not with the step paths below
+        if opt.ratio < 1.0 and opt.device == "nvme":
+            raise ConfigError(f'zero_optimization.offload_optimizer.ratio: got {opt.ratio:g} with "device": "nvme", '
+                              'which keeps every group\'s state in files; use "device": "cpu" for a partial offload, '
+                              "or remove ratio")
+        if opt.ratio < 1.0 and opt.super_offload:
+            raise ConfigError(f"zero_optimization.offload_optimizer.ratio: got {opt.ratio:g} with super_offload, whose "
+                              "speculative host step does not run beside groups stepped on the device yet; remove "
+                              "ratio or super_offload")
+        if opt.ratio < 1.0 and zo.overlap_param_gather and zo.stage < 3:
+            raise ConfigError(f"zero_optimization.offload_optimizer.ratio: got {opt.ratio:g} with "
+                              "zero_optimization.overlap_param_gather, whose deferred host step does not step groups "
+                              "kept on the device; remove ratio or overlap_param_gather")
         if opt.super_offload and opt.device == "nvme":  # the speculative step needs the masters in host memory
             raise ConfigError('zero_optimization.offload_optimizer.super_offload: got true with "device": "nvme", but '
                               'the speculative host step keeps the masters in host memory; use "device": "cpu" or '
