@@ -133,3 +133,91 @@ def test_partial_offload_equals_full_offload_and_no_offload_bit_for_bit() -> Non
                 assert (device == 0) == (ratio == 1.0) and host > 0, (where, got["split"])
                 # the bytes follow the ratio to within one group (the split is by groups, as DeepSpeed's sub-groups)
                 assert abs(host / (host + device) - ratio) <= got["largest"] / (host + device) + 1 / n, (where, got["split"])
+
+
+# ------------------------------------------------------------------ zero_optimization.sub_group_size
+
+
+def _run_sub_groups(stage: int, gas: int, clip: float, fp16: bool, speculate: bool, size: int | None,
+                    rank: int) -> dict:
+    import hf_zero
+    from hf_zero.zero import host_step
+
+    cfg = _config(stage, gas, clip, fp16, 1.0)
+    cfg["zero_optimization"]["offload_optimizer"]["super_offload"] = speculate
+    if size is not None:
+        cfg["zero_optimization"]["sub_group_size"] = size
+    calls: list[int] = []
+    original = host_step.step_master
+
+    def counting(optimizer, master, grad, ranges):  # noqa: ANN001, ANN202 - counts the ranges each group stepped in
+        calls.append(len(ranges))
+        return original(optimizer, master, grad, ranges)
+
+    host_step.step_master = counting
+    try:
+        engine, *_ = hf_zero.initialize(model=_model(), config=cfg)
+        losses = []
+        for t in range(STEPS):
+            for k in range(gas):
+                loss = engine(**_batch(t, k, rank)).loss
+                engine.backward(loss)
+                engine.step()
+            losses.append(float(loss.detach()))
+    finally:
+        host_step.step_master = original
+    return {"state": _state(engine), "losses": losses, "most_ranges": max(calls, default=0),
+            "stepped": len(calls)}
+
+
+def _grid_sub_groups(rank: int, world: int, cases: list) -> list:
+    out = []
+    for case in cases:
+        whole = _run_sub_groups(*case, None, rank)
+        for size in (0, 300):
+            got = _run_sub_groups(*case, size, rank)
+            out.append({"case": [*case, size], "losses": [whole["losses"], got["losses"]],
+                        "differ": sorted(k for k in whole["state"] if not torch.equal(whole["state"][k], got["state"][k])),
+                        "same_keys": whole["state"].keys() == got["state"].keys(),
+                        "ranges": [whole["most_ranges"], got["most_ranges"]], "stepped": got["stepped"]})
+    return out
+
+
+# (stage, gradient accumulation steps, gradient_clipping, fp16, super_offload)
+SUB_GROUP_CASES = [(1, 1, 1.0, False, False), (2, 2, 0.0, True, False), (3, 1, 1.0, False, True)]
+
+
+def test_sub_group_size_steps_each_group_in_pieces_equal_to_one_call_bit_for_bit() -> None:
+    """sub_group_size 0 (one parameter a sub-group, axolotl's value) and 300 elements step the host groups in several
+    calls each (counted), and the weights, masters and optimizer state equal the default's one call per group."""
+    for rank_rows in spawn(_grid_sub_groups, 2, SUB_GROUP_CASES):
+        for row in rank_rows:
+            case = row["case"]
+            assert row["same_keys"] and row["differ"] == [], (case, row["differ"][:5])
+            assert row["losses"][0] == row["losses"][1], case
+            assert row["ranges"][0] == 1 and row["ranges"][1] > 1 and row["stepped"] > 0, (case, row["ranges"])
+
+
+def test_sub_group_ranges_take_whole_parameters_until_the_size_is_reached() -> None:
+    """DeepSpeed's rule on one rank's partitions: parameters join a sub-group until it holds ``sub_group_size`` or more."""
+    import torch.distributed as dist
+
+    from hf_zero.zero.flat import FlatGroup
+    from hf_zero.zero.group import Placement
+    from hf_zero.zero.host_step import sub_group_ranges
+
+    sizes = [(7, 15), (40,), (3,), (30, 2), (5,)]  # 105, 40, 3, 60, 5 elements: 213
+    named = [(f"p{i}", torch.nn.Parameter(torch.randn(*s))) for i, s in enumerate(sizes)]
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        place = Placement.over(None, torch.device("cpu"), torch.bfloat16, torch.float32, torch.float32)
+        group = FlatGroup(named, place, partitioned=True, free_grads_after_reduce=True)
+        assert group.master is not None and group.master.numel() == 213
+        assert sub_group_ranges(group, 0) == [(0, 105), (105, 145), (145, 148), (148, 208), (208, 213)]
+        assert sub_group_ranges(group, 100) == [(0, 105), (105, 208), (208, 213)]
+        assert sub_group_ranges(group, 110) == [(0, 145), (145, 213)]
+        assert sub_group_ranges(group, 213) == [(0, 213)]
+        assert sub_group_ranges(group, 10**9) == [(0, 213)]
+    finally:
+        dist.destroy_process_group()

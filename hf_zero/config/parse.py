@@ -566,6 +566,7 @@ class Parser:
             overlap_param_gather=obj.get("overlap_param_gather", Bool(), d.overlap_param_gather),
             mics_shard_size=obj.get("mics_shard_size", Int(None), d.mics_shard_size),
             ignore_unused_parameters=obj.get("ignore_unused_parameters", Bool(), d.ignore_unused_parameters),
+            sub_group_size=obj.get("sub_group_size", Int(0), d.sub_group_size),
         )
 
     def offload_optimizer(self, zero: _Object) -> OffloadOptimizerConfig | None:
@@ -678,6 +679,11 @@ def refuse_missing_features(cfg: Any) -> list[str]:
             raise ConfigError(f"tensor_parallel.autotp_size: got {tp} with compile enabled, but compiled blocks cannot "
                               'hold the tensor-parallel all-reduces yet; set "compile": {"enabled": false} or autotp_size 1')
     ignored = []
+    given_zero = cfg.raw.get("zero_optimization", {})
+    if (isinstance(given_zero, dict) and "sub_group_size" in given_zero and (opt is None or opt.device == "none")
+            and zo.sub_group_size != ZeroOptimizationConfig.sub_group_size):
+        ignored.append("zero_optimization.sub_group_size (it sizes the offloaded host step; without offload_optimizer "
+                       "the optimizer steps each group in one call)")
     if par is not None and par.device in ("cpu", "nvme") and zo.stage != 3:
         ignored.append("zero_optimization.offload_param (DeepSpeed reads it at stage 3 only)")
     for key, _ in nvme:

@@ -172,6 +172,9 @@ class ZeroOptimizationConfig:
     # error at stages 1-2 (ShardedOptimizer.check_unused_parameters); true (the default) tolerates it, as DDP's
     # find_unused_parameters does
     ignore_unused_parameters: bool = True
+    # DeepSpeed's: parameters taken in order into sub-groups of at least this many elements (0: one parameter each); here
+    # the granularity of the offloaded host step (hf_zero/zero/host_step.py sub_group_ranges), read with offload only
+    sub_group_size: int = 1_000_000_000
 
 
 @dataclass

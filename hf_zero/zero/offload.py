@@ -112,12 +112,18 @@ class OffloadPolicy:
     # offload_optimizer.ratio (ZeRO-Offload++'s Twin-Flow): the share of the trainable groups whose master and optimizer
     # state live in host memory; the rest, the first groups in parameter order, stay and step on the device
     ratio: float = 1.0
+    # zero_optimization.sub_group_size: each host group stepped in sub-groups of about that many elements
+    # (hf_zero/zero/host_step.py sub_group_ranges); None: each group in one call
+    sub_group_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.host_threads is not None and self.host_threads < 1:
             raise ValueError(f"OffloadPolicy.host_threads: got {self.host_threads}; give a positive count or None")
         if not 0.0 <= self.ratio <= 1.0:
             raise ValueError(f"OffloadPolicy.ratio: got {self.ratio!r}; give the offloaded share, between 0 and 1")
+        if self.sub_group_size is not None and self.sub_group_size < 0:
+            raise ValueError(f"OffloadPolicy.sub_group_size: got {self.sub_group_size}; give a count of elements (0: one "
+                             "parameter a sub-group) or None")
 
     @property
     def nvme(self) -> bool:

@@ -155,6 +155,7 @@ class HostRunner(StepRunner):
         self.stream_grads = stream_grads
         self.pin = offload.pin_memory and torch.cuda.is_available()
         self.grad_buffers: list[torch.Tensor] = []  # the two shared host buffers of a streamed step
+        self.sub_group_size = offload.sub_group_size  # each group's host step in ranges of about this many elements
         self.host_groups = [g for g in self.groups if is_host_master(g)]
         # offload_optimizer.ratio < 1: the trainable groups whose master and optimizer state stayed on the device
         self.device_groups = [g for g in self.groups if g.master is not None and not is_host_master(g)]
@@ -202,7 +203,7 @@ class HostRunner(StepRunner):
         prestepped = self._prestepped(work)
         on_device = self._step_device()
         run = HostStep(self.optimizer, self.stream, work, streamed=streamed, threads=self.threads,
-                       prestepped=prestepped)
+                       prestepped=prestepped, sub_group_size=self.sub_group_size)
         run.finish()
         for g, grad in on_device:  # its reduced shard, as after a step without offload, until zero_grad
             g.master.grad = grad  # type: ignore[union-attr]
@@ -243,7 +244,7 @@ class SpeculativeHostRunner(HostRunner):
     def __init__(self, optimizer: torch.optim.Optimizer, groups: list[ShardGroup], stream: torch.cuda.Stream | None,
                  device: torch.device, offload: OffloadPolicy, stream_grads: bool) -> None:
         super().__init__(optimizer, groups, stream, device, offload, stream_grads)
-        self.speculation: SpeculativeHostStep | None = SpeculativeHostStep(optimizer, self.threads)
+        self.speculation: SpeculativeHostStep | None = SpeculativeHostStep(optimizer, self.threads, self.sub_group_size)
         for g in groups:
             if g.master is not None and hasattr(g, "speculation"):  # the host-master groups (hf_zero/zero/offload.py)
                 g.speculation = self.speculation  # type: ignore[attr-defined]
@@ -316,7 +317,7 @@ class DeferredHostRunner(HostRunner):
             timed("step.wait_grads", t1 - t0)
         run = HostStep(self.optimizer, self.stream, work, streamed=streamed, defer=True,
                        on_done=None if timed is None else (lambda s: timed("step.cpu_optimizer", s)),
-                       threads=self.threads)
+                       threads=self.threads, sub_group_size=self.sub_group_size)
         through = run.through  # one bound method for every group: its first wait steps it (and those before it)
         for g, _ in work:
             g.defer_step(through)  # type: ignore[attr-defined]
@@ -360,7 +361,8 @@ class NvmeRunner(HostRunner):
         work, streamed = self._work()
         if self.swap is not None:
             self.swap.begin([g for g, _ in work])
-        run = HostStep(self.optimizer, self.stream, work, streamed=streamed, threads=self.threads, swap=self.swap)
+        run = HostStep(self.optimizer, self.stream, work, streamed=streamed, threads=self.threads, swap=self.swap,
+                       sub_group_size=self.sub_group_size)
         try:
             run.finish()
         finally:
