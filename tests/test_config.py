@@ -322,7 +322,8 @@ def test_ignored_keys_are_named_in_exactly_one_warning() -> None:
     assert len(caught) == 2 and {w.category for w in caught} == {UserWarning}
     assert str(caught[0].message) == (
         "hf_zero accepts but ignores these DeepSpeed keys: memory_breakdown, tensorboard, "
-        "zero_optimization.round_robin_gradients, zero_optimization.sub_group_size"
+        "zero_optimization.round_robin_gradients, zero_optimization.sub_group_size (it sizes the offloaded host step; "
+        "without offload_optimizer the optimizer steps each group in one call)"
     )
     # disabled, but removed from DeepSpeed, whose 0.19.8 refuses them on sight: named in their own warning
     assert str(caught[1].message) == (

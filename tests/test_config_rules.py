@@ -356,7 +356,6 @@ def test_every_config_field_is_read_outside_the_parser() -> None:
     # pipeline_read / pipeline_write (what the NVMe step always does), fast_init and buffer_size (named as ignored
     # when given) configure nothing that runs
     waiting = {"buffer_size", "pipeline_read", "pipeline_write", "fast_init"}
-    waiting |= {"ratio"}  # read by the parser's refusal of partial offload
     classes = [c for c in vars(config_sections).values() if dataclasses.is_dataclass(c)] + [ZeroConfig]
     unread = [f"{cls.__name__}.{f.name}" for cls in classes for f in dataclasses.fields(cls)
               if f.name not in waiting and not re.search(rf"\.{f.name}\b", source)]

@@ -277,7 +277,7 @@ def test_missing_readonly_and_full_nvme_path_stop_every_rank_in_one_sentence() -
     ({"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/x"}}, "offload_param.device: \"nvme\" without offload_optimizer"),
     ({"offload_optimizer": {"device": "nvme", "nvme_path": "/x"}, "overlap_param_gather": True}, "overlap_param_gather is not supported yet"),
     ({"stage": 0, "offload_optimizer": {"device": "nvme", "nvme_path": "/x"}}, "offload needs ZeRO stage 1, 2 or 3"),
-    ({"offload_optimizer": {"device": "nvme", "nvme_path": "/x", "ratio": 0.5}}, "partial offload is not supported yet"),
+    ({"offload_optimizer": {"device": "nvme", "nvme_path": "/x", "ratio": 0.5}}, 'use "device": "cpu" for a partial offload'),
 ])
 def test_nvme_configs_hf_zero_cannot_run_are_refused_in_one_sentence(change: dict, words: str) -> None:
     from hf_zero.config import ConfigError, ZeroConfig

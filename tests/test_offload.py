@@ -214,7 +214,10 @@ def test_offloaded_optimizer_trains_like_the_device_one_and_resumes_across_setti
 @pytest.mark.parametrize(("section", "words"), [
     ({"stage": 2, "offload_optimizer": {"device": "nvme"}}, '"device": "nvme" needs a folder'),
     ({"stage": 0, "offload_optimizer": {"device": "cpu"}}, "offload needs ZeRO stage 1, 2 or 3"),
-    ({"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.3}}, "partial offload is not supported yet"),
+    ({"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.3, "super_offload": True}},
+     "ratio: got 0.3 with super_offload"),
+    ({"stage": 2, "overlap_param_gather": True, "offload_optimizer": {"device": "cpu", "ratio": 0.5}},
+     "ratio: got 0.5 with zero_optimization.overlap_param_gather"),
     ({"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/tmp"}}, '"nvme" without offload_optimizer is not supported yet'),
     ({"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp", "super_offload": True}},
      "the speculative host step keeps the masters in host memory"),

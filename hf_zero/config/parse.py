@@ -566,6 +566,7 @@ class Parser:
             overlap_param_gather=obj.get("overlap_param_gather", Bool(), d.overlap_param_gather),
             mics_shard_size=obj.get("mics_shard_size", Int(None), d.mics_shard_size),
             ignore_unused_parameters=obj.get("ignore_unused_parameters", Bool(), d.ignore_unused_parameters),
+            sub_group_size=obj.get("sub_group_size", Int(0), d.sub_group_size),
         )
 
     def offload_optimizer(self, zero: _Object) -> OffloadOptimizerConfig | None:
@@ -633,9 +634,20 @@ def refuse_missing_features(cfg: Any) -> list[str]:
         if zo.stage == 0:
             raise ConfigError("zero_optimization.offload_optimizer: offload needs ZeRO stage 1, 2 or 3 (the offloaded state is "
                               "the rank's shard), and the stage is 0; set zero_optimization.stage, or remove offload_optimizer")
-        if opt.ratio < 1.0:
-            raise ConfigError(f"zero_optimization.offload_optimizer.ratio: got {opt.ratio:g}, but partial offload is not "
-                              "supported yet; remove ratio (1.0: the whole optimizer state in host memory)")
+        # ratio < 1 (Twin-Flow, hf_zero/zero/offload.py device_group_count): the first groups stay and step on the
+        # device. DeepSpeed runs it at stage 3 only; hf_zero at stages 1-3, but not with the step paths below
+        if opt.ratio < 1.0 and opt.device == "nvme":
+            raise ConfigError(f'zero_optimization.offload_optimizer.ratio: got {opt.ratio:g} with "device": "nvme", '
+                              'which keeps every group\'s state in files; use "device": "cpu" for a partial offload, '
+                              "or remove ratio")
+        if opt.ratio < 1.0 and opt.super_offload:
+            raise ConfigError(f"zero_optimization.offload_optimizer.ratio: got {opt.ratio:g} with super_offload, whose "
+                              "speculative host step does not run beside groups stepped on the device yet; remove "
+                              "ratio or super_offload")
+        if opt.ratio < 1.0 and zo.overlap_param_gather and zo.stage < 3:
+            raise ConfigError(f"zero_optimization.offload_optimizer.ratio: got {opt.ratio:g} with "
+                              "zero_optimization.overlap_param_gather, whose deferred host step does not step groups "
+                              "kept on the device; remove ratio or overlap_param_gather")
         if opt.super_offload and opt.device == "nvme":  # the speculative step needs the masters in host memory
             raise ConfigError('zero_optimization.offload_optimizer.super_offload: got true with "device": "nvme", but '
                               'the speculative host step keeps the masters in host memory; use "device": "cpu" or '
@@ -667,6 +679,11 @@ def refuse_missing_features(cfg: Any) -> list[str]:
             raise ConfigError(f"tensor_parallel.autotp_size: got {tp} with compile enabled, but compiled blocks cannot "
                               'hold the tensor-parallel all-reduces yet; set "compile": {"enabled": false} or autotp_size 1')
     ignored = []
+    given_zero = cfg.raw.get("zero_optimization", {})
+    if (isinstance(given_zero, dict) and "sub_group_size" in given_zero and (opt is None or opt.device == "none")
+            and zo.sub_group_size != ZeroOptimizationConfig.sub_group_size):
+        ignored.append("zero_optimization.sub_group_size (it sizes the offloaded host step; without offload_optimizer "
+                       "the optimizer steps each group in one call)")
     if par is not None and par.device in ("cpu", "nvme") and zo.stage != 3:
         ignored.append("zero_optimization.offload_param (DeepSpeed reads it at stage 3 only)")
     for key, _ in nvme:

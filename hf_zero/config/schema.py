@@ -203,6 +203,7 @@ ZERO = Section(
         # them; hf_zero runs it as hybrid sharding at stages 1-3 (hf_zero/parallel/grid.py, the dp_replicate axis)
         "mics_shard_size",
         "ignore_unused_parameters",  # false: a trainable parameter with no gradient is an error at stages 1-2
+        "sub_group_size",  # the offloaded host step's granularity (hf_zero/zero/host_step.py sub_group_ranges)
         "cpu_offload",  # DeepSpeed's deprecated spelling of offload_optimizer on the cpu, converted as DeepSpeed does
     ),
     # DeepSpeed's field names beside their stage3_* aliases, and the deprecated fp16 spelling
@@ -229,7 +230,7 @@ ZERO = Section(
         # full weights
         "allgather_bucket_size": 500_000_000,
         "stage3_gather_16bit_weights_on_model_save": True,
-        "load_from_fp32_weights": True, "elastic_checkpoint": False, "sub_group_size": 1_000_000_000,
+        "load_from_fp32_weights": True, "elastic_checkpoint": False,
         "legacy_stage1": False, "round_robin_gradients": False,
         "use_multi_rank_bucket_allreduce": True, "stage3_model_persistence_threshold": None,
         "stage3_module_granularity_threshold": 0, "stage3_use_all_reduce_for_fetch_params": False,

@@ -106,7 +106,9 @@ class OffloadOptimizerConfig:
     pipeline_read: bool = False
     pipeline_write: bool = False
     fast_init: bool = False
-    ratio: float = 1.0  # the share of the optimizer state offloaded (below 1 only at stage 3)
+    # the share of the trainable groups whose optimizer state is offloaded; the first groups in parameter order keep
+    # theirs on the device and step there (DeepSpeed: stage 3 only; hf_zero/zero/offload.py device_group_count)
+    ratio: float = 1.0
     super_offload: bool = False
     # DeepSpeed's default is 0.8 (for its SuperOffload; cores_share applies it there); None otherwise: the host step
     # uses the whole share of this rank's CPUs (hf_zero/zero/host_step.py host_step_threads), a given value that part
@@ -170,6 +172,9 @@ class ZeroOptimizationConfig:
     # error at stages 1-2 (ShardedOptimizer.check_unused_parameters); true (the default) tolerates it, as DDP's
     # find_unused_parameters does
     ignore_unused_parameters: bool = True
+    # DeepSpeed's: parameters taken in order into sub-groups of at least this many elements (0: one parameter each); here
+    # the granularity of the offloaded host step (hf_zero/zero/host_step.py sub_group_ranges), read with offload only
+    sub_group_size: int = 1_000_000_000
 
 
 @dataclass

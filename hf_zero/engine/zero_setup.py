@@ -78,5 +78,7 @@ def sharded_optimizer(module: torch.nn.Module, optimizer: Any, config: ZeroConfi
         optimizer_nvme=_nvme(off, "offload_optimizer", config.aio) if offload_optimizer else None,
         params_nvme=_nvme(par, "offload_param", config.aio) if params_on and offload_optimizer else None,
         speculate=offload_optimizer and bool(off.super_offload) and off.device == "cpu",
+        ratio=float(off.ratio) if offload_optimizer else 1.0,
+        sub_group_size=int(zc.sub_group_size) if offload_optimizer else None,
     )
     return ShardedOptimizer(module, optimizer, place=place, zero=zero, offload=offload)

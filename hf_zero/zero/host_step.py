@@ -27,6 +27,96 @@ import torch.distributed as dist
 from hf_zero.zero import collectives as C
 from hf_zero.zero.group import ShardGroup
 
+# Optimizers whose state is per element (tensors the master's size) or one scalar (a step count): a slice of the master
+# steps with slices of that state exactly as the whole would, element by element, so sub-groups may cut a group.
+_ELEMENTWISE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
+
+
+def sub_group_ranges(group: ShardGroup, sub_group_size: int) -> list[tuple[int, int]]:
+    """``[(lo, hi), ...]`` of ``group``'s master that its host step takes one at a time under ``sub_group_size``.
+
+    DeepSpeed 0.19.8's meaning (stage 3's sub-groups): parameters are taken in order into a sub-group until it holds
+    ``sub_group_size`` elements or more, so a sub-group never cuts a parameter and a parameter larger than the size is
+    a sub-group of its own; 0 makes every parameter one (axolotl's configs give 0). Here the parameters are this
+    rank's partitions of the group's (:meth:`ShardGroup.partitions`), the last range running to the end of the shard's
+    padding. One range (the whole master) when the size covers the group, and for a master that is not the flat shard.
+    """
+    master = group.master
+    if master is None or master.dim() != 1 or master.numel() != group.shard_numel or sub_group_size >= master.numel():
+        return [(0, 0 if master is None else master.numel())]
+    out: list[tuple[int, int]] = []
+    lo = hi = 0
+    for _, at, n in group.partitions():
+        if n == 0:
+            continue
+        hi = at + n
+        if hi - lo >= sub_group_size:
+            out.append((lo, hi))
+            lo = hi
+    if lo < master.numel():
+        out.append((lo, master.numel()))
+    return out
+
+
+def _per_element(v: Any, master: torch.Tensor) -> bool:
+    return isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == master.numel()
+
+
+def step_master(optimizer: torch.optim.Optimizer, master: torch.Tensor, grad: torch.Tensor,
+                ranges: list[tuple[int, int]]) -> None:
+    """Step ``master`` with ``grad`` (the only master with a gradient now) one range at a time, equal bit for bit to one
+    call over the whole (each element's update reads only that element's values and a shared step count).
+
+    Why: ``sub_group_size`` bounds what one optimizer call touches at once (an unfused optimizer's temporaries are the
+    size of its tensors) and is the granularity a streamed step copies in. How: each range steps as a view of the
+    master that takes the master's place in its param group, with views of its state; the step count, the same for
+    every range, goes back to the master's state once. At the first step, when the optimizer makes its state lazily,
+    each range gets its own and the pieces are joined into the master's. An optimizer whose state is not per element
+    (:data:`_ELEMENTWISE` lists those known to be) and a single range step the whole master in one call.
+    """
+    if len(ranges) <= 1 or not isinstance(optimizer, _ELEMENTWISE):
+        master.grad = grad
+        try:
+            optimizer.step()
+        finally:
+            master.grad = None
+        return
+    pg = next(pg for pg in optimizer.param_groups if any(p is master for p in pg["params"]))
+    params = pg["params"]
+    full = optimizer.state.get(master)
+    first = not full
+    pieces: list[dict[str, Any]] = []
+    try:
+        for lo, hi in ranges:
+            view = master[lo:hi]
+            view.grad = grad[lo:hi]
+            if not first:
+                optimizer.state[view] = {
+                    k: (v[lo:hi] if _per_element(v, master) else v.clone() if isinstance(v, torch.Tensor) else v)
+                    for k, v in full.items()}  # type: ignore[union-attr]
+            pg["params"] = [view if p is master else p for p in params]
+            try:
+                optimizer.step()
+            finally:
+                view.grad = None
+                pieces.append(optimizer.state.pop(view, {}))
+    finally:
+        pg["params"] = params
+    last = pieces[-1]
+    if first:  # join the ranges' fresh state into the master's
+        optimizer.state[master] = {
+            k: (torch.cat([piece[k] for piece in pieces]) if isinstance(v, torch.Tensor) and v.dim() == 1 else v)
+            for k, v in last.items()}
+        return
+    for k, v in last.items():  # the per-element state was written through the views; the step count goes back
+        old = full.get(k)  # type: ignore[union-attr]
+        if _per_element(old, master):
+            continue
+        if isinstance(old, torch.Tensor) and isinstance(v, torch.Tensor) and old.shape == v.shape:
+            old.copy_(v)
+        else:
+            full[k] = v  # type: ignore[index]
+
 
 class HostStep:
     """One optimizer step over host masters, one shard group at a time, each group published once it is stepped.
@@ -49,8 +139,11 @@ class HostStep:
     def __init__(self, optimizer: torch.optim.Optimizer, stream: torch.cuda.Stream | None,
                  work: list[tuple[ShardGroup, torch.Tensor]], *, streamed: list[torch.Tensor] | None = None,
                  defer: bool = False, on_done: Callable[[float], None] | None = None, threads: int | None = None,
-                 swap: Any = None, prestepped: frozenset[int] = frozenset()) -> None:
+                 swap: Any = None, prestepped: frozenset[int] = frozenset(), sub_group_size: int | None = None) -> None:
         self.optimizer, self.stream, self.defer, self.on_done = optimizer, stream, defer, on_done
+        # zero_optimization.sub_group_size: each group stepped in ranges of about that many elements (sub_group_ranges);
+        # None: each group in one call
+        self.sub_group_size = sub_group_size
         # ids of the groups SpeculativeHostStep already stepped with this step's gradient, coefficient and
         # hyperparameters (super_offload): only published here
         self.prestepped = prestepped
@@ -116,12 +209,12 @@ class HostStep:
             self.swap.attach(g)
         with intra_op_threads(self.threads):
             start = time.perf_counter()
-            g.master.grad = grad
             try:
                 if id(g) not in self.prestepped:
-                    self.optimizer.step()
+                    ranges = [(0, g.master.numel())] if self.sub_group_size is None else sub_group_ranges(
+                        g, self.sub_group_size)
+                    step_master(self.optimizer, g.master, grad, ranges)
             finally:
-                g.master.grad = None
                 self.cpu_seconds += time.perf_counter() - start
                 for pg, values in zip(groups, live):
                     pg.update(values)
@@ -189,8 +282,9 @@ class SpeculativeHostStep:
     (:func:`host_step_threads`; torch's thread count is per thread, so the backward keeps the launcher's).
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, threads: int | None) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, threads: int | None, sub_group_size: int | None = None) -> None:
         self.optimizer, self.threads = optimizer, threads
+        self.sub_group_size = sub_group_size  # as HostStep's: each group stepped in ranges of about this many elements
         self._pool: ThreadPoolExecutor | None = None
         self._futures: dict[int, Future[None]] = {}
         self._undo: dict[int, _Undo] = {}
@@ -238,11 +332,11 @@ class SpeculativeHostStep:
                 if self._scratch is None or self._scratch.numel() < grad.numel():
                     self._scratch = torch.empty(grad.numel(), dtype=grad.dtype)
                 grad = torch.mul(grad, coef, out=self._scratch[: grad.numel()].view_as(grad))
-            master.grad = grad
             try:
-                self.optimizer.step()
+                ranges = [(0, master.numel())] if self.sub_group_size is None else sub_group_ranges(
+                    group, self.sub_group_size)
+                step_master(self.optimizer, master, grad, ranges)
             finally:
-                master.grad = None
                 self.cpu_seconds += time.perf_counter() - start
         self.counts["stepped"] += 1
 

@@ -39,7 +39,9 @@ GPU bytes per parameter at stage 2: without offload 2 (16-bit weights) + 4/N (fp
 host memory. Stage 3's ``offload_param`` keeps the 16-bit shards the all-gathers read in host memory as
 well (:class:`_HostParamShard`): GPU memory then holds only the units gathered at the moment. NVMe
 (``"device": "nvme"``) moves the masters, the optimizer state and the host shards on to disk
-(:mod:`hf_zero.zero.nvme`). Not here yet: ``sub_group_size`` (each shard group is one sub-group), ``ratio`` < 1.
+(:mod:`hf_zero.zero.nvme`). ``offload_optimizer.ratio`` < 1 (ZeRO-Offload++'s Twin-Flow) offloads only the last
+``ratio`` of the trainable groups in parameter order (:func:`device_group_count`); the first ones keep master and
+optimizer state on the device and step there, queued before the host step so the two run at the same time.
 
 What is offloaded is decided once, from the config, as an :class:`OffloadPolicy` the engine builds; host memory
 is planned from it before any buffer exists (:func:`plan_host_memory`), and the step that follows from both is a
@@ -107,10 +109,21 @@ class OffloadPolicy:
     # offload_optimizer.super_offload: each group's host step taken during the backward that ends the step, undone
     # exactly where clipping or a skipped step says so (hf_zero/zero/host_step.py SpeculativeHostStep)
     speculate: bool = False
+    # offload_optimizer.ratio (ZeRO-Offload++'s Twin-Flow): the share of the trainable groups whose master and optimizer
+    # state live in host memory; the rest, the first groups in parameter order, stay and step on the device
+    ratio: float = 1.0
+    # zero_optimization.sub_group_size: each host group stepped in sub-groups of about that many elements
+    # (hf_zero/zero/host_step.py sub_group_ranges); None: each group in one call
+    sub_group_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.host_threads is not None and self.host_threads < 1:
             raise ValueError(f"OffloadPolicy.host_threads: got {self.host_threads}; give a positive count or None")
+        if not 0.0 <= self.ratio <= 1.0:
+            raise ValueError(f"OffloadPolicy.ratio: got {self.ratio!r}; give the offloaded share, between 0 and 1")
+        if self.sub_group_size is not None and self.sub_group_size < 0:
+            raise ValueError(f"OffloadPolicy.sub_group_size: got {self.sub_group_size}; give a count of elements (0: one "
+                             "parameter a sub-group) or None")
 
     @property
     def nvme(self) -> bool:
@@ -195,6 +208,42 @@ def host_buffer(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
     done = weakref.finalize(t, cudart.cudaHostUnregister, ptr)  # before the storage goes: only views could outlive t
     done.atexit = False  # at exit the process's pages go anyway; no CUDA call while the interpreter shuts down
     return t
+
+
+def device_group_count(n: int, ratio: float) -> int:
+    """Of ``n`` trainable groups in parameter order, how many stay on the device under ``offload_optimizer.ratio``.
+
+    DeepSpeed 0.19.8's stage 3 puts sub-group ``i`` of ``n`` on the device when ``i < int((1 - ratio) * n)`` and in host
+    memory otherwise; hf_zero's shard groups play its sub-groups, with the same expression (so a ratio that leaves less
+    than one group for the device, 0.9 of 5 groups say, offloads them all, as there).
+    """
+    if not 0.0 <= ratio <= 1.0:
+        raise ValueError(f"offload_optimizer.ratio: got {ratio!r}; give the offloaded share, between 0 and 1")
+    return int((1 - ratio) * n) if ratio < 1.0 else 0
+
+
+def is_host_master(group: ShardGroup) -> bool:
+    """Whether ``group``'s master (and so its optimizer state) lives in host memory and steps on the CPU."""
+    return isinstance(group, _HostMaster) and group.master is not None
+
+
+def optimizer_state_split(groups: list[ShardGroup], optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """Bytes of the masters and their optimizer state, by where they step: ``{"host": ..., "device": ...}``.
+
+    What ``offload_optimizer.ratio`` divides (its test compares the split with the ratio); the optimizer's state exists
+    from the first step on, so before it only the masters count. Classified by group kind, not by the tensors'
+    device, so CPU ranks (where both are host memory) report the split a GPU run would have.
+    """
+    out = {"host": 0, "device": 0}
+    for g in groups:
+        if g.master is None:
+            continue
+        n = g.master.numel() * g.master.element_size()
+        for v in optimizer.state.get(g.master, {}).values():
+            if isinstance(v, torch.Tensor) and v.numel() == g.master.numel():
+                n += v.numel() * v.element_size()
+        out["host" if is_host_master(g) else "device"] += n
+    return out
 
 
 class _HostMaster(ShardGroup):

@@ -23,13 +23,15 @@ What is built, and how the step runs, is decided once from three frozen inputs (
 :class:`hf_zero.zero.group.Placement`, :class:`hf_zero.zero.offload.OffloadPolicy`): host memory is planned
 (:func:`hf_zero.zero.offload.plan_host_memory`) before any buffer exists, and the step is a runner picked then
 (:func:`hf_zero.zero.runner.pick_runner`) that :meth:`ShardedOptimizer.step_and_publish` calls. Adding NVMe
-offload or a ``ratio`` < 1 is a new runner class in ``hf_zero/zero/runner.py``, registered in ``pick_runner``,
-not a branch here.
+offload is a new runner class in ``hf_zero/zero/runner.py``, registered in ``pick_runner``, not a branch here;
+``offload_optimizer.ratio`` < 1 is only a choice of group class at build time (which groups keep their master on the
+device: :func:`hf_zero.zero.offload.device_group_count`), the host runners stepping those on the device first.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import warnings
 from collections import defaultdict
@@ -55,6 +57,9 @@ from hf_zero.zero.offload import (
     OffloadPolicy,
     ShardSizes,
     _HostParamShard,
+    device_group_count,
+    is_host_master,
+    optimizer_state_split,
     plan_host_memory,
     state_bytes_per_element,
 )
@@ -67,6 +72,7 @@ from hf_zero.zero.stage3 import Stage3Runtime
 from hf_zero.zero.units import Unit, find_units, input_embedding_unit
 
 NamedParams = list[tuple[str, torch.nn.Parameter]]
+logger = logging.getLogger("hf_zero")
 
 
 def _buckets(named: NamedParams, bucket_numel: int) -> list[NamedParams]:
@@ -75,7 +81,7 @@ def _buckets(named: NamedParams, bucket_numel: int) -> list[NamedParams]:
     cur: NamedParams = []
     size = 0
     for item in named:
-        n = item[1].numel()
+        n = full_numel(item[1])  # a zero.Init slice counts whole, as it will be once materialized
         if cur and size + n > bucket_numel:
             out.append(cur)
             cur, size = [], 0
@@ -167,6 +173,32 @@ def _assign_units(module: torch.nn.Module) -> tuple[list[tuple[str, torch.nn.Mod
     renumber = {old: new for new, old in enumerate(kept)}
     unit_of = {pid: renumber.get(ui, -1) for pid, ui in owner.items() if ui >= 0}
     return [unit_mods[ui] for ui in kept], unit_of
+
+
+def _unit_parts(named: NamedParams, ui: int, unit_of: dict[int, int], threshold: int) -> list[NamedParams]:
+    """Stage 3: the parameters of ``named`` in unit ``ui`` (-1: the root) at or above ``threshold``, as the groups they
+    make: ``[slices, whole]``, either possibly empty (an empty one makes no group); tensor-parallel slices and whole
+    parameters apart, as :func:`_buckets_by_split` keeps them, since the global norm counts the two kinds differently
+    (``hf_zero/step.py``)."""
+    picked = [x for x in named if unit_of.get(id(x[1]), -1) == ui and full_numel(x[1]) >= threshold]
+    return [[x for x in picked if split_of(x[1])], [x for x in picked if not split_of(x[1])]]
+
+
+def _trainable_group_count(module: torch.nn.Module, group_named: list[NamedParams], stage: int, bucket_numel: int,
+                           threshold: int) -> int:
+    """How many trainable shard groups the build will make (before any exists): what ``offload_optimizer.ratio`` divides.
+
+    Counted with the build's own helpers (:func:`_unit_parts`, :func:`_buckets_by_split`) on whole-parameter sizes, so a
+    ``zero.Init`` slice counts as the parameter it will be.
+    """
+    if stage < 3:
+        return sum(len(_buckets_by_split(list(reversed(named)), bucket_numel)) for named in group_named)
+    unit_mods, unit_of = _assign_units(module)
+    units = sum(sum(1 for part in _unit_parts(named, ui, unit_of, threshold) if part) for ui in [*range(len(unit_mods)), -1]
+                for named in group_named)
+    small = sum(len(_buckets_by_split([x for x in reversed(named) if full_numel(x[1]) < threshold], bucket_numel))
+                for named in group_named)
+    return units + small
 
 
 def _largest_group_bound(module: torch.nn.Module, group_named: list[NamedParams], stage: int, bucket_numel: int,
@@ -287,10 +319,19 @@ class ShardedOptimizer:
             self.nvme = open_stores(optimizer, offload.optimizer_nvme, offload.params_nvme,
                                     max(1, state_bytes_per_element(optimizer) // 4), self.nvme_scope, self.comm_stream)
         group_masters: list[list[torch.Tensor]] = [[] for _ in group_named]
+        # offload_optimizer.ratio < 1: the first this many trainable groups in parameter order keep their master on the
+        # device (DeepSpeed's sub-groups by position, hf_zero/zero/offload.py device_group_count); _placed counts the
+        # trainable groups placed so far (stage 3's units, then the buckets)
+        self.device_groups = 0
+        if offload.optimizer and offload.ratio < 1.0:
+            self.device_groups = device_group_count(
+                _trainable_group_count(module, group_named, stage, zero.bucket_numel, zero.persistence_threshold),
+                offload.ratio)
+        self._placed = 0
         if stage == 3:
             self._build_stage3(module, group_named, group_masters)
             # Small parameters (norms, biases) stay whole on every rank, as stage 2 keeps them.
-            group_named = [[x for x in named if x[1].numel() < zero.persistence_threshold] for named in group_named]
+            group_named = [[x for x in named if full_numel(x[1]) < zero.persistence_threshold] for named in group_named]
         else:
             materialize_(list(module.parameters()), device)
         self._build_flat(group_named, group_masters)
@@ -315,6 +356,11 @@ class ShardedOptimizer:
         self.runner: StepRunner = pick_runner(optimizer, self.groups, self.comm_stream, device=device, offload=offload,
                                               stream_grads=self.stream_grads, overlap=self.overlap, process_group=self.nvme_scope,
                                               nvme=self.nvme)
+        if self.device_groups and self.rank == 0:
+            trainable = sum(1 for g in self.groups if g.master is not None)
+            logger.info("offload_optimizer.ratio %g: %d of %d trainable groups keep master and optimizer state on the "
+                        "device (the first in parameter order) and step there beside the host step of the other %d",
+                        offload.ratio, self.device_groups, trainable, sum(is_host_master(g) for g in self.groups))
         self._sync = False
         self._next_launch = 0
         self.reduced = False
@@ -339,8 +385,11 @@ class ShardedOptimizer:
         offload, stage = self.offload, self.stage
         for gi, named in enumerate(group_named):
             # Reverse registration order approximates the order backward produces gradients.
-            for bucket in _buckets_by_split(list(reversed(named)), self.zero.bucket_numel):
-                if offload.optimizer:
+            buckets = _buckets_by_split(list(reversed(named)), self.zero.bucket_numel)
+            for j, bucket in enumerate(buckets):
+                # its position in parameter order (the last bucket holds the first parameters): offloaded, unless
+                # offload_optimizer.ratio keeps it among the first groups on the device
+                if offload.optimizer and self._placed + len(buckets) - 1 - j >= self.device_groups:
                     # on NVMe the master is written out and its memory freed: not registered with CUDA
                     fg: FlatGroup = OffloadedFlatGroup(bucket, self.place, partitioned=stage >= 1, free_grads_after_reduce=stage >= 1,
                                                        pin=offload.pin_memory and offload.optimizer_nvme is None,
@@ -352,6 +401,7 @@ class ShardedOptimizer:
                 if self.nvme is not None and self.nvme.swap is not None and fg.master is not None:
                     self.nvme.swap.adopt(fg)
                 group_masters[gi].append(fg.master)
+            self._placed += len(buckets)
 
     def _build_stage3(
         self, module: torch.nn.Module, group_named: list[NamedParams], group_masters: list[list[torch.Tensor]],
@@ -370,10 +420,7 @@ class ShardedOptimizer:
             materialize_([p for p in names.values() if unit_of.get(id(p), -1) == ui], self.device)
             groups: list[ShardedParamGroup] = []
             for gi, named in [*enumerate(group_named), (-1, frozen)]:
-                picked = [x for x in named if unit_of.get(id(x[1]), -1) == ui and x[1].numel() >= threshold]
-                # tensor-parallel slices and whole parameters in groups of their own, as the flat buckets keep
-                # them (_buckets_by_split): the global norm counts the two kinds differently (hf_zero/step.py)
-                kinds = [[x for x in picked if split_of(x[1])], [x for x in picked if not split_of(x[1])]]
+                kinds = _unit_parts(named, ui, unit_of, threshold)
                 # float8 linears' weights marked for the float8 all-gather (hf_zero/float8.py), trainable and not
                 # offloaded, in groups of their own: their unit's compute gathers them as float8
                 f8 = [x for x in kinds[1] if float8_module_of(x[1]) is not None] if gi >= 0 and not (
@@ -381,12 +428,15 @@ class ShardedOptimizer:
                 if f8:
                     kinds = [kinds[0], [x for x in kinds[1] if float8_module_of(x[1]) is None], f8]
                 for part in (k for k in kinds if k):
+                    # offloaded, unless offload_optimizer.ratio keeps it among the first trainable groups on the device
+                    host = offload.optimizer and gi >= 0 and self._placed >= self.device_groups
+                    self._placed += int(gi >= 0)
                     if part is f8:
                         g = Float8ShardedParamGroup(part, self.place, trainable=True)
                     elif gi < 0 and offload.params:
                         g = OffloadedFrozenGroup(part, self.place,
                                                  pin=offload.params_pin_memory and offload.params_nvme is None)
-                    elif not offload.optimizer or gi < 0:
+                    elif not host:
                         g = ShardedParamGroup(part, self.place, trainable=gi >= 0)
                     else:
                         g = OffloadedShardedParamGroup(part, self.place, trainable=True,
@@ -713,3 +763,11 @@ class ShardedOptimizer:
                 if torch.is_tensor(v) and v.numel() > 1:
                     optim += size(v)
         return {"params": params, "grads": grads, "optim": optim}
+
+    def optimizer_state_bytes(self) -> dict[str, int]:
+        """This rank's masters and optimizer state in bytes, by where they step: ``{"host": ..., "device": ...}``.
+
+        With ``offload_optimizer.ratio`` < 1 the device holds the first groups' share (DeepSpeed's Twin-Flow split,
+        :func:`hf_zero.zero.offload.device_group_count`); the optimizer state exists from the first step on.
+        """
+        return optimizer_state_split(self.groups, self.optimizer)

@@ -22,9 +22,10 @@ taken per step:
 Whether the host runners read each group's gradient from its host copy or stream it from the device through
 two shared buffers is their property (``stream_grads``, from :func:`hf_zero.zero.offload.plan_host_memory`).
 
-The rule: a new way of taking the step (NVMe offload, a ``ratio`` < 1 of the optimizer state offloaded) is a
-new runner class in this module, registered in :func:`pick_runner`, not a branch in an existing runner or in
-``ShardedOptimizer``.
+The rule: a new way of taking the step (NVMe offload) is a new runner class in this module, registered in
+:func:`pick_runner`, not a branch in an existing runner or in ``ShardedOptimizer``. ``offload_optimizer.ratio`` < 1
+is not one: the host runners step the groups kept on the device first (:meth:`HostRunner._step_device`, a no-op
+without any), then the host groups as before.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from hf_zero.zero.nvme import NvmeStores, pooled_raise
 from hf_zero.zero.offload import (
     OffloadPolicy,
     host_buffer,
+    is_host_master,
     use_host_kernels,
 )
 from hf_zero.zero.overlap import DeferredPublish
@@ -137,6 +139,11 @@ class HostRunner(StepRunner):
     shards on the device, and the step copies them to the host through two shared buffers of the largest group
     (:attr:`grad_buffers`, made at the first step that needs them); otherwise each group's ``before_step`` hands
     it its own host copy. Adam/AdamW step with torch's fused CPU kernel.
+
+    ``offload_optimizer.ratio`` < 1 (ZeRO-Offload++'s Twin-Flow): the groups the build kept on the device
+    (:attr:`device_groups`, their master's ``.grad`` the reduced shard there) are stepped first, in one optimizer call
+    with every host master's ``.grad`` cleared (torch's optimizers skip those), and published; on CUDA that call only
+    queues kernels, so the device steps its share while the CPU steps the host groups (:meth:`_step_device`).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, groups: list[ShardGroup], stream: torch.cuda.Stream | None,
@@ -148,22 +155,43 @@ class HostRunner(StepRunner):
         self.stream_grads = stream_grads
         self.pin = offload.pin_memory and torch.cuda.is_available()
         self.grad_buffers: list[torch.Tensor] = []  # the two shared host buffers of a streamed step
+        self.sub_group_size = offload.sub_group_size  # each group's host step in ranges of about this many elements
+        self.host_groups = [g for g in self.groups if is_host_master(g)]
+        # offload_optimizer.ratio < 1: the trainable groups whose master and optimizer state stayed on the device
+        self.device_groups = [g for g in self.groups if g.master is not None and not is_host_master(g)]
 
     def _work(self) -> tuple[list[tuple[ShardGroup, torch.Tensor]], list[torch.Tensor] | None]:
         """The groups to step with their gradients (see :class:`HostStep`), each master's ``.grad`` cleared, and the
         shared buffers when the gradients are streamed."""
         streamed: list[torch.Tensor] | None = None
         if self.stream_grads:  # each group's fp32 shard waited on the device; the step streams it through two buffers
-            work = [(g, g.reduced_grad()) for g in self.groups if g.master is not None and g.reduced_grad() is not None]
+            work = [(g, g.reduced_grad()) for g in self.host_groups if g.reduced_grad() is not None]
             largest = max((grad.numel() for _, grad in work), default=0)  # type: ignore[union-attr]
             if largest and (not self.grad_buffers or self.grad_buffers[0].numel() < largest):
                 self.grad_buffers = [host_buffer(largest, torch.float32, pin=self.pin) for _ in range(2)]
             streamed = self.grad_buffers
         else:  # before_step handed each group its host copy as the master's .grad
-            work = [(g, g.master.grad) for g in self.groups if g.master is not None and g.master.grad is not None]
+            work = [(g, g.master.grad) for g in self.host_groups if g.master.grad is not None]  # type: ignore[union-attr]
         for g, _ in work:
             g.master.grad = None  # type: ignore[union-attr]  # the optimizer sees one group's gradient at a time
         return work, streamed  # type: ignore[return-value]
+
+    def _step_device(self) -> list[tuple[ShardGroup, torch.Tensor]]:
+        """``ratio`` < 1: step and publish the groups kept on the device, after :meth:`_work` cleared every host master's
+        ``.grad`` (so the optimizer steps only these). On CUDA this queues the kernels and returns, and the host step
+        that follows runs beside them; each master is stepped once with its own state, so the arithmetic is the same
+        optimizer's on the same values as with every group in one place.
+
+        Returns the groups stepped with their gradients, taken off their masters so the host step's optimizer calls
+        skip them; the caller puts them back after it (as after a step without offload, until ``zero_grad``)."""
+        stepped = [(g, g.master.grad) for g in self.device_groups if g.master.grad is not None]  # type: ignore[union-attr]
+        if not stepped:
+            return []
+        self.optimizer.step()
+        for g, _ in stepped:
+            g.publish_master(self.stream)
+            g.master.grad = None  # type: ignore[union-attr]
+        return stepped  # type: ignore[return-value]
 
     def step(self, timed: Timed | None) -> None:
         clock = time.perf_counter
@@ -172,9 +200,13 @@ class HostRunner(StepRunner):
             g.before_step()
         t1 = clock()
         work, streamed = self._work()
+        prestepped = self._prestepped(work)
+        on_device = self._step_device()
         run = HostStep(self.optimizer, self.stream, work, streamed=streamed, threads=self.threads,
-                       prestepped=self._prestepped(work))
+                       prestepped=prestepped, sub_group_size=self.sub_group_size)
         run.finish()
+        for g, grad in on_device:  # its reduced shard, as after a step without offload, until zero_grad
+            g.master.grad = grad  # type: ignore[union-attr]
         if streamed is None:
             for g, grad in work:
                 g.master.grad = grad  # type: ignore[union-attr]  # as after a step without offload, until zero_grad
@@ -212,14 +244,14 @@ class SpeculativeHostRunner(HostRunner):
     def __init__(self, optimizer: torch.optim.Optimizer, groups: list[ShardGroup], stream: torch.cuda.Stream | None,
                  device: torch.device, offload: OffloadPolicy, stream_grads: bool) -> None:
         super().__init__(optimizer, groups, stream, device, offload, stream_grads)
-        self.speculation: SpeculativeHostStep | None = SpeculativeHostStep(optimizer, self.threads)
+        self.speculation: SpeculativeHostStep | None = SpeculativeHostStep(optimizer, self.threads, self.sub_group_size)
         for g in groups:
             if g.master is not None and hasattr(g, "speculation"):  # the host-master groups (hf_zero/zero/offload.py)
                 g.speculation = self.speculation  # type: ignore[attr-defined]
 
     def arm(self, coef: float) -> None:
         if self.speculation is not None and not self.stream_grads:
-            self.speculation.arm(self.groups, coef)
+            self.speculation.arm(self.host_groups, coef)
 
     def verdict(self, coef: torch.Tensor | float) -> None:
         if self.speculation is not None:
@@ -285,7 +317,7 @@ class DeferredHostRunner(HostRunner):
             timed("step.wait_grads", t1 - t0)
         run = HostStep(self.optimizer, self.stream, work, streamed=streamed, defer=True,
                        on_done=None if timed is None else (lambda s: timed("step.cpu_optimizer", s)),
-                       threads=self.threads)
+                       threads=self.threads, sub_group_size=self.sub_group_size)
         through = run.through  # one bound method for every group: its first wait steps it (and those before it)
         for g, _ in work:
             g.defer_step(through)  # type: ignore[attr-defined]
@@ -329,7 +361,8 @@ class NvmeRunner(HostRunner):
         work, streamed = self._work()
         if self.swap is not None:
             self.swap.begin([g for g, _ in work])
-        run = HostStep(self.optimizer, self.stream, work, streamed=streamed, threads=self.threads, swap=self.swap)
+        run = HostStep(self.optimizer, self.stream, work, streamed=streamed, threads=self.threads, swap=self.swap,
+                       sub_group_size=self.sub_group_size)
         try:
             run.finish()
         finally:
@@ -384,6 +417,9 @@ def pick_runner(optimizer: torch.optim.Optimizer, groups: list[ShardGroup], stre
     ``process_group`` the groups' (NVMe failures are raised on all its ranks), ``nvme`` the files the groups were
     written to as they were built (with ``offload.nvme``).
     """
+    if offload.ratio < 1.0 and (nvme is not None or overlap is not None):  # the config refuses both first
+        raise ValueError("OffloadPolicy.ratio below 1 keeps groups on the device, which the NVMe step and the deferred "
+                         "host step (overlap_param_gather) do not handle; offload the whole state (ratio 1.0)")
     if offload.optimizer and nvme is not None:  # the config refuses NVMe with overlap_param_gather
         return NvmeRunner(optimizer, groups, stream, device, offload, process_group, nvme)
     if offload.optimizer and offload.speculate and overlap is None:  # the config refuses it with overlap_param_gather
