@@ -22,6 +22,8 @@ one after the other. Written under ``--out``: ``losses.csv`` (step, then one los
 (the settings, the corpus, each run's losses, evaluation loss and seconds) and, when matplotlib is importable
 (``pip install 'hf_zero[bench]'``), ``fp8_loss_curve.png``. Printed: each run's mean loss over the final 100 steps
 (all steps when there are fewer), its evaluation loss, and each float8 run's relative difference from bf16.
+``--replot --out DIR`` does the printing and writing again from ``DIR/losses.json`` alone (a GPU machine without
+matplotlib writes the JSON; the plot is drawn wherever matplotlib is).
 """
 
 from __future__ import annotations
@@ -229,8 +231,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated, of {', '.join(RUNS)}")
     ap.add_argument("--out", default="fp8_loss_curve", help="folder for losses.csv, losses.json and the plot")
+    ap.add_argument("--replot", action="store_true",
+                    help="run nothing: print the summary and write the CSV and plot from --out's losses.json (e.g. "
+                         "fetched from a GPU machine without matplotlib)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.replot:
+        return report(Path(args.out))
     if args.tiny:
         args.model, args.seq, args.micro = "tiny", 64, 2
     if not args.lr:
@@ -256,10 +263,19 @@ def main(argv: list[str] | None = None) -> int:
     if done.returncode:
         print(f"[fp8_loss_curve] the torchrun of the runs exited with status {done.returncode}", file=sys.stderr)
         return done.returncode
-    result = json.loads(Path(args.out, "losses.json").read_text())
+    return report(Path(args.out))
+
+
+def report(out: Path) -> int:
+    """Print the summary of ``out/losses.json`` and write its CSV and plot; 1 when a loss is not finite."""
+    if not (out / "losses.json").is_file():
+        print(f"[fp8_loss_curve] {out / 'losses.json'} does not exist; run the script (without --replot) first",
+              file=sys.stderr)
+        return 2
+    result = json.loads((out / "losses.json").read_text())
     for line in summary(result):
         print(line)
-    for path in write_outputs(result, Path(args.out)):
+    for path in write_outputs(result, out):
         print(f"[fp8_loss_curve] wrote {path}")
     return 0 if all(math.isfinite(x) for r in result["runs"].values() for x in r["losses"]) else 1
 
