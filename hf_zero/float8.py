@@ -174,8 +174,9 @@ def apply_float8(model: torch.nn.Module, cfg: Float8Config, stage: int) -> list[
     done = [n for n, m in model.named_modules() if n and is_float8_linear(m)]
     if done:
         raise UsageError(
-            f"fp8.enabled: {done[0]} ({len(done)} layers in all) is already torchao's Float8Linear; either drop the fp8 "
-            "section (hf_zero trains a model you converted as it is) or pass the model unconverted"
+            f"fp8.enabled: {done[0]} ({len(done)} layers in all) is already torchao's Float8Linear; either turn fp8 off "
+            "(the config's fp8 section or mixed_precision='fp8': hf_zero trains a model you converted as it is) or "
+            "pass the model unconverted"
         )
     names = convert_to_float8(model, cfg)
     mark_float8_all_gather(model, cfg, stage)
