@@ -16,12 +16,14 @@ What is converted (:func:`float8_filter`): every ``nn.Linear`` except
 - a layer whose name matches one of the config's ``fp8.skip`` patterns (``re.search``).
 
 At stage 3 with the tensorwise recipe and ``fp8_all_gather``, :func:`mark_float8_all_gather` tags the converted
-weights so that ZeRO gathers them as float8 (:mod:`hf_zero.zero.float8_gather`).
+weights so that ZeRO gathers them as float8 (:mod:`hf_zero.zero.float8_gather`). A model the user converted with
+torchao before ``initialize`` is trained the same way without the section (:func:`adopt_converted`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import re
 from collections.abc import Callable
 from typing import Any
@@ -33,6 +35,8 @@ from hf_zero.errors import UsageError
 
 #: names of output projections, matched against the last part of a module's name
 OUTPUT_NAMES = ("lm_head", "output", "score", "classifier")
+
+logger = logging.getLogger("hf_zero")
 
 
 def require_torchao() -> Any:
@@ -107,31 +111,73 @@ def is_float8_linear(module: torch.nn.Module) -> bool:
     return any(c.__name__ == "Float8Linear" and c.__module__.startswith("torchao.") for c in type(module).__mro__)
 
 
-def mark_float8_all_gather(model: torch.nn.Module, cfg: Float8Config, stage: int) -> int:
-    """Tag the float8 weights that stage 3 gathers as float8; how many.
+def gathers_as_float8(module: torch.nn.Module) -> bool:
+    """Whether stage 3 may hand ``module`` a weight cast to float8 before the all-gather (its config says so).
 
-    Only tensorwise scaling allows it: one scale per weight can be computed from the shards' amaxes before the
-    gather, while rowwise needs the scale of every row along the dimension the shards cut across, and torchao
+    The gathered float8 weight serves the forward's matmul and, saved by autograd, the backward's grad-input matmul;
+    both casts must be dynamic and tensorwise (one scale per weight, computable from the shards' amaxes) with one
+    target dtype. Rowwise needs the scale of every row along the dimension the shards cut across, and torchao
     recasts the weight along the other dimension for the backward anyway.
     """
-    if not (cfg.enabled and cfg.fp8_all_gather and cfg.recipe == "tensorwise" and stage == 3):
+    from torchao.float8.config import ScalingGranularity, ScalingType
+
+    casts = (module.config.cast_config_weight, module.config.cast_config_weight_for_grad_input)
+    return (all(c.scaling_type is ScalingType.DYNAMIC and c.scaling_granularity is ScalingGranularity.TENSORWISE
+                for c in casts) and casts[0].target_dtype == casts[1].target_dtype)
+
+
+def mark_float8_all_gather(model: torch.nn.Module, cfg: Float8Config, stage: int) -> int:
+    """Tag the float8 weights that stage 3 gathers as float8 (:func:`gathers_as_float8`); how many."""
+    if not (cfg.fp8_all_gather and stage == 3):
         return 0
     n = 0
     for m in model.modules():
-        if is_float8_linear(m):
+        if is_float8_linear(m) and gathers_as_float8(m):
             m.weight.hf_zero_float8 = m  # zero/float8_gather.py reads the module's config and dtype from it
             n += 1
     return n
 
 
+def adopt_converted(model: torch.nn.Module, stage: int) -> list[str]:
+    """A model the user converted with torchao before ``initialize``, without the ``fp8`` section: trained as the
+    section would train it (stage 3 gathers its tensorwise weights as float8); the float8 layers' names.
+
+    Without this, the layers still compute in float8 but stage 3 gathers their bf16 weights and casts after the
+    gather, moving twice the bytes. torchao's own ``enable_fsdp_float8_all_gather`` is refused: it wraps each weight
+    in a new Parameter subclass for FSDP2's all-gather hooks, which ZeRO's flat buffers do not call.
+    """
+    names = [n for n, m in model.named_modules() if n and is_float8_linear(m)]
+    if not names:
+        return []
+    wrapped = [n for n in names if type(model.get_submodule(n).weight) is not torch.nn.Parameter]
+    if wrapped:
+        raise UsageError(
+            f"{wrapped[0]}: its weight is torchao's FSDP2 float8 all-gather wrapper ({len(wrapped)} such layers); "
+            "convert with Float8LinearConfig(enable_fsdp_float8_all_gather=False), or leave the model unconverted and "
+            "set the config's fp8 section instead - hf_zero gathers float8 itself"
+        )
+    gathered = mark_float8_all_gather(model, Float8Config(enabled=True), stage)
+    logger.info("fp8: %d linear layers were converted to float8 by torchao before initialize; training them as the "
+                "fp8 section would (stage 3 float8 all-gather: %d of them)", len(names), gathered)
+    return names
+
+
 def apply_float8(model: torch.nn.Module, cfg: Float8Config, stage: int) -> list[str]:
-    """The engine's one call: convert and mark when the ``fp8`` section is on; the converted layers' names.
+    """The engine's one call: convert and mark when the ``fp8`` section is on, adopt a model torchao converted
+    before ``initialize`` when it is off (:func:`adopt_converted`); the float8 layers' names.
 
     It runs before ZeRO lays the parameters out, on the same Parameter objects, so the user's optimizer still holds
     them; at stage 3 the tensorwise recipe's weights are then gathered as float8 (hf_zero/zero/float8_gather.py).
     """
     if not cfg.enabled:
-        return []
+        return adopt_converted(model, stage)
+    done = [n for n, m in model.named_modules() if n and is_float8_linear(m)]
+    if done:
+        raise UsageError(
+            f"fp8.enabled: {done[0]} ({len(done)} layers in all) is already torchao's Float8Linear; either turn fp8 off "
+            "(the config's fp8 section or mixed_precision='fp8': hf_zero trains a model you converted as it is) or "
+            "pass the model unconverted"
+        )
     names = convert_to_float8(model, cfg)
     mark_float8_all_gather(model, cfg, stage)
     return names

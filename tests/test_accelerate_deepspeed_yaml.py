@@ -122,7 +122,8 @@ def test_yaml_fields_and_accelerate_flags_map_onto_torchrun_and_the_variables(tm
         (None, ["--config_file", str(TRL_ZERO3), "--num_gpus", "2"], "--num_gpus is DeepSpeed's launcher flag; with "
          "--config_file use Accelerate's names"),
         (None, ["--num_processes", "2"], "--num_processes is an accelerate launch flag, read with --config_file"),
-        (None, ["--config_file", str(TRL_ZERO3), "--mixed_precision", "fp8"], "mixed_precision 'fp8'"),
+        (None, ["--config_file", str(TRL_ZERO3), "--mixed_precision", "fp4"], "mixed_precision 'fp4': hf_zero trains in no "
+         "\\(fp32\\), fp16, bf16 or fp8"),
         (None, ["--config_file", "missing.yaml"], "--config_file missing.yaml: The passed configuration file"),
         ("distributed_type: DEEPSPEED\nnum_processes: 4\nnum_machines: 2\nmain_process_ip: h0\n"
          "deepspeed_config:\n  zero_stage: 2\n", [], "deepspeed_multinode_launcher 'pdsh' starts every machine"),

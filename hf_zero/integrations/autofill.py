@@ -194,7 +194,10 @@ def fill_auto(config: dict, args: Any, world_size: int) -> dict:
     if isinstance(sched, dict) and sched.get("warmup_max_lr", AUTO) not in (AUTO, args.learning_rate):
         mismatches.append(f"scheduler.params.warmup_max_lr: config has {sched['warmup_max_lr']}, TrainingArguments has "
                           f"{args.learning_rate} (--learning_rate)")
-    bf16, fp16 = bool(args.bf16 or args.bf16_full_eval), bool(args.fp16 or args.fp16_full_eval)
+    # mixed_precision fp8 (accelerate launch --mixed_precision fp8, read by TrainingArguments from the environment)
+    # trains over bf16, as Accelerate's DeepSpeed plugin sets it; the Accelerator adds the fp8 section at prepare
+    fp8 = getattr(args, "mixed_precision", None) == "fp8"
+    bf16, fp16 = bool(args.bf16 or args.bf16_full_eval or fp8), bool(args.fp16 or args.fp16_full_eval)
     mismatches += [f"{m} (--bf16/--fp16)" for m in fill_precision(cfg, bf16, fp16, must_match=True)]
     if mismatches:
         raise UsageError("zero_config contradicts the training arguments: " + "; ".join(mismatches))
