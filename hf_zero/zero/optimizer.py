@@ -30,6 +30,7 @@ not a branch here.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import warnings
 from collections import defaultdict
@@ -42,7 +43,7 @@ from hf_zero.errors import UnusedParameterError, UsageError
 from hf_zero.tp_split import checkpoint_name, split_of
 from hf_zero.zero import collectives as C
 from hf_zero.zero.flat import FlatGroup
-from hf_zero.zero.group import ParamSlot, Placement, ShardGroup
+from hf_zero.zero.group import ParamSlot, Placement, ShardGroup, subgroup_of
 from hf_zero.zero.nvme import NvmeStores, open_stores
 from hf_zero.zero.nvme_io import Scope
 from hf_zero.zero.offload import (
@@ -85,18 +86,26 @@ def _buckets(named: NamedParams, bucket_numel: int) -> list[NamedParams]:
     return out
 
 
+def _kind(p: torch.Tensor) -> tuple[bool, int]:
+    """What a bucket may not mix: tensor-parallel slices with whole parameters, and parameters sharded over different
+    process groups (a :class:`hf_zero.zero.group.SubGroup`'s, such as expert parallelism's, or the optimizer's)."""
+    sub = subgroup_of(p)
+    return split_of(p) is not None, id(sub.group) if sub is not None else 0
+
+
 def _buckets_by_split(named: NamedParams, bucket_numel: int) -> list[NamedParams]:
-    """``_buckets``, except that tensor-parallel slices and whole parameters never share a bucket.
+    """``_buckets``, except that parameters of different kinds (:func:`_kind`) never share a bucket.
 
     The global norm counts a bucket of whole parameters once per tensor-parallel group and a bucket
-    of slices on every rank (``hf_zero/step.py``). Each kind is bucketed on its own and the buckets
-    are ordered by when their last gradient arrives, so they still launch about as backward fills them.
+    of slices on every rank (``hf_zero/step.py``), and a bucket is reduced over one process group. Each kind is
+    bucketed on its own and the buckets are ordered by when their last gradient arrives, so they still launch about
+    as backward fills them.
     """
-    if not any(split_of(p) for _, p in named):
+    kinds = list(dict.fromkeys(_kind(p) for _, p in named))
+    if len(kinds) <= 1:
         return _buckets(named, bucket_numel)
     pos = {id(p): i for i, (_, p) in enumerate(named)}
-    out = (_buckets([x for x in named if split_of(x[1])], bucket_numel)
-           + _buckets([x for x in named if not split_of(x[1])], bucket_numel))
+    out = [b for k in kinds for b in _buckets([x for x in named if _kind(x[1]) == k], bucket_numel)]
     return sorted(out, key=lambda b: pos[id(b[-1][1])])
 
 
@@ -263,6 +272,7 @@ class ShardedOptimizer:
         self.flat_groups: list[FlatGroup] = []
         self.stage3_groups: list[ShardedParamGroup] = []
         self.runtime: Stage3Runtime | None = None
+        self._sub_places: dict[int, Placement] = {}  # place_of's placements over SubGroups, by process group
 
         group_named = _trainable_by_param_group(module, optimizer)
         self.group_names = [[n for n, _ in named] for named in group_named]  # checkpoints record them
@@ -316,12 +326,28 @@ class ShardedOptimizer:
         self.reduced = False
         self.unreduced_backward = False  # a backward since the last step / zero_grad left its gradients unreduced
 
+    def place_of(self, param: torch.Tensor) -> Placement:
+        """The placement of ``param``'s shard group: the optimizer's, or, for a parameter marked with a
+        :class:`hf_zero.zero.group.SubGroup`, the same dtypes and device over that sub-group (made once per sub-group)."""
+        sub = subgroup_of(param)
+        if sub is None:
+            return self.place
+        key = id(sub.group)
+        if key not in self._sub_places:
+            if self.place.replicas > 1:
+                raise ValueError("a parameter sharded over a sub-group cannot also be hybrid-sharded")
+            p = Placement.over(sub.group, self.place.device, self.place.compute_dtype, self.place.reduce_dtype,
+                               self.place.master_dtype)
+            self._sub_places[key] = dataclasses.replace(p, average_over=sub.average_over)
+        return self._sub_places[key]
+
     def _shard_sizes(self, module: torch.nn.Module, group_named: list[NamedParams]) -> ShardSizes:
         """This rank's trainable and frozen shards, and a bound on its largest trainable group, before any group exists."""
         world = self.world_size
 
-        def shard_of(named: NamedParams) -> int:
-            return sum(math.ceil(full_numel(p) / world) for _, p in named)  # zero.Init's: 0 elements
+        def shard_of(named: NamedParams) -> int:  # zero.Init's: 0 elements
+            return sum(math.ceil(full_numel(p) / (self.place_of(p).world_size if subgroup_of(p) else world))
+                       for _, p in named)
 
         frozen = [(n, p) for n, p in module.named_parameters() if not p.requires_grad]
         largest = 0
@@ -336,13 +362,14 @@ class ShardedOptimizer:
         for gi, named in enumerate(group_named):
             # Reverse registration order approximates the order backward produces gradients.
             for bucket in _buckets_by_split(list(reversed(named)), self.zero.bucket_numel):
+                place = self.place_of(bucket[0][1])
                 if offload.optimizer:
                     # on NVMe the master is written out and its memory freed: not registered with CUDA
-                    fg: FlatGroup = OffloadedFlatGroup(bucket, self.place, partitioned=stage >= 1, free_grads_after_reduce=stage >= 1,
+                    fg: FlatGroup = OffloadedFlatGroup(bucket, place, partitioned=stage >= 1, free_grads_after_reduce=stage >= 1,
                                                        pin=offload.pin_memory and offload.optimizer_nvme is None,
                                                        stream_grads=self.stream_grads)
                 else:
-                    fg = FlatGroup(bucket, self.place, partitioned=stage >= 1, free_grads_after_reduce=stage >= 1)
+                    fg = FlatGroup(bucket, place, partitioned=stage >= 1, free_grads_after_reduce=stage >= 1)
                 fg.tp_split = split_of(bucket[0][1]) is not None
                 self.flat_groups.append(fg)
                 if self.nvme is not None and self.nvme.swap is not None and fg.master is not None:
@@ -369,15 +396,17 @@ class ShardedOptimizer:
                 picked = [x for x in named if unit_of.get(id(x[1]), -1) == ui and x[1].numel() >= threshold]
                 # tensor-parallel slices and whole parameters in groups of their own, as the flat buckets keep
                 # them (_buckets_by_split): the global norm counts the two kinds differently (hf_zero/step.py)
-                kinds = [[x for x in picked if split_of(x[1])], [x for x in picked if not split_of(x[1])]]
-                for part in (k for k in kinds if k):
+                # (and parameters sharded over a sub-group apart from the rest: a group is reduced over one process group)
+                kinds = [[x for x in picked if _kind(x[1]) == k] for k in dict.fromkeys(_kind(x[1]) for x in picked)]
+                for part in kinds:
+                    place = self.place_of(part[0][1])
                     if gi < 0 and offload.params:
-                        g = OffloadedFrozenGroup(part, self.place,
+                        g = OffloadedFrozenGroup(part, place,
                                                  pin=offload.params_pin_memory and offload.params_nvme is None)
                     elif not offload.optimizer or gi < 0:
-                        g = ShardedParamGroup(part, self.place, trainable=gi >= 0)
+                        g = ShardedParamGroup(part, place, trainable=gi >= 0)
                     else:
-                        g = OffloadedShardedParamGroup(part, self.place, trainable=True,
+                        g = OffloadedShardedParamGroup(part, place, trainable=True,
                                                        pin=offload.pin_memory and not offload.nvme,
                                                        params_on_host=offload.params, stream_grads=self.stream_grads)
                     g.tp_split = split_of(part[0][1]) is not None
