@@ -82,6 +82,6 @@ def dispatch_combine(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weig
     y = _AllToAll.apply(y_recv, anchor, recv, send, group)
     back = torch.empty_like(order)
     back[order] = torch.arange(order.numel(), device=order.device)
-    pairs = y[back].view(tokens, k, -1)  # the pairs in the router's order again
+    pairs = y[back].view(tokens, k, hidden.shape[-1])  # the pairs in the router's order again
     # each weighted result in the hidden dtype before the sum, as the model's index_add_ adds them
     return (pairs * top_k_weights.unsqueeze(-1)).to(hidden.dtype).sum(dim=1)

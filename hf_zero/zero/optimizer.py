@@ -397,7 +397,8 @@ class ShardedOptimizer:
                 # tensor-parallel slices and whole parameters in groups of their own, as the flat buckets keep
                 # them (_buckets_by_split): the global norm counts the two kinds differently (hf_zero/step.py)
                 # (and parameters sharded over a sub-group apart from the rest: a group is reduced over one process group)
-                kinds = [[x for x in picked if _kind(x[1]) == k] for k in dict.fromkeys(_kind(x[1]) for x in picked)]
+                order = sorted(dict.fromkeys(_kind(x[1]) for x in picked), key=lambda k: not k[0])  # slices first
+                kinds = [[x for x in picked if _kind(x[1]) == k] for k in order]
                 for part in kinds:
                     place = self.place_of(part[0][1])
                     if gi < 0 and offload.params:
