@@ -22,6 +22,8 @@ from hf_zero.config.schema import EXPERT_PRESETS
 from hf_zero.errors import ConfigError, UsageError
 from hf_zero.expert.dispatch import dispatch_combine
 from hf_zero.expert.groups import ExpertGroups, expert_groups
+from hf_zero.expert.slices import ExpertSlice
+from hf_zero.expert.slices import mark as mark_slice
 from hf_zero.module_setup import broadcast_module, move_to_device
 from hf_zero.parallel import ParallelGrid
 from hf_zero.zero.group import SubGroup, mark_subgroup
@@ -143,9 +145,11 @@ def setup(model: torch.nn.Module, cfg: Any, grid: ParallelGrid, device: torch.de
             total = m.num_experts
             local = total // ep.size
             first = groups.ep_rank * local
+            where = ExpertSlice(first, local, total, groups.ep_group, ep.size)
             for p in m.parameters(recurse=False):
                 p.data = p.data.narrow(0, first, local).clone()
                 mark_subgroup(p, sub)
+                mark_slice(p, where)
             m.num_experts = local
             shard = ExpertShard(first, local, total, groups, ep.use_grouped_mm)
             setattr(m, ATTR, shard)
