@@ -30,6 +30,7 @@ from tests.models import train_one_process
 WORLD, SEQ, VOCAB = 4, 8, 32
 STEPS, GAS, MICRO, LR, EPS, CLIP = 3, 2, 2, 5e-3, 1e-8, 0.3
 TOL = 1e-5
+GENERATE = ("mixtral", 2, 2, True, False)  # generate with each rank asking for a different number of tokens
 SAVED = {("mixtral", 3, 2, False, False), ("gpt_oss", 3, 4, True, False)}  # save_pretrained, then from_pretrained
 
 # (model, ZeRO stage, autoep_size, use_grouped_mm, offload_optimizer)
@@ -149,10 +150,26 @@ def _train_case(rank: int, case: tuple, oracle: tuple, save_dir: str) -> dict:
                 ref = ref[shard.first : shard.first + shard.local]
                 out["experts"].append(shard.first)
             out["weights"] = max(out["weights"], (p.detach().float() - ref).abs().max().item())
+    if case == GENERATE:
+        out["generate"] = _generate(rank, engine, ref_w)
     if case in SAVED:
         out.update(_saved(rank, engine, ref_w, f"{save_dir}/{'-'.join(map(str, case))}"))
     engine.destroy()
     return out
+
+
+def _generate(rank: int, engine, ref_w: dict) -> bool:  # noqa: ANN001
+    """Greedy generate of ``rank + 1`` tokens: the ranks done early keep joining the exchanges (synced_gpus) and each
+    rank's tokens equal one process's with the oracle's weights."""
+    prompt = torch.randint(0, VOCAB, (1, 3), generator=torch.Generator().manual_seed(rank))
+    engine.module.eval()
+    got = engine.module.generate(prompt, max_new_tokens=rank + 1, do_sample=False, pad_token_id=0)
+    engine.module.train()
+    ref = tiny_moe(GENERATE[0])
+    ref.load_state_dict(ref_w)
+    ref.eval()
+    want = ref.generate(prompt, max_new_tokens=rank + 1, do_sample=False, pad_token_id=0)
+    return got.tolist() == want.tolist()
 
 
 def _saved(rank: int, engine, ref_w: dict, folder: str) -> dict:  # noqa: ANN001
@@ -280,6 +297,10 @@ def test_save_pretrained_writes_the_fused_experts(world4: list[dict], case: tupl
         r = res["cases"][key]
         assert r["pretrained"] < TOL, r  # every expert, from every EP rank, where from_pretrained reads it
         assert "save_checkpoint with expert_parallel is not supported yet" in r["resume"], r
+
+
+def test_generate_keeps_ranks_in_step(world4: list[dict]) -> None:
+    assert [res["cases"]["/".join(map(str, GENERATE))]["generate"] for res in world4] == [True] * WORLD
 
 
 @pytest.mark.parametrize("label", ["skips", "rank without tokens"])

@@ -26,6 +26,7 @@ from hf_zero.expert.slices import ExpertSlice
 from hf_zero.expert.slices import mark as mark_slice
 from hf_zero.module_setup import broadcast_module, move_to_device
 from hf_zero.parallel import ParallelGrid
+from hf_zero.zero.attach import mark_synced_generation
 from hf_zero.zero.group import SubGroup, mark_subgroup
 from hf_zero.zero.preshard import is_presharded
 
@@ -154,6 +155,9 @@ def setup(model: torch.nn.Module, cfg: Any, grid: ParallelGrid, device: torch.de
             shard = ExpertShard(first, local, total, groups, ep.use_grouped_mm)
             setattr(m, ATTR, shard)
             m.forward = _bound(m, shard)
+    # Every forward now exchanges tokens within the EP group, so generate must keep the ranks' forwards in step
+    # (synced_gpus), as stage 3's gathers need; engine.destroy() takes the mark off with the engine's others.
+    mark_synced_generation(model)
     if dist.get_rank() == 0:
         logger.info("expert parallelism: %d experts modules split over EP groups of %d (expert data parallel %d)",
                     len(found), ep.size, groups.edp_size)
