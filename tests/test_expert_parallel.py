@@ -259,12 +259,42 @@ def _refusals(rank: int) -> dict:
     return said
 
 
+def _zero_init(rank: int) -> dict:
+    """A Mixtral built under zero.Init (its experts arrive as per-rank slices of the world) at ZeRO-3, with EP 2 and
+    without: the same losses and norms each step (zero.Init draws its initial weights its own way, so the reference
+    is the same model trained without expert parallelism)."""
+    import hf_zero
+
+    runs = {}
+    for ep in (1, 2):
+        cfg = _config(3, ep, True, False)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with hf_zero.zero.Init(config_dict_or_path=cfg):
+                model = tiny_moe("mixtral")
+            engine = hf_zero.initialize(model=model, config=cfg,
+                                        optimizer=lambda g: torch.optim.AdamW(g, lr=LR, eps=EPS))[0]
+        ids, seen = _data(), []
+        for t in range(STEPS):
+            for g in range(GAS):
+                batch = _micro(ids, t, rank, g)
+                loss = engine(input_ids=batch, labels=batch).loss
+                engine.backward(loss)
+                engine.step()
+                seen.append(loss.item())
+            seen.append(float(engine.get_global_grad_norm()))
+        runs[ep] = seen
+        engine.destroy()
+    return {"diff": max(abs(a - b) for a, b in zip(runs[1], runs[2]))}
+
+
 def _world4(rank: int, world: int, oracles: dict, save_dir: str) -> dict:
     results = {"cases": {}}
     for case in CASES:
         results["cases"]["/".join(map(str, case))] = _train_case(rank, case, oracles[case[0]], save_dir)
     results["dispatch"] = _dispatch_cases(rank)
     results["refusals"] = _refusals(rank)
+    results["zero_init"] = _zero_init(rank)
     return results
 
 
@@ -310,6 +340,11 @@ def test_dispatch_uneven_and_empty(world4: list[dict], label: str) -> None:
         assert r["had_grad"], (rank, r)  # even a rank that ran no pair gives its experts a (zero) gradient
         for what in ("y", "x_grad", "w_grad", "expert_grad"):
             assert r[what] < 1e-6, (rank, label, what, r)
+
+
+def test_zero_init_model(world4: list[dict]) -> None:
+    for res in world4:
+        assert res["zero_init"]["diff"] < TOL, res["zero_init"]
 
 
 def test_refusals_name_the_value(world4: list[dict]) -> None:

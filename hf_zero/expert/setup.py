@@ -28,7 +28,7 @@ from hf_zero.module_setup import broadcast_module, move_to_device
 from hf_zero.parallel import ParallelGrid
 from hf_zero.zero.attach import mark_synced_generation
 from hf_zero.zero.group import SubGroup, mark_subgroup
-from hf_zero.zero.preshard import is_presharded
+from hf_zero.zero.preshard import full_shape, is_presharded, materialize_
 
 logger = logging.getLogger("hf_zero")
 
@@ -47,8 +47,9 @@ def is_experts_module(module: torch.nn.Module) -> bool:
     ``_is_expert_parallel``), with ``num_experts`` and every parameter stacked per expert along dim 0."""
     n = getattr(module, "num_experts", None)
     params = list(module.parameters(recurse=False))
+    shapes = [full_shape(p) for p in params]  # a zero.Init parameter's data is empty: its whole shape is kept apart
     return (hasattr(module, "_is_expert_parallel") and isinstance(n, int) and bool(params)
-            and all(p.dim() >= 2 and p.shape[0] == n for p in params))
+            and all(len(s) >= 2 and s[0] == n for s in shapes))
 
 
 def find_experts(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
@@ -97,10 +98,7 @@ def _check(model: torch.nn.Module, cfg: Any, grid: ParallelGrid, found: list[tup
         if m.num_experts % ep.size:
             raise ConfigError(f"expert_parallel.autoep_size: got {ep.size}, which does not divide the {m.num_experts} "
                               f"experts of '{mname}'; choose a divisor of {m.num_experts}")
-        if any(is_presharded(p) for p in m.parameters()):
-            raise UsageError(f"expert_parallel: '{mname}' was built under zero.Init, whose slices cannot be split by "
-                             "expert yet; build the model without zero.Init")
-        if any(p.is_meta for p in m.parameters()):
+        if any(p.is_meta and not is_presharded(p) for p in m.parameters()):
             raise UsageError(f"expert_parallel: '{mname}' has parameters on the meta device; load real weights first")
 
 
@@ -138,6 +136,12 @@ def setup(model: torch.nn.Module, cfg: Any, grid: ParallelGrid, device: torch.de
         return None
     _check(model, cfg, grid, found)
     groups = expert_groups(ep.size)
+    # A model built under zero.Init holds its experts as per-rank slices of the whole world's: made whole (one
+    # experts module at a time, each rank then keeping its own experts), while the rest stays sliced for ZeRO.
+    for _, m in found:
+        own = [p for p in m.parameters(recurse=False) if is_presharded(p)]
+        if own:
+            materialize_(own, device)
     move_to_device(model, device)
     broadcast_module(model, None)  # every rank's experts are cut from the same whole weights
     sub = SubGroup(groups.edp_group, grid.zero_size)
