@@ -3,7 +3,8 @@
 Tiny transformers MoE models, their classes unchanged (Mixtral, Qwen3-MoE, DeepSeek-V3, gpt-oss, Qwen2-MoE with its
 shared expert, OLMoE; 8 experts, top-2, ``output_router_logits`` on so the router's aux loss is in the loss), train
 through ``hf_zero.initialize`` on 4 gloo ranks with EP groups of 2 (two expert-data-parallel ranks per expert) and of
-4 (each rank alone with its experts), at ZeRO 0-3 and with the optimizer offloaded, 3 steps of 2 accumulated
+4 (each rank alone with its experts), at ZeRO 0-3, with the optimizer offloaded and with block recomputation (the
+exchanges rerun inside backward), 3 steps of 2 accumulated
 micro-batches, clipped at 0.3. The oracle is one process with torch's AdamW on the same model whose loss is the mean
 of the four ranks' micro-batch losses (the aux loss is per rank, so it is not the loss of the concatenated batch);
 computed here, in the test process, and handed to the ranks, each of which compares its own experts (the slice of
@@ -30,6 +31,7 @@ from tests.models import train_one_process
 WORLD, SEQ, VOCAB = 4, 8, 32
 STEPS, GAS, MICRO, LR, EPS, CLIP = 3, 2, 2, 5e-3, 1e-8, 0.3
 TOL = 1e-5
+RECOMPUTE = {("qwen2_moe", 3, 2, True, False)}  # activation_checkpointing.checkpoint_blocks: the exchanges rerun in backward
 GENERATE = ("mixtral", 2, 2, True, False)  # generate with each rank asking for a different number of tokens
 SAVED = {("mixtral", 3, 2, False, False), ("gpt_oss", 3, 4, True, False)}  # save_pretrained, then from_pretrained
 
@@ -119,9 +121,12 @@ def _train_case(rank: int, case: tuple, oracle: tuple, save_dir: str) -> dict:
     from hf_zero.zero.group import subgroup_of
 
     kind, stage, ep, grouped, offload = case
+    config = _config(stage, ep, grouped, offload)
+    if case in RECOMPUTE:
+        config["activation_checkpointing"] = {"checkpoint_blocks": True}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        engine = hf_zero.initialize(model=tiny_moe(kind), config=_config(stage, ep, grouped, offload),
+        engine = hf_zero.initialize(model=tiny_moe(kind), config=config,
                                     optimizer=lambda g: torch.optim.AdamW(g, lr=LR, eps=EPS))[0]
     ids = _data()
     losses, norms = [], []
