@@ -21,6 +21,7 @@ from hf_zero.config import ConfigError, ZeroConfig
 from hf_zero.data import ResumableDistributedSampler
 from hf_zero.engine import ZeroEngine
 from hf_zero.errors import InitializeArgumentError, UsageError
+from hf_zero.expert.setup import setup as setup_expert_parallel
 from hf_zero.optim import build_optimizer
 from hf_zero.parallel import GridShape, grid_for, replicas_for
 from hf_zero.pipe.engine import PipelineEngine
@@ -237,6 +238,7 @@ def initialize(
     if not pipeline:
         sp = setup_sequence_parallel(model, cfg, grid, False)  # None unless sequence_parallel_size > 1
     setup_tensor_parallel(model, cfg, grid, hz_dist.get_device())  # splits the model when autotp_size > 1
+    setup_expert_parallel(model, cfg, grid, hz_dist.get_device())  # splits the experts when autoep_size > 1
     _resolve_batch_sizes_on_every_rank(cfg, grid.dp_size)
 
     torch_opt = _optimizer(optimizer, cfg, _param_groups(model, model_parameters))

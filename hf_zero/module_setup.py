@@ -16,6 +16,7 @@ import torch.distributed as dist
 from hf_zero.errors import UsageError
 from hf_zero.zero import collectives as C
 from hf_zero.zero import param_attrs
+from hf_zero.zero.group import subgroup_of
 from hf_zero.zero.preshard import is_presharded, materialize_
 
 logger = logging.getLogger("hf_zero")
@@ -62,7 +63,12 @@ def broadcast_module(module: torch.nn.Module, group: dist.ProcessGroup | None) -
     src = dist.get_global_rank(group, 0) if group is not None else 0
     with torch.no_grad():
         for t in list(module.parameters()) + list(module.buffers()):
-            if not is_presharded(t):
+            sub = subgroup_of(t)
+            if sub is not None:  # an expert's weights: only the ranks holding the same experts start alike
+                sub_world = dist.get_world_size(sub.group)
+                sub_src = dist.get_global_rank(sub.group, 0) if sub.group is not None else 0
+                C.broadcast_(t.data, sub_src, sub.group, sub_world)
+            elif not is_presharded(t):
                 C.broadcast_(t.data, src, group, world)
 
 

@@ -68,8 +68,12 @@ def grad_stats(
         s = g.grad_sq_sum()
         return s / scope.tp if scope.tp > 1 and not g.tp_split else s
 
+    # An unpartitioned group over a sub-group of the ranks (expert parallelism's experts, hf_zero/zero/group.py
+    # SubGroup) is alike only on its own ranks, the other sub-groups holding other parameters: it counts once per
+    # sub-group, so each rank adds its share and the world's sum counts it once, with the partitioned groups.
     part = [sq(g) for g in counted if g.partitioned]
-    repl = [sq(g) for g in counted if not g.partitioned]
+    part += [sq(g) / (g.world_size * g.place.replicas) for g in counted if not g.partitioned and g.place.own_subgroup]
+    repl = [sq(g) for g in counted if not g.partitioned and not g.place.own_subgroup]
     rows = [torch.stack(part).sum() if part else zero, torch.stack(repl).sum() if repl else zero]
     if need_flag:
         bad = [g.nonfinite() for g in groups]

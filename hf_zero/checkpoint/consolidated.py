@@ -21,6 +21,7 @@ import torch
 
 from hf_zero.checkpoint.format import CheckpointReader, read_meta, resolve_tag
 from hf_zero.errors import CheckpointError
+from hf_zero.expert.slices import gather_whole, slice_of
 from hf_zero.precision import SAFETENSORS_DTYPES
 from hf_zero.tp_split import parse_slice_name, split_of
 
@@ -180,8 +181,10 @@ def engine_entries(module: torch.nn.Module, dtype: torch.dtype | None) -> tuple[
         if id(t) in seen:
             continue
         seen.add(id(t))
-        split = split_of(t)
+        split, experts = split_of(t), slice_of(t)
         shape = tuple(t.shape) if split is None else split.full_shape
+        if experts is not None:  # expert parallelism: the model's fused tensor of every expert
+            shape = experts.full_shape(t)
         dt = dtype if (dtype is not None and t.is_floating_point()) else t.dtype
         entries.append((name, dt, shape))
         tensors[name] = t
@@ -204,13 +207,17 @@ class OneUnitAtATime:
 
     def full(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` itself, made whole first if its shard group keeps only shards between uses; a tensor-parallel
-        slice comes back as a new tensor, the whole weight (an all-gather over its group: every rank of it calls)."""
+        slice or an expert-parallel block of experts comes back as a new tensor, the whole weight (an all-gather over
+        its group: every rank of it calls)."""
         g = self.optimizer.group_of(t) if self.optimizer is not None else None
         if g is not None and not g.resident and g is not self.current:
             self.release()
             g.gather(None)
             g.wait()
             self.current = g
+        experts = slice_of(t)
+        if experts is not None:  # this rank's experts: the EP group's slices back into the model's fused tensor
+            return gather_whole(t, experts)
         split = split_of(t)
         if split is None or self.tp is None:
             return t

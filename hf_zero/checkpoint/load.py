@@ -27,6 +27,7 @@ from hf_zero.checkpoint.ranks import gather_findings
 from hf_zero.checkpoint.state import Progress, TrainState
 from hf_zero.checkpoint.tp_reshard import base_name, install, whole_shapes
 from hf_zero.errors import CheckpointError
+from hf_zero.expert.slices import refuse_resume_checkpoint
 from hf_zero.tp_split import checkpoint_name, parse_slice_name, split_of, stored_names
 
 
@@ -197,6 +198,7 @@ def load(
     place (they are the engine's own objects); returns ``(path, client_state, progress)``, the
     counters for the engine to take (None with ``load_module_only``).
     """
+    refuse_resume_checkpoint(state.module, "load_checkpoint")
     path = resolve_tag(load_dir, tag)
     meta = read_meta(path)
     lay = state.layout

@@ -60,6 +60,7 @@ from hf_zero.checkpoint.ranks import CheckpointLayout, agree, attempt, pool
 from hf_zero.checkpoint.state import TrainState
 from hf_zero.dist import gather_json
 from hf_zero.errors import CheckpointError, CheckpointTagError
+from hf_zero.expert.slices import refuse_resume_checkpoint
 from hf_zero.tp_split import checkpoint_name, stored_names, table_entry
 
 logger = logging.getLogger("hf_zero")
@@ -167,6 +168,7 @@ def save(
     writes and publishes (:mod:`hf_zero.checkpoint.background`); the path is then where the
     checkpoint will be once that is done.
     """
+    refuse_resume_checkpoint(state.module, "save_checkpoint")
     streams = rng_state(state.device)  # this step's random streams, before anything the save does (module docstring)
     try:
         return _save(state, save_dir, tag, client_state, save_latest, keep_last, background, exclude_frozen, streams)

@@ -37,6 +37,7 @@ from hf_zero.config.sections import (
     AioConfig,
     BF16Config,
     CompileConfig,
+    ExpertParallelConfig,
     Float8Config,
     FP16Config,
     OffloadOptimizerConfig,
@@ -53,7 +54,7 @@ from hf_zero.config.values import Int, json_kind
 from hf_zero.errors import BatchSizeError
 
 __all__ = [
-    "AUTO", "BF16Config", "CompileConfig", "ConfigError", "Float8Config", "FP16Config", "OffloadOptimizerConfig", "OffloadParamConfig",
+    "AUTO", "BF16Config", "CompileConfig", "ConfigError", "ExpertParallelConfig", "Float8Config", "FP16Config", "OffloadOptimizerConfig", "OffloadParamConfig",
     "OptimizerConfig", "PipelineConfig", "SchedulerConfig", "TorchAutocastConfig", "ZeroConfig", "ZeroOptimizationConfig",
 ]
 
@@ -80,6 +81,7 @@ class ZeroConfig:
     sequence_parallel_size: int = 1  # the Ulysses degree, from this key or the sequence_parallel section
     sequence_parallel: SequenceParallelConfig = field(default_factory=SequenceParallelConfig)  # the tiling switches
     tensor_parallel_size: int = 1  # tensor_parallel.autotp_size (DeepSpeed's AutoTP training); 1: off
+    expert_parallel: ExpertParallelConfig = field(default_factory=ExpertParallelConfig)  # AutoEP (hf_zero/expert/)
     activation_checkpointing: dict = field(default_factory=dict)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     compile: CompileConfig = field(default_factory=CompileConfig)

@@ -43,6 +43,8 @@ from hf_zero.config.schema import (
     COMPILE_MODES,
     DEEPSPEED_ONLY_OPTIMIZERS,
     DEEPSPEED_ONLY_SCHEDULERS,
+    EXPERT_PARALLEL,
+    EXPERT_PRESETS,
     FLOAT8_RECIPES,
     FP8,
     FP16,
@@ -73,6 +75,7 @@ from hf_zero.config.sections import (
     AioConfig,
     BF16Config,
     CompileConfig,
+    ExpertParallelConfig,
     Float8Config,
     FP16Config,
     OffloadOptimizerConfig,
@@ -303,6 +306,7 @@ class Parser:
         fields["zero_optimization"] = self.zero(top)
         fields["pipeline"] = self.pipeline(top)
         fields["tensor_parallel_size"] = self.tensor_parallel(top)
+        fields["expert_parallel"] = self.expert_parallel(top)
         fields["auto_keys"] = self.auto_keys
         return {name: value for name, value in fields.items() if value is not ABSENT}
 
@@ -546,6 +550,26 @@ class Parser:
             raise ConfigError(f"{inner.where('tp_size')}: got {tp_size}, but tensor_parallel.autotp_size is {size}; "
                               "give the same degree in both, or remove tp_size")
         return max(size, 1)
+
+    def expert_parallel(self, top: _Object) -> ExpertParallelConfig:
+        """DeepSpeed's AutoEP section: ``enabled``, ``autoep_size``, ``preset_model``, ``use_grouped_mm``, ``top_k``;
+        ``expert_tensor_parallel_size`` only at 1. What needs the world size or the model is checked by
+        ``hf_zero/expert/setup.py`` when both are known."""
+        obj = self.object(top.raw("expert_parallel", '{"enabled": true, "autoep_size": 2}'), "expert_parallel",
+                          EXPERT_PARALLEL)
+        d = ExpertParallelConfig()
+        etp = obj.get("expert_tensor_parallel_size", Int(1), 1)
+        if etp != 1:
+            raise ConfigError(f"{obj.where('expert_tensor_parallel_size')}: got {etp}, but splitting each expert over "
+                              "a tensor-parallel group is not supported yet; set it to 1 or remove it")
+        top_k = obj.get("top_k", Int(1), d.top_k) if obj.values.get("top_k") != AUTO else None
+        return ExpertParallelConfig(
+            enabled=obj.get("enabled", Bool(), d.enabled),
+            size=obj.get("autoep_size", Int(1), d.size),
+            preset_model=obj.get("preset_model", OneOf(tuple(EXPERT_PRESETS)), d.preset_model, nullable=True),
+            use_grouped_mm=obj.get("use_grouped_mm", Bool(), d.use_grouped_mm),
+            top_k=top_k,
+        )
 
     def zero(self, top: _Object) -> ZeroOptimizationConfig:
         given = top.values.get("zero_optimization")

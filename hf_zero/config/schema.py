@@ -110,6 +110,7 @@ TOP = Section(
         "tensor_parallel",  # DeepSpeed's AutoTP training: autotp_size (hf_zero/tensor_parallel.py)
         "fp8",  # hf_zero's: float8 linear layers through torchao (hf_zero/float8.py)
         "aio",  # DeepSpeed's: NVMe offload's file I/O (hf_zero/zero/nvme.py)
+        "expert_parallel",  # DeepSpeed's AutoEP: experts split over EP groups (hf_zero/expert/)
     ),
     aliases={"bfloat16": "bf16"},
     older=frozenset({"bfloat16"}),
@@ -152,7 +153,6 @@ TOP = Section(
         "sparse_attention": (SECTION, "sparse attention is not supported; remove the section"),
         "compression_training": (SECTION, "compression training is not supported; remove the section"),
         "weight_quantization": (SECTION, "weight quantization is not supported; remove the section"),
-        "expert_parallel": (SECTION, "expert parallelism is not supported yet; remove the section"),
     },
     # DeepSpeed 0.19.8's _REMOVED_TOP_LEVEL_CONFIG_KEYS: refused there whatever their value
     legacy={
@@ -357,6 +357,44 @@ TENSOR_PARALLEL_GROUPS = Section(
     closed=True,
 )
 
+# DeepSpeed 0.19.8's AutoEP section (deepspeed/module_inject/auto_ep_config.py reads it key by key, so unknown keys
+# are not refused there). hf_zero finds each MoE layer's experts from the model's own transformers classes and keeps
+# the model's router, aux loss and shared experts; so the keys that change routing or name modules by pattern are
+# accepted only at the value that asks for the model's own behaviour, and DeepSpeed's kernel/communication knobs that
+# change no number are inert.
+_OWN_ROUTER = "hf_zero routes with the model's own router (its top-k, normalisation, scaling and aux loss), so remove "
+_OWN_CLASSES = "hf_zero finds the experts from the model's own transformers classes, so remove "
+EXPERT_PARALLEL = Section(
+    keys=("enabled", "autoep_size", "preset_model", "use_grouped_mm", "top_k", "expert_tensor_parallel_size"),
+    inert={
+        "disable_triton_grouped_mm": False, "combine_impl": "auto", "row_weighting_impl": "auto",
+        "gate_up_impl": "separate", "comm_num_sm": 12, "comm_qp_margin": 4, "comm_max_tokens_per_rank": 0,
+        "async_split_plan": False, "validate_folding_routing": False,
+    },
+    unsupported={
+        "comm_backend": ("comm", "only the torch.distributed all-to-all backend (\"comm\") is built; remove comm_backend"),
+        "route_norm": (None, _OWN_ROUTER + "route_norm"),
+        "route_scale": (1.0, _OWN_ROUTER + "route_scale"),
+        "score_apply": ("auto", _OWN_ROUTER + "score_apply"),
+        "score_func": ("auto", _OWN_ROUTER + "score_func"),
+        "routed_scaling_factor": ("auto", _OWN_ROUTER + "routed_scaling_factor"),
+        "num_expert_groups": (None, _OWN_ROUTER + "num_expert_groups"),
+        "num_limited_groups": (None, _OWN_ROUTER + "num_limited_groups"),
+        "load_balance_coeff": (None, "auxiliary-loss-free load balancing (an expert bias) is not supported, as in "
+                                     "DeepSpeed 0.19.8; set load_balance_coeff to null or remove it"),
+        **{k: (ANY, _OWN_CLASSES + k) for k in (
+            "moe_layer_pattern", "expert_pattern", "router_pattern", "expert_w1", "expert_w2", "expert_w3",
+            "num_experts_attr", "top_k_attr", "has_shared_experts", "shared_experts_pattern",
+            "shared_experts_gate_pattern", "expert_activation")},
+    },
+)
+# DeepSpeed 0.19.8's AutoEP presets; hf_zero reads the same layers from the model's classes, so a preset is a check
+# that the model is of the family it names (its transformers model_type values, as DeepSpeed's presets list them).
+EXPERT_PRESETS: dict[str, tuple[str, ...]] = {
+    "mixtral": ("mixtral",), "qwen3_moe": ("qwen3_moe", "qwen2_moe"), "qwen3_5_moe": ("qwen3_5_moe_text",),
+    "deepseek_v2": ("deepseek_v2",), "deepseek_v3": ("deepseek_v3",), "minimax_m3": ("minimax_m3_vl_text",),
+}
+
 # Every section hf_zero reads key by key, by JSON path; a key of one of these that is itself here is a
 # sub-section (optimizer.params and scheduler.params are free-form: optim.py checks them).
 SECTIONS: dict[str, Section] = {
@@ -365,6 +403,7 @@ SECTIONS: dict[str, Section] = {
     "checkpoint": CHECKPOINT, "compile": COMPILE, "aio": AIO, "torch_autocast": TORCH_AUTOCAST, "fp8": FP8, "optimizer": OPTIMIZER, "scheduler": SCHEDULER,
     "activation_checkpointing": ACTIVATION_CHECKPOINTING, "pipeline": PIPELINE,
     "tensor_parallel": TENSOR_PARALLEL, "tensor_parallel.tensor_parallel": TENSOR_PARALLEL_GROUPS,
+    "expert_parallel": EXPERT_PARALLEL,
 }
 
 

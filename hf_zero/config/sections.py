@@ -217,3 +217,26 @@ class CompileConfig:
     enabled: bool = False
     backend: str = "inductor"
     kwargs: dict = field(default_factory=dict)
+
+
+@dataclass
+class ExpertParallelConfig:
+    """``expert_parallel``: DeepSpeed's AutoEP section, as hf_zero runs it (``hf_zero/expert/``).
+
+    ``size`` is ``autoep_size``: each MoE layer's experts are split over groups of that many consecutive ranks (1:
+    every rank holds every expert, nothing is sent). ``preset_model``, when given, names the model family the run
+    expects (checked against the model's ``model_type``). ``use_grouped_mm``: the local experts run as one grouped
+    GEMM (transformers' ``grouped_mm`` experts function) instead of the model's own per-expert code. ``top_k``:
+    None ("auto") or the model's own ``num_experts_per_tok``, checked when the model is seen.
+    """
+
+    enabled: bool = False
+    size: int = 1
+    preset_model: str | None = None
+    use_grouped_mm: bool = True
+    top_k: int | None = None
+
+    @property
+    def active(self) -> bool:
+        """Whether experts are split at all (the section enabled with ``autoep_size`` above 1)."""
+        return self.enabled and self.size > 1

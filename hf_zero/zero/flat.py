@@ -46,7 +46,10 @@ class FlatGroup(ShardGroup):
         self, named_params: list[tuple[str, torch.nn.Parameter]], place: Placement, *, partitioned: bool,
         free_grads_after_reduce: bool,
     ) -> None:
-        self.partitioned = partitioned and place.world_size > 1
+        # A group over a sub-group of one rank (expert parallelism with autoep_size = world) stays "partitioned" in
+        # one part: its reduce then writes a fresh shard and accumulates it per micro-step as stage 2 does, where
+        # an unpartitioned one would divide its accumulating gradient buffer in place (averaged_over is not 1 there).
+        self.partitioned = partitioned and (place.world_size > 1 or place.own_subgroup)
         self.free_grads_after_reduce = free_grads_after_reduce and self.partitioned
         super().__init__(named_params, place, parts=place.world_size if self.partitioned else 1)
         device = place.device

@@ -79,6 +79,7 @@ class Placement:
     master_dtype: torch.dtype = torch.float32
     replicate: dist.ProcessGroup | None = None
     replicas: int = 1
+    average_over: int | None = None  # see SubGroup: the ranks whose losses a reduced gradient averages, when not these
 
     @classmethod
     def over(cls, group: dist.ProcessGroup | None, device: torch.device, compute_dtype: torch.dtype,
@@ -91,8 +92,44 @@ class Placement:
 
     @property
     def averaged_over(self) -> int:
-        """How many ranks' gradients one reduced gradient averages: the shard group times its replicas."""
-        return self.world_size * self.replicas
+        """How many ranks' gradients one reduced gradient averages: the shard group times its replicas, unless
+        ``average_over`` says otherwise (:class:`SubGroup`)."""
+        return self.average_over if self.average_over is not None else self.world_size * self.replicas
+
+    @property
+    def own_subgroup(self) -> bool:
+        """Placed over a :class:`SubGroup`: other sub-groups of the ZeRO ranks hold other parameters under the same
+        names, so an unpartitioned group's gradient is alike only on this placement's ranks (``hf_zero/step.py``)."""
+        return self.average_over is not None
+
+
+SUBGROUP_ATTR = "hf_zero_shard_over"
+
+
+@dataclass(frozen=True)
+class SubGroup:
+    """A parameter that ZeRO shards over a sub-group of its ranks rather than over all of them.
+
+    Expert parallelism (``hf_zero/expert/``) gives each rank of an EP group different experts under the same
+    parameter name; the ranks holding the same experts (the expert-data-parallel group, ``group``) shard them
+    between themselves. Such a parameter's gradient already sums the contributions of every token its EP group
+    routed to it, so summing it over ``group`` and dividing by ``average_over`` (the whole ZeRO world) gives the
+    average over all ranks' losses, as every other gradient is. It rides on the parameter (:func:`mark_subgroup`), so
+    the optimizer places the parameter's shard group over ``group`` without knowing why.
+    """
+
+    group: dist.ProcessGroup | None
+    average_over: int
+
+
+def mark_subgroup(p: torch.Tensor, sub: SubGroup) -> None:
+    """Make ZeRO shard ``p`` over ``sub.group`` (see :class:`SubGroup`)."""
+    setattr(p, SUBGROUP_ATTR, sub)
+
+
+def subgroup_of(p: torch.Tensor) -> SubGroup | None:
+    """The sub-group ``p`` is sharded over, or None: the optimizer's own group."""
+    return getattr(p, SUBGROUP_ATTR, None)
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ device: :func:`hf_zero.zero.offload.device_group_count`), the host runners stepp
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import warnings
@@ -45,7 +46,7 @@ from hf_zero.tp_split import checkpoint_name, split_of
 from hf_zero.zero import collectives as C
 from hf_zero.zero.flat import FlatGroup
 from hf_zero.zero.float8_gather import Float8ShardedParamGroup, float8_module_of
-from hf_zero.zero.group import ParamSlot, Placement, ShardGroup
+from hf_zero.zero.group import ParamSlot, Placement, ShardGroup, subgroup_of
 from hf_zero.zero.host_step import intra_op_threads
 from hf_zero.zero.nvme import NvmeStores, open_stores
 from hf_zero.zero.nvme_io import Scope
@@ -92,18 +93,26 @@ def _buckets(named: NamedParams, bucket_numel: int) -> list[NamedParams]:
     return out
 
 
+def _kind(p: torch.Tensor) -> tuple[bool, int]:
+    """What a bucket may not mix: tensor-parallel slices with whole parameters, and parameters sharded over different
+    process groups (a :class:`hf_zero.zero.group.SubGroup`'s, such as expert parallelism's, or the optimizer's)."""
+    sub = subgroup_of(p)
+    return split_of(p) is not None, id(sub.group) if sub is not None else 0
+
+
 def _buckets_by_split(named: NamedParams, bucket_numel: int) -> list[NamedParams]:
-    """``_buckets``, except that tensor-parallel slices and whole parameters never share a bucket.
+    """``_buckets``, except that parameters of different kinds (:func:`_kind`) never share a bucket.
 
     The global norm counts a bucket of whole parameters once per tensor-parallel group and a bucket
-    of slices on every rank (``hf_zero/step.py``). Each kind is bucketed on its own and the buckets
-    are ordered by when their last gradient arrives, so they still launch about as backward fills them.
+    of slices on every rank (``hf_zero/step.py``), and a bucket is reduced over one process group. Each kind is
+    bucketed on its own and the buckets are ordered by when their last gradient arrives, so they still launch about
+    as backward fills them.
     """
-    if not any(split_of(p) for _, p in named):
+    kinds = list(dict.fromkeys(_kind(p) for _, p in named))
+    if len(kinds) <= 1:
         return _buckets(named, bucket_numel)
     pos = {id(p): i for i, (_, p) in enumerate(named)}
-    out = (_buckets([x for x in named if split_of(x[1])], bucket_numel)
-           + _buckets([x for x in named if not split_of(x[1])], bucket_numel))
+    out = [b for k in kinds for b in _buckets([x for x in named if _kind(x[1]) == k], bucket_numel)]
     return sorted(out, key=lambda b: pos[id(b[-1][1])])
 
 
@@ -177,11 +186,13 @@ def _assign_units(module: torch.nn.Module) -> tuple[list[tuple[str, torch.nn.Mod
 
 def _unit_parts(named: NamedParams, ui: int, unit_of: dict[int, int], threshold: int) -> list[NamedParams]:
     """Stage 3: the parameters of ``named`` in unit ``ui`` (-1: the root) at or above ``threshold``, as the groups they
-    make: ``[slices, whole]``, either possibly empty (an empty one makes no group); tensor-parallel slices and whole
-    parameters apart, as :func:`_buckets_by_split` keeps them, since the global norm counts the two kinds differently
-    (``hf_zero/step.py``)."""
+    make, one per :func:`_kind` (slices first): tensor-parallel slices and whole parameters apart, as
+    :func:`_buckets_by_split` keeps them, since the global norm counts the two kinds differently (``hf_zero/step.py``),
+    and parameters sharded over a sub-group (expert parallelism's) apart, since a group is reduced over one process
+    group."""
     picked = [x for x in named if unit_of.get(id(x[1]), -1) == ui and full_numel(x[1]) >= threshold]
-    return [[x for x in picked if split_of(x[1])], [x for x in picked if not split_of(x[1])]]
+    order = sorted(dict.fromkeys(_kind(x[1]) for x in picked), key=lambda k: not k[0])  # slices first
+    return [[x for x in picked if _kind(x[1]) == k] for k in order]
 
 
 def _trainable_group_count(module: torch.nn.Module, group_named: list[NamedParams], stage: int, bucket_numel: int,
@@ -296,6 +307,7 @@ class ShardedOptimizer:
         self.flat_groups: list[FlatGroup] = []
         self.stage3_groups: list[ShardedParamGroup] = []
         self.runtime: Stage3Runtime | None = None
+        self._sub_places: dict[int, Placement] = {}  # place_of's placements over SubGroups, by process group
 
         group_named = _trainable_by_param_group(module, optimizer)
         self.group_names = [[n for n, _ in named] for named in group_named]  # checkpoints record them
@@ -366,12 +378,28 @@ class ShardedOptimizer:
         self.reduced = False
         self.unreduced_backward = False  # a backward since the last step / zero_grad left its gradients unreduced
 
+    def place_of(self, param: torch.Tensor) -> Placement:
+        """The placement of ``param``'s shard group: the optimizer's, or, for a parameter marked with a
+        :class:`hf_zero.zero.group.SubGroup`, the same dtypes and device over that sub-group (made once per sub-group)."""
+        sub = subgroup_of(param)
+        if sub is None:
+            return self.place
+        key = id(sub.group)
+        if key not in self._sub_places:
+            if self.place.replicas > 1:
+                raise ValueError("a parameter sharded over a sub-group cannot also be hybrid-sharded")
+            p = Placement.over(sub.group, self.place.device, self.place.compute_dtype, self.place.reduce_dtype,
+                               self.place.master_dtype)
+            self._sub_places[key] = dataclasses.replace(p, average_over=sub.average_over)
+        return self._sub_places[key]
+
     def _shard_sizes(self, module: torch.nn.Module, group_named: list[NamedParams]) -> ShardSizes:
         """This rank's trainable and frozen shards, and a bound on its largest trainable group, before any group exists."""
         world = self.world_size
 
-        def shard_of(named: NamedParams) -> int:
-            return sum(math.ceil(full_numel(p) / world) for _, p in named)  # zero.Init's: 0 elements
+        def shard_of(named: NamedParams) -> int:  # zero.Init's: 0 elements
+            return sum(math.ceil(full_numel(p) / (self.place_of(p).world_size if subgroup_of(p) else world))
+                       for _, p in named)
 
         frozen = [(n, p) for n, p in module.named_parameters() if not p.requires_grad]
         largest = 0
@@ -387,15 +415,16 @@ class ShardedOptimizer:
             # Reverse registration order approximates the order backward produces gradients.
             buckets = _buckets_by_split(list(reversed(named)), self.zero.bucket_numel)
             for j, bucket in enumerate(buckets):
+                place = self.place_of(bucket[0][1])
                 # its position in parameter order (the last bucket holds the first parameters): offloaded, unless
                 # offload_optimizer.ratio keeps it among the first groups on the device
                 if offload.optimizer and self._placed + len(buckets) - 1 - j >= self.device_groups:
                     # on NVMe the master is written out and its memory freed: not registered with CUDA
-                    fg: FlatGroup = OffloadedFlatGroup(bucket, self.place, partitioned=stage >= 1, free_grads_after_reduce=stage >= 1,
+                    fg: FlatGroup = OffloadedFlatGroup(bucket, place, partitioned=stage >= 1, free_grads_after_reduce=stage >= 1,
                                                        pin=offload.pin_memory and offload.optimizer_nvme is None,
                                                        stream_grads=self.stream_grads)
                 else:
-                    fg = FlatGroup(bucket, self.place, partitioned=stage >= 1, free_grads_after_reduce=stage >= 1)
+                    fg = FlatGroup(bucket, place, partitioned=stage >= 1, free_grads_after_reduce=stage >= 1)
                 fg.tp_split = split_of(bucket[0][1]) is not None
                 self.flat_groups.append(fg)
                 if self.nvme is not None and self.nvme.swap is not None and fg.master is not None:
@@ -423,23 +452,25 @@ class ShardedOptimizer:
                 kinds = _unit_parts(named, ui, unit_of, threshold)
                 # float8 linears' weights marked for the float8 all-gather (hf_zero/float8.py), trainable and not
                 # offloaded, in groups of their own: their unit's compute gathers them as float8
-                f8 = [x for x in kinds[1] if float8_module_of(x[1]) is not None] if gi >= 0 and not (
-                    offload.optimizer or offload.params) else []
+                f8 = [x for part in kinds for x in part if float8_module_of(x[1]) is not None and _kind(x[1]) == (False, 0)
+                      ] if gi >= 0 and not (offload.optimizer or offload.params) else []
                 if f8:
-                    kinds = [kinds[0], [x for x in kinds[1] if float8_module_of(x[1]) is None], f8]
+                    moved = {id(x[1]) for x in f8}
+                    kinds = [[x for x in part if id(x[1]) not in moved] for part in kinds] + [f8]
                 for part in (k for k in kinds if k):
+                    place = self.place_of(part[0][1])
                     # offloaded, unless offload_optimizer.ratio keeps it among the first trainable groups on the device
                     host = offload.optimizer and gi >= 0 and self._placed >= self.device_groups
                     self._placed += int(gi >= 0)
                     if part is f8:
-                        g = Float8ShardedParamGroup(part, self.place, trainable=True)
+                        g = Float8ShardedParamGroup(part, place, trainable=True)
                     elif gi < 0 and offload.params:
-                        g = OffloadedFrozenGroup(part, self.place,
+                        g = OffloadedFrozenGroup(part, place,
                                                  pin=offload.params_pin_memory and offload.params_nvme is None)
                     elif not host:
-                        g = ShardedParamGroup(part, self.place, trainable=gi >= 0)
+                        g = ShardedParamGroup(part, place, trainable=gi >= 0)
                     else:
-                        g = OffloadedShardedParamGroup(part, self.place, trainable=True,
+                        g = OffloadedShardedParamGroup(part, place, trainable=True,
                                                        pin=offload.pin_memory and not offload.nvme,
                                                        params_on_host=offload.params, stream_grads=self.stream_grads)
                     g.tp_split = split_of(part[0][1]) is not None
