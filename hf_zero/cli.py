@@ -395,7 +395,7 @@ def _add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from hf_zero import planner
+    from hf_zero import planner, planner_report
     from hf_zero.parallel import GridShape
 
     for name in ("nodes", "gpus_per_node", "micro_batch", "seq", "grad_accum", "top"):
@@ -431,7 +431,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         why = planner.unfit(facts, shape)
         if why:
             raise ValueError(f"the layout {shape.describe()} cannot cut this model: {why}")
-        print(_printable(planner.format_plan(planner.plan(facts, shape, machines, training), facts, machines, source)))
+        print(_printable(planner_report.format_plan(planner.plan(facts, shape, machines, training), facts, machines, source)))
         return 0
     stages = (0, 1, 2, 3) if args.zero_stage is None else (args.zero_stage,)
     global_batch = args.global_batch or machines.world * args.micro_batch * args.grad_accum
@@ -439,8 +439,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         raise ValueError(f"--global-batch: got {global_batch}, expected an integer >= 1")
     considered = planner.layouts(facts, machines, stages)
     ranked = planner.rank_layouts(facts, machines, training, global_batch, stages, by=args.rank_by)
-    print(_printable(planner.format_ranking(ranked, facts, machines, training, source, args.top, len(considered),
-                                            global_batch, by=args.rank_by)))
+    print(_printable(planner_report.format_ranking(ranked, facts, machines, training, source, args.top,
+                                                   len(considered), global_batch, by=args.rank_by)))
     return 0
 
 
