@@ -7,9 +7,10 @@ check), inert (named in one warning if it asks for anything), refused (one sente
 missing feature), or unknown. An unknown key inside a section DeepSpeed 0.19.8 closes (its
 pydantic model forbids extra keys: ``bf16``, ``fp16``, ``zero_optimization`` and its offload
 sections, ``compile``, the monitors, ...) stops the run, as it stops DeepSpeed, with "did you
-mean" where a known key is close (see :func:`suggest`). Elsewhere DeepSpeed ignores keys it does
-not read and real configs carry keys of their own tools, so an unknown key stops the run only
-when it is a near-certain misspelling of a known one (see :func:`near_miss`), and is otherwise
+mean" where a known key is close (see :func:`hf_zero.config.unknown_keys.suggest`). Elsewhere
+DeepSpeed ignores keys it does not read and real configs carry keys of their own tools, so an
+unknown key stops the run only when it is a near-certain misspelling of a known one (see
+:func:`hf_zero.config.unknown_keys.near_miss`), and is otherwise
 named in a warning as ignored. Keys DeepSpeed 0.19.8 refuses that older DeepSpeed accepted (the
 sections' ``legacy`` tables, and a fractional ``fp16.min_loss_scale``) are accepted where hf_zero
 can run them, and named in a third warning that says DeepSpeed 0.19.8 refuses them. Each warning
@@ -26,7 +27,6 @@ import copy
 import dataclasses
 import math
 import warnings
-from collections.abc import Iterable
 from typing import Any
 
 from hf_zero.config.schema import (
@@ -83,6 +83,7 @@ from hf_zero.config.sections import (
     TorchAutocastConfig,
     ZeroOptimizationConfig,
 )
+from hf_zero.config.unknown_keys import OWN_CLOSED, near_miss, read_elsewhere, suggest, unknown_in_closed
 from hf_zero.config.values import (
     Bool,
     Int,
@@ -94,6 +95,9 @@ from hf_zero.config.values import (
     check_quiet_type,
     show,
 )
+
+# OWN_CLOSED, near_miss and suggest stay importable from here, where tests and callers first found them
+__all__ = ["ABSENT", "BATCH_KEYS", "OWN_CLOSED", "Parser", "near_miss", "refuse_missing_features", "suggest"]
 
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 ABSENT = object()  # "not given": the field keeps its dataclass default
@@ -111,92 +115,6 @@ _OFFLOAD_CHECKS = {
 
 def _join(path: str, key: str) -> str:
     return f"{path}.{key}" if path else key
-
-
-def _distance(a: str, b: str) -> int:
-    """Edits (insert, delete, substitute, swap two neighbours) that turn ``a`` into ``b``."""
-    prev2: list[int] = []
-    prev = list(range(len(b) + 1))
-    for i in range(1, len(a) + 1):
-        row = [i] + [0] * len(b)
-        for j in range(1, len(b) + 1):
-            row[j] = min(prev[j] + 1, row[j - 1] + 1, prev[j - 1] + (a[i - 1] != b[j - 1]))
-            if i > 1 and j > 1 and a[i - 1] == b[j - 2] and a[i - 2] == b[j - 1]:
-                row[j] = min(row[j], prev2[j - 2] + 1)
-        prev2, prev = prev, row
-    return prev[-1]
-
-
-def near_miss(key: str, names: Iterable[str]) -> str | None:
-    """The known key ``key`` is a near-certain misspelling of, or None.
-
-    Near-certain means a case or separator slip (``Zero-Optimization``), or one edit for a key of
-    up to five letters and two for a longer one (``zero_optimisation``, ``stage3_prefetch_bucket_sise``,
-    ``stgae``). Wider than that, real keys of other tools start to match (``_comment`` is three
-    edits from ``comet``), and those must pass with a warning, not stop the run.
-    """
-    plain = key.lower().replace("-", "_").replace(" ", "_")
-    scored = sorted((_distance(plain, name.lower()), name) for name in names)
-    if not scored:
-        return None
-    edits, name = scored[0]
-    return name if edits <= (1 if len(plain) <= 5 else 2) else None
-
-
-def suggest(key: str, names: Iterable[str]) -> str | None:
-    """The known key to name in "did you mean" where an unknown key is refused anyway (a closed section).
-
-    Wider than :func:`near_miss`, which decides whether to stop a run at all: the closest name when
-    it is within a third of the key's length in edits and closer than any other, or else the one
-    name that contains the key (``min_loss`` -> ``min_loss_scale``), or the one the key contains.
-    """
-    names = list(names)
-    close = near_miss(key, names)
-    if close is not None:
-        return close
-    plain = key.lower().replace("-", "_").replace(" ", "_")
-    scored = sorted((_distance(plain, name.lower()), name) for name in names)
-    if scored and scored[0][0] <= len(plain) // 3 and (len(scored) == 1 or scored[1][0] > scored[0][0]):
-        return scored[0][1]
-    if len(plain) >= 4:  # a shortened key (``topk``), then a key with something added (``stage_3``)
-        for within in ([n for n in names if plain in n.lower()], [n for n in names if len(n) >= 4 and n.lower() in plain]):
-            if len(within) == 1:
-                return within[0]
-    return None
-
-
-def _home(key: str) -> str | None:
-    """The one other section DeepSpeed reads ``key`` in ("" for the top level), or None."""
-    homes = [path for path, section in SECTIONS.items() if key in section.names()]
-    return homes[0] if len(homes) == 1 else None
-
-
-def _read_elsewhere(key: str) -> str:
-    """Where DeepSpeed reads an unknown key when it is a key of exactly one other section, for the warning."""
-    home = _home(key)
-    if home is None:
-        return ""
-    return " (a top-level key)" if home == "" else f" (a key of {home})"
-
-
-OWN_CLOSED = ("fp8",)  # closed sections DeepSpeed 0.19.8 does not have
-
-
-def _unknown_in_closed(full: str, key: str, section: str, names: Iterable[str]) -> str:
-    """The sentence refusing ``key`` (at JSON path ``full``) in the closed ``section``, which takes ``names``."""
-    names = sorted(set(names))
-    # hf_zero's own closed sections (fp8) have no DeepSpeed counterpart to cite
-    too = ("hf_zero's own section refuses unknown keys" if section in OWN_CLOSED
-           else f"DeepSpeed 0.19.8 refuses unknown keys in {section} too")
-    close = suggest(key, names)
-    if close is not None:
-        return f"{full}: unknown key; did you mean {close!r}? ({too})"
-    home = _home(key)
-    if home is not None:
-        where = "a top-level key" if home == "" else f"a key of {home}"
-        return f"{full}: unknown key ({key} is {where}; move it there), and {too}"
-    listed = f"; {section} takes {', '.join(names)}" if len(names) <= 12 else ""
-    return f"{full}: unknown key, and {too}; remove it or correct its name{listed}"
 
 
 _CANONICAL = {id(section): path for path, section in SECTIONS.items()}  # each walked section's path, as DeepSpeed spells it
@@ -353,11 +271,11 @@ class Parser:
         elif name not in section.keys:
             dropped = isinstance(value, str) and value == AUTO  # DeepSpeed drops "auto" values before validating
             if section.closed and not dropped:
-                raise ConfigError(_unknown_in_closed(full, obj.spelled[name], obj.path, section.names()))
+                raise ConfigError(unknown_in_closed(full, obj.spelled[name], obj.path, section.names()))
             close = near_miss(obj.spelled[name], section.names())
             if close is not None:
                 raise ConfigError(f"{full}: unknown key; did you mean {close!r}?")
-            self.unknown.append(full + _read_elsewhere(obj.spelled[name]))
+            self.unknown.append(full + read_elsewhere(obj.spelled[name]))
 
     def closed_whole(self, value: Any, path: str, full: str) -> None:
         """Unknown keys inside a section hf_zero takes whole, where DeepSpeed closes it (``CLOSED_WHOLE``), and below.
@@ -372,7 +290,7 @@ class Parser:
                 if isinstance(sub, str) and sub == AUTO:  # dropped by DeepSpeed before validating
                     self.unknown.append(_join(full, key))
                     continue
-                raise ConfigError(_unknown_in_closed(_join(full, key), key, full, names))
+                raise ConfigError(unknown_in_closed(_join(full, key), key, full, names))
             self.closed_whole(sub, _join(path, key), _join(full, key))
 
     def warn(self) -> None:
