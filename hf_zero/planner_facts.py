@@ -87,7 +87,7 @@ def model_facts(config: Any, name: str = "") -> ModelFacts:
     import torch
 
     from hf_zero.tensor_parallel import SPLIT_STYLES, planned_layers
-    from hf_zero.zero.optimizer import _assign_units  # the engine's own stage-3 units
+    from hf_zero.zero.units import assign_units  # the engine's own stage-3 units
 
     model = estimate.build_model_on_meta(config)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -99,7 +99,7 @@ def model_facts(config: Any, name: str = "") -> ModelFacts:
     if not hidden or not heads:
         raise ValueError(f"{name or type(model).__name__}: the config has no hidden_size / num_attention_heads, which the "
                          "activation and tensor-parallel figures need")
-    units, unit_of = _assign_units(model)
+    units, unit_of = assign_units(model)
     embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     head_ids = {id(p) for p in head.parameters()} if head is not None else set()
