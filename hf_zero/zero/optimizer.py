@@ -44,6 +44,13 @@ from hf_zero.zero import collectives as C
 from hf_zero.zero.flat import FlatGroup
 from hf_zero.zero.float8_gather import Float8ShardedParamGroup, float8_module_of
 from hf_zero.zero.group import ParamSlot, Placement, ShardGroup
+from hf_zero.zero.grouping import (
+    NamedParams,
+    buckets_by_split,
+    largest_group_bound,
+    trainable_group_count,
+    unit_parts,
+)
 from hf_zero.zero.host_step import intra_op_threads
 from hf_zero.zero.nvme import NvmeStores, open_stores
 from hf_zero.zero.nvme_io import Scope
@@ -64,12 +71,7 @@ from hf_zero.zero.offload import (
 from hf_zero.zero.optimizer_views import DeepSpeedOptimizerViews
 from hf_zero.zero.overlap import DeferredPublish
 from hf_zero.zero.param_attrs import full_numel
-from hf_zero.zero.param_groups import (
-    NamedParams,
-    largest_group_bound,
-    point_optimizer_at,
-    trainable_by_param_group,
-)
+from hf_zero.zero.param_groups import point_optimizer_at, trainable_by_param_group
 from hf_zero.zero.preshard import materialize_
 from hf_zero.zero.runner import StepRunner, pick_runner
 from hf_zero.zero.sharded_group import ShardedParamGroup
@@ -77,64 +79,6 @@ from hf_zero.zero.stage3 import Stage3Runtime
 from hf_zero.zero.units import Unit, assign_units
 
 logger = logging.getLogger("hf_zero")
-
-
-def _buckets(named: NamedParams, bucket_numel: int) -> list[NamedParams]:
-    """Split parameters (already in backward order) into buckets of about ``bucket_numel`` elements."""
-    out: list[NamedParams] = []
-    cur: NamedParams = []
-    size = 0
-    for item in named:
-        n = full_numel(item[1])  # a zero.Init slice counts whole, as it will be once materialized
-        if cur and size + n > bucket_numel:
-            out.append(cur)
-            cur, size = [], 0
-        cur.append(item)
-        size += n
-    if cur:
-        out.append(cur)
-    return out
-
-
-def _buckets_by_split(named: NamedParams, bucket_numel: int) -> list[NamedParams]:
-    """``_buckets``, except that tensor-parallel slices and whole parameters never share a bucket.
-
-    The global norm counts a bucket of whole parameters once per tensor-parallel group and a bucket
-    of slices on every rank (``hf_zero/step.py``). Each kind is bucketed on its own and the buckets
-    are ordered by when their last gradient arrives, so they still launch about as backward fills them.
-    """
-    if not any(split_of(p) for _, p in named):
-        return _buckets(named, bucket_numel)
-    pos = {id(p): i for i, (_, p) in enumerate(named)}
-    out = (_buckets([x for x in named if split_of(x[1])], bucket_numel)
-           + _buckets([x for x in named if not split_of(x[1])], bucket_numel))
-    return sorted(out, key=lambda b: pos[id(b[-1][1])])
-
-
-def _unit_parts(named: NamedParams, ui: int, unit_of: dict[int, int], threshold: int) -> list[NamedParams]:
-    """Stage 3: the parameters of ``named`` in unit ``ui`` (-1: the root) at or above ``threshold``, as the groups they
-    make: ``[slices, whole]``, either possibly empty (an empty one makes no group); tensor-parallel slices and whole
-    parameters apart, as :func:`_buckets_by_split` keeps them, since the global norm counts the two kinds differently
-    (``hf_zero/step.py``)."""
-    picked = [x for x in named if unit_of.get(id(x[1]), -1) == ui and full_numel(x[1]) >= threshold]
-    return [[x for x in picked if split_of(x[1])], [x for x in picked if not split_of(x[1])]]
-
-
-def _trainable_group_count(module: torch.nn.Module, group_named: list[NamedParams], stage: int, bucket_numel: int,
-                           threshold: int) -> int:
-    """How many trainable shard groups the build will make (before any exists): what ``offload_optimizer.ratio`` divides.
-
-    Counted with the build's own helpers (:func:`_unit_parts`, :func:`_buckets_by_split`) on whole-parameter sizes, so a
-    ``zero.Init`` slice counts as the parameter it will be.
-    """
-    if stage < 3:
-        return sum(len(_buckets_by_split(list(reversed(named)), bucket_numel)) for named in group_named)
-    unit_mods, unit_of = assign_units(module)
-    units = sum(sum(1 for part in _unit_parts(named, ui, unit_of, threshold) if part) for ui in [*range(len(unit_mods)), -1]
-                for named in group_named)
-    small = sum(len(_buckets_by_split([x for x in reversed(named) if full_numel(x[1]) < threshold], bucket_numel))
-                for named in group_named)
-    return units + small
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -224,7 +168,7 @@ class ShardedOptimizer(DeepSpeedOptimizerViews):
         self.device_groups = 0
         if offload.optimizer and offload.ratio < 1.0:
             self.device_groups = device_group_count(
-                _trainable_group_count(module, group_named, stage, zero.bucket_numel, zero.persistence_threshold),
+                trainable_group_count(module, group_named, stage, zero.bucket_numel, zero.persistence_threshold),
                 offload.ratio)
         self._placed = 0
         if stage == 3:
@@ -284,7 +228,7 @@ class ShardedOptimizer(DeepSpeedOptimizerViews):
         offload, stage = self.offload, self.stage
         for gi, named in enumerate(group_named):
             # Reverse registration order approximates the order backward produces gradients.
-            buckets = _buckets_by_split(list(reversed(named)), self.zero.bucket_numel)
+            buckets = buckets_by_split(list(reversed(named)), self.zero.bucket_numel)
             for j, bucket in enumerate(buckets):
                 # its position in parameter order (the last bucket holds the first parameters): offloaded, unless
                 # offload_optimizer.ratio keeps it among the first groups on the device
@@ -319,7 +263,7 @@ class ShardedOptimizer(DeepSpeedOptimizerViews):
             materialize_([p for p in names.values() if unit_of.get(id(p), -1) == ui], self.device)
             groups: list[ShardedParamGroup] = []
             for gi, named in [*enumerate(group_named), (-1, frozen)]:
-                kinds = _unit_parts(named, ui, unit_of, threshold)
+                kinds = unit_parts(named, ui, unit_of, threshold)
                 # float8 linears' weights marked for the float8 all-gather (hf_zero/float8.py), trainable and not
                 # offloaded, in groups of their own: their unit's compute gathers them as float8
                 f8 = [x for x in kinds[1] if float8_module_of(x[1]) is not None] if gi >= 0 and not (

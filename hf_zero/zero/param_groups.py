@@ -2,24 +2,19 @@
 
 Before any buffer exists the optimizer takes, from the param groups, the trainable ``(name, parameter)`` pairs of
 each (checked: no parameter twice, none outside the model, a trainable one in no group frozen as DeepSpeed leaves it
-untrained) and a bound on the largest shard group they will make (host memory is planned from it); once the groups
-exist, each param group is re-pointed at its masters. Apart from the optimizer because this is the contract with
+untrained); once the groups exist, each param group is re-pointed at its masters. Apart from the optimizer because this is the contract with
 the user's torch optimizer, which the shard groups and the step never see.
 """
 
 from __future__ import annotations
 
-import math
 import warnings
 from collections import defaultdict
 
 import torch
 
 from hf_zero.tp_split import checkpoint_name
-from hf_zero.zero.param_attrs import full_numel
-from hf_zero.zero.units import assign_units
-
-NamedParams = list[tuple[str, torch.nn.Parameter]]
+from hf_zero.zero.grouping import NamedParams
 
 
 def trainable_by_param_group(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[NamedParams]:
@@ -54,28 +49,6 @@ def trainable_by_param_group(module: torch.nn.Module, optimizer: torch.optim.Opt
         for _, p in missing:
             p.requires_grad_(False)
     return group_named
-
-
-def largest_group_bound(module: torch.nn.Module, group_named: list[NamedParams], stage: int, bucket_numel: int,
-                         world: int, threshold: int) -> int:
-    """An upper bound, in elements, on the largest trainable shard group this rank will hold (before they exist).
-
-    Stages 1-2 (and the parameters below ``threshold`` that stage 3 keeps whole) go in buckets of about
-    ``bucket_numel`` elements that hold at least one parameter; stage 3 groups the rest by unit (per optimizer
-    param group, so a unit's total bounds them). Each rank holds ``1/world`` of either.
-    """
-    params = [p for named in group_named for _, p in named]
-    small = [p for p in params if stage < 3 or full_numel(p) < threshold]
-    biggest = max([min(bucket_numel, sum(full_numel(p) for p in small)), *(full_numel(p) for p in small)], default=0)
-    if stage == 3:
-        trainable = {id(p) for p in params if full_numel(p) >= threshold}
-        _, unit_of = assign_units(module)
-        per_unit: dict[int, int] = defaultdict(int)
-        for p in module.parameters():
-            if id(p) in trainable:
-                per_unit[unit_of.get(id(p), -1)] += full_numel(p)
-        biggest = max([biggest, *per_unit.values()])
-    return math.ceil(biggest / world)
 
 
 def point_optimizer_at(optimizer: torch.optim.Optimizer, group_masters: list[list[torch.Tensor]]) -> None:
