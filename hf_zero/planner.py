@@ -1,7 +1,7 @@
 """``hf-zero plan``: memory and communication per GPU of a training layout on many machines, and a ranking of layouts.
 
 Everything is counted from the model the engine would build and from the engine's own choices, not from a
-generic formula: the stage-3 units and the root unit (:func:`hf_zero.zero.optimizer._assign_units`), the
+generic formula: the stage-3 units and the root unit (:func:`hf_zero.zero.units.assign_units`), the
 parameters stage 3 keeps whole (``stage3_param_persistence_threshold``), the linear layers tensor parallelism
 splits (:func:`hf_zero.tensor_parallel.planned_layers`), the pipeline split (:func:`hf_zero.pipe.module.partition_balanced`
 over embedding, blocks, final norm and head, as :mod:`hf_zero.pipe.hf` lists them) and the grid's rank order
@@ -27,30 +27,22 @@ import functools
 import itertools
 import math
 from dataclasses import dataclass, field, replace
-from typing import Any
 
 from hf_zero import estimate
 from hf_zero.parallel import AXES, GridShape
 
+# The model's half (presets, parameters as the engine classifies them) is planner_facts.py and the printing
+# planner_report.py; the names of the first stay importable from here, where the CLI, tests and benchmarks read them.
+from hf_zero.planner_facts import PRESETS, ModelFacts, Param, load_config, model_facts
+
+__all__ = [
+    "GB", "GIB", "GPUS", "PRESETS", "Machines", "Training", "Param", "ModelFacts", "load_config", "model_facts",
+    "refusal", "unfit", "Traffic", "Memory", "Plan", "pipeline_bounds", "bucket_count", "plan", "layouts",
+    "rank_layouts", "describe",
+]
+
 GIB = 1024**3
 GB = 10**9
-
-#: Known shapes, from the ``config.json`` Meta publishes with each model on the Hugging Face Hub
-#: (meta-llama/Meta-Llama-3-8B and meta-llama/Meta-Llama-3-70B): 8,030,261,248 and 70,553,706,496 parameters.
-PRESETS: dict[str, dict[str, Any]] = {
-    "llama-3-8b": {
-        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 4096, "intermediate_size": 14336,
-        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
-        "max_position_embeddings": 8192, "rope_theta": 500000.0, "rms_norm_eps": 1e-5, "hidden_act": "silu",
-        "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False,
-    },
-    "llama-3-70b": {
-        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 8192, "intermediate_size": 28672,
-        "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8, "vocab_size": 128256,
-        "max_position_embeddings": 8192, "rope_theta": 500000.0, "rms_norm_eps": 1e-5, "hidden_act": "silu",
-        "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False,
-    },
-}
 
 #: GPU defaults. Memory: what the driver reports for an H100 SXM 80GB (81559 MiB) and an H200 (143771 MiB).
 #: NVLink: 4th generation, 900 GB/s per GPU in both directions together (NVIDIA's H100 and H200 datasheets),
@@ -125,110 +117,6 @@ class Training:
     def reduce_width(self) -> int:
         """Bytes of one gradient element as it is reduced (fp32 in every dtype by default)."""
         return 4
-
-
-# ------------------------------------------------------------------------------------------------ the model
-
-
-@dataclass(frozen=True)
-class Param:
-    """One trainable parameter as the engine sees it.
-
-    ``layer``: its place in the pipeline's layer list (0 the input embedding, 1..L the blocks, L+1 the rest of
-    the root, L+2 the output head). ``role``: its stage-3 unit, ``"lookup"`` (the input embedding, never gathered
-    in backward), ``"block"`` (gathered again in backward) or ``"root"`` (gathered once per forward, kept through
-    backward). ``tp``: ``"colwise"``/``"rowwise"`` when tensor parallelism splits it, with ``features`` the
-    width of the activation its collective moves (a colwise layer's input, a rowwise layer's output)."""
-
-    numel: int
-    layer: int
-    role: str
-    tp: str | None = None
-    features: int = 0
-    is_weight: bool = True  # a bias is split with its colwise weight, but only the weight has a collective
-
-
-@dataclass(frozen=True)
-class ModelFacts:
-    """What the plan needs of a model: its shape and its trainable parameters (``Param``)."""
-
-    name: str
-    hidden: int
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    vocab: int
-    params: tuple[Param, ...]
-
-    @property
-    def numel(self) -> int:
-        return sum(p.numel for p in self.params)
-
-
-def load_config(spec: str) -> tuple[Any, str]:
-    """A transformers config and a description, from a preset name (:data:`PRESETS`), a folder or a config.json."""
-    from transformers import AutoConfig
-
-    key = spec.strip().lower()
-    if key in PRESETS:
-        values = dict(PRESETS[key])
-        return AutoConfig.for_model(values.pop("model_type"), **values), f"{spec} (preset)"
-    try:
-        return estimate._load_config(spec), spec
-    except (OSError, ValueError) as e:
-        raise ValueError(f"--model: {spec!r} is neither a preset ({', '.join(PRESETS)}) nor a readable model folder or "
-                         f"config.json ({e})") from None
-
-
-def model_facts(config: Any, name: str = "") -> ModelFacts:
-    """Build the model on the meta device and classify its trainable parameters the way the engine will."""
-    import torch
-
-    from hf_zero.tensor_parallel import SPLIT_STYLES, planned_layers
-    from hf_zero.zero.optimizer import _assign_units  # the engine's own stage-3 units
-
-    model = estimate.build_model_on_meta(config)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    hidden = int(getattr(text, "hidden_size", 0))
-    heads = int(getattr(text, "num_attention_heads", 0) or 0)
-    kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
-    head_dim = int(getattr(text, "head_dim", None) or (hidden // heads if heads else 0))
-    vocab = int(getattr(text, "vocab_size", 0) or 0)
-    if not hidden or not heads:
-        raise ValueError(f"{name or type(model).__name__}: the config has no hidden_size / num_attention_heads, which the "
-                         "activation and tensor-parallel figures need")
-    units, unit_of = _assign_units(model)
-    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    head_ids = {id(p) for p in head.parameters()} if head is not None else set()
-    blocks = [i for i, (_, m) in enumerate(units) if m is not embedding]
-    block_no = {ui: n for n, ui in enumerate(blocks)}
-    n_blocks = len(blocks)
-    split: dict[int, tuple[str, int, bool]] = {}
-    plan = dict(getattr(config, "base_model_tp_plan", None) or {})
-    if plan:
-        for _, mod, _, style in planned_layers(getattr(model, "base_model", model), plan):
-            if style in SPLIT_STYLES and hasattr(mod, "in_features"):
-                colwise = SPLIT_STYLES[style] == 0
-                for pname, p in mod.named_parameters(recurse=False):
-                    split[id(p)] = ("colwise" if colwise else "rowwise", mod.in_features if colwise else mod.out_features,
-                                    pname == "weight")
-    params = []
-    for p in model.parameters():
-        if not p.requires_grad:
-            continue
-        ui = unit_of.get(id(p), -1)
-        if ui >= 0 and ui in block_no:
-            layer, role = 1 + block_no[ui], "block"
-        elif ui >= 0:
-            layer, role = 0, "lookup" if type(units[ui][1]) is torch.nn.Embedding else "block"
-        else:
-            layer, role = (n_blocks + 2 if id(p) in head_ids else n_blocks + 1), "root"
-        style, features, is_weight = split.get(id(p), (None, 0, True))
-        params.append(Param(numel=p.numel(), layer=layer, role=role, tp=style, features=features, is_weight=is_weight))
-    return ModelFacts(name=name or type(model).__name__, hidden=hidden, layers=n_blocks, heads=heads, kv_heads=kv_heads,
-                      head_dim=head_dim, vocab=vocab, params=tuple(params))
 
 
 # ------------------------------------------------------------------------------------------------ what runs
@@ -666,104 +554,6 @@ def rank_layouts(facts: ModelFacts, machines: Machines, training: Training, glob
     return sorted((p for p in plans if p.fits), key=lambda p: (p.seconds if by == "comm" else p.step, p.memory.total))
 
 
-# ------------------------------------------------------------------------------------------------ printing
-
-
-def _gib(x: float) -> str:
-    return f"{x / GIB:.2f}"
-
-
-def _gb(x: float) -> str:
-    return f"{x / GB:.3f}"
-
-
 def describe(shape: GridShape, zero_stage: int) -> str:
     """``tp 8 x dp_shard 4, ZeRO-1`` (flat ZeRO shards over every data-parallel rank; hybrid names both axes)."""
     return f"{shape.describe()}, ZeRO-{zero_stage}"
-
-
-def header(facts: ModelFacts, machines: Machines, training: Training, source: str, ranking: bool = False) -> list[str]:
-    mixed = training.dtype != "fp32"
-    k = estimate.optimizer_state_bytes_per_element(training.optimizer)
-    return [
-        f"model: {source}: {facts.numel:,} trainable parameters, {facts.layers} blocks, hidden {facts.hidden}, "
-        f"{facts.heads} heads ({facts.kv_heads} kv), vocab {facts.vocab}",
-        f"machines: {machines.nodes} node(s) x {machines.gpus_per_node} GPUs = {machines.world}, "
-        f"{machines.memory_gib:.1f} GiB each ({machines.reserve_gib:.1f} GiB kept free), intra-node {machines.intra_gbs:g} GB/s, "
-        f"inter-node {machines.inter_gbs:g} GB/s per GPU",
-        f"step: micro-batch {training.micro_batch} x seq {training.seq} per data-parallel rank, "
-        + ("micro-steps as the global batch needs (column micro); " if ranking else f"{training.grad_accum} micro-step(s); ")
-        + (f"{training.dtype} compute, fp32 master + {training.optimizer} state ({k} B/param), fp32 gradient reduction"
-           if mixed else f"fp32, {training.optimizer} state ({k} B/param)")
-        + f"; recompute {training.recompute}, {training.attention} attention",
-    ]
-
-
-def format_plan(p: Plan, facts: ModelFacts, machines: Machines, source: str) -> str:
-    """The text ``hf-zero plan`` prints for one layout."""
-    t, mem = p.training, p.memory
-    lines = header(facts, machines, t, source)
-    state = f"not runnable yet: {p.refused}" if p.refused else "runnable"
-    lines.append(f"layout: {describe(p.shape, t.zero_stage)} ({state})"
-                 + (f"; figures of pipeline stage {p.pipe_stage}, the one holding the most" if p.shape.pp > 1 else ""))
-    lines += ["", "memory per GPU           GiB  how",
-              f"  weights        {_gib(mem.weights):>12}  {mem.formula.split(' + grads')[0]}",
-              f"  gradients      {_gib(mem.grads):>12}  {'grads' + mem.formula.split(' + grads')[1].split(' + optim')[0]}",
-              f"  optimizer      {_gib(mem.optim):>12}  {'optim' + mem.formula.split(' + optim')[1]}",
-              f"  activations    {_gib(mem.activations):>12}  {mem.activation_formula}",
-              f"  buffers        {_gib(mem.buffers):>12}  "
-              + ("root unit + 2 gathered blocks (compute dtype) + one block's fp32 reduce-scatter input"
-                 if t.zero_stage == 3 else "stage 0's fp32 all-reduce copy" if t.zero_stage == 0 else "left out (per bucket)"),
-              f"  total          {_gib(mem.total):>12}  of {machines.memory_gib - machines.reserve_gib:.1f} usable: "
-              + ("fits" if p.fits else "DOES NOT FIT")]
-    lines += ["", "communication per GPU per step (GB = 1e9 bytes)",
-              f"  {'kind':<32} {'group':<40} {'calls':>6} {'payload GB':>11} {'intra GB':>10} {'inter GB':>10} {'time s':>8}"]
-    for tr in p.traffic:
-        group = f"{'x'.join(a for a in tr.axes if getattr(p.shape, a) > 1)} {tr.group} on {tr.nodes} node(s)"
-        lines.append(f"  {tr.kind:<32} {group:<40} {tr.calls:>6} {_gb(tr.payload):>11} {_gb(tr.intra):>10} "
-                     f"{_gb(tr.inter):>10} {tr.seconds:>8.3f}")
-    lines.append(f"  {'total':<32} {'':<40} {'':>6} {_gb(sum(x.payload for x in p.traffic)):>11} {_gb(p.intra):>10} "
-                 f"{_gb(p.inter):>10} {p.seconds:>8.3f}")
-    lines += ["", *notes()]
-    return "\n".join(lines)
-
-
-def notes() -> list[str]:
-    return [
-        "payload: the bytes a collective is given (all-gather: its output; reduce-scatter: its input; all-reduce: the "
-        "tensor; all-to-all and send: what this rank sends). intra/inter: wire bytes of ring algorithms, (n-1)/n of the "
-        "payload for all-gather, reduce-scatter and all-to-all, 2(n-1)/n for all-reduce; a group over k nodes with m "
-        "ranks each sends 1/m of them across nodes (m rings, one NIC each). time: max(intra/intra-bw, inter/inter-bw) "
-        "per collective, summed, with no overlap and no latency. Padding (< group size elements per buffer), the "
-        "stage-0 and tp first-step checks, and sequence parallelism's loss and batch collectives are left out.",
-    ]
-
-
-def format_ranking(plans: list[Plan], facts: ModelFacts, machines: Machines, training: Training, source: str,
-                   top: int, considered: int, global_batch: int, by: str = "comm") -> str:
-    lines = header(facts, machines, training, source, ranking=True)
-    what = "implied communication time" if by == "comm" else "implied step time (step s)"
-    lines += ["", f"{len(plans)} of {considered} layouts fit in memory at a global batch of {global_batch} sequences per step; "
-              f"the {min(top, len(plans))} with the least {what} (GB = 1e9 bytes, GiB = 2^30):",
-              f"  {'#':>3} {'layout':<42} {'micro':>5} {'mem GiB':>8} {'intra GB':>9} {'inter GB':>9} {'comm s':>7} "
-              f"{'bubble':>6} {'step s':>7}  hf_zero"]
-    for i, p in enumerate(plans[:top], 1):
-        lines.append(f"  {i:>3} {describe(p.shape, p.training.zero_stage):<42} {p.training.grad_accum:>5} "
-                     f"{_gib(p.memory.total):>8} {_gb(p.intra):>9} "
-                     f"{_gb(p.inter):>9} {p.seconds:>7.3f} {p.bubble:>6.0%} {p.step:>7.2f}  "
-                     + (f"not runnable yet: {p.refused}" if p.refused else "runnable"))
-    runnable = [p for p in plans if not p.refused]
-    if runnable and runnable[0] is not plans[0]:
-        i = plans.index(runnable[0]) + 1
-        best = runnable[0]
-        lines.append(f"  best runnable today: #{i} {describe(best.shape, best.training.zero_stage)}, comm {best.seconds:.3f} s, "
-                     f"step {best.step:.2f} s")
-    elif not runnable:
-        lines.append("  none of the fitting layouts is runnable by hf_zero today")
-    lines += ["", "dp_shard alone is flat ZeRO over every data-parallel rank; dp_replicate x dp_shard is hybrid sharding "
-              "(shard inside a group, replicate across); pipelines show their heaviest stage; micro: micro-steps per "
-              "step. bubble: the share of a 1F1B pipeline's step its stages idle, (pp-1)/(micro+pp-1). step s: "
-              f"arithmetic at {machines.tflops:g} TFLOP/s per GPU ((6Ψ + 12Lhs) FLOPs per token, (8Ψ + 16Lhs) with full "
-              "recompute) divided by (1 - bubble), plus comm s: no overlap, an upper bound. "
-              "`hf-zero plan ... --tp T --pp P --dp-replicate R --sp S` prints one layout's collectives.", *notes()]
-    return "\n".join(lines)

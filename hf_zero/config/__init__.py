@@ -31,7 +31,8 @@ from typing import Any
 
 import torch
 
-from hf_zero.config.parse import BATCH_KEYS, Parser, refuse_missing_features
+from hf_zero.config.parse import BATCH_KEYS, Parser
+from hf_zero.config.refusals import refuse_missing_features
 from hf_zero.config.schema import AUTO, ConfigError
 from hf_zero.config.sections import (
     AioConfig,

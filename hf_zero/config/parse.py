@@ -7,9 +7,10 @@ check), inert (named in one warning if it asks for anything), refused (one sente
 missing feature), or unknown. An unknown key inside a section DeepSpeed 0.19.8 closes (its
 pydantic model forbids extra keys: ``bf16``, ``fp16``, ``zero_optimization`` and its offload
 sections, ``compile``, the monitors, ...) stops the run, as it stops DeepSpeed, with "did you
-mean" where a known key is close (see :func:`suggest`). Elsewhere DeepSpeed ignores keys it does
-not read and real configs carry keys of their own tools, so an unknown key stops the run only
-when it is a near-certain misspelling of a known one (see :func:`near_miss`), and is otherwise
+mean" where a known key is close (see :func:`hf_zero.config.unknown_keys.suggest`). Elsewhere
+DeepSpeed ignores keys it does not read and real configs carry keys of their own tools, so an
+unknown key stops the run only when it is a near-certain misspelling of a known one (see
+:func:`hf_zero.config.unknown_keys.near_miss`), and is otherwise
 named in a warning as ignored. Keys DeepSpeed 0.19.8 refuses that older DeepSpeed accepted (the
 sections' ``legacy`` tables, and a fractional ``fp16.min_loss_scale``) are accepted where hf_zero
 can run them, and named in a third warning that says DeepSpeed 0.19.8 refuses them. Each warning
@@ -26,9 +27,9 @@ import copy
 import dataclasses
 import math
 import warnings
-from collections.abc import Iterable
 from typing import Any
 
+from hf_zero.config.refusals import refuse_missing_features
 from hf_zero.config.schema import (
     ACTIVATION_CHECKPOINTING,
     AIO,
@@ -86,6 +87,7 @@ from hf_zero.config.sections import (
     TorchAutocastConfig,
     ZeroOptimizationConfig,
 )
+from hf_zero.config.unknown_keys import OWN_CLOSED, near_miss, read_elsewhere, suggest, unknown_in_closed
 from hf_zero.config.values import (
     Bool,
     Int,
@@ -97,6 +99,10 @@ from hf_zero.config.values import (
     check_quiet_type,
     show,
 )
+
+# OWN_CLOSED, near_miss, suggest and refuse_missing_features stay importable from here, where tests and callers
+# first found them
+__all__ = ["ABSENT", "BATCH_KEYS", "OWN_CLOSED", "Parser", "near_miss", "refuse_missing_features", "suggest"]
 
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 ABSENT = object()  # "not given": the field keeps its dataclass default
@@ -114,92 +120,6 @@ _OFFLOAD_CHECKS = {
 
 def _join(path: str, key: str) -> str:
     return f"{path}.{key}" if path else key
-
-
-def _distance(a: str, b: str) -> int:
-    """Edits (insert, delete, substitute, swap two neighbours) that turn ``a`` into ``b``."""
-    prev2: list[int] = []
-    prev = list(range(len(b) + 1))
-    for i in range(1, len(a) + 1):
-        row = [i] + [0] * len(b)
-        for j in range(1, len(b) + 1):
-            row[j] = min(prev[j] + 1, row[j - 1] + 1, prev[j - 1] + (a[i - 1] != b[j - 1]))
-            if i > 1 and j > 1 and a[i - 1] == b[j - 2] and a[i - 2] == b[j - 1]:
-                row[j] = min(row[j], prev2[j - 2] + 1)
-        prev2, prev = prev, row
-    return prev[-1]
-
-
-def near_miss(key: str, names: Iterable[str]) -> str | None:
-    """The known key ``key`` is a near-certain misspelling of, or None.
-
-    Near-certain means a case or separator slip (``Zero-Optimization``), or one edit for a key of
-    up to five letters and two for a longer one (``zero_optimisation``, ``stage3_prefetch_bucket_sise``,
-    ``stgae``). Wider than that, real keys of other tools start to match (``_comment`` is three
-    edits from ``comet``), and those must pass with a warning, not stop the run.
-    """
-    plain = key.lower().replace("-", "_").replace(" ", "_")
-    scored = sorted((_distance(plain, name.lower()), name) for name in names)
-    if not scored:
-        return None
-    edits, name = scored[0]
-    return name if edits <= (1 if len(plain) <= 5 else 2) else None
-
-
-def suggest(key: str, names: Iterable[str]) -> str | None:
-    """The known key to name in "did you mean" where an unknown key is refused anyway (a closed section).
-
-    Wider than :func:`near_miss`, which decides whether to stop a run at all: the closest name when
-    it is within a third of the key's length in edits and closer than any other, or else the one
-    name that contains the key (``min_loss`` -> ``min_loss_scale``), or the one the key contains.
-    """
-    names = list(names)
-    close = near_miss(key, names)
-    if close is not None:
-        return close
-    plain = key.lower().replace("-", "_").replace(" ", "_")
-    scored = sorted((_distance(plain, name.lower()), name) for name in names)
-    if scored and scored[0][0] <= len(plain) // 3 and (len(scored) == 1 or scored[1][0] > scored[0][0]):
-        return scored[0][1]
-    if len(plain) >= 4:  # a shortened key (``topk``), then a key with something added (``stage_3``)
-        for within in ([n for n in names if plain in n.lower()], [n for n in names if len(n) >= 4 and n.lower() in plain]):
-            if len(within) == 1:
-                return within[0]
-    return None
-
-
-def _home(key: str) -> str | None:
-    """The one other section DeepSpeed reads ``key`` in ("" for the top level), or None."""
-    homes = [path for path, section in SECTIONS.items() if key in section.names()]
-    return homes[0] if len(homes) == 1 else None
-
-
-def _read_elsewhere(key: str) -> str:
-    """Where DeepSpeed reads an unknown key when it is a key of exactly one other section, for the warning."""
-    home = _home(key)
-    if home is None:
-        return ""
-    return " (a top-level key)" if home == "" else f" (a key of {home})"
-
-
-OWN_CLOSED = ("fp8",)  # closed sections DeepSpeed 0.19.8 does not have
-
-
-def _unknown_in_closed(full: str, key: str, section: str, names: Iterable[str]) -> str:
-    """The sentence refusing ``key`` (at JSON path ``full``) in the closed ``section``, which takes ``names``."""
-    names = sorted(set(names))
-    # hf_zero's own closed sections (fp8) have no DeepSpeed counterpart to cite
-    too = ("hf_zero's own section refuses unknown keys" if section in OWN_CLOSED
-           else f"DeepSpeed 0.19.8 refuses unknown keys in {section} too")
-    close = suggest(key, names)
-    if close is not None:
-        return f"{full}: unknown key; did you mean {close!r}? ({too})"
-    home = _home(key)
-    if home is not None:
-        where = "a top-level key" if home == "" else f"a key of {home}"
-        return f"{full}: unknown key ({key} is {where}; move it there), and {too}"
-    listed = f"; {section} takes {', '.join(names)}" if len(names) <= 12 else ""
-    return f"{full}: unknown key, and {too}; remove it or correct its name{listed}"
 
 
 _CANONICAL = {id(section): path for path, section in SECTIONS.items()}  # each walked section's path, as DeepSpeed spells it
@@ -357,11 +277,11 @@ class Parser:
         elif name not in section.keys:
             dropped = isinstance(value, str) and value == AUTO  # DeepSpeed drops "auto" values before validating
             if section.closed and not dropped:
-                raise ConfigError(_unknown_in_closed(full, obj.spelled[name], obj.path, section.names()))
+                raise ConfigError(unknown_in_closed(full, obj.spelled[name], obj.path, section.names()))
             close = near_miss(obj.spelled[name], section.names())
             if close is not None:
                 raise ConfigError(f"{full}: unknown key; did you mean {close!r}?")
-            self.unknown.append(full + _read_elsewhere(obj.spelled[name]))
+            self.unknown.append(full + read_elsewhere(obj.spelled[name]))
 
     def closed_whole(self, value: Any, path: str, full: str) -> None:
         """Unknown keys inside a section hf_zero takes whole, where DeepSpeed closes it (``CLOSED_WHOLE``), and below.
@@ -376,7 +296,7 @@ class Parser:
                 if isinstance(sub, str) and sub == AUTO:  # dropped by DeepSpeed before validating
                     self.unknown.append(_join(full, key))
                     continue
-                raise ConfigError(_unknown_in_closed(_join(full, key), key, full, names))
+                raise ConfigError(unknown_in_closed(_join(full, key), key, full, names))
             self.closed_whole(sub, _join(path, key), _join(full, key))
 
     def warn(self) -> None:
@@ -624,96 +544,3 @@ class Parser:
             value = obj.get(f.name, _OFFLOAD_CHECKS[f.name], default, nullable=f.name in ("device", "nvme_path"))
             out[f.name] = default if value is None else value
         return cls(**out)
-
-
-def refuse_missing_features(cfg: Any) -> list[str]:
-    """Features the parser reads in full but hf_zero cannot run yet, and combinations DeepSpeed refuses: one
-    sentence each, before any work. Returns the JSON paths to name in the "accepts but ignores" warning.
-
-    ``cfg`` is the parsed ZeroConfig. Optimizer offload and stage 3's parameter offload to the CPU and to NVMe run
-    (hf_zero/zero/offload.py, hf_zero/zero/nvme.py); their partial forms do not yet. (Sequence parallelism:
-    ``cfg.sequence_parallel``, read by hf_zero/config/sequence.py.)
-    """
-    zo = cfg.zero_optimization
-    opt = zo.offload_optimizer
-    bf = cfg.bf16
-    if bf.optimizer_states and not bf.master_weights_and_grads:
-        raise ConfigError("bf16.bf16_optimizer_states: got true, but it needs bf16.bf16_master_weights_and_grads: true "
-                          "(the optimizer state follows the masters); set both, or remove bf16_optimizer_states")
-    if bf.master_weights_and_grads:
-        if not bf.enabled and not {"bf16.enabled", "bfloat16.enabled"} & cfg.auto_keys:  # "auto": the Trainer decides
-            raise ConfigError("bf16.bf16_master_weights_and_grads: got true while bf16.enabled is false; bf16 masters "
-                              "need bf16 parameters, so enable bf16 or remove the key")
-        if zo.stage == 0:
-            raise ConfigError("bf16.bf16_master_weights_and_grads: bf16 masters need ZeRO stage 1, 2 or 3, and the stage "
-                              "is 0; set zero_optimization.stage, or remove the key")
-        if opt is not None and opt.device != "none":
-            raise ConfigError("bf16.bf16_master_weights_and_grads: bf16 masters with offload_optimizer are not supported "
-                              "yet; remove one of the two (offload keeps fp32 masters in host memory)")
-        if not bf.optimizer_states:
-            raise ConfigError("bf16.bf16_master_weights_and_grads: got true without bf16.bf16_optimizer_states, which asks "
-                              "for fp32 optimizer state beside bf16 masters (DeepSpeed runs that only with its CPU Adam "
-                              "under offload); set bf16_optimizer_states: true as well, or remove both")
-    if opt is not None and opt.device in ("cpu", "nvme"):
-        if zo.stage == 0:
-            raise ConfigError("zero_optimization.offload_optimizer: offload needs ZeRO stage 1, 2 or 3 (the offloaded state is "
-                              "the rank's shard), and the stage is 0; set zero_optimization.stage, or remove offload_optimizer")
-        # ratio < 1 (Twin-Flow, hf_zero/zero/offload.py device_group_count): the first groups stay and step on the
-        # device. DeepSpeed runs it at stage 3 only; hf_zero at stages 1-3, but not with the step paths below
-        if opt.ratio < 1.0 and opt.device == "nvme":
-            raise ConfigError(f'zero_optimization.offload_optimizer.ratio: got {opt.ratio:g} with "device": "nvme", '
-                              'which keeps every group\'s state in files; use "device": "cpu" for a partial offload, '
-                              "or remove ratio")
-        if opt.ratio < 1.0 and opt.super_offload:
-            raise ConfigError(f"zero_optimization.offload_optimizer.ratio: got {opt.ratio:g} with super_offload, whose "
-                              "speculative host step does not run beside groups stepped on the device yet; remove "
-                              "ratio or super_offload")
-        if opt.ratio < 1.0 and zo.overlap_param_gather and zo.stage < 3:
-            raise ConfigError(f"zero_optimization.offload_optimizer.ratio: got {opt.ratio:g} with "
-                              "zero_optimization.overlap_param_gather, whose deferred host step does not step groups "
-                              "kept on the device; remove ratio or overlap_param_gather")
-        if opt.super_offload and opt.device == "nvme":  # the speculative step needs the masters in host memory
-            raise ConfigError('zero_optimization.offload_optimizer.super_offload: got true with "device": "nvme", but '
-                              'the speculative host step keeps the masters in host memory; use "device": "cpu" or '
-                              "remove super_offload")
-        if opt.super_offload and zo.overlap_param_gather:
-            raise ConfigError("zero_optimization.offload_optimizer.super_offload: got true with "
-                              "zero_optimization.overlap_param_gather, which defers the host step to the next forward "
-                              "instead of taking it during backward; keep one of the two")
-    par = zo.offload_param
-    nvme = [(key, sec) for key, sec in (("offload_optimizer", opt), ("offload_param", par))
-            if sec is not None and sec.device == "nvme" and (key == "offload_optimizer" or zo.stage == 3)]
-    for key, sec in nvme:
-        where = f"zero_optimization.{key}"
-        if not sec.nvme_path:
-            raise ConfigError(f'{where}.nvme_path: "device": "nvme" needs a folder to keep the offloaded state in; set '
-                              "nvme_path to a folder on a local NVMe disk (each run and rank gets a subfolder of it)")
-        if sec.buffer_count < 1:
-            raise ConfigError(f"{where}.buffer_count: got {sec.buffer_count}, but NVMe offload needs at least one buffer; "
-                              "set it to 1 or more (DeepSpeed's default is 4 for the optimizer, 5 for the parameters)")
-        if zo.overlap_param_gather:
-            raise ConfigError(f'{where}.device: "nvme" with zero_optimization.overlap_param_gather is not supported yet; '
-                              'remove overlap_param_gather, or offload to "cpu"')
-    if par is not None and par.device == "nvme" and zo.stage == 3 and (opt is None or opt.device not in ("cpu", "nvme")):
-        raise ConfigError('zero_optimization.offload_param.device: "nvme" without offload_optimizer is not supported yet; '
-                          'add "offload_optimizer": {"device": "nvme"} (or "cpu"), or offload the parameters to "cpu"')
-    tp = cfg.tensor_parallel_size
-    if tp > 1:
-        if cfg.compile.enabled:
-            raise ConfigError(f"tensor_parallel.autotp_size: got {tp} with compile enabled, but compiled blocks cannot "
-                              'hold the tensor-parallel all-reduces yet; set "compile": {"enabled": false} or autotp_size 1')
-    ignored = []
-    given_zero = cfg.raw.get("zero_optimization", {})
-    if (isinstance(given_zero, dict) and "sub_group_size" in given_zero and (opt is None or opt.device == "none")
-            and zo.sub_group_size != ZeroOptimizationConfig.sub_group_size):
-        ignored.append("zero_optimization.sub_group_size (it sizes the offloaded host step; without offload_optimizer "
-                       "the optimizer steps each group in one call)")
-    if par is not None and par.device in ("cpu", "nvme") and zo.stage != 3:
-        ignored.append("zero_optimization.offload_param (DeepSpeed reads it at stage 3 only)")
-    for key, _ in nvme:
-        given = cfg.raw.get("zero_optimization", {}).get(key, {}) or {}
-        if key == "offload_param" and "buffer_size" in given:
-            ignored.append("zero_optimization.offload_param.buffer_size (each shard is read into a buffer of its size)")
-        if key == "offload_optimizer" and given.get("fast_init"):
-            ignored.append("zero_optimization.offload_optimizer.fast_init (the masters are written once, at build)")
-    return ignored

@@ -11,12 +11,15 @@ on ``is_deepspeed_enabled``), so this subclasses, without patching either librar
   scheduler, logs, evaluates and calls back. Saving goes through the engine: ``save_model`` writes
   consolidated safetensors, checkpoints carry the engine's reshardable resume state (no pickle),
   and resuming / ``load_best_model_at_end`` read it back.
+
+Two collaborators live beside it: :mod:`hf_zero.integrations.trainer_preemption` (the callback that saves and exits
+when the engine decides a preemption) and :mod:`hf_zero.integrations.trainer_checkpoints` (what a ``checkpoint-<step>``
+folder holds, and which are complete enough to resume).
 """
 
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -27,7 +30,6 @@ import torch
 import transformers
 
 from hf_zero import dist as hz_dist
-from hf_zero import preemption as hz_preemption
 from hf_zero.errors import ConfigError, UsageError
 from hf_zero.integrations import deepspeed_plugin as ds_plugin
 from hf_zero.integrations import parallelism as hz_parallelism
@@ -38,13 +40,17 @@ from hf_zero.integrations.autofill import (
     optimizer_args,
     trainer_scheduler_params,
 )
+from hf_zero.integrations.trainer_checkpoints import (
+    ZERO_STATE_TAG,
+    last_complete_checkpoint,
+    saved_by_deepspeed,
+)
+from hf_zero.integrations.trainer_preemption import SaveOnPreemption, watch_signals
 from hf_zero.sequence.setup import merge_sp_size, parallelism_config_for, resolve_sp_size
 from hf_zero.tensor_parallel import degree_of
 
 __all__ = ["Seq2SeqTrainer", "Seq2SeqTrainingArguments", "Trainer", "TrainingArguments", "fill_auto", "zero_args", "zero_trainer"]
 
-ZERO_STATE_TAG = "zero_state"
-logger = logging.getLogger("hf_zero")
 
 
 @dataclass(repr=False)
@@ -118,7 +124,7 @@ class Trainer(transformers.Trainer):
         super().__init__(*args, **kwargs)
         if self.zero_enabled:
             self._check_optimizer_sections()
-            self.add_callback(_SaveOnPreemption(self))
+            self.add_callback(SaveOnPreemption(self))
 
     @property
     def zero_enabled(self) -> bool:
@@ -175,7 +181,7 @@ class Trainer(transformers.Trainer):
         # (which only adds prepare/backward/clip/save behaviour) rather than being rebuilt from them.
         acc.__class__ = Accelerator
         acc.zero_config = self.args.zero_config_dict  # first, so that num_processes counts replicas (tensor parallelism)
-        acc.zero_config = _watch_signals(merge_sp_size(fill_auto(self.args.zero_config_dict, self.args, acc.num_processes // sp), sp))
+        acc.zero_config = watch_signals(merge_sp_size(fill_auto(self.args.zero_config_dict, self.args, acc.num_processes // sp), sp))
         acc._zero_engines = []
         acc._eval_engines = []
         hz_dist.register_process()  # so that, should a peer die before the engine exists, it can be named
@@ -253,7 +259,7 @@ class Trainer(transformers.Trainer):
         (``checkpoint.async_save``) are complete when ``train()`` returns.
         """
         if resume_from_checkpoint is True and self.zero_enabled:
-            resume_from_checkpoint = _last_complete_checkpoint(self.args.output_dir)
+            resume_from_checkpoint = last_complete_checkpoint(self.args.output_dir)
             if resume_from_checkpoint is None:
                 raise ValueError(f"No valid checkpoint found in output directory ({self.args.output_dir})")
         with hz_dist.peer_failure_guard("Trainer.train()"), self._loss_filter_on_device():
@@ -460,7 +466,7 @@ class Trainer(transformers.Trainer):
         if not self.zero_enabled:
             return super()._load_from_checkpoint(resume_from_checkpoint, model)
         # weights come back with the engine state once the engine exists (_load_optimizer_and_scheduler)
-        if _saved_by_deepspeed(resume_from_checkpoint):
+        if saved_by_deepspeed(resume_from_checkpoint):
             return
         if not os.path.isdir(os.path.join(resume_from_checkpoint, ZERO_STATE_TAG)):
             raise UsageError(
@@ -471,7 +477,7 @@ class Trainer(transformers.Trainer):
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if not self.zero_enabled or checkpoint is None or self.engine is None:
             return super()._load_optimizer_and_scheduler(checkpoint)
-        if _saved_by_deepspeed(checkpoint):
+        if saved_by_deepspeed(checkpoint):
             from hf_zero.checkpoint import deepspeed as ds_checkpoint
 
             with self.engine.resident_state():  # NVMe offload: the masters and state come out of their files for it
@@ -483,93 +489,13 @@ class Trainer(transformers.Trainer):
             self.lr_scheduler.load_state_dict(client["lr_scheduler"])
 
     def _load_rng_state(self, checkpoint: str | None) -> None:
-        if not self.zero_enabled or (checkpoint is not None and _saved_by_deepspeed(checkpoint)):
+        if not self.zero_enabled or (checkpoint is not None and saved_by_deepspeed(checkpoint)):
             return super()._load_rng_state(checkpoint)  # transformers' rng_state_N.pth, read weights-only
 
     def _load_best_model(self) -> None:
         if not self.zero_enabled or self.engine is None:
             return super()._load_best_model()
         self.engine.load_checkpoint(self.state.best_model_checkpoint, tag=ZERO_STATE_TAG, load_module_only=True)
-
-
-class _SaveOnPreemption(transformers.TrainerCallback):
-    """A preemption under hf_zero's Trainer: ``checkpoint-<step>`` with the trainer state, then exit 128 + signum.
-
-    The engine watches the signals (``checkpoint.save_on_signal``; the Trainer turns SIGTERM and SIGUSR1
-    on unless the config says otherwise) and every rank learns of the decision at the same optimizer step
-    (hf_zero/preemption.py). The Trainer then saves the checkpoint itself, so that it has its
-    ``trainer_state.json``, scheduler and data position; the engine does not save on its own. A signal
-    during evaluation is decided at the end of a later training step (evaluation has no optimizer step).
-    """
-
-    def __init__(self, trainer: Trainer) -> None:
-        self.trainer = trainer
-        self.signum: int | None = None
-
-    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self.trainer.engine is not None:
-            self.trainer.engine.save_on_preemption = False
-
-    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        engine = self.trainer.engine
-        signum = engine.preemption_signal() if engine is not None else None
-        if signum is None or self.signum is not None:
-            return
-        self.signum = signum
-        hz_preemption.acting()
-        control.should_save, control.should_training_stop, control.should_evaluate = True, True, False
-        if args.save_only_model and self.trainer.is_world_process_zero():
-            logger.warning("save_only_model is on: the preemption checkpoint holds the weights only and cannot "
-                                   "be resumed from")
-
-    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self.signum is None:
-            return
-        engine = self.trainer.engine
-        engine.wait_for_checkpoint()
-        status = hz_preemption.exit_status(self.signum)
-        if self.trainer.is_world_process_zero():
-            logger.warning("%s: every rank stopped after step %d and saved %s; exiting with status %d",
-                                   hz_preemption.signal_name(self.signum), state.global_step,
-                                   os.path.join(self.trainer._get_output_dir(None), f"checkpoint-{state.global_step}"), status)
-        raise SystemExit(status)
-
-
-def _watch_signals(config: dict) -> dict:
-    """The engine's config with ``checkpoint.save_on_signal`` SIGTERM and SIGUSR1 unless the config names its own."""
-    section = config.get("checkpoint")
-    if isinstance(section, dict) and section.get("save_on_signal") is not None:
-        return config
-    section = dict(section) if isinstance(section, dict) else {}
-    section["save_on_signal"] = list(hz_preemption.TRAINER_DEFAULT)
-    return {**config, "checkpoint": section}
-
-
-def _last_complete_checkpoint(folder: str) -> str | None:
-    """The newest ``checkpoint-<step>`` with its trainer state and, when hf_zero wrote it, a published resume state."""
-    from transformers.trainer import TRAINER_STATE_NAME
-    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
-
-    from hf_zero.checkpoint.format import META
-
-    found = []
-    for name in os.listdir(folder) if os.path.isdir(folder) else ():
-        step = name.removeprefix(f"{PREFIX_CHECKPOINT_DIR}-")
-        path = os.path.join(folder, name)
-        if name == step or not step.isdigit() or not os.path.isfile(os.path.join(path, TRAINER_STATE_NAME)):
-            continue
-        if os.path.isdir(os.path.join(path, ZERO_STATE_TAG)) or not _saved_by_deepspeed(path):
-            if not os.path.isfile(os.path.join(path, ZERO_STATE_TAG, META)):
-                continue  # hf_zero's resume state never published: a save cut short
-        found.append((int(step), path))
-    return max(found)[1] if found else None
-
-
-def _saved_by_deepspeed(checkpoint: str) -> bool:
-    """A ``checkpoint-N`` that transformers wrote under DeepSpeed (``global_stepN/`` and ``latest``), not by hf_zero."""
-    from hf_zero.checkpoint.deepspeed_read import is_deepspeed_checkpoint
-
-    return not os.path.isdir(os.path.join(checkpoint, ZERO_STATE_TAG)) and is_deepspeed_checkpoint(checkpoint)
 
 
 def zero_args(cls: type) -> type:

@@ -65,7 +65,7 @@ def parse_filter(text: str, flag: str) -> dict[str, list[int]]:
     """``NAME[:SLOT,...]@...`` as ``{name: slots}`` (an empty list: the whole host), names and slots in the order given.
 
     The one parser of DeepSpeed's filter syntax: the hostfile's hosts (:func:`select`) and, without a hostfile, this
-    node's GPUs (``hf_zero.cli``) both read it."""
+    node's GPUs (``hf_zero.launch.local``) both read it."""
     named: dict[str, list[int]] = {}
     for spec in text.split("@"):
         name, colon, slot_text = spec.strip().partition(":")

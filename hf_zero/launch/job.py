@@ -1,7 +1,7 @@
 """From ``hf-zero launch``'s flags to a multi-node job: which hosts, over what, running which line.
 
 :func:`plan` returns either the flags of a launch on this node only (no hostfile, a hostfile of one host, or
-``--no_ssh``: what ``cli.plan_launch`` turns into one torchrun) or a :class:`MultiNodeJob`: the commands that start
+``--no_ssh``: what ``local.plan_launch`` turns into one torchrun) or a :class:`MultiNodeJob`: the commands that start
 ``hf-zero launch --node_rank R`` on every host, over
 
 - ``pdsh`` (DeepSpeed's default, when it is installed): one ``pdsh -S -f 1024 -w h0,h1,...`` whose line takes its

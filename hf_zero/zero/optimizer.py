@@ -34,19 +34,25 @@ import contextlib
 import dataclasses
 import logging
 import math
-import warnings
-from collections import defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
 
 from hf_zero.errors import UnusedParameterError, UsageError
-from hf_zero.tp_split import checkpoint_name, split_of
+from hf_zero.tp_split import split_of
 from hf_zero.zero import collectives as C
 from hf_zero.zero.flat import FlatGroup
 from hf_zero.zero.float8_gather import Float8ShardedParamGroup, float8_module_of
 from hf_zero.zero.group import ParamSlot, Placement, ShardGroup, subgroup_of
+from hf_zero.zero.grouping import (
+    NamedParams,
+    buckets_by_split,
+    kind,
+    largest_group_bound,
+    trainable_group_count,
+    unit_parts,
+)
 from hf_zero.zero.host_step import intra_op_threads
 from hf_zero.zero.nvme import NvmeStores, open_stores
 from hf_zero.zero.nvme_io import Scope
@@ -64,189 +70,17 @@ from hf_zero.zero.offload import (
     plan_host_memory,
     state_bytes_per_element,
 )
+from hf_zero.zero.optimizer_views import DeepSpeedOptimizerViews
 from hf_zero.zero.overlap import DeferredPublish
 from hf_zero.zero.param_attrs import full_numel
+from hf_zero.zero.param_groups import point_optimizer_at, trainable_by_param_group
 from hf_zero.zero.preshard import materialize_
 from hf_zero.zero.runner import StepRunner, pick_runner
 from hf_zero.zero.sharded_group import ShardedParamGroup
 from hf_zero.zero.stage3 import Stage3Runtime
-from hf_zero.zero.units import Unit, find_units, input_embedding_unit
+from hf_zero.zero.units import Unit, assign_units
 
-NamedParams = list[tuple[str, torch.nn.Parameter]]
 logger = logging.getLogger("hf_zero")
-
-
-def _buckets(named: NamedParams, bucket_numel: int) -> list[NamedParams]:
-    """Split parameters (already in backward order) into buckets of about ``bucket_numel`` elements."""
-    out: list[NamedParams] = []
-    cur: NamedParams = []
-    size = 0
-    for item in named:
-        n = full_numel(item[1])  # a zero.Init slice counts whole, as it will be once materialized
-        if cur and size + n > bucket_numel:
-            out.append(cur)
-            cur, size = [], 0
-        cur.append(item)
-        size += n
-    if cur:
-        out.append(cur)
-    return out
-
-
-def _kind(p: torch.Tensor) -> tuple[bool, int]:
-    """What a bucket may not mix: tensor-parallel slices with whole parameters, and parameters sharded over different
-    process groups (a :class:`hf_zero.zero.group.SubGroup`'s, such as expert parallelism's, or the optimizer's)."""
-    sub = subgroup_of(p)
-    return split_of(p) is not None, id(sub.group) if sub is not None else 0
-
-
-def _buckets_by_split(named: NamedParams, bucket_numel: int) -> list[NamedParams]:
-    """``_buckets``, except that parameters of different kinds (:func:`_kind`) never share a bucket.
-
-    The global norm counts a bucket of whole parameters once per tensor-parallel group and a bucket
-    of slices on every rank (``hf_zero/step.py``), and a bucket is reduced over one process group. Each kind is
-    bucketed on its own and the buckets are ordered by when their last gradient arrives, so they still launch about
-    as backward fills them.
-    """
-    kinds = list(dict.fromkeys(_kind(p) for _, p in named))
-    if len(kinds) <= 1:
-        return _buckets(named, bucket_numel)
-    pos = {id(p): i for i, (_, p) in enumerate(named)}
-    out = [b for k in kinds for b in _buckets([x for x in named if _kind(x[1]) == k], bucket_numel)]
-    return sorted(out, key=lambda b: pos[id(b[-1][1])])
-
-
-def _trainable_by_param_group(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[NamedParams]:
-    """The trainable ``(name, parameter)`` pairs of each optimizer param group, checked before any work is done."""
-    # a tensor-parallel slice is named per rank, so checkpoints keep every rank's slice (hf_zero/tp_split.py)
-    names = {id(p): checkpoint_name(n, p) for n, p in module.named_parameters(remove_duplicate=True)}
-    seen: set[int] = set()
-    group_named: list[NamedParams] = []
-    for gi, pg in enumerate(optimizer.param_groups):
-        named = []
-        for p in pg["params"]:
-            if id(p) in seen:
-                raise ValueError(f"a parameter appears twice in the optimizer's param groups (group {gi})")
-            if id(p) not in names:
-                raise ValueError(
-                    f"optimizer param group {gi} holds a tensor of shape {tuple(p.shape)} that is not a "
-                    "parameter of the model; build the optimizer from model.parameters()"
-                )
-            seen.add(id(p))
-            if p.requires_grad:
-                named.append((names[id(p)], p))
-        group_named.append(named)
-    missing = [(n, p) for n, p in module.named_parameters() if p.requires_grad and id(p) not in seen]
-    if missing:
-        # DeepSpeed accepts such a parameter and never steps it (its gradient is computed and kept, unused); here
-        # it is frozen outright, so that it is laid out, cast and saved as the frozen parameter it is in effect.
-        warnings.warn(
-            f"{len(missing)} parameter(s) require grad but are in no optimizer param group ("
-            + ", ".join(f"'{n}'" for n, _ in missing[:3]) + (", ..." if len(missing) > 3 else "")
-            + "): as under DeepSpeed they are not trained; hf_zero freezes them (requires_grad=False). Add them to "
-            "a param group (or model_parameters) to train them", stacklevel=2)
-        for _, p in missing:
-            p.requires_grad_(False)
-    return group_named
-
-
-def _assign_units(module: torch.nn.Module) -> tuple[list[tuple[str, torch.nn.Module]], dict[int, int]]:
-    """Stage 3's units (the input embedding first when it is one) and each parameter's unit (-1: the root).
-
-    A parameter reachable under two units, or under a unit and outside every unit (a tied embedding and LM
-    head, a weight a parent module also holds), must be whole whenever any of them runs: it joins the root
-    unit, which stays gathered for the whole step. A unit left with no parameter of its own is dropped.
-    """
-    unit_mods = find_units(module)
-    embedding = input_embedding_unit(module, unit_mods)
-    if embedding is not None:
-        unit_mods = [embedding, *unit_mods]
-    owner: dict[int, int] = {}
-    for ui, (_, m) in enumerate(unit_mods):
-        for p in m.parameters():
-            owner[id(p)] = ui if owner.get(id(p), ui) == ui else -1
-    # what the root reaches without passing through a unit (the same module object repeated in a ModuleList,
-    # ALBERT's shared layer, is one unit called many times, not a way around it)
-    units = {id(m) for _, m in unit_mods}
-    stack, seen = [module], set()
-    while stack:
-        m = stack.pop()
-        if id(m) in seen or id(m) in units:
-            continue
-        seen.add(id(m))
-        for p in m._parameters.values():
-            if p is not None:
-                owner[id(p)] = -1
-        stack.extend(c for c in m._modules.values() if c is not None)
-    kept = sorted({ui for ui in owner.values() if ui >= 0})
-    renumber = {old: new for new, old in enumerate(kept)}
-    unit_of = {pid: renumber.get(ui, -1) for pid, ui in owner.items() if ui >= 0}
-    return [unit_mods[ui] for ui in kept], unit_of
-
-
-def _unit_parts(named: NamedParams, ui: int, unit_of: dict[int, int], threshold: int) -> list[NamedParams]:
-    """Stage 3: the parameters of ``named`` in unit ``ui`` (-1: the root) at or above ``threshold``, as the groups they
-    make, one per :func:`_kind` (slices first): tensor-parallel slices and whole parameters apart, as
-    :func:`_buckets_by_split` keeps them, since the global norm counts the two kinds differently (``hf_zero/step.py``),
-    and parameters sharded over a sub-group (expert parallelism's) apart, since a group is reduced over one process
-    group."""
-    picked = [x for x in named if unit_of.get(id(x[1]), -1) == ui and full_numel(x[1]) >= threshold]
-    order = sorted(dict.fromkeys(_kind(x[1]) for x in picked), key=lambda k: not k[0])  # slices first
-    return [[x for x in picked if _kind(x[1]) == k] for k in order]
-
-
-def _trainable_group_count(module: torch.nn.Module, group_named: list[NamedParams], stage: int, bucket_numel: int,
-                           threshold: int) -> int:
-    """How many trainable shard groups the build will make (before any exists): what ``offload_optimizer.ratio`` divides.
-
-    Counted with the build's own helpers (:func:`_unit_parts`, :func:`_buckets_by_split`) on whole-parameter sizes, so a
-    ``zero.Init`` slice counts as the parameter it will be.
-    """
-    if stage < 3:
-        return sum(len(_buckets_by_split(list(reversed(named)), bucket_numel)) for named in group_named)
-    unit_mods, unit_of = _assign_units(module)
-    units = sum(sum(1 for part in _unit_parts(named, ui, unit_of, threshold) if part) for ui in [*range(len(unit_mods)), -1]
-                for named in group_named)
-    small = sum(len(_buckets_by_split([x for x in reversed(named) if full_numel(x[1]) < threshold], bucket_numel))
-                for named in group_named)
-    return units + small
-
-
-def _largest_group_bound(module: torch.nn.Module, group_named: list[NamedParams], stage: int, bucket_numel: int,
-                         world: int, threshold: int) -> int:
-    """An upper bound, in elements, on the largest trainable shard group this rank will hold (before they exist).
-
-    Stages 1-2 (and the parameters below ``threshold`` that stage 3 keeps whole) go in buckets of about
-    ``bucket_numel`` elements that hold at least one parameter; stage 3 groups the rest by unit (per optimizer
-    param group, so a unit's total bounds them). Each rank holds ``1/world`` of either.
-    """
-    params = [p for named in group_named for _, p in named]
-    small = [p for p in params if stage < 3 or full_numel(p) < threshold]
-    biggest = max([min(bucket_numel, sum(full_numel(p) for p in small)), *(full_numel(p) for p in small)], default=0)
-    if stage == 3:
-        trainable = {id(p) for p in params if full_numel(p) >= threshold}
-        _, unit_of = _assign_units(module)
-        per_unit: dict[int, int] = defaultdict(int)
-        for p in module.parameters():
-            if id(p) in trainable:
-                per_unit[unit_of.get(id(p), -1)] += full_numel(p)
-        biggest = max([biggest, *per_unit.values()])
-    return math.ceil(biggest / world)
-
-
-def _point_optimizer_at(optimizer: torch.optim.Optimizer, group_masters: list[list[torch.Tensor]]) -> None:
-    """Re-point each param group at its masters and start the optimizer's state afresh."""
-    for pg, masters in zip(optimizer.param_groups, group_masters):
-        pg["params"] = masters
-        if (
-            getattr(optimizer, "hf_zero_fuse_on_device", False)
-            and pg.get("fused") is None
-            and not pg.get("foreach")
-            and masters
-            and all(m.is_cuda for m in masters)
-        ):
-            pg["fused"] = True  # the config's Adam, built on zero.Init's meta parameters
-    optimizer.state = defaultdict(dict)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -278,7 +112,7 @@ class ZeroPolicy:
             raise ValueError(f"ZeroPolicy.bucket_numel: got {self.bucket_numel}; a bucket holds at least one element")
 
 
-class ShardedOptimizer:
+class ShardedOptimizer(DeepSpeedOptimizerViews):
     """Owns the shard groups, the gradient hooks and the sharded optimizer step.
 
     The user's torch optimizer is kept (so an LR scheduler built on it keeps working) but its
@@ -309,7 +143,7 @@ class ShardedOptimizer:
         self.runtime: Stage3Runtime | None = None
         self._sub_places: dict[int, Placement] = {}  # place_of's placements over SubGroups, by process group
 
-        group_named = _trainable_by_param_group(module, optimizer)
+        group_named = trainable_by_param_group(module, optimizer)
         self.group_names = [[n for n, _ in named] for named in group_named]  # checkpoints record them
         self._group_params = [[p for _, p in named] for named in group_named]  # get_fp32_grad_partitions' order
         # optimizer.step() (DeepSpeed's: the ZeRO optimizer steps itself): the engine's step, set by the engine
@@ -337,7 +171,7 @@ class ShardedOptimizer:
         self.device_groups = 0
         if offload.optimizer and offload.ratio < 1.0:
             self.device_groups = device_group_count(
-                _trainable_group_count(module, group_named, stage, zero.bucket_numel, zero.persistence_threshold),
+                trainable_group_count(module, group_named, stage, zero.bucket_numel, zero.persistence_threshold),
                 offload.ratio)
         self._placed = 0
         if stage == 3:
@@ -349,7 +183,7 @@ class ShardedOptimizer:
         self._build_flat(group_named, group_masters)
         if self.nvme is not None:
             self.nvme.adopted(self.nvme_scope)
-        _point_optimizer_at(optimizer, group_masters)
+        point_optimizer_at(optimizer, group_masters)
 
         self._group_of: dict[int, ShardGroup] = {id(s.param): g for g in self.groups for s in g.slots}
         self._bucket_of: dict[int, tuple[int, ParamSlot]] = {}  # parameter -> (bucket index, its slot)
@@ -404,8 +238,8 @@ class ShardedOptimizer:
         frozen = [(n, p) for n, p in module.named_parameters() if not p.requires_grad]
         largest = 0
         if self.offload.optimizer:  # the streamed mode's two buffers
-            largest = _largest_group_bound(module, group_named, self.stage, self.zero.bucket_numel, world,
-                                           self.zero.persistence_threshold)
+            largest = largest_group_bound(module, group_named, self.stage, self.zero.bucket_numel, world,
+                                          self.zero.persistence_threshold)
         return ShardSizes(sum(shard_of(named) for named in group_named), frozen=shard_of(frozen), largest_group=largest)
 
     def _build_flat(self, group_named: list[NamedParams], group_masters: list[list[torch.Tensor]]) -> None:
@@ -413,7 +247,7 @@ class ShardedOptimizer:
         offload, stage = self.offload, self.stage
         for gi, named in enumerate(group_named):
             # Reverse registration order approximates the order backward produces gradients.
-            buckets = _buckets_by_split(list(reversed(named)), self.zero.bucket_numel)
+            buckets = buckets_by_split(list(reversed(named)), self.zero.bucket_numel)
             for j, bucket in enumerate(buckets):
                 place = self.place_of(bucket[0][1])
                 # its position in parameter order (the last bucket holds the first parameters): offloaded, unless
@@ -441,7 +275,7 @@ class ShardedOptimizer:
         slices, and only the unit being laid out is gathered whole, so no rank ever holds the model.
         """
         offload, threshold = self.offload, self.zero.persistence_threshold
-        unit_mods, unit_of = _assign_units(module)
+        unit_mods, unit_of = assign_units(module)
         names = dict(module.named_parameters())
         frozen = [(n, p) for n, p in names.items() if not p.requires_grad]
         units: list[Unit] = []
@@ -449,10 +283,10 @@ class ShardedOptimizer:
             materialize_([p for p in names.values() if unit_of.get(id(p), -1) == ui], self.device)
             groups: list[ShardedParamGroup] = []
             for gi, named in [*enumerate(group_named), (-1, frozen)]:
-                kinds = _unit_parts(named, ui, unit_of, threshold)
+                kinds = unit_parts(named, ui, unit_of, threshold)
                 # float8 linears' weights marked for the float8 all-gather (hf_zero/float8.py), trainable and not
                 # offloaded, in groups of their own: their unit's compute gathers them as float8
-                f8 = [x for part in kinds for x in part if float8_module_of(x[1]) is not None and _kind(x[1]) == (False, 0)
+                f8 = [x for part in kinds for x in part if float8_module_of(x[1]) is not None and kind(x[1]) == (False, 0)
                       ] if gi >= 0 and not (offload.optimizer or offload.params) else []
                 if f8:
                     moved = {id(x[1]) for x in f8}
@@ -526,60 +360,7 @@ class ShardedOptimizer:
         if self.runtime is not None:
             self.runtime.release_inference()
 
-    # ------------------------------------- DeepSpeed's names for this rank's masters (read-only copies)
-
-    def _per_param_group(self) -> list[torch.Tensor]:
-        """This rank's masters of each optimizer param group, bucket after bucket, as one new tensor per group."""
-        out = []
-        swap = self.nvme.swap if self.nvme is not None else None
-        owner = {id(g.master): g for g in self.groups if g.master is not None} if swap is not None else {}
-
-        def flat(m: torch.Tensor) -> torch.Tensor:
-            if swap is None or id(m) not in owner:
-                return m.detach().reshape(-1)
-            with swap.group_resident(owner[id(m)], write=False):  # NVMe: read from its file, a copy
-                return m.detach().reshape(-1).clone()
-
-        for pg in self.optimizer.param_groups:
-            parts = [flat(m) for m in pg["params"]]
-            out.append(torch.cat(parts) if parts else torch.empty(0, dtype=self.place.master_dtype, device=self.device))
-        return out
-
-    def _only_at(self, name: str, stages: tuple[int, ...]) -> None:
-        if self.stage not in stages:  # DeepSpeed's other wrappers have no such attribute: hasattr answers as there
-            raise AttributeError(f"{name} is DeepSpeed's name for the masters at ZeRO stage(s) {stages}; this "
-                                 f"optimizer is at stage {self.stage}")
-
-    @property
-    def single_partition_of_fp32_groups(self) -> list[torch.Tensor]:
-        """Stages 1-2: this rank's partition of each param group's fp32 masters (DeepSpeed's ``DeepSpeedZeroOptimizer``).
-
-        One tensor per param group, as DeepSpeed has it: the rank's share of every bucket of the group, in
-        bucket order (a bucket's share on the last rank ends in its padding, as DeepSpeed's partitions do).
-        hf_zero keeps a master per bucket, so these are copies taken now: reading them (logging, comparing
-        two runs) works as in DeepSpeed; writing into them changes nothing, use
-        ``deepspeed.utils.safe_set_full_fp32_param`` / ``safe_set_local_fp32_param`` for that.
-        """
-        self._only_at("single_partition_of_fp32_groups", (1, 2))
-        return self._per_param_group()
-
-    @property
-    def fp32_partitioned_groups_flat(self) -> list[torch.Tensor]:
-        """Stage 3: this rank's partition of each sub-group's fp32 master (DeepSpeed's ``DeepSpeedZeroOptimizer_Stage3``).
-
-        One tensor per hf_zero shard group with a master (DeepSpeed's sub-groups are its ``sub_group_size``
-        pieces; hf_zero's are its units' and the whole small parameters' buckets): copies taken now, as
-        :attr:`single_partition_of_fp32_groups`.
-        """
-        self._only_at("fp32_partitioned_groups_flat", (3,))
-        return [m.detach().clone() for m in self.master_params()]
-
-    @property
-    def fp32_groups_flat(self) -> list[torch.Tensor]:
-        """Stage 0 in fp16/bf16: each param group's fp32 masters, whole (DeepSpeed's ``FP16_Optimizer``); copies
-        taken now, as :attr:`single_partition_of_fp32_groups`."""
-        self._only_at("fp32_groups_flat", (0,))
-        return self._per_param_group()
+    # ------------------------- the torch optimizer it wraps (DeepSpeed's names for the masters: optimizer_views.py)
 
     @property
     def param_groups(self) -> list[dict]:
@@ -731,40 +512,6 @@ class ShardedOptimizer:
             raise UsageError("this optimizer belongs to no engine (it was destroyed, or built outside "
                              "hf_zero.initialize); step through engine.step()")
         self.step_fn()
-
-    @property
-    def averaged_gradients(self) -> dict[int, list[torch.Tensor]]:
-        """DeepSpeed's ZeRO optimizers' attribute: ``[param group index]`` -> this rank's averaged gradient
-        partitions, one per parameter, in order (:meth:`get_fp32_grad_partitions` as lists; read-only views)."""
-        return {g: [t for _, t in sorted(per.items())] for g, per in self.get_fp32_grad_partitions().items()}
-
-    def get_fp32_grad_partitions(self) -> dict[int, dict[int, torch.Tensor]]:
-        """DeepSpeed's: ``[param group index][parameter index]`` -> this rank's fp32 partition of that parameter's
-        averaged gradient, between an accumulation boundary's backward and the step.
-
-        The indices count the trainable parameters of each optimizer param group, in the group's order. Each
-        entry is a view of the reduced gradient shard (an edit changes what the step uses) over the parameter's
-        partition (:meth:`ShardGroup.partitions`, where its ``ds_tensor`` is too at stage 3): at stages 1-3 this
-        rank's part of it (empty where another rank holds all of it), at stage 0 all of it. A parameter whose
-        gradient is not reduced yet (or was dropped by ``zero_grad`` / the step) is left out; offloaded, it is
-        the host copy once the device shard is released.
-        """
-        where: dict[int, tuple[ShardGroup, int, int]] = {}
-        for g in self.groups:
-            for s, at, n in g.partitions():
-                where[id(s.param)] = (g, at, n)
-        out: dict[int, dict[int, torch.Tensor]] = {}
-        for gi, params in enumerate(self._group_params):
-            for pi, p in enumerate(params):
-                if id(p) not in where:
-                    continue
-                g, at, n = where[id(p)]
-                grad = g.grad_values()
-                if grad is None:
-                    continue
-                part = grad[at : at + n]
-                out.setdefault(gi, {})[pi] = part if part.dtype == torch.float32 else part.float()
-        return out
 
     # ------------------------------------------------------------ helpers
 

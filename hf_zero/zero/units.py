@@ -5,7 +5,9 @@ A *unit* is a transformer block (for ``transformers`` models, an instance of a c
 ``forward`` never runs (``ModuleList``, ``ModuleDict``) or that only chain their children (``Sequential``).
 An input embedding no other module shares is a unit too (:func:`input_embedding_unit`); whatever belongs to
 no unit is the root unit. :func:`side_entries` names the modules that code runs on their own, outside the
-root's forward (an encoder ``generate`` runs first). :class:`Unit` holds one unit's groups
+root's forward (an encoder ``generate`` runs first). :func:`assign_units` gives each parameter its unit (a
+parameter two units share goes to the root), which the optimizer builds stage 3's groups from and ``hf-zero plan``
+counts by. :class:`Unit` holds one unit's groups
 (:class:`hf_zero.zero.sharded_group.ShardedParamGroup`) and the counters that
 :class:`hf_zero.zero.stage3.Stage3Runtime`'s hooks keep on it. Block checkpointing and compiling
 (:mod:`hf_zero.recompute`, :mod:`hf_zero.compile`) wrap the same units, so they read :func:`find_units` too.
@@ -121,6 +123,40 @@ def side_entries(root: torch.nn.Module, units: list[torch.nn.Module]) -> list[to
     if any(any(m is enc for m in u.modules()) for u in units):
         return []
     return [enc]
+
+
+def assign_units(module: torch.nn.Module) -> tuple[list[tuple[str, torch.nn.Module]], dict[int, int]]:
+    """Stage 3's units (the input embedding first when it is one) and each parameter's unit (-1: the root).
+
+    A parameter reachable under two units, or under a unit and outside every unit (a tied embedding and LM
+    head, a weight a parent module also holds), must be whole whenever any of them runs: it joins the root
+    unit, which stays gathered for the whole step. A unit left with no parameter of its own is dropped.
+    """
+    unit_mods = find_units(module)
+    embedding = input_embedding_unit(module, unit_mods)
+    if embedding is not None:
+        unit_mods = [embedding, *unit_mods]
+    owner: dict[int, int] = {}
+    for ui, (_, m) in enumerate(unit_mods):
+        for p in m.parameters():
+            owner[id(p)] = ui if owner.get(id(p), ui) == ui else -1
+    # what the root reaches without passing through a unit (the same module object repeated in a ModuleList,
+    # ALBERT's shared layer, is one unit called many times, not a way around it)
+    units = {id(m) for _, m in unit_mods}
+    stack, seen = [module], set()
+    while stack:
+        m = stack.pop()
+        if id(m) in seen or id(m) in units:
+            continue
+        seen.add(id(m))
+        for p in m._parameters.values():
+            if p is not None:
+                owner[id(p)] = -1
+        stack.extend(c for c in m._modules.values() if c is not None)
+    kept = sorted({ui for ui in owner.values() if ui >= 0})
+    renumber = {old: new for new, old in enumerate(kept)}
+    unit_of = {pid: renumber.get(ui, -1) for pid, ui in owner.items() if ui >= 0}
+    return [unit_mods[ui] for ui in kept], unit_of
 
 
 class Unit:
