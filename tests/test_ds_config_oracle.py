@@ -31,6 +31,7 @@ from pathlib import Path
 import pytest
 
 from hf_zero.config.schema import CLOSED_WHOLE, SECTIONS, TOP, ZERO, classify
+from hf_zero.config.unknown_keys import OWN_CLOSED
 from tests import dsenv
 from tests.ds_corpus import CORPUS, DEEPSPEED_REFUSES, fill_autos, refused_for, verdict
 
@@ -39,7 +40,7 @@ MB = {"train_micro_batch_size_per_gpu": 1}
 # (compile's were DeepSpeed 0.14.0-0.14.3's torch.compile fields; 0.16.6 on, compile is DeepCompile's model)
 HF_ZERO_OWN = {"zero_optimization": {"overlap_param_gather"}, "compile": {"enabled", "backend", "kwargs"}}
 # hf_zero's closed sections: the ones it walks key by key, and the ones it takes whole
-CLOSED = {path for path, section in SECTIONS.items() if section.closed} | set(CLOSED_WHOLE)
+CLOSED = ({path for path, section in SECTIONS.items() if section.closed} | set(CLOSED_WHOLE)) - set(OWN_CLOSED)  # OWN_CLOSED: ours alone
 
 
 def _nest(path: str, value: object) -> dict:
