@@ -6,6 +6,12 @@ loss the model returns) trains through ``hf_zero.Trainer`` with ``TrainingArgume
 ``checkpoint-4`` for 2 more steps. The oracle is the same Trainer on the same ranks without the section (its
 experts whole on every rank; ``tests/test_expert_parallel.py`` checks that both equal one process): every logged
 loss (rel. 1e-5), and a run with ``router_aux_loss_coef`` 0 logs other losses, so the aux loss is what is logged.
+
+TRL: ``hf_zero.trl.SFTTrainer`` on a tiny Mixtral with the section, full fine-tune and with a PEFT LoRA on the
+attention (``peft_config``: the experts and the router frozen, held by EP ranks as before), logs the losses of the
+same trainer without the section (rel. 1e-5). PEFT's parameter-targeted LoRA on the fused experts
+(``target_parameters``) merges adapters that mix every expert into the whole fused tensor, which an EP rank does not
+hold: ``initialize`` refuses it in one sentence on every rank rather than train it wrong.
 """
 
 from __future__ import annotations
@@ -77,3 +83,74 @@ def test_trainer_with_expert_parallel_saves_and_resumes(tmp_path: Path) -> None:
         assert all(_close(ep["losses"][k], v) for k, v in plain["losses"].items()), (rank, ep["losses"], plain["losses"])
         # the logged loss holds the router's aux loss (at coefficient 0.1 it differs from the run without it)
         assert all(abs(plain["losses"][k] - v) > 1e-4 for k, v in no_aux["losses"].items()), (plain, no_aux)
+
+
+def _sft(case: dict) -> dict:
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    import hf_zero.trl as hz_trl
+    from tests.test_trl import _sft_data, _tokenizer
+
+    tok = _tokenizer()
+    torch.manual_seed(0)
+    model = MixtralForCausalLM(MixtralConfig(
+        vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, num_local_experts=8, num_experts_per_tok=2,
+        output_router_logits=True, router_aux_loss_coef=0.1, tie_word_embeddings=False, pad_token_id=0))
+    zero: dict = {"zero_optimization": {"stage": case["stage"]}, "train_micro_batch_size_per_gpu": "auto",
+                  "gradient_accumulation_steps": "auto", "gradient_clipping": "auto"}
+    if case["ep"] > 1:
+        zero["expert_parallel"] = {"enabled": True, "autoep_size": case["ep"]}
+    args = hz_trl.SFTConfig(
+        output_dir=case["dir"], per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=3,
+        learning_rate=1e-2, max_grad_norm=0.5, logging_steps=1, report_to="none", use_cpu=True, seed=0,
+        save_strategy="no", disable_tqdm=True, bf16=False, dataloader_drop_last=True, max_length=32, zero_config=zero)
+    peft_config = None
+    if case["lora"]:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"],
+                                 task_type="CAUSAL_LM")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = hz_trl.SFTTrainer(model=model, args=args, train_dataset=_sft_data(), processing_class=tok,
+                                    peft_config=peft_config)
+        trainer.train()
+    router = [p.requires_grad for n, p in trainer.model.named_parameters() if n.endswith("mlp.gate.weight")]
+    return {"losses": [h["loss"] for h in trainer.state.log_history if "loss" in h], "router_trained": any(router)}
+
+
+def _refuse_target_parameters() -> str:
+    from peft import LoraConfig, get_peft_model
+
+    import hf_zero
+
+    model = get_peft_model(tiny_moe("mixtral"), LoraConfig(r=2, target_parameters=["experts.gate_up_proj"]))
+    try:
+        hf_zero.initialize(model=model, config={"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2},
+                                                "expert_parallel": {"enabled": True, "autoep_size": 2}},
+                           optimizer=lambda g: torch.optim.AdamW(g, lr=1e-3))
+        return "accepted"
+    except Exception as e:  # noqa: BLE001 - the sentence is the result
+        return f"{type(e).__name__}: {e}"
+
+
+def _trl_run(rank: int, world: int, cases: list) -> dict:
+    out = []
+    for case in cases:
+        _reset()
+        out.append(_sft(case))
+    return {"sft": out, "refused": _refuse_target_parameters()}
+
+
+def test_trl_sft_and_peft_with_expert_parallel(tmp_path: Path) -> None:
+    cases = [{"ep": ep, "lora": lora, "stage": stage, "dir": str(tmp_path / f"sft{ep}{lora}")}
+             for lora, stage in ((False, 3), (True, 2)) for ep in (2, 1)]
+    for rank, res in enumerate(spawn(_trl_run, 4, cases)):
+        full_ep, full, lora_ep, lora = res["sft"]
+        for got, want in ((full_ep, full), (lora_ep, lora)):
+            assert len(got["losses"]) == len(want["losses"]) == 3, (rank, got, want)
+            assert all(_close(a, b) for a, b in zip(got["losses"], want["losses"])), (rank, got, want)
+        assert full_ep["router_trained"] and not lora_ep["router_trained"]  # LoRA leaves the router frozen
+        assert res["refused"].startswith("UsageError: expert_parallel: 'base_model.model.model.layers.0.mlp.experts"), res
+        assert "target_parameters" in res["refused"] and res["refused"].count(". ") == 0, res
