@@ -9,6 +9,13 @@ tensor-parallel rank, so that a checkpoint still reshards across data-parallel s
 (``checkpoint/save.py``, ``load.py``); and consolidation puts the slices back together
 (``checkpoint/consolidated.py``). The split travels on the parameter itself (``hf_zero_tp``), so
 it follows the parameter wherever it goes.
+
+Expert parallelism (``hf_zero/expert/``) cuts the same way: EP rank ``r`` of ``n`` holds a block of dim 0 of each fused
+experts tensor (experts ``[r*E/n, (r+1)*E/n)``). Its cut rides on the parameter under an attribute of its own
+(``hf_zero_ep_cut``, :func:`mark_expert_cut`), so that nothing that reads :func:`split_of` (ZeRO's tensor-parallel
+buckets, the norm, consolidation's all-gather) takes experts for a tensor-parallel slice; only the checkpoint names
+(``name@ep<r>of<n>``) and the parameter table (``"ep"``: the dim, the degree, the whole shape and the global expert
+range) treat both alike, so a resume checkpoint reshards across EP degrees the way it does across tp degrees.
 """
 
 from __future__ import annotations
@@ -19,7 +26,8 @@ from dataclasses import dataclass
 import torch
 
 ATTR = "hf_zero_tp"
-_KEY = re.compile(r"^(?P<name>.+)@tp(?P<rank>\d+)of(?P<size>\d+)$")
+EP_ATTR = "hf_zero_ep_cut"
+_KEY = re.compile(r"^(?P<name>.+)@(?P<kind>tp|ep)(?P<rank>\d+)of(?P<size>\d+)$")
 
 
 @dataclass(frozen=True)
@@ -41,29 +49,67 @@ def mark(p: torch.Tensor, split: TPSplit) -> None:
     setattr(p, ATTR, split)
 
 
-def checkpoint_name(name: str, p: torch.Tensor) -> str:
-    """The name ``p``'s values are stored under in a resume checkpoint: ``name``, or ``name@tp<r>of<n>`` for a slice."""
+def mark_expert_cut(p: torch.Tensor, cut: TPSplit) -> None:
+    """Record that ``p`` holds EP rank ``cut.rank``'s block of dim 0 of a fused experts tensor (module docstring)."""
+    setattr(p, EP_ATTR, cut)
+
+
+def stored_cut(p: torch.Tensor) -> tuple[str, TPSplit] | None:
+    """How a checkpoint stores ``p``: ``("tp", split)`` for a tensor-parallel slice, ``("ep", cut)`` for an EP rank's
+    experts, None for a whole parameter."""
     s = split_of(p)
-    return name if s is None else slice_name(name, s.rank, s.size)
+    if s is not None:
+        return "tp", s
+    e = getattr(p, EP_ATTR, None)
+    return ("ep", e) if e is not None else None
 
 
-def slice_name(name: str, rank: int, size: int) -> str:
-    return f"{name}@tp{rank}of{size}"
+def checkpoint_name(name: str, p: torch.Tensor) -> str:
+    """The name ``p``'s values are stored under in a resume checkpoint: ``name``, or ``name@tp<r>of<n>`` for a slice
+    (``name@ep<r>of<n>`` for an EP rank's experts)."""
+    c = stored_cut(p)
+    return name if c is None else slice_name(name, c[1].rank, c[1].size, c[0])
+
+
+def slice_name(name: str, rank: int, size: int, kind: str = "tp") -> str:
+    return f"{name}@{kind}{rank}of{size}"
 
 
 def parse_slice_name(key: str) -> tuple[str, int, int] | None:
-    """``(name, rank, size)`` of a stored slice's name, or None for a whole parameter's."""
+    """``(name, rank, size)`` of a stored slice's name (tensor- or expert-parallel), or None for a whole parameter's."""
     m = _KEY.match(key)
     return (m["name"], int(m["rank"]), int(m["size"])) if m else None
 
 
+def slice_kind(key: str) -> str | None:
+    """``"tp"`` or ``"ep"`` for a stored slice's name, None for a whole parameter's."""
+    m = _KEY.match(key)
+    return m["kind"] if m else None
+
+
 def stored_names(name: str, p: torch.Tensor) -> list[str]:
-    """Every name the ranks of ``p``'s tensor-parallel group store it under (``[name]`` for a whole parameter)."""
-    s = split_of(p)
-    return [name] if s is None else [slice_name(name, r, s.size) for r in range(s.size)]
+    """Every name the ranks of ``p``'s tensor-parallel (or EP) group store it under (``[name]`` for a whole one)."""
+    c = stored_cut(p)
+    return [name] if c is None else [slice_name(name, r, c[1].size, c[0]) for r in range(c[1].size)]
 
 
-def table_entry(p: torch.Tensor) -> dict:
-    """What a checkpoint's parameter table records of a slice beyond its shape: how to put the whole back."""
-    s = split_of(p)
-    return {} if s is None else {"tp": {"dim": s.dim, "size": s.size, "full_shape": list(s.full_shape)}}
+def table_entry(p: torch.Tensor, key: str | None = None) -> dict:
+    """What a checkpoint's parameter table records of a slice beyond its shape: how to put the whole back (and for
+    an EP rank's experts, the global expert range ``[first, end)`` that the rank named in the stored name ``key``
+    holds; this rank's without ``key``)."""
+    c = stored_cut(p)
+    if c is None:
+        return {}
+    kind, s = c
+    entry: dict = {"dim": s.dim, "size": s.size, "full_shape": list(s.full_shape)}
+    if kind == "ep":
+        cut = parse_slice_name(key) if key is not None else None
+        rank = cut[1] if cut is not None else s.rank
+        per = s.full_shape[0] // s.size
+        entry["experts"] = [rank * per, (rank + 1) * per]
+    return {kind: entry}
+
+
+def cut_entry(info: dict) -> dict | None:
+    """A parameter table entry's cut (``"tp"`` or ``"ep"``: dim, size, full_shape), None for a whole parameter."""
+    return info.get("tp") or info.get("ep")

@@ -23,7 +23,7 @@ from hf_zero.checkpoint.format import CheckpointReader, read_meta, resolve_tag
 from hf_zero.errors import CheckpointError
 from hf_zero.expert.slices import gather_whole, slice_of
 from hf_zero.precision import SAFETENSORS_DTYPES
-from hf_zero.tp_split import parse_slice_name, split_of
+from hf_zero.tp_split import cut_entry, parse_slice_name, split_of
 
 if TYPE_CHECKING:
     from hf_zero.checkpoint.state import TrainState
@@ -399,7 +399,7 @@ def checkpoint_weights(
     if damaged:
         raise CheckpointError(damaged[0])
     entries, kinds = [], {}
-    slices: dict[str, list[str]] = {}  # a tensor-parallel weight: its slices' names, by rank (hf_zero/tp_split.py)
+    slices: dict[str, list[str]] = {}  # a tensor-parallel weight or EP experts: its slices' names, by rank (tp_split.py)
     for name, info in meta["params"].items():
         if (exclude_frozen or meta.get("frozen_excluded")) and not info.get("trainable", True):
             continue
@@ -413,7 +413,7 @@ def checkpoint_weights(
         whole, r, size = cut
         if whole not in slices:
             slices[whole] = [""] * size
-            entries.append((whole, dt, tuple(info["tp"]["full_shape"])))
+            entries.append((whole, dt, tuple(cut_entry(info)["full_shape"])))
         slices[whole][r] = name
     for name, (r, key) in reader.buffers.items():  # rank 0's, or in a pipeline each stage's
         if name not in kinds:
@@ -424,7 +424,7 @@ def checkpoint_weights(
     def produce(name: str) -> torch.Tensor:
         if name in slices:
             parts = [produce(key) for key in slices[name]]
-            return torch.cat(parts, dim=kinds[slices[name][0]][1]["tp"]["dim"])
+            return torch.cat(parts, dim=cut_entry(kinds[slices[name][0]][1])["dim"])
         kind, info = kinds[name]
         if kind == "buffer":
             return reader.tensor(*reader.buffers[name])

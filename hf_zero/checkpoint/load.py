@@ -27,8 +27,7 @@ from hf_zero.checkpoint.ranks import gather_findings
 from hf_zero.checkpoint.state import Progress, TrainState
 from hf_zero.checkpoint.tp_reshard import base_name, install, whole_shapes
 from hf_zero.errors import CheckpointError
-from hf_zero.expert.slices import refuse_resume_checkpoint
-from hf_zero.tp_split import checkpoint_name, parse_slice_name, split_of, stored_names
+from hf_zero.tp_split import checkpoint_name, parse_slice_name, slice_kind, stored_cut, stored_names
 
 
 def _different_model(path: str, missing: list[str], extra: list[str]) -> str:
@@ -43,8 +42,7 @@ def _model_problems(state: TrainState, meta: dict, path: str) -> list[str]:
     problems: list[str] = []
     if _other_split(state, meta):  # another tensor-parallel degree: compared by parameter and whole shape
         saved_whole = whole_shapes(saved_params)
-        here_whole = {base_name(k): tuple(split_of(p).full_shape if split_of(p) is not None else p.shape)
-                      for k, p in here.items()}
+        here_whole = {base_name(k): tuple(_whole_shape(p)) for k, p in here.items()}
         missing = sorted(set(here_whole) - set(saved_whole))
         extra = [] if state.layout.pipe_stage is not None else sorted(set(saved_whole) - set(here_whole))
         if missing or extra:
@@ -77,11 +75,28 @@ def _model_problems(state: TrainState, meta: dict, path: str) -> list[str]:
     return problems
 
 
+def _whole_shape(p: torch.Tensor) -> tuple[int, ...]:
+    c = stored_cut(p)
+    return c[1].full_shape if c is not None else tuple(p.shape)
+
+
+def _degrees(names: Any) -> dict[str, int]:
+    """The tensor- and expert-parallel degrees a set of stored names was cut at (``{"tp": 2}``; empty: none)."""
+    out: dict[str, int] = {}
+    for key in names:
+        cut = parse_slice_name(key)
+        if cut:
+            kind = slice_kind(key)
+            assert kind is not None
+            out[kind] = max(out.get(kind, 1), cut[2])
+    return out
+
+
 def _other_split(state: TrainState, meta: dict) -> bool:
-    """Whether the checkpoint's tensor-parallel degree differs from this run's (its slices are then re-cut)."""
-    saved = {s[2] for s in map(parse_slice_name, meta["params"]) if s}
-    here = {split_of(p).size for p in state.module.parameters() if split_of(p) is not None}
-    return max(saved, default=1) != max(here, default=1)
+    """Whether the checkpoint's tensor-parallel or expert-parallel degree differs from this run's (its slices are then
+    re-cut: EP 2 saved and EP 4 or no EP resumed, tp 2 and dp only, and back)."""
+    here = _degrees(checkpoint_name(n, p) for n, p in state.module.named_parameters())
+    return _degrees(meta["params"]) != here
 
 
 def _optimizer_problems(
@@ -198,7 +213,6 @@ def load(
     place (they are the engine's own objects); returns ``(path, client_state, progress)``, the
     counters for the engine to take (None with ``load_module_only``).
     """
-    refuse_resume_checkpoint(state.module, "load_checkpoint")
     path = resolve_tag(load_dir, tag)
     meta = read_meta(path)
     lay = state.layout
@@ -227,7 +241,8 @@ def load(
     if errors:  # every rank raises the same sentence, before anything was loaded
         raise CheckpointError(errors[0])
     if _other_split(state, meta):  # each rank's slices re-cut from the saved ones (or whole from the slices)
-        install(reader, meta["params"], {checkpoint_name(n, p): split_of(p) for n, p in state.module.named_parameters()})
+        install(reader, meta["params"], {checkpoint_name(n, p): (c[1] if (c := stored_cut(p)) else None)
+                                         for n, p in state.module.named_parameters()})
     with torch.no_grad():
         _restore_weights(state, reader, bool(meta.get("frozen_excluded")))
     if hypers is not None and load_optimizer_states:

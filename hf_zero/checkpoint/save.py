@@ -60,8 +60,8 @@ from hf_zero.checkpoint.ranks import CheckpointLayout, agree, attempt, pool
 from hf_zero.checkpoint.state import TrainState
 from hf_zero.dist import gather_json
 from hf_zero.errors import CheckpointError, CheckpointTagError
-from hf_zero.expert.slices import refuse_resume_checkpoint
 from hf_zero.tp_split import checkpoint_name, stored_names, table_entry
+from hf_zero.zero.group import subgroup_of
 
 logger = logging.getLogger("hf_zero")
 
@@ -90,7 +90,7 @@ def optimizer_table(state: TrainState) -> dict[str, Any]:
         if sched is not None and hasattr(sched, "state_dict") else None,
         "params": {
             k: {"shape": list(p.shape), "dtype": str(p.dtype).removeprefix("torch."), "trainable": p.requires_grad,
-                "group": group_of.get(k), **table_entry(p)}
+                "group": group_of.get(k), **table_entry(p, k)}
             for n, p in state.module.named_parameters() for k in stored_names(n, p)
         },
         "shared": shared_names(state.module),
@@ -168,7 +168,6 @@ def save(
     writes and publishes (:mod:`hf_zero.checkpoint.background`); the path is then where the
     checkpoint will be once that is done.
     """
-    refuse_resume_checkpoint(state.module, "save_checkpoint")
     streams = rng_state(state.device)  # this step's random streams, before anything the save does (module docstring)
     try:
         return _save(state, save_dir, tag, client_state, save_latest, keep_last, background, exclude_frozen, streams)
@@ -337,20 +336,31 @@ def plan_share(state: TrainState, exclude_frozen: bool = False) -> dict[str, Any
     assert zo is not None
     out: dict[str, Any] = {"tensors": {}, "ranges": {}, "scalars": {}}
     for g in zo.groups:
-        # stage 0: every rank holds the same values, the first stores them; hybrid sharding: replica 0's ranks store
-        if (g.partitioned and lay.stores_shards) or lay.dp_rank == 0:
+        # stage 0: every rank holds the same values, the first stores them; hybrid sharding: replica 0's ranks store;
+        # an expert-parallel group: the first rank of its expert-data-parallel group (each EP rank's experts differ)
+        sub = subgroup_of(g.slots[0].param) if g.slots else None
+        first_of_sub = sub is not None and g.place.rank == 0
+        if (g.partitioned and lay.stores_shards) or lay.dp_rank == 0 or (not g.partitioned and first_of_sub):
             _group_tensors(g, zo.optimizer.state, lay, out, exclude_frozen)
     grouped = {id(s.param) for g in zo.groups for s in g.slots} | lay.others
+    for name, p in () if exclude_frozen else state.module.named_parameters():
+        # frozen and whole on every rank (of the stage), stored by the first; an EP rank's frozen experts by the first
+        # rank of its expert-data-parallel group
+        if id(p) not in grouped and (lay.dp_rank == 0 or _first_of_subgroup(p)):
+            key = checkpoint_name(name, p)
+            out["tensors"][f"frozen|{key}"] = (p.detach().reshape(-1), p.dtype)
+            out["ranges"][f"frozen|{key}"] = [key, 0, p.numel()]
     if lay.dp_rank == 0:
-        for name, p in () if exclude_frozen else state.module.named_parameters():
-            if id(p) not in grouped:  # frozen and whole on every rank (of the stage)
-                key = checkpoint_name(name, p)
-                out["tensors"][f"frozen|{key}"] = (p.detach().reshape(-1), p.dtype)
-                out["ranges"][f"frozen|{key}"] = [key, 0, p.numel()]
         for name, b in state.module.state_dict(keep_vars=True).items() if lay.tp_rank == 0 else ():
             if not isinstance(b, torch.nn.Parameter) and torch.is_tensor(b):
                 out["tensors"][f"buffer|{name}"] = (b.detach(), b.dtype)
     return out
+
+
+def _first_of_subgroup(p: torch.Tensor) -> bool:
+    """Whether ``p`` is sharded over a sub-group (an EP rank's experts) of which this rank is the first."""
+    sub = subgroup_of(p)
+    return sub is not None and dist.get_rank(sub.group) == 0
 
 
 def plan_bytes(plan: Plan) -> int:

@@ -1,4 +1,5 @@
-"""Loading a resume checkpoint at another tensor-parallel degree (tp 2 x dp 2 saved, dp 4 resumed, and back).
+"""Loading a resume checkpoint at another tensor- or expert-parallel degree (tp 2 x dp 2 saved, dp 4 resumed, and
+back; EP 2 saved, EP 4 or no EP resumed, and back: an EP rank's experts are a dim-0 slice named ``name@ep0of2``).
 
 A checkpoint stores a tensor-parallel slice under a name of its own per rank (``name@tp0of2``, with its dim, degree
 and whole shape in the parameter table; ``hf_zero/tp_split.py``) and a whole parameter under its name. This run
@@ -18,7 +19,7 @@ from collections import defaultdict
 import torch
 
 from hf_zero.checkpoint.format import CheckpointReader
-from hf_zero.tp_split import TPSplit, parse_slice_name
+from hf_zero.tp_split import TPSplit, cut_entry, parse_slice_name
 
 
 def base_name(key: str) -> str:
@@ -29,7 +30,7 @@ def base_name(key: str) -> str:
 
 def whole_shapes(params: dict[str, dict]) -> dict[str, tuple[int, ...]]:
     """The whole shape of every parameter of a checkpoint's table, by parameter (not stored) name."""
-    return {base_name(k): tuple(v["tp"]["full_shape"] if "tp" in v else v["shape"]) for k, v in params.items()}
+    return {base_name(k): tuple(c["full_shape"] if (c := cut_entry(v)) else v["shape"]) for k, v in params.items()}
 
 
 def install(reader: CheckpointReader, saved: dict[str, dict], here: dict[str, TPSplit | None]) -> int:
@@ -75,7 +76,7 @@ class _Derived:
             buf = torch.empty(math.prod(shape), dtype=torch.float32 if self.kind != "frozen" else _dtype(self.saved[s]))
             self.reader.read(self.kind, s, 0, buf.numel(), buf)
             parts.append(buf.view(shape))
-        whole = parts[0] if len(parts) == 1 else torch.cat(parts, dim=self.saved[self.sources[0]]["tp"]["dim"])
+        whole = parts[0] if len(parts) == 1 else torch.cat(parts, dim=cut_entry(self.saved[self.sources[0]])["dim"])
         if self.split is not None:
             n = whole.shape[self.split.dim] // self.split.size
             whole = whole.narrow(self.split.dim, self.split.rank * n, n)

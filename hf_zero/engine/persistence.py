@@ -172,7 +172,8 @@ class Persistence:
         :func:`hf_zero.checkpoint.load.optimizer_state_file` finds it in the checkpoint (in the layout of the save
         its own file, at stage 0 the first rank's); where the checkpoint is not there yet or holds none for this
         rank, and for ``expp_rank`` (DeepSpeed's argument: the expert-parallel rank of its MoE optimizer files;
-        hf_zero has no expert parallelism, so it names a rank), the file that rank writes. ``load_checkpoint``
+        hf_zero keeps no per-EP-rank optimizer files, an EP rank's experts being named apart inside every rank's
+        share, so it names a rank), the file that rank writes. ``load_checkpoint``
         asks for it only when it loads optimizer states, and logs it at debug level.
         """
         from hf_zero.checkpoint.format import META, rank_file_name

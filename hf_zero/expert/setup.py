@@ -26,6 +26,7 @@ from hf_zero.expert.slices import ExpertSlice
 from hf_zero.expert.slices import mark as mark_slice
 from hf_zero.module_setup import broadcast_module, move_to_device
 from hf_zero.parallel import ParallelGrid
+from hf_zero.tp_split import TPSplit, mark_expert_cut
 from hf_zero.zero.attach import mark_synced_generation
 from hf_zero.zero.group import SubGroup, mark_subgroup
 from hf_zero.zero.preshard import full_shape, is_presharded, materialize_
@@ -92,6 +93,7 @@ def _check(model: torch.nn.Module, cfg: Any, grid: ParallelGrid, found: list[tup
         raise ConfigError(f"expert_parallel.top_k: got {ep.top_k}, but the model routes each token to its "
                           f"num_experts_per_tok = {top_k} experts with its own router; remove top_k or set it to {top_k}")
     for mname, m in found:
+        _refuse_adapter_wrapper(model, mname)
         if hasattr(m, ATTR):
             raise UsageError(f"'{mname}' is already split for expert parallelism (the model went through initialize "
                              "before); build the model again for a second engine")
@@ -100,6 +102,24 @@ def _check(model: torch.nn.Module, cfg: Any, grid: ParallelGrid, found: list[tup
                               f"experts of '{mname}'; choose a divisor of {m.num_experts}")
         if any(p.is_meta and not is_presharded(p) for p in m.parameters()):
             raise UsageError(f"expert_parallel: '{mname}' has parameters on the meta device; load real weights first")
+
+
+def _refuse_adapter_wrapper(model: torch.nn.Module, mname: str) -> None:
+    """PEFT's parameter-targeted LoRA (``LoraConfig(target_parameters=[...experts.gate_up_proj])``) wraps the experts
+    module (``ParamWrapper``, as ``base_layer``) and adds a delta made from adapters that interleave every expert's
+    rank-r factors in one matrix (lora_B's expert axis is dim 1), merged into the whole fused parameter at each
+    forward: an EP rank holds only a dim-0 block of that parameter, so the merge would add the wrong experts' deltas
+    (or fail on the shapes). Refused until the adapters are split with the experts."""
+    parts = mname.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        if parts[i] != "base_layer":
+            break
+        wrapper = model.get_submodule(".".join(parts[:i]))
+        if hasattr(wrapper, "lora_A"):
+            raise UsageError(f"expert_parallel: '{'.'.join(parts[:i])}' is wrapped by PEFT's parameter-targeted LoRA "
+                             "(LoraConfig(target_parameters=...)), whose per-expert adapters hf_zero cannot split over "
+                             "EP ranks yet; put LoRA on other modules (target_modules, the experts then frozen) or "
+                             "disable expert_parallel")
 
 
 def _forward(module: torch.nn.Module, shard: ExpertShard, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
@@ -152,6 +172,8 @@ def setup(model: torch.nn.Module, cfg: Any, grid: ParallelGrid, device: torch.de
             first = groups.ep_rank * local
             where = ExpertSlice(first, local, total, groups.ep_group, ep.size)
             for p in m.parameters(recurse=False):
+                # named per EP rank in resume checkpoints, with its global expert range (hf_zero/tp_split.py)
+                mark_expert_cut(p, TPSplit(0, groups.ep_rank, ep.size, tuple(p.shape)))
                 p.data = p.data.narrow(0, first, local).clone()
                 mark_subgroup(p, sub)
                 mark_slice(p, where)

@@ -38,16 +38,6 @@ def mark(p: torch.Tensor, s: ExpertSlice) -> None:
     setattr(p, ATTR, s)
 
 
-def refuse_resume_checkpoint(module: torch.nn.Module, what: str) -> None:
-    """Resume checkpoints store each parameter by name and range, and EP ranks hold different experts under one name:
-    until they are named per EP rank, a save or load of one is refused (on every rank: all hold experts)."""
-    if any(slice_of(p) is not None for p in module.parameters()):
-        from hf_zero.errors import UsageError
-
-        raise UsageError(f"{what} with expert_parallel is not supported yet (resume checkpoints do not name each EP "
-                         "rank's experts apart); save the weights with save_pretrained or save_16bit_model instead")
-
-
 def gather_whole(t: torch.Tensor, s: ExpertSlice) -> torch.Tensor:
     """The whole fused tensor from every EP rank's slice (collective over ``s.group``), as a new tensor."""
     parts = [torch.empty_like(t) for _ in range(s.size)]
