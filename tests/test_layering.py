@@ -257,7 +257,7 @@ def test_errors_keep_their_old_import_paths() -> None:
     from hf_zero.dist import PeerFailureError
     from hf_zero.engine import UsageError
     from hf_zero.hub import HubError
-    from hf_zero.optim import OptimizerConfigError
+    from hf_zero.optim.optimizers import OptimizerConfigError
     from hf_zero.pipe import PipelineError
     from hf_zero.precision import LossScaleFloorError, NonFiniteLossError
 

@@ -223,7 +223,7 @@ class Trainer(transformers.Trainer):
         section = self._section("optimizer")
         if section is None or self.optimizer is not None:
             return super().create_optimizer(model) if model is not None else super().create_optimizer()
-        from hf_zero.optim import build_optimizer
+        from hf_zero.optim.optimizers import build_optimizer
 
         params = dict(section.get("params") or {})
         for key, value, _ in optimizer_args(self.args):
@@ -240,7 +240,7 @@ class Trainer(transformers.Trainer):
         section = self._section("scheduler")
         if section is None or self.lr_scheduler is not None:
             return super().create_scheduler(num_training_steps, optimizer)
-        from hf_zero.schedules import build_scheduler
+        from hf_zero.optim.schedules import build_scheduler
 
         params = trainer_scheduler_params(section, self.args, num_training_steps)
         opt = optimizer if optimizer is not None else self.optimizer
