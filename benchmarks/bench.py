@@ -225,7 +225,7 @@ def fsdp2_step(model: torch.nn.Module, args: argparse.Namespace, offload: bool =
             precompute_float8_dynamic_scale_for_fsdp,
         )
 
-        from hf_zero.float8 import float8_filter
+        from hf_zero.precision.float8 import float8_filter
 
         convert_to_float8_training(model, config=Float8LinearConfig(enable_fsdp_float8_all_gather=True),
                                    module_filter_fn=float8_filter(model))

@@ -259,7 +259,7 @@ def test_errors_keep_their_old_import_paths() -> None:
     from hf_zero.hub import HubError
     from hf_zero.optim.optimizers import OptimizerConfigError
     from hf_zero.pipe import PipelineError
-    from hf_zero.precision import LossScaleFloorError, NonFiniteLossError
+    from hf_zero.precision.policies import LossScaleFloorError, NonFiniteLossError
 
     assert (CheckpointError, LaunchError, ConfigError, PeerFailureError, UsageError, HubError, OptimizerConfigError,
             PipelineError, LossScaleFloorError, NonFiniteLossError) == (

@@ -62,7 +62,7 @@ def _numerics(rank: int, world: int) -> dict:
 
     import hf_zero
     import hf_zero.step as step_policy
-    from hf_zero.precision import LossScaleFloorError, NonFiniteLossError
+    from hf_zero.precision.policies import LossScaleFloorError, NonFiniteLossError
 
     warnings: list[str] = []
 

@@ -22,7 +22,7 @@ import torch
 from hf_zero.checkpoint.format import CheckpointReader, read_meta, resolve_tag
 from hf_zero.errors import CheckpointError
 from hf_zero.expert.slices import gather_whole, slice_of
-from hf_zero.precision import SAFETENSORS_DTYPES
+from hf_zero.precision.policies import SAFETENSORS_DTYPES
 from hf_zero.tp_split import parse_slice_name, split_of
 
 if TYPE_CHECKING:

@@ -73,7 +73,7 @@ class ZeroConfig:
     fp16: FP16Config = field(default_factory=FP16Config)
     bf16: BF16Config = field(default_factory=BF16Config)
     torch_autocast: TorchAutocastConfig = field(default_factory=TorchAutocastConfig)
-    fp8: Float8Config = field(default_factory=Float8Config)  # hf_zero extension: float8 linears (hf_zero/float8.py)
+    fp8: Float8Config = field(default_factory=Float8Config)  # hf_zero extension: float8 linears (hf_zero/precision/float8.py)
     zero_optimization: ZeroOptimizationConfig = field(default_factory=ZeroOptimizationConfig)
     communication_data_type: str | None = None  # "fp32" | "fp16" | "bf16"; None: the engine's default
     steps_per_print: int | None = 10  # null: never print, DeepSpeed's own default

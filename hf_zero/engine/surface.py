@@ -18,7 +18,7 @@ import torch
 
 from hf_zero.errors import UsageError
 from hf_zero.module_setup import no_kv_cache_in_training
-from hf_zero.precision import reduce_dtype
+from hf_zero.precision.policies import reduce_dtype
 from hf_zero.zero import collectives as C
 
 if TYPE_CHECKING:
@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from hf_zero.engine.long_runs import LongRuns
     from hf_zero.engine.persistence import Persistence
     from hf_zero.parallel import ParallelGrid
-    from hf_zero.precision import LossScaler
+    from hf_zero.precision.policies import LossScaler
     from hf_zero.tensor_parallel import TensorParallelGroups
     from hf_zero.zero.optimizer import ShardedOptimizer
 

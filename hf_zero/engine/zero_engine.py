@@ -32,7 +32,6 @@ from hf_zero.engine.surface import DeepSpeedSurface
 from hf_zero.engine.train_state import TrainStateSource
 from hf_zero.engine.zero_setup import NoOptimizer, sharded_optimizer
 from hf_zero.errors import ConfigError, NoSyncAtStage3Error, StepInNoSyncError, UsageError
-from hf_zero.float8 import apply_float8
 from hf_zero.module_setup import (
     broadcast_module,
     cast_frozen_params,
@@ -41,7 +40,8 @@ from hf_zero.module_setup import (
     no_kv_cache_in_training,
 )
 from hf_zero.parallel import GridShape, ParallelGrid, grid_for
-from hf_zero.precision import loss_scaler_for
+from hf_zero.precision.float8 import apply_float8
+from hf_zero.precision.policies import loss_scaler_for
 from hf_zero.recompute import checkpoint_blocks
 from hf_zero.sequence.groups import view_of as sequence_view_of
 from hf_zero.step import NormScope, StepPolicy, StepResult

@@ -20,7 +20,7 @@ from hf_zero.checkpoint.consolidated import save_model_config, write_weights
 from hf_zero.checkpoint.state import TrainState
 from hf_zero.dist import gather_json
 from hf_zero.pipe.module import PipelineModule
-from hf_zero.precision import dtype_by_name
+from hf_zero.precision.policies import dtype_by_name
 from hf_zero.tp_split import split_of
 
 

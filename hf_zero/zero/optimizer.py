@@ -284,7 +284,7 @@ class ShardedOptimizer(DeepSpeedOptimizerViews):
             groups: list[ShardedParamGroup] = []
             for gi, named in [*enumerate(group_named), (-1, frozen)]:
                 kinds = unit_parts(named, ui, unit_of, threshold)
-                # float8 linears' weights marked for the float8 all-gather (hf_zero/float8.py), trainable and not
+                # float8 linears' weights marked for the float8 all-gather (hf_zero/precision/float8.py), trainable and not
                 # offloaded, in groups of their own: their unit's compute gathers them as float8
                 f8 = [x for part in kinds for x in part if float8_module_of(x[1]) is not None and kind(x[1]) == (False, 0)
                       ] if gi >= 0 and not (offload.optimizer or offload.params) else []
