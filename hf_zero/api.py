@@ -25,11 +25,11 @@ from hf_zero.expert.setup import setup as setup_expert_parallel
 from hf_zero.optim.optimizers import build_optimizer
 from hf_zero.optim.schedules import build_scheduler
 from hf_zero.parallel import GridShape, grid_for, replicas_for
+from hf_zero.parallel.tensor_parallel import setup as setup_tensor_parallel
 from hf_zero.pipe.engine import PipelineEngine
 from hf_zero.pipe.module import PipelineModule
 from hf_zero.sequence.setup import setup_model as setup_sequence_parallel
 from hf_zero.sequence.setup import wrap_loader as wrap_sequence_loader
-from hf_zero.tensor_parallel import setup as setup_tensor_parallel
 
 # The engine initialize built last: what DeepSpeed's module-level groups (deepspeed.utils.groups) describe.
 _latest: list[weakref.ref | None] = [None]

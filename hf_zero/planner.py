@@ -3,7 +3,7 @@
 Everything is counted from the model the engine would build and from the engine's own choices, not from a
 generic formula: the stage-3 units and the root unit (:func:`hf_zero.zero.units.assign_units`), the
 parameters stage 3 keeps whole (``stage3_param_persistence_threshold``), the linear layers tensor parallelism
-splits (:func:`hf_zero.tensor_parallel.planned_layers`), the pipeline split (:func:`hf_zero.pipe.module.partition_balanced`
+splits (:func:`hf_zero.parallel.tensor_parallel.planned_layers`), the pipeline split (:func:`hf_zero.pipe.module.partition_balanced`
 over embedding, blocks, final norm and head, as :mod:`hf_zero.pipe.hf` lists them) and the grid's rank order
 (:mod:`hf_zero.parallel.grid`: ``tp`` innermost, ``pp`` outermost). Weights, gradients and optimizer state are
 :func:`hf_zero.estimate.estimate_memory`'s figures (the ones tests/test_memory.py checks against a run), with

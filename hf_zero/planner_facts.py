@@ -86,7 +86,7 @@ def model_facts(config: Any, name: str = "") -> ModelFacts:
     """Build the model on the meta device and classify its trainable parameters the way the engine will."""
     import torch
 
-    from hf_zero.tensor_parallel import SPLIT_STYLES, planned_layers
+    from hf_zero.parallel.tensor_parallel import SPLIT_STYLES, planned_layers
     from hf_zero.zero.units import assign_units  # the engine's own stage-3 units
 
     model = estimate.build_model_on_meta(config)

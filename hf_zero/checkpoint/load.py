@@ -28,7 +28,7 @@ from hf_zero.checkpoint.state import Progress, TrainState
 from hf_zero.checkpoint.tp_reshard import base_name, install, whole_shapes
 from hf_zero.errors import CheckpointError
 from hf_zero.expert.slices import refuse_resume_checkpoint
-from hf_zero.tp_split import checkpoint_name, parse_slice_name, split_of, stored_names
+from hf_zero.parallel.tp_split import checkpoint_name, parse_slice_name, split_of, stored_names
 
 
 def _different_model(path: str, missing: list[str], extra: list[str]) -> str:

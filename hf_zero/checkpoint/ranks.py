@@ -31,7 +31,7 @@ class CheckpointLayout:
     ``group`` (``world`` ranks, this one ``rank``) writes the checkpoint: files are numbered by
     ``rank``. Replicated values (ZeRO stage 0, frozen parameters, buffers) are stored by the rank
     whose ``dp_rank`` (and ``tp_rank``) is 0. Under tensor parallelism the group is the whole grid: the
-    ranks of a tensor-parallel group store their own slices (named per rank, ``hf_zero/tp_split.py``)
+    ranks of a tensor-parallel group store their own slices (named per rank, ``hf_zero/parallel/tp_split.py``)
     and ``others`` holds the whole parameters, which only ``tp_rank`` 0 stores. In a pipeline (``pipe_stage`` set:
     this rank's pipeline stage, not a ZeRO stage) the group is the whole world, each
     stage holds other parameters, and the tied parameters whose ids are in ``others`` are stored

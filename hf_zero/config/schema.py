@@ -107,7 +107,7 @@ TOP = Section(
         "wall_clock_breakdown",  # DeepSpeed's: time forward, backward and step (hf_zero/timers.py)
         "seed",  # hf_zero's: the seed of the distributed sampler's shuffle
         "nonfinite_loss",  # hf_zero's: what a bf16/fp32 step with an inf/nan loss or gradient does
-        "tensor_parallel",  # DeepSpeed's AutoTP training: autotp_size (hf_zero/tensor_parallel.py)
+        "tensor_parallel",  # DeepSpeed's AutoTP training: autotp_size (hf_zero/parallel/tensor_parallel.py)
         "fp8",  # hf_zero's: float8 linear layers through torchao (hf_zero/precision/float8.py)
         "aio",  # DeepSpeed's: NVMe offload's file I/O (hf_zero/zero/nvme.py)
         "expert_parallel",  # DeepSpeed's AutoEP: experts split over EP groups (hf_zero/expert/)

@@ -27,8 +27,8 @@ if TYPE_CHECKING:
     from hf_zero.engine.long_runs import LongRuns
     from hf_zero.engine.persistence import Persistence
     from hf_zero.parallel import ParallelGrid
+    from hf_zero.parallel.tensor_parallel import TensorParallelGroups
     from hf_zero.precision.policies import LossScaler
-    from hf_zero.tensor_parallel import TensorParallelGroups
     from hf_zero.zero.optimizer import ShardedOptimizer
 
 
@@ -189,7 +189,7 @@ class DeepSpeedSurface:
 
     @property
     def tensor_parallel_groups(self) -> TensorParallelGroups | None:
-        """The grid's ``tp`` axis (``hf_zero/tensor_parallel.py``), None without tensor parallelism."""
+        """The grid's ``tp`` axis (``hf_zero/parallel/tensor_parallel.py``), None without tensor parallelism."""
         return self._tp_view
 
     # ----------------------------------------------------- the optimizer and the last step

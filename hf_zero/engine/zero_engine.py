@@ -40,12 +40,12 @@ from hf_zero.module_setup import (
     no_kv_cache_in_training,
 )
 from hf_zero.parallel import GridShape, ParallelGrid, grid_for
+from hf_zero.parallel.tensor_parallel import view_of as tensor_view_of
 from hf_zero.precision.float8 import apply_float8
 from hf_zero.precision.policies import loss_scaler_for
 from hf_zero.recompute import checkpoint_blocks
 from hf_zero.sequence.groups import view_of as sequence_view_of
 from hf_zero.step import NormScope, StepPolicy, StepResult
-from hf_zero.tensor_parallel import view_of as tensor_view_of
 from hf_zero.timers import StepTimers
 from hf_zero.zero import attach
 
@@ -118,7 +118,7 @@ class ZeroEngine(DeepSpeedSurface, TrainStateSource, torch.nn.Module):
     ) -> None:
         """``grid``: the run's parallel grid (``hf_zero/parallel/grid.py``; None: plain data parallelism over the
         world). ZeRO shards over its ZeRO group, the norm and checkpoints span the whole grid; under tensor
-        parallelism the model has already been split by ``hf_zero/tensor_parallel.py``."""
+        parallelism the model has already been split by ``hf_zero/parallel/tensor_parallel.py``."""
         super().__init__()
         _ensure_log_handler()
         self.module = model

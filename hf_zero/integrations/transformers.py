@@ -46,8 +46,8 @@ from hf_zero.integrations.trainer_checkpoints import (
     saved_by_deepspeed,
 )
 from hf_zero.integrations.trainer_preemption import SaveOnPreemption, watch_signals
+from hf_zero.parallel.tensor_parallel import degree_of
 from hf_zero.sequence.setup import merge_sp_size, parallelism_config_for, resolve_sp_size
-from hf_zero.tensor_parallel import degree_of
 
 __all__ = ["Seq2SeqTrainer", "Seq2SeqTrainingArguments", "Trainer", "TrainingArguments", "fill_auto", "zero_args", "zero_trainer"]
 

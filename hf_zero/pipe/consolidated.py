@@ -19,9 +19,9 @@ import torch.distributed as dist
 from hf_zero.checkpoint.consolidated import save_model_config, write_weights
 from hf_zero.checkpoint.state import TrainState
 from hf_zero.dist import gather_json
+from hf_zero.parallel.tp_split import split_of
 from hf_zero.pipe.module import PipelineModule
 from hf_zero.precision.policies import dtype_by_name
-from hf_zero.tp_split import split_of
 
 
 def save_pretrained(state: TrainState, save_directory: str, max_shard_size: int | str = "5GB",

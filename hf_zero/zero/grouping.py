@@ -15,7 +15,7 @@ from collections import defaultdict
 
 import torch
 
-from hf_zero.tp_split import split_of
+from hf_zero.parallel.tp_split import split_of
 from hf_zero.zero.group import subgroup_of
 from hf_zero.zero.param_attrs import full_numel
 from hf_zero.zero.units import assign_units

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import torch
 
 from hf_zero.errors import UnusedParameterError, UsageError
-from hf_zero.tp_split import split_of
+from hf_zero.parallel.tp_split import split_of
 from hf_zero.zero import collectives as C
 from hf_zero.zero.flat import FlatGroup
 from hf_zero.zero.float8_gather import Float8ShardedParamGroup, float8_module_of
