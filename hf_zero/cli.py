@@ -78,7 +78,7 @@ def _printable(text: str) -> str:
 
 
 def _cmd_estimate(args: argparse.Namespace) -> int:
-    from hf_zero import estimate
+    from hf_zero.planning import estimate
 
     if args.num_gpus < 1 or args.num_nodes < 1:
         raise ValueError(
@@ -110,7 +110,7 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
 
 
 def _add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
-    from hf_zero.planner import GPUS, PRESETS
+    from hf_zero.planning.planner import GPUS, PRESETS
 
     p = subparsers.add_parser(
         "plan",
@@ -164,8 +164,9 @@ def _add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from hf_zero import planner, planner_report
     from hf_zero.parallel import GridShape
+    from hf_zero.planning import planner
+    from hf_zero.planning import report as planner_report
 
     for name in ("nodes", "gpus_per_node", "micro_batch", "seq", "grad_accum", "top"):
         if getattr(args, name) < 1:

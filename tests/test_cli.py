@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from hf_zero import cli
-from hf_zero.estimate import (
+from hf_zero.planning.estimate import (
     GIB,
     MemoryEstimate,
     count_model_parameters,
@@ -436,7 +436,7 @@ def test_count_model_parameters_skips_frozen_and_rejects_other_inputs(tmp_path: 
 
 def test_estimate_ref_model_column_counts_a_frozen_copy_whole_at_stages_0_2_and_sharded_at_3(capsys: pytest.CaptureFixture) -> None:
     from hf_zero.cli import main
-    from hf_zero.estimate import reference_model_bytes
+    from hf_zero.planning.estimate import reference_model_bytes
 
     assert main(["estimate", "--params", "1.1B", "--num_gpus", "2", "--ref-model"]) == 0
     out = capsys.readouterr().out

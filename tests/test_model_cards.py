@@ -141,7 +141,7 @@ def test_config_json_names_the_trained_class_and_estimate_builds_it(saved: tuple
     from transformers import BertForSequenceClassification
 
     from hf_zero import cli
-    from hf_zero.estimate import build_model_on_meta, count_model_parameters
+    from hf_zero.planning.estimate import build_model_on_meta, count_model_parameters
 
     root, out = saved
     final = root / "trainer" / "final"

@@ -125,7 +125,7 @@ def _run(rank: int, world: int, cases: list) -> list:
             result["rewards"] = [h.get("rewards/chosen") for h in logs]
             ref = getattr(trainer, "ref_model", None)
             if hasattr(ref, "memory_bytes"):  # what this rank holds of the reference model, against the whole
-                from hf_zero.estimate import reference_model_bytes
+                from hf_zero.planning.estimate import reference_model_bytes
 
                 count = sum(p.numel() for p in _model(tok.vocab_size).parameters())
                 result["ref_share"] = ref.memory_bytes()["params"] / (4 * count)
