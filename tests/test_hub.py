@@ -74,7 +74,7 @@ class Client:
         return proc
 
     def cli(self, *args: str, token: str | None = None) -> subprocess.CompletedProcess:
-        return self.run([sys.executable, "-m", "hf_zero.cli", *args], token=token)
+        return self.run([sys.executable, "-m", "hf_zero.launch.cli", *args], token=token)
 
     def python(self, code: str, token: str | None = None) -> subprocess.CompletedProcess:
         return self.run([sys.executable, "-c", textwrap.dedent(code)], token=token)

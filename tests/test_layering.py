@@ -160,7 +160,7 @@ def test_the_boundaries_the_design_relies_on() -> None:
         return sorted(d for d in deps if d == "hf_zero" or any(d == p or d.startswith(p + ".") for p in packages))
 
     above_zero = ("hf_zero.engine", "hf_zero.pipe", "hf_zero.checkpoint", "hf_zero.integrations", "hf_zero.hub",
-                  "hf_zero.cli", "hf_zero.api", "hf_zero.step")
+                  "hf_zero.launch.cli", "hf_zero.api", "hf_zero.step")
     for m, deps in graph.items():
         if m.startswith("hf_zero.zero"):
             assert not reaches(above_zero, deps), f"{m} imports {reaches(above_zero, deps)}"
@@ -252,11 +252,11 @@ def test_errors_keep_their_old_import_paths() -> None:
     import hf_zero
     import hf_zero.errors as E
     from hf_zero.checkpoint import CheckpointError
-    from hf_zero.cli import LaunchError
     from hf_zero.config import ConfigError
     from hf_zero.dist import PeerFailureError
     from hf_zero.engine import UsageError
     from hf_zero.hub import HubError
+    from hf_zero.launch.cli import LaunchError
     from hf_zero.optim.optimizers import OptimizerConfigError
     from hf_zero.pipe import PipelineError
     from hf_zero.precision.policies import LossScaleFloorError, NonFiniteLossError

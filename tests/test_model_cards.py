@@ -140,7 +140,7 @@ def _json_block(text: str) -> dict:
 def test_config_json_names_the_trained_class_and_estimate_builds_it(saved: tuple, capsys: pytest.CaptureFixture) -> None:
     from transformers import BertForSequenceClassification
 
-    from hf_zero import cli
+    from hf_zero.launch import cli
     from hf_zero.planning.estimate import build_model_on_meta, count_model_parameters
 
     root, out = saved
@@ -240,7 +240,7 @@ def test_push_of_an_adapter_folder_writes_a_peft_card_and_peft_loads_it_by_repo_
             assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
             return proc.stdout
 
-        run([sys.executable, "-m", "hf_zero.cli", "push", str(adapter), "user/lora"])
+        run([sys.executable, "-m", "hf_zero.launch.cli", "push", str(adapter), "user/lora"])
         head = hub.repos["user/lora"].commits[hub.repos["user/lora"].refs["main"]]
         assert {"adapter_model.safetensors", "adapter_config.json", "README.md"} <= set(head.files)
         loaded = run([sys.executable, "-c", textwrap.dedent(f"""

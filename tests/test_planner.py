@@ -248,7 +248,7 @@ def test_ring_split_inside_and_across_nodes() -> None:
 
 
 def test_cli_plan_prints_a_layout_and_a_ranking(capsys: pytest.CaptureFixture) -> None:
-    from hf_zero.cli import main
+    from hf_zero.launch.cli import main
 
     assert main(["plan", "--model", "llama-3-8b", "--gpus-per-node", "2", "--dp-shard", "2", "--zero-stage", "3"]) == 0
     text = capsys.readouterr().out

@@ -140,7 +140,7 @@ def _free_port() -> int:
 
 def _launch(out: Path, **extra: str) -> subprocess.CompletedProcess:
     out.mkdir(parents=True, exist_ok=True)
-    argv = [sys.executable, "-m", "hf_zero.cli", "launch", "--num_gpus", "2", "--max_restarts", "1",
+    argv = [sys.executable, "-m", "hf_zero.launch.cli", "launch", "--num_gpus", "2", "--max_restarts", "1",
             "--master_port", str(_free_port()), __file__, str(out)]
     return subprocess.run(argv, env=_env(**extra), capture_output=True, text=True, timeout=240, cwd=ROOT)
 
