@@ -16,9 +16,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hf_zero import dist as hz_dist
 from hf_zero.config import ConfigError, ZeroConfig
 from hf_zero.data import ResumableDistributedSampler
+from hf_zero.distributed import dist as hz_dist
 from hf_zero.engine import ZeroEngine
 from hf_zero.errors import InitializeArgumentError, UsageError
 from hf_zero.expert.setup import setup as setup_expert_parallel

@@ -221,7 +221,7 @@ def _hooks(model: torch.nn.Module) -> int:
 
 
 def _gather_ints(n: int) -> list[int]:
-    from hf_zero import dist as hz_dist
+    from hf_zero.distributed import dist as hz_dist
 
     return [v[0] for v in hz_dist.gather_ints([n])]
 

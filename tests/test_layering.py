@@ -134,7 +134,7 @@ def test_the_import_graph_is_read_whole() -> None:
     graph = import_graph()
     assert "hf_zero.zero.stage3" in graph["hf_zero.compile"]
     assert "hf_zero.checkpoint.save" in graph["hf_zero.engine.persistence"]  # imported inside Persistence.save
-    assert "hf_zero.dist" in graph["hf_zero.engine.persistence"]  # `from hf_zero import dist as hz_dist`
+    assert "hf_zero.distributed.dist" in graph["hf_zero.engine.persistence"]  # `from hf_zero import dist as hz_dist`
     assert len(graph) == len(MODULES) > 40
 
 
@@ -253,7 +253,7 @@ def test_errors_keep_their_old_import_paths() -> None:
     import hf_zero.errors as E
     from hf_zero.checkpoint import CheckpointError
     from hf_zero.config import ConfigError
-    from hf_zero.dist import PeerFailureError
+    from hf_zero.distributed.dist import PeerFailureError
     from hf_zero.engine import UsageError
     from hf_zero.hub import HubError
     from hf_zero.launch.cli import LaunchError

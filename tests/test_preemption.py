@@ -237,7 +237,7 @@ def engine_reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A run never interrupted: its final weights, and its checkpoints of steps 2, 4, 6 and 8 in ``ckpt``.
 
     Written in the background (``async_save``); the script ends without waiting for the last one, which the
-    process's end does (the writer thread is joined before hf_zero.dist's exit barrier)."""
+    process's end does (the writer thread is joined before hf_zero.distributed.dist's exit barrier)."""
     out = tmp_path_factory.mktemp("engine_ref")
     for code, text in _finish(_by_hand(out, HFZ_TEST_MODE="engine", HFZ_TEST_SLOW_SAVE="global_step8:1",
                                        HFZ_TEST_CHECKPOINT=json.dumps({"async_save": True}))):

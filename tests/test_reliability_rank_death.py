@@ -34,7 +34,7 @@ def main(out: Path) -> None:
     import torch
 
     import hf_zero
-    from hf_zero.dist import PeerFailureError
+    from hf_zero.distributed.dist import PeerFailureError
     from tests.models import make_data, make_model
 
     torch.set_num_threads(1)

@@ -30,7 +30,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from hf_zero import dist as hz_dist
 from hf_zero.checkpoint.consolidated import (
     OneUnitAtATime,
     checkpoint_weights,
@@ -39,6 +38,7 @@ from hf_zero.checkpoint.consolidated import (
     write_weights,
 )
 from hf_zero.checkpoint.format import resolve_tag
+from hf_zero.distributed import dist as hz_dist
 from hf_zero.errors import UsageError
 from hf_zero.peft_model import (
     ADAPTER_CONFIG,

@@ -7,7 +7,7 @@ tied weights another stage stores. Nothing here knows what a pipeline is beyond 
 Saving and loading are collective, so a failure on one rank (a full disk, a damaged file, a
 state JSON cannot hold) must reach every rank instead of leaving the others waiting in the next
 collective: each rank turns its failure into one clause (:func:`attempt`), the clauses are pooled
-with ``hf_zero.dist.gather_json`` and every rank raises the same sentence (:func:`agree`).
+with ``hf_zero.distributed.dist.gather_json`` and every rank raises the same sentence (:func:`agree`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
-from hf_zero.dist import gather_json
+from hf_zero.distributed.dist import gather_json
 from hf_zero.errors import CheckpointError
 
 T = TypeVar("T")

@@ -58,7 +58,7 @@ from hf_zero.checkpoint.format import (
 )
 from hf_zero.checkpoint.ranks import CheckpointLayout, agree, attempt, pool
 from hf_zero.checkpoint.state import TrainState
-from hf_zero.dist import gather_json
+from hf_zero.distributed.dist import gather_json
 from hf_zero.errors import CheckpointError, CheckpointTagError
 from hf_zero.expert.slices import refuse_resume_checkpoint
 from hf_zero.parallel.tp_split import checkpoint_name, stored_names, table_entry

@@ -17,10 +17,10 @@ from typing import Any
 
 import torch
 
-from hf_zero import dist as hz_dist
 from hf_zero import preemption as hz_preemption
 from hf_zero.checkpoint.ranks import CheckpointLayout
 from hf_zero.config import ZeroConfig
+from hf_zero.distributed import dist as hz_dist
 from hf_zero.engine.persistence import Persistence
 from hf_zero.errors import CheckpointError
 

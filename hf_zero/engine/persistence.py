@@ -23,9 +23,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from hf_zero import dist as hz_dist
 from hf_zero.checkpoint.ranks import CheckpointLayout
 from hf_zero.checkpoint.state import Progress, TrainState
+from hf_zero.distributed import dist as hz_dist
 from hf_zero.errors import CheckpointError, UsageError
 
 if TYPE_CHECKING:

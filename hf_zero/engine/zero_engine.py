@@ -23,9 +23,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hf_zero import dist as hz_dist
 from hf_zero.config import ZeroConfig
 from hf_zero.data import to_device
+from hf_zero.distributed import dist as hz_dist
 from hf_zero.engine.long_runs import LongRuns
 from hf_zero.engine.persistence import Persistence
 from hf_zero.engine.surface import DeepSpeedSurface

@@ -29,7 +29,7 @@ import accelerate
 import torch
 import transformers
 
-from hf_zero import dist as hz_dist
+from hf_zero.distributed import dist as hz_dist
 from hf_zero.errors import ConfigError, UsageError
 from hf_zero.integrations import deepspeed_plugin as ds_plugin
 from hf_zero.integrations import parallelism as hz_parallelism

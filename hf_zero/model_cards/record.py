@@ -210,7 +210,7 @@ def engine_record(state: TrainState, merged: bool = False) -> dict[str, Any]:
     """The engine's part of the record (collective: every rank's device name is gathered)."""
     import torch.distributed as dist
 
-    from hf_zero import dist as hz_dist
+    from hf_zero.distributed import dist as hz_dist
 
     names = [local_device_name(state.device)]
     group, world = _ranks_of(state)
