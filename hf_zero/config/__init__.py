@@ -90,7 +90,7 @@ class ZeroConfig:
     nonfinite_loss: str = "skip"  # hf_zero extension: "skip" | "stop" | "off" (schema.NONFINITE_LOSS)
     checkpoint_keep_last: int | None = None  # hf_zero extension: checkpoint.keep_last; None keeps every checkpoint
     checkpoint_tag_validation: str = "Warn"  # checkpoint.tag_validation: "Warn" | "Ignore" | "Fail" (save_checkpoint)
-    # hf_zero extensions for long runs (hf_zero/preemption.py, hf_zero/checkpoint/background.py):
+    # hf_zero extensions for long runs (hf_zero/training/preemption.py, hf_zero/checkpoint/background.py):
     checkpoint_save_on_signal: tuple[str, ...] | None = None  # None: not given (the engine watches none, the Trainer
     checkpoint_save_dir: str | None = None  # SIGTERM and SIGUSR1); save_dir None: the last save_checkpoint's folder
     checkpoint_grace_seconds: float | None = None  # after the first signal, exit at once when this has passed

@@ -212,7 +212,7 @@ class Float8Config:
 
 @dataclass
 class CompileConfig:
-    """``compile``: ``torch.compile`` each block at ``initialize`` (see :mod:`hf_zero.compile`)."""
+    """``compile``: ``torch.compile`` each block at ``initialize`` (see :mod:`hf_zero.training.compile`)."""
 
     enabled: bool = False
     backend: str = "inductor"

@@ -24,8 +24,8 @@ from hf_zero.expert.dispatch import dispatch_combine
 from hf_zero.expert.groups import ExpertGroups, expert_groups
 from hf_zero.expert.slices import ExpertSlice
 from hf_zero.expert.slices import mark as mark_slice
-from hf_zero.module_setup import broadcast_module, move_to_device
 from hf_zero.parallel import ParallelGrid
+from hf_zero.training.module_setup import broadcast_module, move_to_device
 from hf_zero.zero.attach import mark_synced_generation
 from hf_zero.zero.group import SubGroup, mark_subgroup
 from hf_zero.zero.preshard import full_shape, is_presharded, materialize_

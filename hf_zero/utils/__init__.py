@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from hf_zero.data import RepeatingLoader
+from hf_zero.training.data import RepeatingLoader
 from hf_zero.utils import groups, zero_to_fp32
 from hf_zero.utils.tensor_fragment import (
     safe_get_full_fp32_param,

@@ -486,7 +486,7 @@ class ShardedOptimizer(DeepSpeedOptimizerViews):
         device, or, offloaded, the host masters one shard group at a time (:class:`hf_zero.zero.host_step.HostStep`);
         with ``overlap_param_gather`` the publish (and an offloaded step) is finished where the next forward
         first reads each group. ``timed(part, seconds)``, when given, receives the offloaded step's three parts
-        (``hf_zero/timers.py``; deferred: the CPU optimizer's only, once done).
+        (``hf_zero/training/timers.py``; deferred: the CPU optimizer's only, once done).
         """
         self.runner.step(timed)
 
