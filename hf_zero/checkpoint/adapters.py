@@ -19,7 +19,7 @@ Resume checkpoints of a PEFT model also hold its adapter configs (written next t
 model's ``config.json``), so a checkpoint can be turned into either layout offline.
 
 What hf_zero knows of peft models outside the engine (detection, configs, the meta twin) is
-:mod:`hf_zero.peft_model`, which every layer may import.
+:mod:`hf_zero.training.peft_model`, which every layer may import.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from hf_zero.checkpoint.consolidated import (
 from hf_zero.checkpoint.format import resolve_tag
 from hf_zero.distributed import dist as hz_dist
 from hf_zero.errors import UsageError
-from hf_zero.peft_model import (
+from hf_zero.training.peft_model import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
     adapter_dir,

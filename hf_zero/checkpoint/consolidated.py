@@ -152,7 +152,7 @@ def save_model_config(module: torch.nn.Module, out_dir: str, dtype: torch.dtype 
     """
     from transformers import PreTrainedModel
 
-    from hf_zero import peft_model as hz_peft
+    from hf_zero.training import peft_model as hz_peft
 
     base = hz_peft.base_model_of(module)
     config = getattr(base, "config", None)

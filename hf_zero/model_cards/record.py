@@ -175,7 +175,7 @@ def hub_id_of(name: str | None) -> str | None:
 
 def base_model_name(module: Any) -> str | None:
     """What the module was fine-tuned from: a PEFT adapter's base, else the pretrained checkpoint it was loaded from."""
-    from hf_zero import peft_model as hz_peft
+    from hf_zero.training import peft_model as hz_peft
 
     if hz_peft.is_peft_model(module):
         for cfg in module.peft_config.values():
@@ -188,7 +188,7 @@ def base_model_name(module: Any) -> str | None:
 
 def model_fields(module: Any, merged: bool = False) -> dict[str, Any]:
     """What the record says about the model: its class, the library that loads it, its base, its adapter."""
-    from hf_zero import peft_model as hz_peft
+    from hf_zero.training import peft_model as hz_peft
 
     peft_model = hz_peft.is_peft_model(module)
     base = hz_peft.base_model_of(module)
