@@ -185,7 +185,7 @@ def test_trainer_card_has_metadata_results_and_the_resolved_config(saved: tuple)
     assert "| accuracy |" in text
 
     # the folder save_model wrote carries the same record: the card `hf-zero push` renders later agrees
-    from hf_zero.hub import render_model_card
+    from hf_zero.hub.transfer import render_model_card
 
     pushed = ModelCard(render_model_card(root / "trainer" / "final", repo_id="user/bert"))
     assert pushed.data.library_name == "transformers" and pushed.data.base_model == "org/tiny-bert"
@@ -194,7 +194,7 @@ def test_trainer_card_has_metadata_results_and_the_resolved_config(saved: tuple)
 
 
 def test_engine_record_resolves_the_config_it_ran(saved: tuple) -> None:
-    from hf_zero.model_cards.record import read_record
+    from hf_zero.hub.model_cards.record import read_record
 
     root, out = saved
     rec = read_record(root / "llama")
@@ -209,7 +209,7 @@ def test_engine_record_resolves_the_config_it_ran(saved: tuple) -> None:
 
 
 def test_resolve_autos_fills_every_section_and_drops_what_nothing_used() -> None:
-    from hf_zero.model_cards.record import resolve_autos
+    from hf_zero.hub.model_cards.record import resolve_autos
 
     config = {"optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": 1e-8}},
               "scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": "auto", "warmup_num_steps": 5}},
@@ -274,8 +274,8 @@ def test_a_local_folder_never_becomes_base_model_and_eval_results_name_their_dat
     from huggingface_hub import ModelCard
     from transformers import BertForSequenceClassification
 
-    from hf_zero.model_cards.card import render_model_card
-    from hf_zero.model_cards.record import hub_id_of, update_record
+    from hf_zero.hub.model_cards.card import render_model_card
+    from hf_zero.hub.model_cards.record import hub_id_of, update_record
 
     cached = tmp_path / "hub" / "models--org--tiny-bert" / "snapshots" / ("a" * 40)
     plain = tmp_path / "my-bert"

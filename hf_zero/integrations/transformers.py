@@ -359,7 +359,7 @@ class Trainer(transformers.Trainer):
                     "zero_config has started training; otherwise merge with peft: model.merge_and_unload().save_pretrained(dir)"
                 )
             return super().save_model(output_dir, _internal_call=_internal_call)
-        from hf_zero.model_cards import record
+        from hf_zero.hub.model_cards import record
 
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         self.engine.save_pretrained(output_dir, merge_adapters=merge_adapters)
@@ -393,9 +393,9 @@ class Trainer(transformers.Trainer):
             )
         if not self.is_world_process_zero():
             return
-        from hf_zero.hub import _write_atomic
-        from hf_zero.model_cards import record
-        from hf_zero.model_cards.card import render_model_card
+        from hf_zero.hub.model_cards import record
+        from hf_zero.hub.model_cards.card import render_model_card
+        from hf_zero.hub.transfer import _write_atomic
 
         folder = self.args.output_dir
         merged = bool(record.read_record(folder).get("merged_adapters"))  # as save_model left the folder

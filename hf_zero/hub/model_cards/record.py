@@ -6,7 +6,7 @@ used, the world size, backend and devices, framework versions, the library that 
 (``transformers``, or ``peft`` for an adapter folder) and the base model when known. The Trainer
 adds its own part (hyperparameters, evaluation results, datasets, and the config as *it* resolved
 it: the engine runs a Trainer's accumulation and clipping as one micro-step and no clipping, which
-is not how the run was configured). The card (:mod:`hf_zero.model_cards.card`) reads it back.
+is not how the run was configured). The card (:mod:`hf_zero.hub.model_cards.card`) reads it back.
 """
 
 from __future__ import annotations
