@@ -51,7 +51,7 @@ def _hf_only(rank: int, world: int, root: str) -> dict:
     import hf_zero
     from hf_zero.errors import CheckpointError, CheckpointTagError, UsageError
     from hf_zero.utils import groups
-    from hf_zero.utils import tensor_fragment as tf
+    from hf_zero.zero import accessors as tf
 
     out: dict[str, Any] = {}
     log = _Records()
