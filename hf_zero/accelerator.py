@@ -1,4 +1,4 @@
-"""DeepSpeed's module path ``deepspeed.accelerator``: :mod:`hf_zero.distributed.device`'s ``get_accelerator``.
+"""DeepSpeed's module path ``deepspeed.accelerator``: re-exports hf_zero.distributed.device's ``get_accelerator``.
 
 The device calls DeepSpeed scripts make (``get_accelerator().device_name()``...) are answered by
 :mod:`hf_zero.distributed.device`; this path exists so that ``import hf_zero as deepspeed`` scripts find them where DeepSpeed

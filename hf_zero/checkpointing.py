@@ -1,4 +1,4 @@
-"""DeepSpeed's module path ``deepspeed.checkpointing`` (activation recomputation): hf_zero.training.recompute's names.
+"""DeepSpeed's module path ``deepspeed.checkpointing``: re-exports hf_zero.training.recompute's names.
 
 The implementation lives in :mod:`hf_zero.training.recompute`; this path exists so that ``import hf_zero as deepspeed``
 scripts find ``deepspeed.checkpointing.checkpoint`` and ``configure`` where DeepSpeed puts them. (Resume

@@ -1,4 +1,4 @@
-"""``deepspeed.runtime.lr_schedules``: DeepSpeed's schedules (the ones the config's ``scheduler.type`` names),
+"""DeepSpeed's module path ``deepspeed.runtime.lr_schedules``: re-exports DeepSpeed's schedules (the ones the config's ``scheduler.type`` names),
 and the string constants DeepSpeed's module defines for their names and parameters."""
 
 from hf_zero.optim.schedules import LRRangeTest, OneCycle, WarmupCosineLR, WarmupDecayLR, WarmupLR

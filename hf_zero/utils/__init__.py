@@ -1,4 +1,4 @@
-"""``deepspeed.utils`` under hf_zero: its logger, ``log_dist``, ``zero_to_fp32``, ``groups``, ``RepeatingLoader``
+"""DeepSpeed's module path ``deepspeed.utils``: its logger, ``log_dist``, ``zero_to_fp32``, ``groups``, ``RepeatingLoader``
 and the per-parameter accessors ``safe_get_full_fp32_param`` and the like (``hf_zero/zero/accessors.py``).
 
 ``set_z3_leaf_modules`` and ``OnDevice`` are not here yet; asking for one says so instead of failing with a
