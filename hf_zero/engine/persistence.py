@@ -261,7 +261,7 @@ class Persistence:
         can be picked up elsewhere with ``hf-zero pull`` and ``load_checkpoint``. Returns the commit
         URL on rank 0.
         """
-        from hf_zero.hub.transfer import transfer as hub
+        from hf_zero.hub import transfer as hub
 
         owner = self.owner
         owner.save_pretrained(save_directory)
