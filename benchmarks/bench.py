@@ -225,7 +225,7 @@ def fsdp2_step(model: torch.nn.Module, args: argparse.Namespace, offload: bool =
             precompute_float8_dynamic_scale_for_fsdp,
         )
 
-        from hf_zero.float8 import float8_filter
+        from hf_zero.precision.float8 import float8_filter
 
         convert_to_float8_training(model, config=Float8LinearConfig(enable_fsdp_float8_all_gather=True),
                                    module_filter_fn=float8_filter(model))
@@ -270,14 +270,14 @@ def fsdp2_step(model: torch.nn.Module, args: argparse.Namespace, offload: bool =
 
 
 def planned_step(name: str, args: argparse.Namespace, world: int, device_name: str) -> dict:
-    """The planner's figures for an hf ZeRO-3 row's layout on one node of ``world`` GPUs (hf_zero/planner.py's
+    """The planner's figures for an hf ZeRO-3 row's layout on one node of ``world`` GPUs (hf_zero/planning/planner.py's
     ``plan``: the engine's own units and collectives, ring bytes over NVLink at the H100/H200 default bandwidth,
     nothing overlapped): communication seconds per step, the step if nothing overlapped (arithmetic at the
     planner's 400 TFLOP/s + communication) and memory per GPU, to print beside the measured step and peak."""
     from transformers import LlamaConfig
 
-    from hf_zero import planner
     from hf_zero.parallel import GridShape
+    from hf_zero.planning import planner
 
     cfg = LlamaConfig(max_position_embeddings=args.seq, use_cache=False, **{"vocab_size": 32000, **SHAPES[args.model]})
     facts = planner.model_facts(cfg, args.model)

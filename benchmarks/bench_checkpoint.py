@@ -207,7 +207,7 @@ def run_hf(args: argparse.Namespace, out: str) -> dict:
     engine, step, base = _engine_and_step(hf_zero.initialize, args, bf16=_cuda(args))
     row: dict[str, Any] = {"step_s": _slowest(base, args)}
     # checkpoint.save_on_signal's agreement (one all-reduce per step, read a step later): what it costs a step
-    from hf_zero import preemption
+    from hf_zero.training import preemption
 
     engine.long_runs.preemption = preemption.Agreement([int(signal.SIGUSR2)], None)
     row["step_watch_s"] = _slowest(statistics.median(_timed_steps(step, args.steps, args)), args)

@@ -122,7 +122,7 @@ def _step_fn(variant: str, numel: int, threads: int, sub_group_size: int):  # no
         return _inductor_step(p, _bf16_buffer(numel))
     sys.path.insert(0, str(REPO))
     from hf_zero.ops.adam import DeepSpeedCPUAdam
-    from hf_zero.ops.cpu_adam import ALIGN, host_buffer, sub_group_ranges
+    from hf_zero.optim.cpu_adam import ALIGN, host_buffer, sub_group_ranges
 
     opt = DeepSpeedCPUAdam([p], lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
     if variant == "hf_zero":

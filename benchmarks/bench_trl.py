@@ -7,7 +7,7 @@
 Each engine runs the same SFT script in its own torchrun (one process per GPU): a Llama model built from a
 config (random weights, the same seed), pre-tokenized random sequences of ``--seq`` tokens (no network, no
 tokenizer download: a word-level tokenizer made here supplies the pad and EOS tokens TRL asks for), AdamW,
-bf16 on GPUs. ``hf3``/``hf2`` is ``hf_zero.trl.SFTTrainer`` with ``zero_config``; ``ds3``/``ds2`` is
+bf16 on GPUs. ``hf3``/``hf2`` is ``hf_zero.integrations.trl.SFTTrainer`` with ``zero_config``; ``ds3``/``ds2`` is
 ``trl.SFTTrainer`` with ``deepspeed=`` (DeepSpeed 0.19.8; on the GPU machine carried as a wheel with
 ``TORCH_CUDA_ARCH_LIST=9.0``); ``fsdp2`` is ``trl.SFTTrainer`` with ``fsdp_config={"fsdp_version": 2}``.
 Reported: steady tokens/s per GPU (median step after the first ``--warmup`` steps), the whole ``train()`` time,
@@ -82,7 +82,7 @@ def worker(args: argparse.Namespace) -> None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     engine = args.engine
     if engine.startswith("hf"):
-        from hf_zero.trl import SFTConfig, SFTTrainer
+        from hf_zero.integrations.trl import SFTConfig, SFTTrainer
     else:
         from trl import SFTConfig, SFTTrainer
     shape = SHAPES[args.model]

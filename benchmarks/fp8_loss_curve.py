@@ -144,7 +144,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     import hf_zero
-    from hf_zero.dist import get_device
+    from hf_zero.distributed.dist import get_device
 
     hf_zero.init_distributed()
     world = dist.get_world_size()

@@ -6,7 +6,7 @@
 from hf_zero import pipe, zero
 from hf_zero.api import add_config_arguments, initialize
 from hf_zero.config import ConfigError, ZeroConfig
-from hf_zero.dist import init_distributed
+from hf_zero.distributed.dist import init_distributed
 from hf_zero.engine import ZeroEngine
 from hf_zero.errors import UsageError
 

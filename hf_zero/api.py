@@ -16,20 +16,20 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hf_zero import dist as hz_dist
 from hf_zero.config import ConfigError, ZeroConfig
-from hf_zero.data import ResumableDistributedSampler
+from hf_zero.distributed import dist as hz_dist
 from hf_zero.engine import ZeroEngine
 from hf_zero.errors import InitializeArgumentError, UsageError
 from hf_zero.expert.setup import setup as setup_expert_parallel
-from hf_zero.optim import build_optimizer
+from hf_zero.optim.optimizers import build_optimizer
+from hf_zero.optim.schedules import build_scheduler
 from hf_zero.parallel import GridShape, grid_for, replicas_for
+from hf_zero.parallel.tensor_parallel import setup as setup_tensor_parallel
 from hf_zero.pipe.engine import PipelineEngine
 from hf_zero.pipe.module import PipelineModule
-from hf_zero.schedules import build_scheduler
 from hf_zero.sequence.setup import setup_model as setup_sequence_parallel
 from hf_zero.sequence.setup import wrap_loader as wrap_sequence_loader
-from hf_zero.tensor_parallel import setup as setup_tensor_parallel
+from hf_zero.training.data import ResumableDistributedSampler
 
 # The engine initialize built last: what DeepSpeed's module-level groups (deepspeed.utils.groups) describe.
 _latest: list[weakref.ref | None] = [None]

@@ -1,6 +1,6 @@
-"""DeepSpeed's module path ``deepspeed.checkpointing`` (activation recomputation): hf_zero.recompute's names.
+"""DeepSpeed's module path ``deepspeed.checkpointing``: re-exports hf_zero.training.recompute's names.
 
-The implementation lives in :mod:`hf_zero.recompute`; this path exists so that ``import hf_zero as deepspeed``
+The implementation lives in :mod:`hf_zero.training.recompute`; this path exists so that ``import hf_zero as deepspeed``
 scripts find ``deepspeed.checkpointing.checkpoint`` and ``configure`` where DeepSpeed puts them. (Resume
 checkpoints are :mod:`hf_zero.checkpoint`, a different thing.)
 """
@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from hf_zero import recompute
-from hf_zero.recompute import (
+from hf_zero.training import recompute
+from hf_zero.training.recompute import (
     checkpoint,
     checkpoint_blocks,
     configure,

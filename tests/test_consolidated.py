@@ -87,10 +87,10 @@ def test_save_pretrained_and_consolidate_load_exactly(tmp_path: Path) -> None:
 def test_consolidate_command_line(tmp_path: Path) -> None:
     spawn(_save, 1, [["llama", 2, False, str(tmp_path)]])
     out = tmp_path / "cli"
-    proc = subprocess.run([sys.executable, "-m", "hf_zero.cli", "consolidate", str(tmp_path / "resume"), str(out)],
+    proc = subprocess.run([sys.executable, "-m", "hf_zero.launch.cli", "consolidate", str(tmp_path / "resume"), str(out)],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert (out / "model.safetensors").exists() and (out / "config.json").exists()
-    bad = subprocess.run([sys.executable, "-m", "hf_zero.cli", "consolidate", str(tmp_path / "nope"), str(out)],
+    bad = subprocess.run([sys.executable, "-m", "hf_zero.launch.cli", "consolidate", str(tmp_path / "nope"), str(out)],
                          capture_output=True, text=True, timeout=300)
     assert bad.returncode != 0 and len(bad.stderr.strip().splitlines()) == 1, bad.stderr

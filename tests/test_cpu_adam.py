@@ -1,4 +1,4 @@
-"""``hf_zero.ops.adam.DeepSpeedCPUAdam`` and the host Adam update under it (``hf_zero/ops/cpu_adam.py``).
+"""``hf_zero.ops.adam.DeepSpeedCPUAdam`` and the host Adam update under it (``hf_zero/optim/cpu_adam.py``).
 
 Oracles nobody here wrote: torch's ``Adam`` / ``AdamW`` (the per-tensor, non-fused loop) over
 several steps and param groups, DeepSpeed's documented update for ``bias_correction=False``
@@ -26,7 +26,7 @@ from safetensors.torch import load_file, save_file
 
 import hf_zero
 from hf_zero.ops.adam import DeepSpeedCPUAdam
-from hf_zero.ops.cpu_adam import adam_update, host_buffer, sub_group_ranges
+from hf_zero.optim.cpu_adam import adam_update, host_buffer, sub_group_ranges
 from tests.models import make_data, make_model, param_groups
 
 SHAPES = [(37, 41), (515,), (3,)]  # long enough for DeepSpeed's AVX path and its scalar tail
@@ -254,7 +254,7 @@ def test_fp32_masters_step_with_16bit_gradients() -> None:
 @pytest.mark.parametrize("opt_type,params", [("AdamW", {"lr": 1e-2, "weight_decay": 0.1}),
                                              ("Adam", {"lr": 1e-2, "weight_decay": 0.1, "adam_w_mode": False, "amsgrad": True})])
 def test_from_torch_moves_a_config_optimizer_to_the_host_mid_run(opt_type: str, params: dict) -> None:
-    from hf_zero.optim import build_optimizer
+    from hf_zero.optim.optimizers import build_optimizer
 
     straight, moved = _params(), _params()
     ref = build_optimizer(opt_type, params, _groups(straight, 0.1))

@@ -288,7 +288,7 @@ def test_world3_loads_every_stage_and_dtype(ds_out: str) -> None:
 
 @pytest.mark.parametrize("name", FP32 + BF16)
 def test_convert_consolidated_equals_zero_to_fp32(ds_out: str, tmp_path: Path, name: str) -> None:
-    from hf_zero import cli
+    from hf_zero.launch import cli
 
     ref = oracle.result(ds_out, name)
     tag = ref["tags"][0]
@@ -328,8 +328,8 @@ def test_convert_reads_what_zero_to_fp32_cannot(ds_out: str, tmp_path: Path) -> 
 def test_convert_a_trainer_checkpoint_gives_a_from_pretrained_folder(ds_out: str, tmp_path: Path) -> None:
     from transformers import GPT2LMHeadModel
 
-    from hf_zero import cli
     from hf_zero.checkpoint.consolidated import read_state_dict
+    from hf_zero.launch import cli
 
     src = os.path.join(ds_out, "trainer_z3", "trainer", "checkpoint-4")
     assert cli.main(["convert-deepspeed", src, str(tmp_path / "hz"), "--consolidated", str(tmp_path / "weights")]) == 0
@@ -373,7 +373,7 @@ def test_a_damaged_rank_file_is_named(ds_out: str, tmp_path: Path) -> None:
     ("expp_rank_0_mp_rank_00_optim_states.pt", "mixture-of-experts files"),
 ])
 def test_layouts_hf_zero_does_not_take_are_refused(ds_out: str, tmp_path: Path, plant: str, match: str) -> None:
-    from hf_zero import cli
+    from hf_zero.launch import cli
 
     ref = oracle.result(ds_out, "z2_fp32")
     src = tmp_path / "ckpt" / ref["tags"][0]

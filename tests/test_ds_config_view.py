@@ -1,4 +1,4 @@
-"""``deepspeed.runtime.config.DeepSpeedConfig`` under hf_zero (``hf_zero/runtime/config.py``) against DeepSpeed 0.19.8's.
+"""``deepspeed.runtime.config.DeepSpeedConfig`` under hf_zero (``hf_zero/config/deepspeed_view.py``) against DeepSpeed 0.19.8's.
 
 The oracle is DeepSpeed's own class, run in its environment (``tests/dsenv.py``): the same script builds a config
 with each side's class and prints what it answers; both sides run it as a subprocess, with one process group of one

@@ -51,7 +51,7 @@ def _hf_only(rank: int, world: int, root: str) -> dict:
     import hf_zero
     from hf_zero.errors import CheckpointError, CheckpointTagError, UsageError
     from hf_zero.utils import groups
-    from hf_zero.utils import tensor_fragment as tf
+    from hf_zero.zero import accessors as tf
 
     out: dict[str, Any] = {}
     log = _Records()
@@ -221,7 +221,7 @@ def _hooks(model: torch.nn.Module) -> int:
 
 
 def _gather_ints(n: int) -> list[int]:
-    from hf_zero import dist as hz_dist
+    from hf_zero.distributed import dist as hz_dist
 
     return [v[0] for v in hz_dist.gather_ints([n])]
 

@@ -162,7 +162,7 @@ def measured() -> list:
 
 
 def test_offload_rows_equal_the_bytes_the_engine_holds(measured: list) -> None:
-    from hf_zero.estimate import estimate_offload_memory, offload_host_bytes
+    from hf_zero.planning.estimate import estimate_offload_memory, offload_host_bytes
 
     for per_rank in measured:
         for r in per_rank:
@@ -188,7 +188,7 @@ def test_offload_rows_equal_the_bytes_the_engine_holds(measured: list) -> None:
 
 def _compare(psi: int, world: int, num_gpus: int, ds: dict) -> tuple[list[str], set[tuple[str, str]]]:
     """Our rows and DeepSpeed's side by side (bytes per rank); the (stages, figure) pairs that differ by more than 1%."""
-    from hf_zero.estimate import estimate_offload_memory
+    from hf_zero.planning.estimate import estimate_offload_memory
 
     lines = [f"{'stage':>5}  {'ours device':>14}  {'DS device':>14}  {'ours host/rank':>14}  {'DS host/rank':>14}"]
     differ: set[tuple[str, str]] = set()
@@ -204,7 +204,7 @@ def _compare(psi: int, world: int, num_gpus: int, ds: dict) -> tuple[list[str], 
 
 
 def test_offload_rows_beside_deepspeeds_estimator(measured: list, capsys: pytest.CaptureFixture[str]) -> None:
-    from hf_zero.estimate import estimate_offload_memory
+    from hf_zero.planning.estimate import estimate_offload_memory
 
     psi_small = measured[0][0]["psi"]  # the model whose bytes were measured above
     for psi, largest, gpus, nodes in [(psi_small, _largest_layer(_model()), WORLD, 1), (7_000_000_000, 131_072_000, 8, 2)]:

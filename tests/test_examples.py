@@ -24,7 +24,7 @@ def _launch(script: str) -> subprocess.CompletedProcess:
         port = s.getsockname()[1]
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
     return subprocess.run(
-        [sys.executable, "-m", "hf_zero.cli", "launch", "--num_gpus", "2", "--master_port", str(port), str(EXAMPLES / script)],
+        [sys.executable, "-m", "hf_zero.launch.cli", "launch", "--num_gpus", "2", "--master_port", str(port), str(EXAMPLES / script)],
         env=env,
         capture_output=True,
         text=True,

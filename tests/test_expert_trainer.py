@@ -7,7 +7,7 @@ loss the model returns) trains through ``hf_zero.Trainer`` with ``TrainingArgume
 experts whole on every rank; ``tests/test_expert_parallel.py`` checks that both equal one process): every logged
 loss (rel. 1e-5), and a run with ``router_aux_loss_coef`` 0 logs other losses, so the aux loss is what is logged.
 
-TRL: ``hf_zero.trl.SFTTrainer`` on a tiny Mixtral with the section, full fine-tune and with a PEFT LoRA on the
+TRL: ``hf_zero.integrations.trl.SFTTrainer`` on a tiny Mixtral with the section, full fine-tune and with a PEFT LoRA on the
 attention (``peft_config``: the experts and the router frozen, held by EP ranks as before), logs the losses of the
 same trainer without the section (rel. 1e-5). PEFT's parameter-targeted LoRA on the fused experts
 (``target_parameters``) merges adapters that mix every expert into the whole fused tensor, which an EP rank does not
@@ -88,7 +88,7 @@ def test_trainer_with_expert_parallel_saves_and_resumes(tmp_path: Path) -> None:
 def _sft(case: dict) -> dict:
     from transformers import MixtralConfig, MixtralForCausalLM
 
-    import hf_zero.trl as hz_trl
+    import hf_zero.integrations.trl as hz_trl
     from tests.test_trl import _sft_data, _tokenizer
 
     tok = _tokenizer()

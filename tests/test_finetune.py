@@ -28,7 +28,7 @@ def _run(cmd: list[str], out: Path) -> tuple[float, float]:
 @pytest.mark.parametrize(
     "launcher",
     [
-        [sys.executable, "-m", "hf_zero.cli", "launch", "--num_gpus", "2", "scripts/finetune.py"],
+        [sys.executable, "-m", "hf_zero.launch.cli", "launch", "--num_gpus", "2", "scripts/finetune.py"],
         [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "configs/accelerate_cpu.yaml", "scripts/finetune.py"],
     ],
     ids=["hf-zero-launch", "accelerate-launch"],

@@ -40,7 +40,7 @@ def _take(data: dict, t: int, lo: int) -> dict:
 
 def _reference(world: int, recipe: str) -> tuple[list[float], dict[str, torch.Tensor]]:
     from hf_zero.config import Float8Config
-    from hf_zero.float8 import convert_to_float8
+    from hf_zero.precision.float8 import convert_to_float8
 
     model = _model()
     convert_to_float8(model, Float8Config(enabled=True, recipe=recipe))
@@ -119,7 +119,7 @@ def _gather_bits(rank: int, world: int) -> dict:
     from torchao.float8.float8_training_tensor import GemmInputRole
 
     import hf_zero
-    from hf_zero.float8 import is_float8_linear
+    from hf_zero.precision.float8 import is_float8_linear
     from hf_zero.zero.float8_gather import Float8ShardedParamGroup
 
     model = _model()
@@ -233,7 +233,7 @@ def test_float8_without_torchao_and_default_skips(monkeypatch) -> None:  # noqa:
 
     from hf_zero.config import Float8Config
     from hf_zero.errors import UsageError
-    from hf_zero.float8 import convert_to_float8, float8_filter
+    from hf_zero.precision.float8 import convert_to_float8, float8_filter
 
     model = _model()
     keep = float8_filter(model, ("down_proj",))

@@ -51,7 +51,7 @@ def _converted(recipe: str, **kw: bool) -> torch.nn.Module:
     """The model as a user converts it with torchao before initialize (hf_zero's default filter keeps the head out)."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
-    from hf_zero.float8 import float8_filter
+    from hf_zero.precision.float8 import float8_filter
 
     model = _model()
     config = Float8LinearConfig.from_recipe_name(recipe)

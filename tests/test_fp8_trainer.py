@@ -130,7 +130,7 @@ def test_hf_zero_launch_mixed_precision_fp8_runs_the_trainer_in_float8(tmp_path:
     (tmp_path / "zero3.json").write_text(json.dumps(ZERO3))
     (tmp_path / "ds.yaml").write_text("distributed_type: DEEPSPEED\nnum_processes: 2\ndeepspeed_config:\n"
                                       f"  deepspeed_config_file: {tmp_path / 'zero3.json'}\n")
-    r = _launched(["-m", "hf_zero.cli", "launch", "--config_file", str(tmp_path / "ds.yaml"), "--mixed_precision", "fp8",
+    r = _launched(["-m", "hf_zero.launch.cli", "launch", "--config_file", str(tmp_path / "ds.yaml"), "--mixed_precision", "fp8",
                    "--main_process_port", str(_free_port())], tmp_path)
     _check(r)
     assert r["mixed_precision"] == "fp8", r

@@ -77,9 +77,9 @@ def _run(kind: str, extra: dict, stage: int, gas: int) -> dict:
 
     import hf_zero
     from hf_zero.parallel import DATA_AXES
+    from hf_zero.parallel.tp_split import split_of
     from hf_zero.pipe import split_causal_lm
     from hf_zero.sequence import shard_batch
-    from hf_zero.tp_split import split_of
 
     zero = {"stage": stage, "reduce_bucket_size": 2000, "stage3_param_persistence_threshold": 64}
     if "mics_shard_size" in extra:

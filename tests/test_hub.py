@@ -1,4 +1,4 @@
-"""``hf-zero push`` / ``hf-zero pull`` and ``hf_zero.hub`` against a Hub-compatible server on 127.0.0.1.
+"""``hf-zero push`` / ``hf-zero pull`` and ``hf_zero.hub.transfer`` against a Hub-compatible server on 127.0.0.1.
 
 The client side always runs in a fresh subprocess: ``huggingface_hub`` reads ``HF_ENDPOINT``,
 ``HF_HUB_DISABLE_XET`` and ``HF_HOME`` into module constants when it is first imported, and
@@ -74,7 +74,7 @@ class Client:
         return proc
 
     def cli(self, *args: str, token: str | None = None) -> subprocess.CompletedProcess:
-        return self.run([sys.executable, "-m", "hf_zero.cli", *args], token=token)
+        return self.run([sys.executable, "-m", "hf_zero.launch.cli", *args], token=token)
 
     def python(self, code: str, token: str | None = None) -> subprocess.CompletedProcess:
         return self.run([sys.executable, "-c", textwrap.dedent(code)], token=token)
@@ -149,7 +149,7 @@ def pushed(client: Client, model: torch.nn.Module, work: Path) -> dict[str, Path
     assert repo.commits[repo.refs["main"]].title == "first push" and repo.refs["main"] in out.stdout
     _ok(
         client.python(f"""
-        from hf_zero.hub import push_to_hub
+        from hf_zero.hub.transfer import push_to_hub
         print(push_to_hub({str(sharded)!r}, "user/tiny-sharded", card_kwargs=dict(
             base_model="meta-llama/Tiny", datasets=["user/sentences"], metrics={{"accuracy": 0.75}},
             zero_config={ZERO_CONFIG!r}, hardware="2 x CPU (gloo)", throughput=1234.5)))
@@ -237,7 +237,7 @@ def test_model_card_parses_and_records_how_the_model_was_trained(
 ) -> None:
     from huggingface_hub import ModelCard
 
-    from hf_zero.hub import render_model_card
+    from hf_zero.hub.transfer import render_model_card
 
     card = ModelCard.load(pushed["user/tiny-sharded"] / "README.md")
     assert card.data.library_name == "transformers"  # the library that loads it; hf_zero is a tag

@@ -26,11 +26,10 @@ from pathlib import Path
 
 import pytest
 
-from hf_zero import cli
 from hf_zero.errors import LaunchError
+from hf_zero.launch import cli, remote
 from hf_zero.launch import hostfile as hf
 from hf_zero.launch import job as hz_job
-from hf_zero.launch import remote
 
 # ------------------------------------------------------------------------------ stand-ins
 
@@ -199,7 +198,7 @@ def _hostfile(work: Path, text: str) -> str:
 
 
 def _launch(site: dict, argv: list[str], **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "hf_zero.cli", "launch", *argv], cwd=site["work"],
+    return subprocess.run([sys.executable, "-m", "hf_zero.launch.cli", "launch", *argv], cwd=site["work"],
                           env={**site["env"], **env}, capture_output=True, text=True, timeout=240)
 
 
@@ -224,7 +223,7 @@ def one_node_losses(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
     (work / "train.py").write_text(TRAIN)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_NUM_THREADS",))}
     env["CUDA_VISIBLE_DEVICES"] = ""
-    done = subprocess.run([sys.executable, "-m", "hf_zero.cli", "launch", "--num_gpus", "2", "--master_port",
+    done = subprocess.run([sys.executable, "-m", "hf_zero.launch.cli", "launch", "--num_gpus", "2", "--master_port",
                            str(_free_port()), "train.py"], cwd=work, env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
     results = _results(done.stdout)
@@ -265,7 +264,7 @@ def test_ssh_two_hosts_train_like_one_node_and_forward_the_environment(site: dic
     checks = [c for c in calls if c["command"] == "hostname"]
     assert sorted(c["host"] for c in checks) == ["node-a", "node-b"]  # every host is checked, not only the first
     assert all("PasswordAuthentication=no" in c["opts"] and c["opts"][:2] == ["-p", "2222"] for c in checks)
-    runs = sorted((c for c in calls if "hf_zero.cli launch" in c["command"]), key=lambda c: c["host"])
+    runs = sorted((c for c in calls if "hf_zero.launch.cli launch" in c["command"]), key=lambda c: c["host"])
     assert [c["host"] for c in runs] == ["node-a", "node-b"]  # (the two ssh start at once: the log's order is theirs)
     for rank, c in enumerate(runs):
         assert c["opts"] == ["-p", "2222"]
@@ -321,7 +320,7 @@ def test_an_unreachable_host_is_one_sentence_and_nothing_starts(site: dict) -> N
                           "`ssh -o PasswordAuthentication=no -o ConnectTimeout=10 node-b hostname` exited with 255: "
                           "ssh: connect to host node-b port 22: Connection refused;")
     assert "--exclude node-b" in err
-    assert not [c for c in _log(site) if c["prog"] == "pdsh" or "hf_zero.cli" in c.get("command", "")]
+    assert not [c for c in _log(site) if c["prog"] == "pdsh" or "hf_zero.launch.cli" in c.get("command", "")]
 
 
 def _alive(pid: int) -> bool:
@@ -362,7 +361,7 @@ def test_a_signal_ends_every_remote_job(site: dict, tmp_path: Path, signum: int)
     hosts = _hostfile(site["work"], "node-a slots=1\nnode-b slots=1\n")
     (tmp_path / "pids").mkdir()
     (site["work"] / ".deepspeed_env").write_text(f"HFZ_PIDS={tmp_path / 'pids'}\n")
-    head = subprocess.Popen([sys.executable, "-m", "hf_zero.cli", "launch", "--hostfile", hosts, "--launcher", "ssh",
+    head = subprocess.Popen([sys.executable, "-m", "hf_zero.launch.cli", "launch", "--hostfile", hosts, "--launcher", "ssh",
                              "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), "hang.py"],
                             cwd=site["work"], env=site["env"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -132,9 +132,9 @@ def _layer_of(layers: list[list[str]]) -> dict[str, int]:
 def test_the_import_graph_is_read_whole() -> None:
     """The reader sees what it must: a function-level import, a relative one, a module named through its package."""
     graph = import_graph()
-    assert "hf_zero.zero.stage3" in graph["hf_zero.compile"]
+    assert "hf_zero.zero.stage3" in graph["hf_zero.training.compile"]
     assert "hf_zero.checkpoint.save" in graph["hf_zero.engine.persistence"]  # imported inside Persistence.save
-    assert "hf_zero.dist" in graph["hf_zero.engine.persistence"]  # `from hf_zero import dist as hz_dist`
+    assert "hf_zero.distributed.dist" in graph["hf_zero.engine.persistence"]  # `from hf_zero.distributed import dist as hz_dist`
     assert len(graph) == len(MODULES) > 40
 
 
@@ -160,11 +160,11 @@ def test_the_boundaries_the_design_relies_on() -> None:
         return sorted(d for d in deps if d == "hf_zero" or any(d == p or d.startswith(p + ".") for p in packages))
 
     above_zero = ("hf_zero.engine", "hf_zero.pipe", "hf_zero.checkpoint", "hf_zero.integrations", "hf_zero.hub",
-                  "hf_zero.cli", "hf_zero.api", "hf_zero.step")
+                  "hf_zero.launch.cli", "hf_zero.api", "hf_zero.training.step")
     for m, deps in graph.items():
         if m.startswith("hf_zero.zero"):
             assert not reaches(above_zero, deps), f"{m} imports {reaches(above_zero, deps)}"
-        if m.startswith(("hf_zero.checkpoint", "hf_zero.model_cards")):
+        if m.startswith(("hf_zero.checkpoint", "hf_zero.hub.model_cards")):
             assert not reaches(("hf_zero.pipe", "hf_zero.engine", "hf_zero.integrations"), deps), m
     assert graph["hf_zero.errors"] == set()
 
@@ -207,7 +207,7 @@ def test_nothing_below_the_engine_takes_the_engine() -> None:
     """checkpoint/, model_cards/ and every other module under the engine's layer take a TrainState, never the engine."""
     layer = _layer_of(_layers())
     below = [m for m in MODULES if layer[m] < layer["hf_zero.engine"]] + list(TAKES_A_TRAIN_STATE)
-    assert {"hf_zero.checkpoint.save", "hf_zero.checkpoint.load", "hf_zero.model_cards.record"} <= set(below)
+    assert {"hf_zero.checkpoint.save", "hf_zero.checkpoint.load", "hf_zero.hub.model_cards.record"} <= set(below)
     seen = {m: engine_handles(ast.parse(MODULES[m].read_text(), str(MODULES[m]))) for m in below}
     offending = [f"{m} {where}" for m, found in seen.items() for where in found]
     assert not offending, "the engine travels below itself (hand a TrainState instead):\n" + "\n".join(offending)
@@ -234,7 +234,7 @@ def test_the_train_state_is_what_they_take() -> None:
         "hf_zero.checkpoint.consolidated": ("save_pretrained", "save_single_file", "OneUnitAtATime.__init__"),
         "hf_zero.checkpoint.adapters": ("save_adapters", "save_merged", "gather_full_state_dict"),
         "hf_zero.checkpoint.deepspeed": ("load", "resume_trainer"),
-        "hf_zero.model_cards.record": ("engine_record", "write_engine_record", "engine_values"),
+        "hf_zero.hub.model_cards.record": ("engine_record", "write_engine_record", "engine_values"),
         "hf_zero.pipe.consolidated": ("save_pretrained",),
     }
     for m, names in entry.items():
@@ -252,14 +252,14 @@ def test_errors_keep_their_old_import_paths() -> None:
     import hf_zero
     import hf_zero.errors as E
     from hf_zero.checkpoint import CheckpointError
-    from hf_zero.cli import LaunchError
     from hf_zero.config import ConfigError
-    from hf_zero.dist import PeerFailureError
+    from hf_zero.distributed.dist import PeerFailureError
     from hf_zero.engine import UsageError
-    from hf_zero.hub import HubError
-    from hf_zero.optim import OptimizerConfigError
+    from hf_zero.hub.transfer import HubError
+    from hf_zero.launch.cli import LaunchError
+    from hf_zero.optim.optimizers import OptimizerConfigError
     from hf_zero.pipe import PipelineError
-    from hf_zero.precision import LossScaleFloorError, NonFiniteLossError
+    from hf_zero.precision.policies import LossScaleFloorError, NonFiniteLossError
 
     assert (CheckpointError, LaunchError, ConfigError, PeerFailureError, UsageError, HubError, OptimizerConfigError,
             PipelineError, LossScaleFloorError, NonFiniteLossError) == (

@@ -43,7 +43,7 @@ def _measure(rank: int, world: int, cases: list) -> list:
 
 
 def test_bytes_held_match_estimator() -> None:
-    from hf_zero.estimate import estimate_memory
+    from hf_zero.planning.estimate import estimate_memory
 
     cases = [[s, d] for s in (0, 1, 2, 3) for d in ("fp32", "bf16")]
     results = spawn(_measure, WORLD, cases)

@@ -140,8 +140,8 @@ def _json_block(text: str) -> dict:
 def test_config_json_names_the_trained_class_and_estimate_builds_it(saved: tuple, capsys: pytest.CaptureFixture) -> None:
     from transformers import BertForSequenceClassification
 
-    from hf_zero import cli
-    from hf_zero.estimate import build_model_on_meta, count_model_parameters
+    from hf_zero.launch import cli
+    from hf_zero.planning.estimate import build_model_on_meta, count_model_parameters
 
     root, out = saved
     final = root / "trainer" / "final"
@@ -185,7 +185,7 @@ def test_trainer_card_has_metadata_results_and_the_resolved_config(saved: tuple)
     assert "| accuracy |" in text
 
     # the folder save_model wrote carries the same record: the card `hf-zero push` renders later agrees
-    from hf_zero.hub import render_model_card
+    from hf_zero.hub.transfer import render_model_card
 
     pushed = ModelCard(render_model_card(root / "trainer" / "final", repo_id="user/bert"))
     assert pushed.data.library_name == "transformers" and pushed.data.base_model == "org/tiny-bert"
@@ -194,7 +194,7 @@ def test_trainer_card_has_metadata_results_and_the_resolved_config(saved: tuple)
 
 
 def test_engine_record_resolves_the_config_it_ran(saved: tuple) -> None:
-    from hf_zero.model_cards.record import read_record
+    from hf_zero.hub.model_cards.record import read_record
 
     root, out = saved
     rec = read_record(root / "llama")
@@ -209,7 +209,7 @@ def test_engine_record_resolves_the_config_it_ran(saved: tuple) -> None:
 
 
 def test_resolve_autos_fills_every_section_and_drops_what_nothing_used() -> None:
-    from hf_zero.model_cards.record import resolve_autos
+    from hf_zero.hub.model_cards.record import resolve_autos
 
     config = {"optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": 1e-8}},
               "scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": "auto", "warmup_num_steps": 5}},
@@ -240,7 +240,7 @@ def test_push_of_an_adapter_folder_writes_a_peft_card_and_peft_loads_it_by_repo_
             assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
             return proc.stdout
 
-        run([sys.executable, "-m", "hf_zero.cli", "push", str(adapter), "user/lora"])
+        run([sys.executable, "-m", "hf_zero.launch.cli", "push", str(adapter), "user/lora"])
         head = hub.repos["user/lora"].commits[hub.repos["user/lora"].refs["main"]]
         assert {"adapter_model.safetensors", "adapter_config.json", "README.md"} <= set(head.files)
         loaded = run([sys.executable, "-c", textwrap.dedent(f"""
@@ -274,8 +274,8 @@ def test_a_local_folder_never_becomes_base_model_and_eval_results_name_their_dat
     from huggingface_hub import ModelCard
     from transformers import BertForSequenceClassification
 
-    from hf_zero.model_cards.card import render_model_card
-    from hf_zero.model_cards.record import hub_id_of, update_record
+    from hf_zero.hub.model_cards.card import render_model_card
+    from hf_zero.hub.model_cards.record import hub_id_of, update_record
 
     cached = tmp_path / "hub" / "models--org--tiny-bert" / "snapshots" / ("a" * 40)
     plain = tmp_path / "my-bert"

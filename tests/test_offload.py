@@ -273,7 +273,7 @@ def _streamed_gradients(rank: int, world: int) -> dict:
     import logging
 
     import hf_zero
-    from hf_zero.estimate import offload_host_bytes
+    from hf_zero.planning.estimate import offload_host_bytes
     from hf_zero.zero import offload
 
     real = offload.available_host_bytes

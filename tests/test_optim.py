@@ -1,4 +1,4 @@
-"""hf_zero.optim: DeepSpeed's optimizer mapping and its Warmup* lr schedules, number for number.
+"""hf_zero.optim.optimizers: DeepSpeed's optimizer mapping and its Warmup* lr schedules, number for number.
 
 The reference formulas below are written from DeepSpeed's deepspeed/runtime/lr_schedules.py
 (deepspeedai/DeepSpeed, commit edaa7221, Aug 2026). They were checked against DeepSpeed's own
@@ -15,8 +15,14 @@ import warnings
 import pytest
 import torch
 
-from hf_zero.optim import SUPPORTED_OPTIMIZERS, FusedAdam, OptimizerConfigError, build_optimizer
-from hf_zero.schedules import SUPPORTED_SCHEDULERS, WarmupCosineLR, WarmupDecayLR, WarmupLR, build_scheduler
+from hf_zero.optim.optimizers import SUPPORTED_OPTIMIZERS, FusedAdam, OptimizerConfigError, build_optimizer
+from hf_zero.optim.schedules import (
+    SUPPORTED_SCHEDULERS,
+    WarmupCosineLR,
+    WarmupDecayLR,
+    WarmupLR,
+    build_scheduler,
+)
 
 # ----------------------------------------------------------------------------- reference formulas
 # "it" is DeepSpeed's last_batch_iteration: -1 right after construction, +1 per scheduler.step().
@@ -423,7 +429,7 @@ def test_supported_names():
 
 # ----------------------------------------------------------------------------- OneCycle and LRRangeTest
 
-# Run on both sides (``M`` is deepspeed.runtime.lr_schedules or hf_zero.schedules): each case builds a schedule
+# Run on both sides (``M`` is deepspeed.runtime.lr_schedules or hf_zero.optim.schedules): each case builds a schedule
 # on a two-group optimizer and records the groups' lr and betas after construction and after every step.
 _CYCLIC_CASES = """
 import json, warnings

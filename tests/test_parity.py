@@ -29,7 +29,7 @@ def _oracle(steps: int, global_batch: int, clip: float, sched: bool) -> tuple[li
     opt = torch.optim.AdamW(param_groups(model), lr=LR, betas=(0.9, 0.99), eps=1e-8)
     sch = None
     if sched:
-        from hf_zero.schedules import build_scheduler
+        from hf_zero.optim.schedules import build_scheduler
 
         sch = build_scheduler("WarmupLR", {"warmup_min_lr": 0.0, "warmup_max_lr": LR, "warmup_num_steps": 3, "warmup_type": "linear"}, opt)
     ids, labels = make_data(steps, global_batch)

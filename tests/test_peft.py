@@ -223,7 +223,7 @@ def test_lora_trains_saves_merges_and_resumes_at_every_stage(tmp_path: Path) -> 
         _check_adapter_folder(root[name] / "final", root["plain"] / "final", plain["probe"], "llama")
     _check_merged(root["z3off"] / "merged", root["z3off"] / "final", "llama")
     # a Trainer checkpoint holds the adapter layout too: the one its resume state consolidates to offline
-    from hf_zero.cli import main
+    from hf_zero.launch.cli import main
 
     assert main(["consolidate", str(root["z3"] / "checkpoint-2"), str(tmp_path / "off2")]) == 0
     _check_adapter_folder(root["z3"] / "checkpoint-2", tmp_path / "off2", _forward(tmp_path / "off2"), "llama")
@@ -249,8 +249,8 @@ def _forward(folder: Path) -> list:
 
 def test_without_peft_merging_says_so_in_one_sentence(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                      capsys: pytest.CaptureFixture) -> None:
-    from hf_zero import cli
     from hf_zero.integrations import peft as hz_peft
+    from hf_zero.launch import cli
 
     monkeypatch.setitem(sys.modules, "peft", None)  # `import peft` now fails as if it were not installed
     assert not hz_peft.is_peft_model(torch.nn.Linear(2, 2))

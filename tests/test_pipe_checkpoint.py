@@ -118,7 +118,7 @@ def _world2(rank: int, world: int, root: str) -> dict:
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
-    from hf_zero.cli import main as cli
+    from hf_zero.launch.cli import main as cli
 
     out: dict = {}
     base = Path(root)

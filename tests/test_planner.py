@@ -5,7 +5,7 @@ case: ZeRO 0, 1, 2 and 3 over all 4 ranks, stage 2 and 3 with two micro-steps pe
 x ZeRO-1 and x ZeRO-3 over 2; a spawn of 8 runs flat ZeRO-3, hybrid sharding 2 x 4 at stages 2 and 3, and tp 2 x
 ZeRO-3 over 4. Inside the ranks every torch.distributed collective the engine calls is wrapped and recorded
 (operation, group, phase of the step, numel x element size); the second step is compared with what
-:func:`hf_zero.planner.plan` says for the same model, layout and step:
+:func:`hf_zero.planning.planner.plan` says for the same model, layout and step:
 
 - the parameter and gradient collectives (all-gathers, reduce-scatters, stage 0's all-reduce): planned <= counted
   <= planned + calls x (group - 1) x element size. Each flat buffer is padded to a multiple of the group size so
@@ -92,7 +92,7 @@ def _count(rank: int, world: int, cases: list) -> list:
                 phase[0] = "backward"
                 engine.backward(loss)
                 phase[0] = "step"
-                held = engine.memory_bytes()  # at the optimizer step, as hf_zero/estimate.py counts
+                held = engine.memory_bytes()  # at the optimizer step, as hf_zero/planning/estimate.py counts
                 engine.step()
         zo = engine.zero_optimizer
         out.append({"name": name, "log": list(log), "held": held,
@@ -131,15 +131,15 @@ def counted8() -> list:
 def _facts():  # noqa: ANN202
     from transformers import AutoConfig
 
-    from hf_zero import planner
+    from hf_zero.planning import planner
 
     values = dict(LLAMA)
     return planner.model_facts(AutoConfig.for_model(values.pop("model_type"), **values), "tiny llama")
 
 
 def _check_counts(counted: list, world: int, cases: list) -> None:
-    from hf_zero import planner
     from hf_zero.parallel import GridShape
+    from hf_zero.planning import planner
 
     facts = _facts()
     machines = planner.Machines(nodes=1, gpus_per_node=world)
@@ -198,7 +198,7 @@ def test_refusals_match_the_config_parser() -> None:
     from hf_zero.config import ZeroConfig
     from hf_zero.errors import ConfigError
     from hf_zero.parallel import GridShape
-    from hf_zero.planner import refusal
+    from hf_zero.planning.planner import refusal
 
     base = {"train_micro_batch_size_per_gpu": 1}
     cases = [  # (config, shape, stage)
@@ -221,7 +221,7 @@ def test_refusals_match_the_config_parser() -> None:
 
 
 def test_presets_count_metas_published_parameters() -> None:
-    from hf_zero import planner
+    from hf_zero.planning import planner
 
     for name, count in (("llama-3-8b", 8_030_261_248), ("llama-3-70b", 70_553_706_496)):
         config, _ = planner.load_config(name)
@@ -231,8 +231,8 @@ def test_presets_count_metas_published_parameters() -> None:
 def test_ring_split_inside_and_across_nodes() -> None:
     """2 nodes x 4 GPUs: flat ZeRO-3 sends 1/4 of its wire bytes across nodes (4 rings, one NIC each); hybrid
     sharding 4 x 2 keeps its gathers inside a node and sends its replica all-reduce wholly across."""
-    from hf_zero import planner
     from hf_zero.parallel import GridShape
+    from hf_zero.planning import planner
 
     facts = _facts()
     machines = planner.Machines(nodes=2, gpus_per_node=4)
@@ -248,7 +248,7 @@ def test_ring_split_inside_and_across_nodes() -> None:
 
 
 def test_cli_plan_prints_a_layout_and_a_ranking(capsys: pytest.CaptureFixture) -> None:
-    from hf_zero.cli import main
+    from hf_zero.launch.cli import main
 
     assert main(["plan", "--model", "llama-3-8b", "--gpus-per-node", "2", "--dp-shard", "2", "--zero-stage", "3"]) == 0
     text = capsys.readouterr().out

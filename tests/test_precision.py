@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from hf_zero.config import FP16Config
-from hf_zero.precision import LossScaleFloorError, LossScaler
+from hf_zero.precision.policies import LossScaleFloorError, LossScaler
 from tests.distributed import spawn
 from tests.models import make_data, make_model
 
@@ -239,7 +239,7 @@ def test_bf16_masters_keep_no_fp32_copy() -> None:
 def test_fp16_autocast_scales_the_loss_only_at_stage_0() -> None:
     """DeepSpeed's rule: an fp16 torch_autocast run has torch's GradScaler without ZeRO, no scaling with it."""
     from hf_zero.config import ZeroConfig
-    from hf_zero.precision import loss_scaler_for
+    from hf_zero.precision.policies import loss_scaler_for
 
     for stage, scaled in ((0, True), (1, False), (3, False)):
         cfg = ZeroConfig.load({"torch_autocast": {"enabled": True, "dtype": "fp16"}, "zero_optimization": {"stage": stage}})

@@ -39,7 +39,7 @@ TRAINER_STEPS = 6
 
 
 def _wait_for_signal(out: Path, rank: int) -> None:
-    from hf_zero import preemption
+    from hf_zero.training import preemption
 
     (out / f"pid_rank{rank}").write_text(str(os.getpid()))
     deadline = time.monotonic() + 120
@@ -52,8 +52,8 @@ def _slow_saves(out: Path, rank: int) -> None:
     spec = os.environ.get("HFZ_TEST_SLOW_SAVE")
     if not spec:
         return
-    from hf_zero import preemption
     from hf_zero.checkpoint import save
+    from hf_zero.training import preemption
 
     when, seconds = spec.split(":")
     real, done = save.write_file, []
@@ -237,7 +237,7 @@ def engine_reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A run never interrupted: its final weights, and its checkpoints of steps 2, 4, 6 and 8 in ``ckpt``.
 
     Written in the background (``async_save``); the script ends without waiting for the last one, which the
-    process's end does (the writer thread is joined before hf_zero.dist's exit barrier)."""
+    process's end does (the writer thread is joined before hf_zero.distributed.dist's exit barrier)."""
     out = tmp_path_factory.mktemp("engine_ref")
     for code, text in _finish(_by_hand(out, HFZ_TEST_MODE="engine", HFZ_TEST_SLOW_SAVE="global_step8:1",
                                        HFZ_TEST_CHECKPOINT=json.dumps({"async_save": True}))):
@@ -390,7 +390,7 @@ def test_checkpoint_keys_are_checked_with_their_json_path() -> None:
 def test_one_delivery_twice_is_one_request_a_different_signal_exits_and_forked_children_keep_sigterm() -> None:
     """Two SIGUSR1 within a second (the scheduler's and torchrun's) are one request; SIGUSR2 after exits with 140;
     the grace timer exits with 128 + signum; a forked child (a DataLoader worker) still dies of SIGTERM."""
-    from hf_zero import preemption
+    from hf_zero.training import preemption
 
     watch = preemption._WATCH
     exits: list[int] = []

@@ -61,8 +61,8 @@ def _numerics(rank: int, world: int) -> dict:
     import logging
 
     import hf_zero
-    import hf_zero.step as step_policy
-    from hf_zero.precision import LossScaleFloorError, NonFiniteLossError
+    import hf_zero.training.step as step_policy
+    from hf_zero.precision.policies import LossScaleFloorError, NonFiniteLossError
 
     warnings: list[str] = []
 

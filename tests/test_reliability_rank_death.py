@@ -34,7 +34,7 @@ def main(out: Path) -> None:
     import torch
 
     import hf_zero
-    from hf_zero.dist import PeerFailureError
+    from hf_zero.distributed.dist import PeerFailureError
     from tests.models import make_data, make_model
 
     torch.set_num_threads(1)
@@ -140,7 +140,7 @@ def _free_port() -> int:
 
 def _launch(out: Path, **extra: str) -> subprocess.CompletedProcess:
     out.mkdir(parents=True, exist_ok=True)
-    argv = [sys.executable, "-m", "hf_zero.cli", "launch", "--num_gpus", "2", "--max_restarts", "1",
+    argv = [sys.executable, "-m", "hf_zero.launch.cli", "launch", "--num_gpus", "2", "--max_restarts", "1",
             "--master_port", str(_free_port()), __file__, str(out)]
     return subprocess.run(argv, env=_env(**extra), capture_output=True, text=True, timeout=240, cwd=ROOT)
 

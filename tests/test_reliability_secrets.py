@@ -29,7 +29,7 @@ from huggingface_hub.utils import logging as hf_logging
 hf_logging.set_verbosity_debug()
 import hf_zero
 from hf_zero import TrainingArguments
-from hf_zero.hub import HubError
+from hf_zero.hub.transfer import HubError
 from tests.models import make_data, make_model
 
 token, wrong, out = sys.argv[1], sys.argv[2], sys.argv[3]

@@ -113,7 +113,7 @@ class _AttentionCalls:
     def __enter__(self) -> _AttentionCalls:
         from torch.utils._python_dispatch import TorchDispatchMode
 
-        from hf_zero.recompute import attention_ops
+        from hf_zero.training.recompute import attention_ops
 
         ops, owner = set(attention_ops()), self
         self.n = 0

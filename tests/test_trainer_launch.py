@@ -82,7 +82,7 @@ def _launch(out: Path, **extra: str) -> subprocess.CompletedProcess:
     """``hf-zero launch --num_gpus 2`` of this file, with CUDA hidden as on a machine without GPUs."""
     out.mkdir(parents=True, exist_ok=True)
     env = _env(**extra)
-    argv = [sys.executable, "-m", "hf_zero.cli", "launch", "--num_gpus", "2", "--master_port", str(_free_port()),
+    argv = [sys.executable, "-m", "hf_zero.launch.cli", "launch", "--num_gpus", "2", "--master_port", str(_free_port()),
             __file__, str(out)]
     return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
 

@@ -279,7 +279,7 @@ def test_trainer_life_at_stage3_sections_and_seq2seq(tmp_path: Path, capsys: pyt
     # hf-zero consolidate of the Trainer's output dir takes its newest checkpoint-N (6: phase 3 did not save)
     from safetensors.torch import load_file
 
-    from hf_zero.cli import main as cli
+    from hf_zero.launch.cli import main as cli
 
     run = tmp_path / "life_z3"
     assert cli(["consolidate", str(run), str(tmp_path / "cons")]) == 0

@@ -1,4 +1,4 @@
-"""TRL's SFTTrainer and DPOTrainer on hf_zero (``hf_zero.trl``), against TRL's own trainers, on 2 CPU ranks.
+"""TRL's SFTTrainer and DPOTrainer on hf_zero (``hf_zero.integrations.trl``), against TRL's own trainers, on 2 CPU ranks.
 
 The oracle is nobody's here: TRL's ``SFTTrainer`` / ``DPOTrainer`` as TRL ships them (transformers'
 DDP over gloo) on the same model, data, seed and arguments; hf_zero's must log the same losses
@@ -85,7 +85,7 @@ def _common(case: dict) -> dict:
 def _run(rank: int, world: int, cases: list) -> list:
     import trl
 
-    import hf_zero.trl as hz_trl
+    import hf_zero.integrations.trl as hz_trl
 
     out = []
     for case in cases:
@@ -125,7 +125,7 @@ def _run(rank: int, world: int, cases: list) -> list:
             result["rewards"] = [h.get("rewards/chosen") for h in logs]
             ref = getattr(trainer, "ref_model", None)
             if hasattr(ref, "memory_bytes"):  # what this rank holds of the reference model, against the whole
-                from hf_zero.estimate import reference_model_bytes
+                from hf_zero.planning.estimate import reference_model_bytes
 
                 count = sum(p.numel() for p in _model(tok.vocab_size).parameters())
                 result["ref_share"] = ref.memory_bytes()["params"] / (4 * count)
@@ -221,7 +221,7 @@ def test_hf_zero_trl_without_trl_says_so_in_one_sentence(monkeypatch: pytest.Mon
     import sys
 
     monkeypatch.setitem(sys.modules, "trl", None)
-    monkeypatch.delitem(sys.modules, "hf_zero.trl", raising=False)
-    with pytest.raises(ImportError, match=r"hf_zero.trl needs the trl package, which is not installed; install it with "
+    monkeypatch.delitem(sys.modules, "hf_zero.integrations.trl", raising=False)
+    with pytest.raises(ImportError, match=r"hf_zero.integrations.trl needs the trl package, which is not installed; install it with "
                                           r"pip install 'hf_zero\[trl\]'"):
-        importlib.import_module("hf_zero.trl")
+        importlib.import_module("hf_zero.integrations.trl")

@@ -19,7 +19,7 @@ Resume checkpoints of a PEFT model also hold its adapter configs (written next t
 model's ``config.json``), so a checkpoint can be turned into either layout offline.
 
 What hf_zero knows of peft models outside the engine (detection, configs, the meta twin) is
-:mod:`hf_zero.peft_model`, which every layer may import.
+:mod:`hf_zero.training.peft_model`, which every layer may import.
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from hf_zero import dist as hz_dist
 from hf_zero.checkpoint.consolidated import (
     OneUnitAtATime,
     checkpoint_weights,
@@ -39,8 +38,9 @@ from hf_zero.checkpoint.consolidated import (
     write_weights,
 )
 from hf_zero.checkpoint.format import resolve_tag
+from hf_zero.distributed import dist as hz_dist
 from hf_zero.errors import UsageError
-from hf_zero.peft_model import (
+from hf_zero.training.peft_model import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
     adapter_dir,

@@ -26,7 +26,7 @@ Then a thread (:class:`BackgroundWriter`):
 An error in the thread is raised on every rank, in one sentence, at the next wait point: the next
 ``save_checkpoint``, ``load_checkpoint``, ``engine.destroy()``, ``engine.wait_for_checkpoint()`` or a
 preemption. At the process's end the thread (not a daemon) is joined before ``atexit`` handlers run, so
-before ``hf_zero.dist``'s exit barrier; a failure found only then is printed.
+before ``hf_zero.distributed.dist``'s exit barrier; a failure found only then is printed.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 from hf_zero.checkpoint.ranks import attempt, reason
-from hf_zero.dist import comm_timeout, describe_peer_failure, gather_json
+from hf_zero.distributed.dist import comm_timeout, describe_peer_failure, gather_json
 from hf_zero.errors import CheckpointError
 from hf_zero.zero.offload import HOST_RESERVE_FRACTION, available_host_bytes, host_buffer
 

@@ -22,8 +22,8 @@ import torch
 from hf_zero.checkpoint.format import CheckpointReader, read_meta, resolve_tag
 from hf_zero.errors import CheckpointError
 from hf_zero.expert.slices import gather_whole, slice_of
-from hf_zero.precision import SAFETENSORS_DTYPES
-from hf_zero.tp_split import cut_entry, parse_slice_name, split_of
+from hf_zero.parallel.tp_split import cut_entry, parse_slice_name, split_of
+from hf_zero.precision.policies import SAFETENSORS_DTYPES
 
 if TYPE_CHECKING:
     from hf_zero.checkpoint.state import TrainState
@@ -152,7 +152,7 @@ def save_model_config(module: torch.nn.Module, out_dir: str, dtype: torch.dtype 
     """
     from transformers import PreTrainedModel
 
-    from hf_zero import peft_model as hz_peft
+    from hf_zero.training import peft_model as hz_peft
 
     base = hz_peft.base_model_of(module)
     config = getattr(base, "config", None)
@@ -399,7 +399,7 @@ def checkpoint_weights(
     if damaged:
         raise CheckpointError(damaged[0])
     entries, kinds = [], {}
-    slices: dict[str, list[str]] = {}  # a tensor-parallel weight or EP experts: its slices' names, by rank (tp_split.py)
+    slices: dict[str, list[str]] = {}  # a tensor-parallel weight or EP experts: its slices' names, by rank (parallel/tp_split.py)
     for name, info in meta["params"].items():
         if (exclude_frozen or meta.get("frozen_excluded")) and not info.get("trainable", True):
             continue

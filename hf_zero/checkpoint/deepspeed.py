@@ -337,7 +337,7 @@ def _load(
     import torch.distributed as dist
 
     from hf_zero.checkpoint.load import load as load_sharded
-    from hf_zero.dist import gather_json
+    from hf_zero.distributed.dist import gather_json
 
     rank, world = dist.get_rank(), dist.get_world_size()
     zo = state.optimizer
@@ -411,7 +411,7 @@ def resume_trainer(state: TrainState, trainer_scheduler: Any, checkpoint: str) -
     or from DeepSpeed's own (a config ``scheduler`` section), read without running pickled code.
     Returns the counters for the engine to take.
     """
-    from hf_zero import dist as hz_dist
+    from hf_zero.distributed import dist as hz_dist
 
     with hz_dist.peer_failure_guard("load_checkpoint"):
         _, _, p, progress = _load(state, checkpoint, None, True, True, False)

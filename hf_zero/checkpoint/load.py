@@ -27,7 +27,7 @@ from hf_zero.checkpoint.ranks import gather_findings
 from hf_zero.checkpoint.state import Progress, TrainState
 from hf_zero.checkpoint.tp_reshard import base_name, install, whole_shapes
 from hf_zero.errors import CheckpointError
-from hf_zero.tp_split import checkpoint_name, parse_slice_name, slice_kind, stored_cut, stored_names
+from hf_zero.parallel.tp_split import checkpoint_name, parse_slice_name, slice_kind, stored_cut, stored_names
 
 
 def _different_model(path: str, missing: list[str], extra: list[str]) -> str:

@@ -7,7 +7,7 @@ tied weights another stage stores. Nothing here knows what a pipeline is beyond 
 Saving and loading are collective, so a failure on one rank (a full disk, a damaged file, a
 state JSON cannot hold) must reach every rank instead of leaving the others waiting in the next
 collective: each rank turns its failure into one clause (:func:`attempt`), the clauses are pooled
-with ``hf_zero.dist.gather_json`` and every rank raises the same sentence (:func:`agree`).
+with ``hf_zero.distributed.dist.gather_json`` and every rank raises the same sentence (:func:`agree`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
-from hf_zero.dist import gather_json
+from hf_zero.distributed.dist import gather_json
 from hf_zero.errors import CheckpointError
 
 T = TypeVar("T")
@@ -31,7 +31,7 @@ class CheckpointLayout:
     ``group`` (``world`` ranks, this one ``rank``) writes the checkpoint: files are numbered by
     ``rank``. Replicated values (ZeRO stage 0, frozen parameters, buffers) are stored by the rank
     whose ``dp_rank`` (and ``tp_rank``) is 0. Under tensor parallelism the group is the whole grid: the
-    ranks of a tensor-parallel group store their own slices (named per rank, ``hf_zero/tp_split.py``)
+    ranks of a tensor-parallel group store their own slices (named per rank, ``hf_zero/parallel/tp_split.py``)
     and ``others`` holds the whole parameters, which only ``tp_rank`` 0 stores. In a pipeline (``pipe_stage`` set:
     this rank's pipeline stage, not a ZeRO stage) the group is the whole world, each
     stage holds other parameters, and the tied parameters whose ids are in ``others`` are stored

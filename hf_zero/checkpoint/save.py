@@ -58,9 +58,9 @@ from hf_zero.checkpoint.format import (
 )
 from hf_zero.checkpoint.ranks import CheckpointLayout, agree, attempt, pool
 from hf_zero.checkpoint.state import TrainState
-from hf_zero.dist import gather_json
+from hf_zero.distributed.dist import gather_json
 from hf_zero.errors import CheckpointError, CheckpointTagError
-from hf_zero.tp_split import checkpoint_name, stored_names, table_entry
+from hf_zero.parallel.tp_split import checkpoint_name, stored_names, table_entry
 from hf_zero.zero.group import subgroup_of
 
 logger = logging.getLogger("hf_zero")
@@ -77,7 +77,7 @@ def optimizer_table(state: TrainState) -> dict[str, Any]:
         {k: to_json(v, f"optimizer param group '{k}'") for k, v in pg.items() if k != "params"}
         for pg in zo.optimizer.param_groups
     ]
-    # A tensor-parallel slice is listed under every rank's name (each rank stores its own; hf_zero/tp_split.py).
+    # A tensor-parallel slice is listed under every rank's name (each rank stores its own; hf_zero/parallel/tp_split.py).
     mine = {checkpoint_name(n, p): (n, p) for n, p in state.module.named_parameters()}
     names_of = lambda key: stored_names(*mine[key]) if key in mine else [key]  # noqa: E731
     group_names = [[m for n in names for m in names_of(n)] for names in zo.group_names]

@@ -27,8 +27,8 @@ from hf_zero.checkpoint.ranks import CheckpointLayout
 
 if TYPE_CHECKING:
     from hf_zero.config import ZeroConfig
-    from hf_zero.precision import LossScaler
-    from hf_zero.tensor_parallel import TensorParallelGroups
+    from hf_zero.parallel.tensor_parallel import TensorParallelGroups
+    from hf_zero.precision.policies import LossScaler
     from hf_zero.zero.optimizer import ShardedOptimizer
 
 

@@ -2,8 +2,8 @@
 back; EP 2 saved, EP 4 or no EP resumed, and back: an EP rank's experts are a dim-0 slice named ``name@ep0of2``).
 
 A checkpoint stores a tensor-parallel slice under a name of its own per rank (``name@tp0of2``, with its dim, degree
-and whole shape in the parameter table; ``hf_zero/tp_split.py``) and a whole parameter under its name. This run
-asks the reader for its own names (:func:`hf_zero.tp_split.checkpoint_name`); where the checkpoint holds that name
+and whole shape in the parameter table; ``hf_zero/parallel/tp_split.py``) and a whole parameter under its name. This run
+asks the reader for its own names (:func:`hf_zero.parallel.tp_split.checkpoint_name`); where the checkpoint holds that name
 under another split, :func:`install` gives the reader a derived value for it: the whole tensor put back from the
 saved slices (or read whole), then cut to this rank's slice. Every kind stored for the parameter is derived alike
 (the fp32 master, each optimizer state tensor, a frozen value), and its scalar optimizer state (Adam's ``step``)
@@ -19,7 +19,7 @@ from collections import defaultdict
 import torch
 
 from hf_zero.checkpoint.format import CheckpointReader
-from hf_zero.tp_split import TPSplit, cut_entry, parse_slice_name
+from hf_zero.parallel.tp_split import TPSplit, cut_entry, parse_slice_name
 
 
 def base_name(key: str) -> str:

@@ -73,7 +73,7 @@ class ZeroConfig:
     fp16: FP16Config = field(default_factory=FP16Config)
     bf16: BF16Config = field(default_factory=BF16Config)
     torch_autocast: TorchAutocastConfig = field(default_factory=TorchAutocastConfig)
-    fp8: Float8Config = field(default_factory=Float8Config)  # hf_zero extension: float8 linears (hf_zero/float8.py)
+    fp8: Float8Config = field(default_factory=Float8Config)  # hf_zero extension: float8 linears (hf_zero/precision/float8.py)
     zero_optimization: ZeroOptimizationConfig = field(default_factory=ZeroOptimizationConfig)
     communication_data_type: str | None = None  # "fp32" | "fp16" | "bf16"; None: the engine's default
     steps_per_print: int | None = 10  # null: never print, DeepSpeed's own default
@@ -90,7 +90,7 @@ class ZeroConfig:
     nonfinite_loss: str = "skip"  # hf_zero extension: "skip" | "stop" | "off" (schema.NONFINITE_LOSS)
     checkpoint_keep_last: int | None = None  # hf_zero extension: checkpoint.keep_last; None keeps every checkpoint
     checkpoint_tag_validation: str = "Warn"  # checkpoint.tag_validation: "Warn" | "Ignore" | "Fail" (save_checkpoint)
-    # hf_zero extensions for long runs (hf_zero/preemption.py, hf_zero/checkpoint/background.py):
+    # hf_zero extensions for long runs (hf_zero/training/preemption.py, hf_zero/checkpoint/background.py):
     checkpoint_save_on_signal: tuple[str, ...] | None = None  # None: not given (the engine watches none, the Trainer
     checkpoint_save_dir: str | None = None  # SIGTERM and SIGUSR1); save_dir None: the last save_checkpoint's folder
     checkpoint_grace_seconds: float | None = None  # after the first signal, exit at once when this has passed

@@ -104,11 +104,11 @@ TOP = Section(
         "torch_autocast",  # DeepSpeed's: forward under torch.autocast (hf_zero/engine/zero_engine.py)
         "sequence_parallel_size",  # DeepSpeed's (ALST): the Ulysses degree (hf_zero/config/sequence.py)
         "sequence_parallel",  # hf_zero's tiling switches; LLaMA-Factory's keys of the section are read too
-        "wall_clock_breakdown",  # DeepSpeed's: time forward, backward and step (hf_zero/timers.py)
+        "wall_clock_breakdown",  # DeepSpeed's: time forward, backward and step (hf_zero/training/timers.py)
         "seed",  # hf_zero's: the seed of the distributed sampler's shuffle
         "nonfinite_loss",  # hf_zero's: what a bf16/fp32 step with an inf/nan loss or gradient does
-        "tensor_parallel",  # DeepSpeed's AutoTP training: autotp_size (hf_zero/tensor_parallel.py)
-        "fp8",  # hf_zero's: float8 linear layers through torchao (hf_zero/float8.py)
+        "tensor_parallel",  # DeepSpeed's AutoTP training: autotp_size (hf_zero/parallel/tensor_parallel.py)
+        "fp8",  # hf_zero's: float8 linear layers through torchao (hf_zero/precision/float8.py)
         "aio",  # DeepSpeed's: NVMe offload's file I/O (hf_zero/zero/nvme.py)
         "expert_parallel",  # DeepSpeed's AutoEP: experts split over EP groups (hf_zero/expert/)
     ),
@@ -280,7 +280,7 @@ AIO = Section(
 
 CHECKPOINT = Section(
     # hf_zero's: keep_last (save_checkpoint keeps the N newest checkpoints of its folder; null: all);
-    # save_on_signal, save_dir, grace_seconds (a preemption's resume checkpoint, hf_zero/preemption.py);
+    # save_on_signal, save_dir, grace_seconds (a preemption's resume checkpoint, hf_zero/training/preemption.py);
     # async_save (checkpoints written by a background thread, hf_zero/checkpoint/background.py).
     # tag_validation is DeepSpeed's (Warn / Ignore / Fail across ranks).
     keys=("keep_last", "tag_validation", "save_on_signal", "save_dir", "grace_seconds", "async_save"),

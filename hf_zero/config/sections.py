@@ -194,7 +194,7 @@ class Float8Config:
     "rowwise" scaling); the parameters, masters, optimizer state and checkpoints stay in the bf16/fp32 the rest of the
     config gives, so a float8 run resumes in bf16 and back. ``fp8_all_gather`` (stage 3, tensorwise only): the
     gathers move float8 shards scaled over the whole weight, half the bytes of bf16. ``skip``: regular expressions
-    matched (``re.search``) against module names, added to the default skips (:mod:`hf_zero.float8`). ``emulate``:
+    matched (``re.search``) against module names, added to the default skips (:mod:`hf_zero.precision.float8`). ``emulate``:
     torchao's matmuls in high precision on float8-rounded values, for hardware without float8 kernels.
     """
 
@@ -212,7 +212,7 @@ class Float8Config:
 
 @dataclass
 class CompileConfig:
-    """``compile``: ``torch.compile`` each block at ``initialize`` (see :mod:`hf_zero.compile`)."""
+    """``compile``: ``torch.compile`` each block at ``initialize`` (see :mod:`hf_zero.training.compile`)."""
 
     enabled: bool = False
     backend: str = "inductor"

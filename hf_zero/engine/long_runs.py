@@ -1,6 +1,6 @@
 """What a long run needs of its engine besides the step: stopping cleanly when the cluster takes the job back.
 
-``checkpoint.save_on_signal`` (``hf_zero/preemption.py``) records a signal and has the ranks agree on it
+``checkpoint.save_on_signal`` (``hf_zero/training/preemption.py``) records a signal and has the ranks agree on it
 with one all-reduce per accumulation boundary, read at the next. :class:`LongRuns` owns that agreement
 for one engine: the engine calls :meth:`LongRuns.at_boundary` once per counted boundary, and once the
 ranks have agreed it either saves a resume checkpoint and exits (the engine's default) or leaves the
@@ -17,12 +17,12 @@ from typing import Any
 
 import torch
 
-from hf_zero import dist as hz_dist
-from hf_zero import preemption as hz_preemption
 from hf_zero.checkpoint.ranks import CheckpointLayout
 from hf_zero.config import ZeroConfig
+from hf_zero.distributed import dist as hz_dist
 from hf_zero.engine.persistence import Persistence
 from hf_zero.errors import CheckpointError
+from hf_zero.training import preemption as hz_preemption
 
 logger = logging.getLogger("hf_zero")
 

@@ -3,7 +3,7 @@
 :class:`Persistence` is the engine's collaborator for everything that outlives the process. It holds the
 state of that job alone (the background writer of ``checkpoint.async_save``, the folder of the last save)
 and reaches its engine only through :class:`Owner`, the few calls it needs: the engine's ``TrainState``
-(what ``hf_zero/checkpoint/`` and ``hf_zero/model_cards/`` read, since they never see the engine), its
+(what ``hf_zero/checkpoint/`` and ``hf_zero/hub/model_cards/`` read, since they never see the engine), its
 counters' write-back, and the waits that make the parameters and the optimizer state current. The
 engine's public methods (``save_checkpoint``, ``load_checkpoint``, ``save_16bit_model``,
 ``save_pretrained``, ``push_to_hub``, DeepSpeed's names) are one-line calls into this object, so a
@@ -23,9 +23,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from hf_zero import dist as hz_dist
 from hf_zero.checkpoint.ranks import CheckpointLayout
 from hf_zero.checkpoint.state import Progress, TrainState
+from hf_zero.distributed import dist as hz_dist
 from hf_zero.errors import CheckpointError, UsageError
 
 if TYPE_CHECKING:
@@ -213,10 +213,10 @@ class Persistence:
         is saved as peft saves it (``adapter_model.safetensors`` + ``adapter_config.json``, only
         the adapters gathered), or with ``merge_adapters=True`` as full weights with the adapters
         merged in (see :mod:`hf_zero.integrations.peft`). The folder also records how the model
-        was trained, for its model card (:mod:`hf_zero.model_cards`).
+        was trained, for its model card (:mod:`hf_zero.hub.model_cards`).
         """
         from hf_zero.checkpoint import adapters as hz_peft
-        from hf_zero.model_cards import record
+        from hf_zero.hub.model_cards import record
 
         owner = self.owner
         owner.wait_params()
@@ -262,14 +262,14 @@ class Persistence:
         can be picked up elsewhere with ``hf-zero pull`` and ``load_checkpoint``. Returns the commit
         URL on rank 0.
         """
-        from hf_zero import hub
+        from hf_zero.hub import transfer as hub
 
         owner = self.owner
         owner.save_pretrained(save_directory)
         url, failure, error = None, None, None
         if owner.global_rank == 0:
             kwargs = dict(card_kwargs or {})
-            from hf_zero.model_cards import record
+            from hf_zero.hub.model_cards import record
 
             if not record.read_record(save_directory):  # a save that records nothing (a pipeline's): show the config
                 kwargs.setdefault("zero_config", owner.config.raw)

@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hf_zero.errors import UsageError
-from hf_zero.module_setup import no_kv_cache_in_training
-from hf_zero.precision import reduce_dtype
+from hf_zero.precision.policies import reduce_dtype
+from hf_zero.training.module_setup import no_kv_cache_in_training
 from hf_zero.zero import collectives as C
 
 if TYPE_CHECKING:
@@ -27,8 +27,8 @@ if TYPE_CHECKING:
     from hf_zero.engine.long_runs import LongRuns
     from hf_zero.engine.persistence import Persistence
     from hf_zero.parallel import ParallelGrid
-    from hf_zero.precision import LossScaler
-    from hf_zero.tensor_parallel import TensorParallelGroups
+    from hf_zero.parallel.tensor_parallel import TensorParallelGroups
+    from hf_zero.precision.policies import LossScaler
     from hf_zero.zero.optimizer import ShardedOptimizer
 
 
@@ -94,7 +94,7 @@ class DeepSpeedSurface:
         return self.config.steps_per_print
 
     def wall_clock_breakdown(self) -> bool:
-        """Whether forward, backward and step are timed (``hf_zero/timers.py``)."""
+        """Whether forward, backward and step are timed (``hf_zero/training/timers.py``)."""
         return bool(self.config.wall_clock_breakdown)
 
     def fp16_auto_cast(self) -> bool:
@@ -189,7 +189,7 @@ class DeepSpeedSurface:
 
     @property
     def tensor_parallel_groups(self) -> TensorParallelGroups | None:
-        """The grid's ``tp`` axis (``hf_zero/tensor_parallel.py``), None without tensor parallelism."""
+        """The grid's ``tp`` axis (``hf_zero/parallel/tensor_parallel.py``), None without tensor parallelism."""
         return self._tp_view
 
     # ----------------------------------------------------- the optimizer and the last step
@@ -239,12 +239,12 @@ class DeepSpeedSurface:
     # ----------------------------------------------------- compiling the blocks
 
     def compile(self, backend: str | Any = "inductor", compile_kwargs: dict | None = None) -> None:
-        """DeepSpeed's ``engine.compile``: ``torch.compile`` each block of the model (see :mod:`hf_zero.compile`).
+        """DeepSpeed's ``engine.compile``: ``torch.compile`` each block of the model (see :mod:`hf_zero.training.compile`).
 
         Blocks, not the whole model, so the ZeRO hooks stay outside the graphs; the config's
         ``compile`` section does the same at ``initialize``.
         """
-        from hf_zero.compile import compile_blocks
+        from hf_zero.training.compile import compile_blocks
 
         no_kv_cache_in_training(self.module, "compile")
         if compile_kwargs is not None and not isinstance(compile_kwargs, dict):

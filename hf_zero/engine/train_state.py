@@ -17,13 +17,13 @@ import torch
 from hf_zero.checkpoint.ranks import CheckpointLayout
 from hf_zero.checkpoint.state import Progress, TrainState
 from hf_zero.errors import UsageError
-from hf_zero.tp_split import split_of
+from hf_zero.parallel.tp_split import split_of
 
 if TYPE_CHECKING:
     from hf_zero.config import ZeroConfig
     from hf_zero.parallel import ParallelGrid
-    from hf_zero.precision import LossScaler
-    from hf_zero.tensor_parallel import TensorParallelGroups
+    from hf_zero.parallel.tensor_parallel import TensorParallelGroups
+    from hf_zero.precision.policies import LossScaler
     from hf_zero.zero.optimizer import ShardedOptimizer
 
 

@@ -23,30 +23,30 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hf_zero import dist as hz_dist
 from hf_zero.config import ZeroConfig
-from hf_zero.data import to_device
+from hf_zero.distributed import dist as hz_dist
 from hf_zero.engine.long_runs import LongRuns
 from hf_zero.engine.persistence import Persistence
 from hf_zero.engine.surface import DeepSpeedSurface
 from hf_zero.engine.train_state import TrainStateSource
 from hf_zero.engine.zero_setup import NoOptimizer, sharded_optimizer
 from hf_zero.errors import ConfigError, NoSyncAtStage3Error, StepInNoSyncError, UsageError
-from hf_zero.float8 import apply_float8
-from hf_zero.module_setup import (
+from hf_zero.parallel import GridShape, ParallelGrid, grid_for
+from hf_zero.parallel.tensor_parallel import view_of as tensor_view_of
+from hf_zero.precision.float8 import apply_float8
+from hf_zero.precision.policies import loss_scaler_for
+from hf_zero.sequence.groups import view_of as sequence_view_of
+from hf_zero.training.data import to_device
+from hf_zero.training.module_setup import (
     broadcast_module,
     cast_frozen_params,
     check_presharded,
     move_to_device,
     no_kv_cache_in_training,
 )
-from hf_zero.parallel import GridShape, ParallelGrid, grid_for
-from hf_zero.precision import loss_scaler_for
-from hf_zero.recompute import checkpoint_blocks
-from hf_zero.sequence.groups import view_of as sequence_view_of
-from hf_zero.step import NormScope, StepPolicy, StepResult
-from hf_zero.tensor_parallel import view_of as tensor_view_of
-from hf_zero.timers import StepTimers
+from hf_zero.training.recompute import checkpoint_blocks
+from hf_zero.training.step import NormScope, StepPolicy, StepResult
+from hf_zero.training.timers import StepTimers
 from hf_zero.zero import attach
 
 logger = logging.getLogger("hf_zero")
@@ -103,7 +103,7 @@ class ZeroEngine(DeepSpeedSurface, TrainStateSource, torch.nn.Module):
     """Training engine for ZeRO stages 0-3 with DeepSpeed's method names and semantics.
 
     The stages are policies of one ``ShardedOptimizer`` (``hf_zero/zero/optimizer.py``) over shard
-    groups; one step policy (``hf_zero/step.py``) decides each optimizer step; checkpoints are
+    groups; one step policy (``hf_zero/training/step.py``) decides each optimizer step; checkpoints are
     ``hf_zero/checkpoint``'s, reached through :class:`Persistence`. A ``PipelineEngine`` is this engine over
     one pipeline stage.
     """
@@ -118,7 +118,7 @@ class ZeroEngine(DeepSpeedSurface, TrainStateSource, torch.nn.Module):
     ) -> None:
         """``grid``: the run's parallel grid (``hf_zero/parallel/grid.py``; None: plain data parallelism over the
         world). ZeRO shards over its ZeRO group, the norm and checkpoints span the whole grid; under tensor
-        parallelism the model has already been split by ``hf_zero/tensor_parallel.py``."""
+        parallelism the model has already been split by ``hf_zero/parallel/tensor_parallel.py``."""
         super().__init__()
         _ensure_log_handler()
         self.module = model
@@ -171,7 +171,7 @@ class ZeroEngine(DeepSpeedSurface, TrainStateSource, torch.nn.Module):
             model, optimizer, config, self.grid, self.device, self.timers, self.global_rank, self.inference_only,
         ) if optimizer is not None else None
         # Clip, loss scale, the non-finite rule and the global norm (over the whole grid, _norm_scope): one policy
-        # for every engine (hf_zero/step.py), made once the shard groups exist (a pipeline leaves out its tied copies).
+        # for every engine (hf_zero/training/step.py), made once the shard groups exist (a pipeline leaves out its tied copies).
         self.step_policy = StepPolicy(scaler=self.loss_scaler, nonfinite=config.nonfinite_loss, device=self.device,
                                       scope=self._norm_scope())
         if self.timers.enabled:
@@ -411,7 +411,7 @@ class ZeroEngine(DeepSpeedSurface, TrainStateSource, torch.nn.Module):
     def _take_model_step(self) -> None:
         """The optimizer step of an accumulation boundary: the step policy decides, the engine counts.
 
-        The policy (:class:`hf_zero.step.StepPolicy`) takes the global norm, applies the fp16
+        The policy (:class:`hf_zero.training.step.StepPolicy`) takes the global norm, applies the fp16
         overflow / non-finite rule, unscales and clips the gradient shards, steps the masters and
         publishes the new weights. Here the outcome is counted: an applied step moves the LR
         scheduler and ``global_steps``; a skipped one drops the gradients and counts in

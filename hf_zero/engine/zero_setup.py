@@ -15,8 +15,8 @@ import torch
 
 from hf_zero.config import ZeroConfig
 from hf_zero.parallel import ParallelGrid
-from hf_zero.precision import reduce_dtype
-from hf_zero.timers import StepTimers
+from hf_zero.precision.policies import reduce_dtype
+from hf_zero.training.timers import StepTimers
 from hf_zero.zero.group import Placement
 from hf_zero.zero.host_step import host_step_threads
 from hf_zero.zero.nvme_io import NvmeSpec

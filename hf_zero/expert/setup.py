@@ -24,9 +24,9 @@ from hf_zero.expert.dispatch import dispatch_combine
 from hf_zero.expert.groups import ExpertGroups, expert_groups
 from hf_zero.expert.slices import ExpertSlice
 from hf_zero.expert.slices import mark as mark_slice
-from hf_zero.module_setup import broadcast_module, move_to_device
 from hf_zero.parallel import ParallelGrid
-from hf_zero.tp_split import TPSplit, mark_expert_cut
+from hf_zero.parallel.tp_split import TPSplit, mark_expert_cut
+from hf_zero.training.module_setup import broadcast_module, move_to_device
 from hf_zero.zero.attach import mark_synced_generation
 from hf_zero.zero.group import SubGroup, mark_subgroup
 from hf_zero.zero.preshard import full_shape, is_presharded, materialize_
@@ -172,7 +172,7 @@ def setup(model: torch.nn.Module, cfg: Any, grid: ParallelGrid, device: torch.de
             first = groups.ep_rank * local
             where = ExpertSlice(first, local, total, groups.ep_group, ep.size)
             for p in m.parameters(recurse=False):
-                # named per EP rank in resume checkpoints, with its global expert range (hf_zero/tp_split.py)
+                # named per EP rank in resume checkpoints, with its global expert range (hf_zero/parallel/tp_split.py)
                 mark_expert_cut(p, TPSplit(0, groups.ep_rank, ep.size, tuple(p.shape)))
                 p.data = p.data.narrow(0, first, local).clone()
                 mark_subgroup(p, sub)

@@ -62,9 +62,9 @@ from hf_zero.integrations.autofill import (  # noqa: F401 - MIN_AUTO_REDUCE_BUCK
     load_zero_config,
     parse_once,
 )
+from hf_zero.parallel.tensor_parallel import degree_of
 from hf_zero.sequence.setup import merge_sp_size, sp_size_of
 from hf_zero.sequence.setup import wrap_loader as wrap_sequence_loader
-from hf_zero.tensor_parallel import degree_of
 
 
 def launched_without_gpus() -> bool:

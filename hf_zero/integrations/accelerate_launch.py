@@ -134,7 +134,7 @@ def translate(args: argparse.Namespace, environ: Mapping[str, str]) -> tuple[arg
         raise LaunchError(f"num_processes {processes} is not a multiple of num_machines {machines}; each machine runs "
                           "num_processes / num_machines processes.")
     mixed = args.mixed_precision or config.mixed_precision or "no"
-    if mixed not in ("no", "fp16", "bf16", "fp8"):  # fp8: torchao's float8 linears over bf16 (hf_zero/float8.py)
+    if mixed not in ("no", "fp16", "bf16", "fp8"):  # fp8: torchao's float8 linears over bf16 (hf_zero/precision/float8.py)
         raise LaunchError(f"mixed_precision {mixed!r}: hf_zero trains in no (fp32), fp16, bf16 or fp8; choose one of them.")
     multinode = ds.get("deepspeed_multinode_launcher") or "pdsh"  # Accelerate's default when the key is absent
     if machines > 1 and multinode != "standard":

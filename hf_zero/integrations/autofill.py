@@ -82,8 +82,8 @@ def parse_once(config: dict) -> ZeroConfig:
 def _try_sections(parsed: ZeroConfig) -> None:
     if parsed.optimizer is None and parsed.scheduler is None:
         return
-    from hf_zero.optim import build_optimizer
-    from hf_zero.schedules import build_scheduler
+    from hf_zero.optim.optimizers import build_optimizer
+    from hf_zero.optim.schedules import build_scheduler
 
     stand_in = torch.nn.Parameter(torch.zeros(1))
     with warnings.catch_warnings():

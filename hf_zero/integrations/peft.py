@@ -1,6 +1,6 @@
 """``hf_zero.integrations.peft``: PEFT adapters with hf_zero, one import for users and tests.
 
-The pieces live in their layers: :mod:`hf_zero.peft_model` (detection, adapter configs, which tensors,
+The pieces live in their layers: :mod:`hf_zero.training.peft_model` (detection, adapter configs, which tensors,
 the meta twin) and :mod:`hf_zero.checkpoint.adapters` (saving adapters or merged weights from an engine
 or a resume checkpoint).
 """
@@ -12,7 +12,7 @@ from hf_zero.checkpoint.adapters import (  # noqa: F401
     save_adapters,
     save_merged,
 )
-from hf_zero.peft_model import (  # noqa: F401
+from hf_zero.training.peft_model import (  # noqa: F401
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
     DEFAULT_ADAPTER,

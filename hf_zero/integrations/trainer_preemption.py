@@ -1,6 +1,6 @@
 """hf_zero's Trainer under preemption: the signals it asks the engine to watch, and what it does on one.
 
-A preemption is decided by the engine on every rank at the same optimizer step (:mod:`hf_zero.preemption`); the
+A preemption is decided by the engine on every rank at the same optimizer step (:mod:`hf_zero.training.preemption`); the
 Trainer's part is a transformers callback that turns that decision into its own ``checkpoint-<step>`` (with the
 trainer state, scheduler and data position) and an exit. Apart from :mod:`hf_zero.integrations.transformers`
 because it is a collaborator the Trainer adds, talking to it only through the callback interface.
@@ -14,7 +14,7 @@ from typing import Any
 
 import transformers
 
-from hf_zero import preemption as hz_preemption
+from hf_zero.training import preemption as hz_preemption
 
 logger = logging.getLogger("hf_zero")
 
@@ -24,7 +24,7 @@ class SaveOnPreemption(transformers.TrainerCallback):
 
     The engine watches the signals (``checkpoint.save_on_signal``; the Trainer turns SIGTERM and SIGUSR1
     on unless the config says otherwise) and every rank learns of the decision at the same optimizer step
-    (hf_zero/preemption.py). The Trainer then saves the checkpoint itself, so that it has its
+    (hf_zero/training/preemption.py). The Trainer then saves the checkpoint itself, so that it has its
     ``trainer_state.json``, scheduler and data position; the engine does not save on its own. A signal
     during evaluation is decided at the end of a later training step (evaluation has no optimizer step).
     """

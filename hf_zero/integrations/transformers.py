@@ -29,7 +29,7 @@ import accelerate
 import torch
 import transformers
 
-from hf_zero import dist as hz_dist
+from hf_zero.distributed import dist as hz_dist
 from hf_zero.errors import ConfigError, UsageError
 from hf_zero.integrations import deepspeed_plugin as ds_plugin
 from hf_zero.integrations import parallelism as hz_parallelism
@@ -46,8 +46,8 @@ from hf_zero.integrations.trainer_checkpoints import (
     saved_by_deepspeed,
 )
 from hf_zero.integrations.trainer_preemption import SaveOnPreemption, watch_signals
+from hf_zero.parallel.tensor_parallel import degree_of
 from hf_zero.sequence.setup import merge_sp_size, parallelism_config_for, resolve_sp_size
-from hf_zero.tensor_parallel import degree_of
 
 __all__ = ["Seq2SeqTrainer", "Seq2SeqTrainingArguments", "Trainer", "TrainingArguments", "fill_auto", "zero_args", "zero_trainer"]
 
@@ -223,7 +223,7 @@ class Trainer(transformers.Trainer):
         section = self._section("optimizer")
         if section is None or self.optimizer is not None:
             return super().create_optimizer(model) if model is not None else super().create_optimizer()
-        from hf_zero.optim import build_optimizer
+        from hf_zero.optim.optimizers import build_optimizer
 
         params = dict(section.get("params") or {})
         for key, value, _ in optimizer_args(self.args):
@@ -240,7 +240,7 @@ class Trainer(transformers.Trainer):
         section = self._section("scheduler")
         if section is None or self.lr_scheduler is not None:
             return super().create_scheduler(num_training_steps, optimizer)
-        from hf_zero.schedules import build_scheduler
+        from hf_zero.optim.schedules import build_scheduler
 
         params = trainer_scheduler_params(section, self.args, num_training_steps)
         opt = optimizer if optimizer is not None else self.optimizer
@@ -359,7 +359,7 @@ class Trainer(transformers.Trainer):
                     "zero_config has started training; otherwise merge with peft: model.merge_and_unload().save_pretrained(dir)"
                 )
             return super().save_model(output_dir, _internal_call=_internal_call)
-        from hf_zero.model_cards import record
+        from hf_zero.hub.model_cards import record
 
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         self.engine.save_pretrained(output_dir, merge_adapters=merge_adapters)
@@ -393,9 +393,9 @@ class Trainer(transformers.Trainer):
             )
         if not self.is_world_process_zero():
             return
-        from hf_zero.hub import _write_atomic
-        from hf_zero.model_cards import record
-        from hf_zero.model_cards.card import render_model_card
+        from hf_zero.hub.model_cards import record
+        from hf_zero.hub.model_cards.card import render_model_card
+        from hf_zero.hub.transfer import _write_atomic
 
         folder = self.args.output_dir
         merged = bool(record.read_record(folder).get("merged_adapters"))  # as save_model left the folder

@@ -112,7 +112,7 @@ def node_shell_line(*, export_lines: Sequence[str], cwd: str, launch_args: Seque
     exactly that process (the launch ``exec``s into torchrun, which keeps the pid) on a failure or a signal.
     ``venv_script`` (DeepSpeed's ``--venv_script``) is sourced first; the line stops if it fails.
     """
-    launch = [sys.executable, "-u", "-m", "hf_zero.cli", "launch", f"--node_rank={node_rank}", f"--master_addr={master}"]
+    launch = [sys.executable, "-u", "-m", "hf_zero.launch.cli", "launch", f"--node_rank={node_rank}", f"--master_addr={master}"]
     head = shlex.join(launch[:5]) + " " + " ".join(launch[5:])  # the last two hold shell words, unquoted on purpose
     parts = [f". {shlex.quote(venv_script)} || exit 1;"] if venv_script else []
     parts += [*(line + ";" for line in export_lines), f"cd {shlex.quote(cwd)} &&"]

@@ -1,4 +1,4 @@
-"""``deepspeed.moe`` under hf_zero: only the parameter-group helper DeepSpeed scripts call on every model.
+"""DeepSpeed's module path ``deepspeed.moe``: holds only the parameter-group helper DeepSpeed scripts call on every model.
 
 hf_zero has no DeepSpeed MoE layer (``deepspeed.moe.layer.MoE``); expert parallelism for transformers' own MoE
 models is the ``expert_parallel`` section (``hf_zero/expert/``, docs/moe.md). DeepSpeed's MoE tutorial (and its own

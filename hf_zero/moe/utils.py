@@ -1,4 +1,4 @@
-"""``deepspeed.moe.utils``: ``is_moe_param`` and ``split_params_into_different_moe_groups_for_optimizer``."""
+"""DeepSpeed's module path ``deepspeed.moe.utils``: holds ``is_moe_param`` and ``split_params_into_different_moe_groups_for_optimizer``."""
 
 from __future__ import annotations
 

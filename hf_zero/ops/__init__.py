@@ -1,7 +1,7 @@
-"""``deepspeed.ops`` under hf_zero: the optimizers DeepSpeed scripts construct by name (``ops.adam``).
+"""DeepSpeed's module path ``deepspeed.ops``: re-exports hf_zero.optim's optimizers under DeepSpeed's names.
 
-``cpu_adam`` holds the host Adam update itself (``adam_update``) that ``ops.adam.DeepSpeedCPUAdam``
-and ZeRO-Offload step with.
+``ops.adam`` answers ``FusedAdam`` and ``DeepSpeedCPUAdam``, ``ops.cpu_adam`` the host Adam update
+(``adam_update``) that ZeRO-Offload steps with; both live in :mod:`hf_zero.optim`.
 """
 
 from hf_zero.ops import adam, cpu_adam

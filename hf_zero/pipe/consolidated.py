@@ -6,7 +6,7 @@ rank 0 asking each stage for its tensors in stage order and streaming them into 
 (stages 0-2 keep whole parameters on every replica); under tensor parallelism that replica's tp group
 gathers each slice onto its tp rank 0, which answers. A tied weight is held by several stages
 under one name; the first stage's copy is written. The lists of names travel as JSON
-(``hf_zero.dist.gather_json``), never pickled.
+(``hf_zero.distributed.dist.gather_json``), never pickled.
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ import torch.distributed as dist
 
 from hf_zero.checkpoint.consolidated import save_model_config, write_weights
 from hf_zero.checkpoint.state import TrainState
-from hf_zero.dist import gather_json
+from hf_zero.distributed.dist import gather_json
+from hf_zero.parallel.tp_split import split_of
 from hf_zero.pipe.module import PipelineModule
-from hf_zero.precision import dtype_by_name
-from hf_zero.tp_split import split_of
+from hf_zero.precision.policies import dtype_by_name
 
 
 def save_pretrained(state: TrainState, save_directory: str, max_shard_size: int | str = "5GB",

@@ -17,7 +17,7 @@ other hf_zero run uses. What the pipeline adds at the step:
   holding them and are summed with one all-reduce over the tie group;
 - the gradient norm (for clipping and the non-finite checks) is over the whole pipeline, each
   tied weight counted once, with one all-reduce over the world: the one step policy of every
-  engine (``hf_zero/step.py``) with the pipeline's norm scope.
+  engine (``hf_zero/training/step.py``) with the pipeline's norm scope.
 
 ``save_checkpoint`` / ``load_checkpoint`` are the ``ZeroEngine``'s: every rank of the world calls
 them, and :mod:`hf_zero.checkpoint.save` stores each stage's parameters under the model's own
@@ -36,12 +36,12 @@ import torch
 import torch.distributed as dist
 
 from hf_zero.config import ConfigError, ZeroConfig
-from hf_zero.data import to_device
 from hf_zero.engine import ZeroEngine
 from hf_zero.errors import UsageError
 from hf_zero.pipe import p2p
 from hf_zero.pipe import schedule as S
 from hf_zero.pipe.module import PipelineModule
+from hf_zero.training.data import to_device
 from hf_zero.zero.group import ShardGroup
 
 

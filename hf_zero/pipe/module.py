@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hf_zero import dist as hz_dist
+from hf_zero.distributed import dist as hz_dist
 from hf_zero.errors import PipelineError
 from hf_zero.parallel import GridShape, grid_for
 from hf_zero.parallel.topology import PipelineParallelGrid, ProcessTopology, shape_of_topology

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from hf_zero.errors import UsageError
-from hf_zero.precision import SAFETENSORS_DTYPES
+from hf_zero.precision.policies import SAFETENSORS_DTYPES
 
 _DTYPES = list(SAFETENSORS_DTYPES)  # numbered in this order on the wire
 META_LEN = 64  # int64 words: [is_tuple, n, (dtype, ndim, *shape) per tensor]

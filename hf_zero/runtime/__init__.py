@@ -1,4 +1,4 @@
-"""``deepspeed.runtime`` under hf_zero: the module paths scripts and libraries import DeepSpeed's names from.
+"""DeepSpeed's module path ``deepspeed.runtime``: the module paths scripts and libraries import DeepSpeed's names from.
 
 ``runtime.lr_schedules`` (the learning-rate schedules), ``runtime.engine.DeepSpeedEngine``,
 ``runtime.config.DeepSpeedConfigError``, ``runtime.dataloader.RepeatingLoader``,

@@ -1,4 +1,4 @@
-"""``deepspeed.runtime.base_optimizer`` under hf_zero: DeepSpeed's optimizer base classes, for ``isinstance``.
+"""DeepSpeed's module path ``deepspeed.runtime.base_optimizer``: holds DeepSpeed's optimizer base classes, for ``isinstance``.
 
 DeepSpeed's ZeRO optimizers derive from ``ZeROOptimizer`` (itself a ``DeepSpeedOptimizer``), and its
 tests and scripts ask ``isinstance(engine.optimizer, ZeROOptimizer)``. hf_zero has one wrapper for

@@ -1,5 +1,5 @@
-"""``deepspeed.runtime.dataloader`` under hf_zero: ``RepeatingLoader`` (also ``deepspeed.utils.RepeatingLoader``)."""
+"""DeepSpeed's module path ``deepspeed.runtime.dataloader``: re-exports ``RepeatingLoader`` (also ``deepspeed.utils.RepeatingLoader``)."""
 
-from hf_zero.data import RepeatingLoader
+from hf_zero.training.data import RepeatingLoader
 
 __all__ = ["RepeatingLoader"]

@@ -1,4 +1,4 @@
-"""``deepspeed.runtime.engine`` under hf_zero: ``DeepSpeedEngine`` is hf_zero's engine class.
+"""DeepSpeed's module path ``deepspeed.runtime.engine``: re-exports hf_zero's engine class as ``DeepSpeedEngine``.
 
 ``isinstance(engine, DeepSpeedEngine)`` holds for every engine ``initialize`` returns (a
 ``PipelineEngine`` is one too, as DeepSpeed's subclasses its engine), so Accelerate's and TRL's checks

@@ -1,7 +1,7 @@
-"""``deepspeed.runtime.lr_schedules``: DeepSpeed's schedules (the ones the config's ``scheduler.type`` names),
+"""DeepSpeed's module path ``deepspeed.runtime.lr_schedules``: re-exports DeepSpeed's schedules (the ones the config's ``scheduler.type`` names),
 and the string constants DeepSpeed's module defines for their names and parameters."""
 
-from hf_zero.schedules import LRRangeTest, OneCycle, WarmupCosineLR, WarmupDecayLR, WarmupLR
+from hf_zero.optim.schedules import LRRangeTest, OneCycle, WarmupCosineLR, WarmupDecayLR, WarmupLR
 
 __all__ = ["WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest", "VALID_LR_SCHEDULES"]
 

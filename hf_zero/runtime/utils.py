@@ -1,4 +1,4 @@
-"""``deepspeed.runtime.utils.see_memory_usage``: the memory report scripts print around big allocations.
+"""DeepSpeed's module path ``deepspeed.runtime.utils``: holds ``see_memory_usage``, the memory report scripts print around big allocations.
 
 Megatron-DeepSpeed, DeepSpeed-Chat and DeepSpeed's own examples call ``see_memory_usage("after init",
 force=True)``; it prints, on rank 0 only, the accelerator's allocated and reserved memory (and their peaks,

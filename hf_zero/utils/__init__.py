@@ -1,5 +1,5 @@
-"""``deepspeed.utils`` under hf_zero: its logger, ``log_dist``, ``zero_to_fp32``, ``groups``, ``RepeatingLoader``
-and the per-parameter accessors ``safe_get_full_fp32_param`` and the like (``hf_zero/utils/tensor_fragment.py``).
+"""DeepSpeed's module path ``deepspeed.utils``: its logger, ``log_dist``, ``zero_to_fp32``, ``groups``, ``RepeatingLoader``
+and the per-parameter accessors ``safe_get_full_fp32_param`` and the like (``hf_zero/zero/accessors.py``).
 
 ``set_z3_leaf_modules`` and ``OnDevice`` are not here yet; asking for one says so instead of failing with a
 bare AttributeError.
@@ -10,9 +10,9 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from hf_zero.data import RepeatingLoader
+from hf_zero.training.data import RepeatingLoader
 from hf_zero.utils import groups, zero_to_fp32
-from hf_zero.utils.tensor_fragment import (
+from hf_zero.zero.accessors import (
     safe_get_full_fp32_param,
     safe_get_full_grad,
     safe_get_full_optimizer_state,

@@ -1,4 +1,4 @@
-"""``deepspeed.utils.groups`` under hf_zero: the process groups of the engine ``initialize`` built last.
+"""DeepSpeed's module path ``deepspeed.utils.groups``: holds the process groups of the engine ``initialize`` built last.
 
 DeepSpeed keeps its groups in module globals that ``initialize`` sets; transformers' and Accelerate's
 sequence-parallel code (``_get_sequence_parallel_group``, ``_world_size``, ``_rank``) and scripts

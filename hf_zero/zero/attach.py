@@ -28,7 +28,7 @@ from hf_zero.zero.sharded_group import DS_STATUS, ShardedParamGroup
 
 def link(zo: Any) -> None:
     """Let each shard group of ``zo`` (a ShardedOptimizer) find it, for ``deepspeed.utils``' per-parameter
-    accessors (``hf_zero/utils/tensor_fragment.py``), which start from a parameter (weakly: no cycle to keep)."""
+    accessors (``hf_zero/zero/accessors.py``), which start from a parameter (weakly: no cycle to keep)."""
     ref = weakref.ref(zo)
     for g in zo.groups:
         g.hf_zero_owner = ref

@@ -13,7 +13,7 @@ weight. Three things here deal with that:
   and from then on treats it as it treats the root unit, whole from the root's pre-forward until its
   gradients are reduced. Only the first forwards are watched: a mode sees every op of the step, which
   costs milliseconds a step on a GPU (a 7B forward is about a thousand ops). A ``torch.compile``-d block
-  runs unwatched (:func:`outside_reads_paused`, ``hf_zero/compile.py``): traced under the mode, dynamo
+  runs unwatched (:func:`outside_reads_paused`, ``hf_zero/training/compile.py``): traced under the mode, dynamo
   would compile it twice; a weight of another unit read inside compiled code is therefore not found.
 - :func:`register_external_parameter` and :func:`unregister_external_parameter`, DeepSpeed's names
   (``deepspeed.zero.register_external_parameter``), for what the first forwards cannot see: a code path

@@ -34,7 +34,7 @@ from hf_zero.zero.sharded_group import ShardedParamGroup, ShardState
 
 
 def float8_module_of(param: torch.nn.Parameter) -> torch.nn.Module | None:
-    """The float8 linear whose weight ``param`` is, when hf_zero.float8 marked it for the float8 all-gather."""
+    """The float8 linear whose weight ``param`` is, when hf_zero.precision.float8 marked it for the float8 all-gather."""
     return getattr(param, "hf_zero_float8", None)
 
 

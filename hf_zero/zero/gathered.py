@@ -8,7 +8,7 @@ from types import TracebackType
 import torch
 import torch.distributed as dist
 
-from hf_zero import dist as hz_dist
+from hf_zero.distributed import dist as hz_dist
 from hf_zero.zero import collectives as C
 from hf_zero.zero.external import register_external_parameter
 from hf_zero.zero.preshard import is_presharded, materialize_, reshard_

@@ -99,7 +99,7 @@ class Placement:
     @property
     def own_subgroup(self) -> bool:
         """Placed over a :class:`SubGroup`: other sub-groups of the ZeRO ranks hold other parameters under the same
-        names, so an unpartitioned group's gradient is alike only on this placement's ranks (``hf_zero/step.py``)."""
+        names, so an unpartitioned group's gradient is alike only on this placement's ranks (``hf_zero/training/step.py``)."""
         return self.average_over is not None
 
 

@@ -15,7 +15,7 @@ from collections import defaultdict
 
 import torch
 
-from hf_zero.tp_split import split_of
+from hf_zero.parallel.tp_split import split_of
 from hf_zero.zero.group import subgroup_of
 from hf_zero.zero.param_attrs import full_numel
 from hf_zero.zero.units import assign_units
@@ -51,7 +51,7 @@ def buckets_by_split(named: NamedParams, bucket_numel: int) -> list[NamedParams]
     """``buckets``, except that parameters of different kinds (:func:`kind`) never share a bucket.
 
     The global norm counts a bucket of whole parameters once per tensor-parallel group and a bucket
-    of slices on every rank (``hf_zero/step.py``), and a bucket is reduced over one process group. Each kind is
+    of slices on every rank (``hf_zero/training/step.py``), and a bucket is reduced over one process group. Each kind is
     bucketed on its own and the buckets are ordered by when their last gradient arrives, so they still launch about
     as backward fills them.
     """
@@ -66,7 +66,7 @@ def buckets_by_split(named: NamedParams, bucket_numel: int) -> list[NamedParams]
 def unit_parts(named: NamedParams, ui: int, unit_of: dict[int, int], threshold: int) -> list[NamedParams]:
     """Stage 3: the parameters of ``named`` in unit ``ui`` (-1: the root) at or above ``threshold``, as the groups they
     make, one per :func:`kind` (slices first): tensor-parallel slices and whole parameters apart, as
-    :func:`buckets_by_split` keeps them, since the global norm counts the two kinds differently (``hf_zero/step.py``),
+    :func:`buckets_by_split` keeps them, since the global norm counts the two kinds differently (``hf_zero/training/step.py``),
     and parameters sharded over a sub-group (expert parallelism's) apart, since a group is reduced over one process
     group."""
     picked = [x for x in named if unit_of.get(id(x[1]), -1) == ui and full_numel(x[1]) >= threshold]

@@ -261,7 +261,7 @@ class SpeculativeHostStep:
 
     Why: :class:`HostStep` starts only once backward has ended and the global norm is known, so the CPU waits
     through the backward and the GPU through the CPU step. What a group's step needs that is global is one number,
-    the coefficient the step policy (:mod:`hf_zero.step`) multiplies the gradients by (the fp16 unscale times the
+    the coefficient the step policy (:mod:`hf_zero.training.step`) multiplies the gradients by (the fp16 unscale times the
     clipping factor), and whether the step is applied at all (an fp16 overflow or a non-finite gradient skips it).
     Both are known only after the last gradient, so the step is taken *speculatively* with the coefficient of a
     step that does not clip (``1 / loss scale``, :meth:`arm`), and :meth:`verdict` compares it with the one the

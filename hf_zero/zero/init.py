@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hf_zero import dist as hz_dist
+from hf_zero.distributed import dist as hz_dist
 from hf_zero.zero import collectives as C
 from hf_zero.zero import preshard
 from hf_zero.zero.gathered import GatheredParameters, src_rank

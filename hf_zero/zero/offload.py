@@ -62,7 +62,7 @@ import torch
 import torch.distributed as dist
 
 from hf_zero.errors import HostMemoryError
-from hf_zero.estimate import offload_host_bytes
+from hf_zero.planning.estimate import offload_host_bytes
 from hf_zero.zero import collectives as C
 from hf_zero.zero.flat import FlatGroup
 from hf_zero.zero.group import Placement, ShardGroup
@@ -162,7 +162,7 @@ def plan_host_memory(policy: OffloadPolicy, sizes: ShardSizes, *, state_bytes: i
     """Plan the host memory ``policy`` needs, before any host buffer exists; collective over ``group`` when
     anything is offloaded (every rank gets the same answer), nothing to do otherwise.
 
-    What a rank pins is :func:`hf_zero.estimate.offload_host_bytes` of its shards (``state_bytes`` of optimizer
+    What a rank pins is :func:`hf_zero.planning.estimate.offload_host_bytes` of its shards (``state_bytes`` of optimizer
     state per element, :func:`state_bytes_per_element`; ``param_bytes`` per element of an offloaded 16-bit
     shard). When the machine's ranks together cannot hold it but could with the gradients streamed through two
     buffers of the largest group instead of a copy per group, the answer is :attr:`HostPlan.STREAM_GRADS`
@@ -501,7 +501,7 @@ def check_host_memory(needed: int, group: dist.ProcessGroup | None, streamed: in
     """Before any host buffer exists: the ranks of each machine add up what they will pin, and every rank
     stops with the same sentence when that exceeds the machine's available memory.
 
-    ``needed`` is this rank's bytes, :func:`hf_zero.estimate.offload_host_bytes` of its shards (the figure
+    ``needed`` is this rank's bytes, :func:`hf_zero.planning.estimate.offload_host_bytes` of its shards (the figure
     ``hf-zero estimate`` prints as host bytes per rank). ``streamed``, when given, is the same with the
     gradients streamed through two shared buffers instead of a host copy per group: when ``needed`` does not
     fit but that does, the answer is True (stream), and every rank gets the same answer. A plan may use

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import torch
 
 from hf_zero.errors import UnusedParameterError, UsageError
-from hf_zero.tp_split import split_of
+from hf_zero.parallel.tp_split import split_of
 from hf_zero.zero import collectives as C
 from hf_zero.zero.flat import FlatGroup
 from hf_zero.zero.float8_gather import Float8ShardedParamGroup, float8_module_of
@@ -284,7 +284,7 @@ class ShardedOptimizer(DeepSpeedOptimizerViews):
             groups: list[ShardedParamGroup] = []
             for gi, named in [*enumerate(group_named), (-1, frozen)]:
                 kinds = unit_parts(named, ui, unit_of, threshold)
-                # float8 linears' weights marked for the float8 all-gather (hf_zero/float8.py), trainable and not
+                # float8 linears' weights marked for the float8 all-gather (hf_zero/precision/float8.py), trainable and not
                 # offloaded, in groups of their own: their unit's compute gathers them as float8
                 f8 = [x for part in kinds for x in part if float8_module_of(x[1]) is not None and kind(x[1]) == (False, 0)
                       ] if gi >= 0 and not (offload.optimizer or offload.params) else []
@@ -486,7 +486,7 @@ class ShardedOptimizer(DeepSpeedOptimizerViews):
         device, or, offloaded, the host masters one shard group at a time (:class:`hf_zero.zero.host_step.HostStep`);
         with ``overlap_param_gather`` the publish (and an offloaded step) is finished where the next forward
         first reads each group. ``timed(part, seconds)``, when given, receives the offloaded step's three parts
-        (``hf_zero/timers.py``; deferred: the CPU optimizer's only, once done).
+        (``hf_zero/training/timers.py``; deferred: the CPU optimizer's only, once done).
         """
         self.runner.step(timed)
 

@@ -13,13 +13,13 @@ from collections import defaultdict
 
 import torch
 
-from hf_zero.tp_split import checkpoint_name
+from hf_zero.parallel.tp_split import checkpoint_name
 from hf_zero.zero.grouping import NamedParams
 
 
 def trainable_by_param_group(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[NamedParams]:
     """The trainable ``(name, parameter)`` pairs of each optimizer param group, checked before any work is done."""
-    # a tensor-parallel slice is named per rank, so checkpoints keep every rank's slice (hf_zero/tp_split.py)
+    # a tensor-parallel slice is named per rank, so checkpoints keep every rank's slice (hf_zero/parallel/tp_split.py)
     names = {id(p): checkpoint_name(n, p) for n, p in module.named_parameters(remove_duplicate=True)}
     seen: set[int] = set()
     group_named: list[NamedParams] = []

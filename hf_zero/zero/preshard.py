@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from hf_zero import dist as hz_dist
+from hf_zero.distributed import dist as hz_dist
 from hf_zero.zero import collectives as C
 from hf_zero.zero.param_attrs import ZeroParamStatus, mark
 

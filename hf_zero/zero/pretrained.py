@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hf_zero.precision import dtype_by_name
+from hf_zero.precision.policies import dtype_by_name
 from hf_zero.zero.gathered import GatheredParameters
 from hf_zero.zero.preshard import is_presharded, preshard_, shard_bounds
 

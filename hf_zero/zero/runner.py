@@ -48,7 +48,7 @@ from hf_zero.zero.offload import (
 )
 from hf_zero.zero.overlap import DeferredPublish
 
-Timed = Callable[[str, float], None]  # wall_clock_breakdown's sink (hf_zero/timers.py): (part, seconds)
+Timed = Callable[[str, float], None]  # wall_clock_breakdown's sink (hf_zero/training/timers.py): (part, seconds)
 
 
 class StepRunner:
@@ -65,7 +65,7 @@ class StepRunner:
     def step(self, timed: Timed | None) -> None:
         """Step this rank's masters with the reduced gradients, then publish the new weights to every rank.
 
-        ``timed(part, seconds)``, when given, receives the parts of an offloaded step (``hf_zero/timers.py``).
+        ``timed(part, seconds)``, when given, receives the parts of an offloaded step (``hf_zero/training/timers.py``).
         """
         raise NotImplementedError
 

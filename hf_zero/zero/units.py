@@ -10,7 +10,7 @@ parameter two units share goes to the root), which the optimizer builds stage 3'
 counts by. :class:`Unit` holds one unit's groups
 (:class:`hf_zero.zero.sharded_group.ShardedParamGroup`) and the counters that
 :class:`hf_zero.zero.stage3.Stage3Runtime`'s hooks keep on it. Block checkpointing and compiling
-(:mod:`hf_zero.recompute`, :mod:`hf_zero.compile`) wrap the same units, so they read :func:`find_units` too.
+(:mod:`hf_zero.training.recompute`, :mod:`hf_zero.training.compile`) wrap the same units, so they read :func:`find_units` too.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def _descend(module: torch.nn.Module, prefix: str, inside: bool, out: list[tuple
 def is_lookup(module: torch.nn.Module) -> bool:
     """A plain ``torch.nn.Embedding``: its weight's gradient is a scatter of the output's gradient by the token ids, and
     nothing upstream needs a gradient, so its backward never reads the weight and stage 3 does not gather it there.
-    (Nor does block checkpointing wrap it, :func:`hf_zero.recompute.checkpoint_blocks`: a recomputation would read it.)"""
+    (Nor does block checkpointing wrap it, :func:`hf_zero.training.recompute.checkpoint_blocks`: a recomputation would read it.)"""
     return type(module) is torch.nn.Embedding
 
 

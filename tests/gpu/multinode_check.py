@@ -26,7 +26,7 @@ from tests.test_launch_multinode import _SSH, TRAIN, _free_port, _results  # noq
 
 
 def _launch(argv: list[str], work: Path, env: dict[str, str]) -> list[dict]:
-    done = subprocess.run([sys.executable, "-m", "hf_zero.cli", "launch", *argv, "--master_port", str(_free_port()),
+    done = subprocess.run([sys.executable, "-m", "hf_zero.launch.cli", "launch", *argv, "--master_port", str(_free_port()),
                            "train.py"], cwd=work, env=env, capture_output=True, text=True, timeout=500)
     if done.returncode != 0:
         print(done.stdout[-3000:], done.stderr[-6000:], sep="\n")

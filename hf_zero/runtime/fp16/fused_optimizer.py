@@ -1,4 +1,4 @@
-"""``deepspeed.runtime.fp16.fused_optimizer`` under hf_zero: ``FP16_Optimizer`` for ``isinstance``.
+"""DeepSpeed's module path ``deepspeed.runtime.fp16.fused_optimizer``: holds ``FP16_Optimizer`` for ``isinstance``.
 
 DeepSpeed wraps the client's optimizer in ``FP16_Optimizer`` at ZeRO stage 0 with fp16 or bf16 (its
 ``fp32_groups_flat`` are the masters); hf_zero's wrapper at stage 0 is one (at stage 0 in fp32 ``initialize``

@@ -1,4 +1,4 @@
-"""``deepspeed.runtime.pipe`` under hf_zero: ``PipelineModule``, ``LayerSpec``, ``TiedLayerSpec`` and
+"""DeepSpeed's module path ``deepspeed.runtime.pipe``: re-exports ``PipelineModule``, ``LayerSpec``, ``TiedLayerSpec`` and
 ``ProcessTopology`` as DeepSpeed's package exports them, and its submodules ``topology`` (the grid and topology
 classes, :mod:`hf_zero.parallel.topology`), ``module`` and ``engine``. Thin names over hf_zero's own objects."""
 

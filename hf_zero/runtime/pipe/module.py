@@ -1,4 +1,4 @@
-"""``deepspeed.runtime.pipe.module`` under hf_zero: ``PipelineModule``, ``LayerSpec`` and ``TiedLayerSpec``
+"""DeepSpeed's module path ``deepspeed.runtime.pipe.module``: re-exports ``PipelineModule``, ``LayerSpec`` and ``TiedLayerSpec``
 (:mod:`hf_zero.pipe.module`), with the topology names DeepSpeed's module imports."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""``deepspeed.runtime.pipe.topology`` under hf_zero: DeepSpeed's topology classes and ``PipelineParallelGrid``,
+"""DeepSpeed's module path ``deepspeed.runtime.pipe.topology``: re-exports DeepSpeed's topology classes and ``PipelineParallelGrid``,
 answered from hf_zero's grid (:mod:`hf_zero.parallel.topology` says how the axes correspond)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""``deepspeed.runtime.zero`` under hf_zero: ``hf_zero.zero``'s names (DeepSpeed's ``deepspeed.zero`` is this
+"""DeepSpeed's module path ``deepspeed.runtime.zero``: re-exports ``hf_zero.zero``'s names (DeepSpeed's ``deepspeed.zero`` is this
 package too), ``unwrap_model_for_generation`` (from ``stage3``, as in DeepSpeed), and its submodules
 ``partition_parameters``, ``stage3`` and ``stage_1_and_2``."""
 

@@ -1,4 +1,4 @@
-"""``deepspeed.runtime.zero.partition_parameters`` under hf_zero: ``ZeroParamStatus`` (what a stage-3
+"""DeepSpeed's module path ``deepspeed.runtime.zero.partition_parameters``: re-exports ``ZeroParamStatus`` (what a stage-3
 parameter's ``ds_status`` holds, ``hf_zero/zero/param_attrs.py``), ``Init``, ``GatheredParameters`` and
 ``partitioned_param_data_shape``.
 

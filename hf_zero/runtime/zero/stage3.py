@@ -1,4 +1,4 @@
-"""``deepspeed.runtime.zero.stage3`` under hf_zero: ``DeepSpeedZeroOptimizer_Stage3`` for ``isinstance``, and
+"""DeepSpeed's module path ``deepspeed.runtime.zero.stage3``: holds ``DeepSpeedZeroOptimizer_Stage3`` for ``isinstance``, and
 ``unwrap_model_for_generation``.
 
 ``isinstance(engine.optimizer, DeepSpeedZeroOptimizer_Stage3)`` holds for hf_zero's wrapper at stage 3

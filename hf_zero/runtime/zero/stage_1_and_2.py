@@ -1,4 +1,4 @@
-"""``deepspeed.runtime.zero.stage_1_and_2`` under hf_zero: ``DeepSpeedZeroOptimizer`` for ``isinstance``.
+"""DeepSpeed's module path ``deepspeed.runtime.zero.stage_1_and_2``: holds ``DeepSpeedZeroOptimizer`` for ``isinstance``.
 
 ``isinstance(engine.optimizer, DeepSpeedZeroOptimizer)`` holds for hf_zero's wrapper at stages 1 and 2
 (see :mod:`hf_zero.runtime.base_optimizer`)."""

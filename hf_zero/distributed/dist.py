@@ -20,8 +20,8 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
-from hf_zero import preemption
 from hf_zero.errors import PeerFailureError
+from hf_zero.training import preemption
 
 
 def _env_int(name: str, default: int) -> int:

@@ -1,6 +1,6 @@
 """What a tensor-parallel split of one parameter is, and the name its shard is stored under.
 
-Tensor parallelism (``hf_zero/tensor_parallel.py``) cuts some weights into ``size`` equal slices
+Tensor parallelism (``hf_zero/parallel/tensor_parallel.py``) cuts some weights into ``size`` equal slices
 along one dimension, one slice per rank of a tensor-parallel group. Three layers need to know
 which parameters are slices without knowing how they were made: ZeRO keeps slices and whole
 (replicated) parameters in separate buckets so the global norm can count each once

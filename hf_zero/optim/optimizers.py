@@ -1,4 +1,4 @@
-"""Optimizers named in a DeepSpeed config, with DeepSpeed's numbers (the LR schedules are ``hf_zero/schedules.py``).
+"""Optimizers named in a DeepSpeed config, with DeepSpeed's numbers (the LR schedules are ``hf_zero/optim/schedules.py``).
 
 Behaviours a migrating user relies on without knowing it, reproduced here on purpose:
 

@@ -31,12 +31,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from hf_zero import peft_model as hz_peft
 from hf_zero.errors import ConfigError, UsageError
-from hf_zero.module_setup import broadcast_module, move_to_device
 from hf_zero.parallel import GridShape, ParallelGrid, grid_for
 from hf_zero.parallel.grid import AXES, device_type_of_default_group
-from hf_zero.tp_split import TPSplit, mark
+from hf_zero.parallel.tp_split import TPSplit, mark
+from hf_zero.training import peft_model as hz_peft
+from hf_zero.training.module_setup import broadcast_module, move_to_device
 from hf_zero.zero.preshard import is_presharded
 
 logger = logging.getLogger("hf_zero")

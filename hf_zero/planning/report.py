@@ -1,14 +1,14 @@
 """The text ``hf-zero plan`` prints: one layout's memory and collectives, or a ranking of layouts.
 
-Apart from :mod:`hf_zero.planner` (the plan's figures) so that the cost model reads without its column widths,
+Apart from :mod:`hf_zero.planning.planner` (the plan's figures) so that the cost model reads without its column widths,
 and a change of wording or layout of the report cannot touch a figure; tests check the figures, the CLI prints
 this.
 """
 
 from __future__ import annotations
 
-from hf_zero import estimate
-from hf_zero.planner import GB, GIB, Machines, ModelFacts, Plan, Training, describe
+from hf_zero.planning import estimate
+from hf_zero.planning.planner import GB, GIB, Machines, ModelFacts, Plan, Training, describe
 
 
 def _gib(x: float) -> str:

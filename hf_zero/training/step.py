@@ -8,7 +8,7 @@ schedule end the same way, so they share this one policy:
    data-parallel group for a plain engine, the whole world for a pipeline, each unpartitioned
    group counted once, a weight tied across stages counted at its first stage);
 2. **the non-finite rule**: under fp16 an overflow skips the step and lowers the loss scale
-   (:class:`hf_zero.precision.LossScaler`); in bf16/fp32 a non-finite norm skips the step or
+   (:class:`hf_zero.precision.policies.LossScaler`); in bf16/fp32 a non-finite norm skips the step or
    stops the run, as the config's ``"nonfinite_loss"`` says (``"off"`` drops the check);
 3. **clip and unscale** in one multiply of the gradient shards, then the optimizer steps the
    masters and the groups publish the new weights (:meth:`ShardedOptimizer.step_and_publish`).
@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from hf_zero.errors import NonFiniteLossError
-from hf_zero.precision import LossScaler
+from hf_zero.precision.policies import LossScaler
 from hf_zero.zero import collectives as C
 from hf_zero.zero.group import ShardGroup
 from hf_zero.zero.optimizer import ShardedOptimizer

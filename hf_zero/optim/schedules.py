@@ -26,7 +26,7 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from hf_zero.config.schema import SUPPORTED_SCHEDULERS
 from hf_zero.errors import OptimizerConfigError
-from hf_zero.optim import _as_dict, _canonical, _check_keys, _integer, _number
+from hf_zero.optim.optimizers import _as_dict, _canonical, _check_keys, _integer, _number
 
 __all__ = ["SUPPORTED_SCHEDULERS", "LRRangeTest", "OneCycle", "WarmupCosineLR", "WarmupDecayLR", "WarmupLR",
            "build_scheduler"]

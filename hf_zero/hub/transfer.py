@@ -5,7 +5,7 @@ Everything that touches the network goes through ``huggingface_hub`` (``HfApi.cr
 retries, LFS/Xet uploads and the cache layout are exactly what the rest of the Hugging Face
 stack does. hf_zero adds three things on top:
 
-- a model card (``README.md``, :mod:`hf_zero.model_cards.card`) when the folder has none, saying
+- a model card (``README.md``, :mod:`hf_zero.hub.model_cards.card`) when the folder has none, saying
   how the model was trained from what the save recorded in the folder (resolved ZeRO config,
   hardware, hyperparameters, results, versions), ``library_name: peft`` for an adapter folder;
 - the rule that resume state stays local: ``save_checkpoint`` tag folders (``global_step*``),
@@ -30,7 +30,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from hf_zero.errors import HubError
-from hf_zero.model_cards.card import WEIGHT_PATTERNS, render_model_card
+from hf_zero.hub.model_cards.card import WEIGHT_PATTERNS, render_model_card
 
 __all__ = ["HubError", "RESUME_STATE_PATTERNS", "WEIGHT_PATTERNS", "pull_from_hub", "push_to_hub", "render_model_card"]
 

@@ -6,7 +6,7 @@ used, the world size, backend and devices, framework versions, the library that 
 (``transformers``, or ``peft`` for an adapter folder) and the base model when known. The Trainer
 adds its own part (hyperparameters, evaluation results, datasets, and the config as *it* resolved
 it: the engine runs a Trainer's accumulation and clipping as one micro-step and no clipping, which
-is not how the run was configured). The card (:mod:`hf_zero.model_cards.card`) reads it back.
+is not how the run was configured). The card (:mod:`hf_zero.hub.model_cards.card`) reads it back.
 """
 
 from __future__ import annotations
@@ -175,7 +175,7 @@ def hub_id_of(name: str | None) -> str | None:
 
 def base_model_name(module: Any) -> str | None:
     """What the module was fine-tuned from: a PEFT adapter's base, else the pretrained checkpoint it was loaded from."""
-    from hf_zero import peft_model as hz_peft
+    from hf_zero.training import peft_model as hz_peft
 
     if hz_peft.is_peft_model(module):
         for cfg in module.peft_config.values():
@@ -188,7 +188,7 @@ def base_model_name(module: Any) -> str | None:
 
 def model_fields(module: Any, merged: bool = False) -> dict[str, Any]:
     """What the record says about the model: its class, the library that loads it, its base, its adapter."""
-    from hf_zero import peft_model as hz_peft
+    from hf_zero.training import peft_model as hz_peft
 
     peft_model = hz_peft.is_peft_model(module)
     base = hz_peft.base_model_of(module)
@@ -210,7 +210,7 @@ def engine_record(state: TrainState, merged: bool = False) -> dict[str, Any]:
     """The engine's part of the record (collective: every rank's device name is gathered)."""
     import torch.distributed as dist
 
-    from hf_zero import dist as hz_dist
+    from hf_zero.distributed import dist as hz_dist
 
     names = [local_device_name(state.device)]
     group, world = _ranks_of(state)

@@ -1,5 +1,5 @@
 """The ``hf-zero`` command: ``launch`` (DeepSpeed's launcher flags, run by torchrun), ``estimate``, ``plan``,
-``consolidate``, ``convert-deepspeed``, and ``push`` / ``pull`` (the Hugging Face Hub, through :mod:`hf_zero.hub`).
+``consolidate``, ``convert-deepspeed``, and ``push`` / ``pull`` (the Hugging Face Hub, through :mod:`hf_zero.hub.transfer`).
 
 This module is the subcommands' parsers and handlers; what a subcommand does lives in the module it names.
 ``hf-zero launch``'s flags are :mod:`hf_zero.launch.flags`' table and its one-node translation to torchrun is
@@ -78,7 +78,7 @@ def _printable(text: str) -> str:
 
 
 def _cmd_estimate(args: argparse.Namespace) -> int:
-    from hf_zero import estimate
+    from hf_zero.planning import estimate
 
     if args.num_gpus < 1 or args.num_nodes < 1:
         raise ValueError(
@@ -110,7 +110,7 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
 
 
 def _add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
-    from hf_zero.planner import GPUS, PRESETS
+    from hf_zero.planning.planner import GPUS, PRESETS
 
     p = subparsers.add_parser(
         "plan",
@@ -164,8 +164,9 @@ def _add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from hf_zero import planner, planner_report
     from hf_zero.parallel import GridShape
+    from hf_zero.planning import planner
+    from hf_zero.planning import report as planner_report
 
     for name in ("nodes", "gpus_per_node", "micro_batch", "seq", "grad_accum", "top"):
         if getattr(args, name) < 1:
@@ -371,7 +372,7 @@ def _add_push_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _cmd_push(args: argparse.Namespace) -> int:
-    from hf_zero.hub import push_to_hub
+    from hf_zero.hub.transfer import push_to_hub
 
     url = push_to_hub(args.dir, args.repo_id, revision=args.revision, private=args.private,
                       commit_message=args.commit_message, create_pr=args.create_pr,
@@ -395,7 +396,7 @@ def _add_pull_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _cmd_pull(args: argparse.Namespace) -> int:
-    from hf_zero.hub import pull_from_hub
+    from hf_zero.hub.transfer import pull_from_hub
 
     path = pull_from_hub(args.repo_id, args.dir, revision=args.revision)
     print(f"pulled {args.repo_id}{'@' + args.revision if args.revision else ''} into {path}")
@@ -427,7 +428,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``hf-zero`` console script; returns the exit status."""
-    from hf_zero.hub import HubError  # light: huggingface_hub is imported only when a push/pull runs
+    from hf_zero.hub.transfer import HubError  # light: huggingface_hub is imported only when a push/pull runs
 
     parser = build_parser()
     args = parser.parse_args(argv)

@@ -1,6 +1,6 @@
 """What ``hf-zero plan`` knows of a model: its shape and its trainable parameters, classified as the engine will.
 
-Apart from :mod:`hf_zero.planner` because this half touches transformers and the engine (it builds the model on the
+Apart from :mod:`hf_zero.planning.planner` because this half touches transformers and the engine (it builds the model on the
 meta device and asks the engine's own stage-3 unit assignment and tensor-parallel plan where each parameter goes),
 while the plan's arithmetic reads only the :class:`ModelFacts` it returns: the plan can be tested and reasoned about
 on facts alone, and a new architecture changes this file, not the cost model.
@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from hf_zero import estimate
+from hf_zero.planning import estimate
 
 #: Known shapes, from the ``config.json`` Meta publishes with each model on the Hugging Face Hub
 #: (meta-llama/Meta-Llama-3-8B and meta-llama/Meta-Llama-3-70B): 8,030,261,248 and 70,553,706,496 parameters.
@@ -86,7 +86,7 @@ def model_facts(config: Any, name: str = "") -> ModelFacts:
     """Build the model on the meta device and classify its trainable parameters the way the engine will."""
     import torch
 
-    from hf_zero.tensor_parallel import SPLIT_STYLES, planned_layers
+    from hf_zero.parallel.tensor_parallel import SPLIT_STYLES, planned_layers
     from hf_zero.zero.units import assign_units  # the engine's own stage-3 units
 
     model = estimate.build_model_on_meta(config)

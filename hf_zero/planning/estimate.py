@@ -339,7 +339,7 @@ def _adapter_on_meta(path: str) -> Any:
     """A PEFT adapter folder's model on the meta device: its base (from ``base_model_name_or_path``) plus the adapter."""
     import torch
 
-    from hf_zero import peft_model as hz_peft
+    from hf_zero.training import peft_model as hz_peft
 
     adapters = hz_peft.read_adapter_configs(path)
     base = next(iter(adapters.values())).base_model_name_or_path

@@ -1,4 +1,4 @@
-"""TRL's trainers on hf_zero's engine: ``from hf_zero.trl import SFTTrainer, SFTConfig, DPOTrainer, DPOConfig``.
+"""TRL's trainers on hf_zero's engine: ``from hf_zero.integrations.trl import SFTTrainer, SFTConfig, DPOTrainer, DPOConfig``.
 
 Each is TRL's own class made an hf_zero one by :func:`hf_zero.zero_trainer` / :func:`hf_zero.zero_args`
 (the same two calls turn any other Trainer subclass, TRL's or a user's, into one): the configs take
@@ -13,7 +13,7 @@ from __future__ import annotations
 try:
     import trl as _trl
 except ImportError as e:  # pragma: no cover - depends on the environment
-    raise ImportError("hf_zero.trl needs the trl package, which is not installed; install it with "
+    raise ImportError("hf_zero.integrations.trl needs the trl package, which is not installed; install it with "
                       "pip install 'hf_zero[trl]'") from e
 
 from hf_zero.integrations.transformers import zero_args, zero_trainer

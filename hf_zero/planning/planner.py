@@ -3,10 +3,10 @@
 Everything is counted from the model the engine would build and from the engine's own choices, not from a
 generic formula: the stage-3 units and the root unit (:func:`hf_zero.zero.units.assign_units`), the
 parameters stage 3 keeps whole (``stage3_param_persistence_threshold``), the linear layers tensor parallelism
-splits (:func:`hf_zero.tensor_parallel.planned_layers`), the pipeline split (:func:`hf_zero.pipe.module.partition_balanced`
+splits (:func:`hf_zero.parallel.tensor_parallel.planned_layers`), the pipeline split (:func:`hf_zero.pipe.module.partition_balanced`
 over embedding, blocks, final norm and head, as :mod:`hf_zero.pipe.hf` lists them) and the grid's rank order
 (:mod:`hf_zero.parallel.grid`: ``tp`` innermost, ``pp`` outermost). Weights, gradients and optimizer state are
-:func:`hf_zero.estimate.estimate_memory`'s figures (the ones tests/test_memory.py checks against a run), with
+:func:`hf_zero.planning.estimate.estimate_memory`'s figures (the ones tests/test_memory.py checks against a run), with
 stage 3's persistent parameters added.
 
 Bytes per collective are the *payload* a call is given (an all-gather's gathered output, a reduce-scatter's
@@ -28,12 +28,12 @@ import itertools
 import math
 from dataclasses import dataclass, field, replace
 
-from hf_zero import estimate
 from hf_zero.parallel import AXES, GridShape
+from hf_zero.planning import estimate
 
 # The model's half (presets, parameters as the engine classifies them) is planner_facts.py and the printing
 # planner_report.py; the names of the first stay importable from here, where the CLI, tests and benchmarks read them.
-from hf_zero.planner_facts import PRESETS, ModelFacts, Param, load_config, model_facts
+from hf_zero.planning.facts import PRESETS, ModelFacts, Param, load_config, model_facts
 
 __all__ = [
     "GB", "GIB", "GPUS", "PRESETS", "Machines", "Training", "Param", "ModelFacts", "load_config", "model_facts",

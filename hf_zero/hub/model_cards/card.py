@@ -2,7 +2,7 @@
 
 Built with ``huggingface_hub.ModelCardData`` / ``ModelCard`` so the YAML block is exactly what the
 Hub (and ``ModelCard.load``) parses. What the card says comes, in this order, from the arguments
-given, the folder's record (``hf_zero_training.json``, see :mod:`hf_zero.model_cards.record`),
+given, the folder's record (``hf_zero_training.json``, see :mod:`hf_zero.hub.model_cards.record`),
 and the folder's own files (``config.json``'s architecture, ``adapter_config.json``'s base model).
 """
 
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
-from hf_zero.model_cards.record import hub_id_of, read_record
+from hf_zero.hub.model_cards.record import hub_id_of, read_record
 
 CARD_TEMPLATE = "README.md.j2"
 WEIGHT_PATTERNS: tuple[str, ...] = ("*.safetensors", "pytorch_model*.bin", "*.gguf", "*.pt")
@@ -199,7 +199,7 @@ def render_model_card(
     """The ``README.md`` text for ``folder``: YAML metadata the Hub indexes, then how the model was trained.
 
     Metadata: ``library_name`` (``peft`` for an adapter folder, ``transformers`` for full weights),
-    ``base_model`` when it is a Hub id (:func:`~hf_zero.model_cards.record.hub_id_of`: a local path never
+    ``base_model`` when it is a Hub id (:func:`~hf_zero.hub.model_cards.record.hub_id_of`: a local path never
     is; the first of the argument, the record and an adapter's ``base_model_name_or_path`` that gives one),
     ``datasets``, the ``hf_zero`` and ZeRO-stage tags, the pipeline tag of the architecture, and a
     ``model-index`` when there are metrics and a dataset to name: ``eval_dataset`` (``type``, ``name``,
@@ -235,7 +235,7 @@ def render_model_card(
         for f in os.listdir(folder)
         if os.path.isfile(os.path.join(folder, f)) and any(fnmatch.fnmatch(f, p) for p in WEIGHT_PATTERNS)
     )
-    template = resources.files("hf_zero").joinpath("model_cards", CARD_TEMPLATE).read_text(encoding="utf-8")
+    template = resources.files("hf_zero.hub.model_cards").joinpath(CARD_TEMPLATE).read_text(encoding="utf-8")
     card = ModelCard.from_template(
         card_data,
         template_str=template,
