@@ -102,19 +102,20 @@ class Float8ShardedParamGroup(ShardedParamGroup):
         src = self._gather_source()
         lo, hi = self.shard_lo, self.shard_hi
         amax = torch.zeros(len(self.slots), dtype=torch.float32, device=self.device)
-        parts = []
+        counts = []  # elements of this shard per slot (back to back, group.py's layout); then the padding, scale 0
         for i, s in enumerate(self.slots):
             a, b = max(s.offset, lo), min(s.offset + s.numel, hi)
+            counts.append(max(0, b - a))
             if a < b:
-                part = src[a - lo : b - lo]
-                amax[i] = part.abs().max().float()
-                parts.append((i, a - lo, part))
+                amax[i] = src[a - lo : b - lo].abs().max().float()
         if self.world_size > 1:
             dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.group)
-        scales = torch.stack([amax_to_scale(x, self.float8_dtype, self.round_pow2) for x in amax])
-        shard8 = torch.zeros(self.shard_numel, dtype=self.float8_dtype, device=self.device)
-        for i, at, part in parts:
-            shard8[at : at + part.numel()] = to_fp8_saturated(part.to(torch.float32) * scales[i], self.float8_dtype)
+        # elementwise, so one call for every weight and one cast for the whole shard give the per-weight bits
+        scales = amax_to_scale(amax, self.float8_dtype, self.round_pow2)
+        counts.append(self.shard_numel - sum(counts))
+        per_element = torch.repeat_interleave(torch.cat([scales, scales.new_zeros(1)]),
+                                              torch.tensor(counts, device=self.device), output_size=self.shard_numel)
+        shard8 = to_fp8_saturated(src[: self.shard_numel].to(torch.float32) * per_element, self.float8_dtype)
         return shard8, scales
 
     def gather_for_compute(self, stream: torch.cuda.Stream | None) -> None:
