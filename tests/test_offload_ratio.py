@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from tests.distributed import spawn
+from tests.test_offload_overlap import _batch  # the same batches (vocabulary 64)
 
 STEPS = 4
 VOCAB = 64
@@ -40,12 +41,6 @@ def _config(stage: int, gas: int, clip: float, fp16: bool, ratio: float | None) 
     if fp16:  # the first steps overflow and are skipped
         cfg["fp16"] = {"enabled": True, "initial_scale_power": 20, "loss_scale_window": 2}
     return cfg
-
-
-def _batch(step: int, micro: int, rank: int) -> dict:
-    g = torch.Generator().manual_seed(1000 * step + 10 * micro + rank)
-    ids = torch.randint(0, VOCAB, (2, 12), generator=g)
-    return {"input_ids": ids, "labels": ids}
 
 
 def _state(engine) -> dict[str, torch.Tensor]:  # noqa: ANN001 - a test helper
