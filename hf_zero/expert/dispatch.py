@@ -3,9 +3,10 @@
 One MoE layer's forward on a rank of an EP group of ``P`` ranks, each holding ``L`` experts:
 
 1. the pairs (``T`` tokens x top ``K``) are sorted by expert, which also sorts them by the rank holding it;
-2. the ranks exchange how many pairs each sends to each (one all-to-all of ``P`` counts), so the splits of the
-   next exchanges may be uneven: a rank may send nothing to another, or receive nothing at all;
-3. the pairs' hidden states and their experts' local indices go to the owners (two all-to-alls);
+2. the ranks exchange how many pairs each sends to each of the other's experts (one all-to-all of ``P x L``
+   counts), so the splits of the next exchanges may be uneven (a rank may send nothing to another, or receive
+   nothing at all) and each received row's local expert follows from the counts;
+3. the pairs' hidden states go to the owners (one all-to-all);
 4. the owner runs its local experts on what it received, each row with routing weight 1, through the model's own
    experts code (or transformers' grouped GEMM), so biases and activations are the model's;
 5. the results come back (the reverse all-to-all) and are combined with the routing weights on the token's rank,
@@ -62,16 +63,19 @@ def dispatch_combine(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weig
     flat = top_k_index.reshape(-1)
     order = torch.argsort(flat, stable=True)  # by expert, hence by owner; stable: a token's pairs keep their order
     expert = flat[order]
-    owner = torch.div(expert, local_experts, rounding_mode="floor")
-    send_t = torch.bincount(owner, minlength=group_size)
-    recv_t = torch.empty_like(send_t)
-    dist.all_to_all_single(recv_t, send_t, group=group)
-    send, recv = send_t.tolist(), recv_t.tolist()
+    # pairs per expert, sent to the experts' owners: each rank learns how many rows of each of its experts every
+    # rank sends, so the rows' local expert indices follow from the counts (the rows arrive sorted by expert)
+    per_expert = torch.bincount(expert, minlength=group_size * local_experts)
+    recv_per_expert = torch.empty_like(per_expert)
+    dist.all_to_all_single(recv_per_expert, per_expert, group=group)
+    send, recv = torch.stack([per_expert.view(group_size, local_experts).sum(1),
+                              recv_per_expert.view(group_size, local_experts).sum(1)]).tolist()  # the one host sync
     anchor = None
     if torch.is_grad_enabled():
         anchor = torch.zeros(0, device=hidden.device, requires_grad=True)
     x_recv = _AllToAll.apply(hidden[torch.div(order, k, rounding_mode="floor")], anchor, send, recv, group)
-    local_ids = _exchange((expert - owner * local_experts).unsqueeze(-1), send, recv, group)
+    local_ids = torch.repeat_interleave(torch.arange(local_experts, device=expert.device).repeat(group_size),
+                                        recv_per_expert, output_size=sum(recv)).unsqueeze(-1)
     if x_recv.shape[0] > 0:
         ones = torch.ones(x_recv.shape[0], 1, dtype=top_k_weights.dtype, device=x_recv.device)
         y_recv = run_local(x_recv, local_ids, ones).to(hidden.dtype)
