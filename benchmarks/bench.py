@@ -145,8 +145,9 @@ def check_layouts(args: argparse.Namespace, world: int) -> None:
 # hf2nvme, hf3nvme: offload to NVMe under --nvme_path (hf_zero/zero/nvme.py); the aio section from --hf_config
 NVME_ENGINES = ("hf2nvme", "hf3nvme")
 # hf1os, hf2os, hf3os, hf3ops: optimizer offload with offload_optimizer.super_offload (each group's CPU step taken
-# during backward, hf_zero/zero/host_step.py SpeculativeHostStep); hf3ops with the parameter shards offloaded too
-SUPER_ENGINES = ("hf1os", "hf2os", "hf3os", "hf3ops")
+# during backward, hf_zero/zero/host_step.py SpeculativeHostStep); hf3ops with the parameter shards offloaded too;
+# hf1osg, hf2osg: super_offload with overlap_param_gather (the groups backward did not reach stepped in the next forward)
+SUPER_ENGINES = ("hf1os", "hf2os", "hf3os", "hf3ops", "hf1osg", "hf2osg")
 
 
 def hf_engine_config(name: str, args: argparse.Namespace, world: int, offload: bool = False,
@@ -161,7 +162,8 @@ def hf_engine_config(name: str, args: argparse.Namespace, world: int, offload: b
             **({"offload_optimizer": {"device": "cpu", "pin_memory": True}} if offload else {}),
             **(param_section or {})}
     if name in SUPER_ENGINES:
-        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True, "super_offload": True}
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True, "super_offload": True,
+                                     **({"cpuadam_cores_perc": args.cores_perc} if args.cores_perc is not None else {})}
     if name in NVME_ENGINES:  # ZeRO-Infinity: the optimizer state (hf2nvme), and at stage 3 the parameters too, on NVMe
         nvme = {"device": "nvme", "nvme_path": args.nvme_path, "pin_memory": True}
         zero["offload_optimizer"] = {**nvme, "buffer_count": 4}
@@ -417,7 +419,7 @@ def run_engine(name: str, args: argparse.Namespace) -> dict:
             opt.zero_grad(set_to_none=True)
             return loss
 
-    elif name in ("ds2", "ds3", "ds2o", "ds3o", "ds3op"):
+    elif name in ("ds2", "ds3", "ds2o", "ds3o", "ds3op", "ds3os"):
         import deepspeed
 
         ds_cfg = {
@@ -433,6 +435,10 @@ def run_engine(name: str, args: argparse.Namespace) -> dict:
                 "reduce_bucket_size": 5e8,
                 "allgather_bucket_size": 5e8,
                 **({"offload_optimizer": {"device": "cpu", "pin_memory": True}} if offload else {}),
+                # ds3os: DeepSpeed 0.19.8's SuperOffload (stage 3: the CPU Adam of each sub-group during backward)
+                **({"offload_optimizer": {"device": "cpu", "pin_memory": True, "super_offload": True,
+                                          **({"cpuadam_cores_perc": args.cores_perc} if args.cores_perc is not None
+                                             else {})}} if name == "ds3os" else {}),
                 **param_section,
             },
             "steps_per_print": 10**9,
@@ -755,6 +761,8 @@ def main() -> None:
                          "so no GPU or host ever holds the whole fp32 model")
     ap.add_argument("--rows_json", default="", metavar="PATH", help="also write the rows to PATH as JSON")
     ap.add_argument("--nvme_path", default="", help="hf2nvme, hf3nvme: the folder on a local NVMe disk to offload to")
+    ap.add_argument("--cores_perc", type=float, default=None, help="hf*os*, ds3os: offload_optimizer.cpuadam_cores_perc "
+                    "(default: DeepSpeed's, 0.8 of the rank's cores for the steps taken during backward)")
     ap.add_argument("--max_in_cpu", type=float, default=0, help="hf3nvme: offload_param.max_in_cpu (elements kept in memory)")
     ap.add_argument("--json", default="", help=argparse.SUPPRESS)
     args, _ = ap.parse_known_args()

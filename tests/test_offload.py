@@ -221,8 +221,6 @@ def test_offloaded_optimizer_trains_like_the_device_one_and_resumes_across_setti
     ({"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/tmp"}}, '"nvme" without offload_optimizer is not supported yet'),
     ({"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp", "super_offload": True}},
      "the speculative host step keeps the masters in host memory"),
-    ({"stage": 2, "overlap_param_gather": True, "offload_optimizer": {"device": "cpu", "super_offload": True}},
-     "super_offload: got true with zero_optimization.overlap_param_gather"),
 ])
 def test_offload_configs_hf_zero_cannot_run_are_refused_in_one_sentence(section: dict, words: str) -> None:
     from hf_zero.config import ConfigError, ZeroConfig

@@ -61,12 +61,69 @@ def _state(engine) -> dict[str, torch.Tensor]:  # noqa: ANN001 - a test helper
     return out
 
 
-def _run(stage: int, gas: int, clip: float, fp16: bool, speculate: bool, rank: int) -> dict:
+def _gate(spec) -> None:  # noqa: ANN001 - a test helper
+    """Hold the background thread at each step's second group until the step settles it, so the groups queued behind
+    are left to the ordinary step (``settled``): the split between the two paths is then sure to happen. The gate opens
+    at every settle and discard (a verdict that undoes, an arm), so nothing waits on it for good."""
+    import threading
+
+    gate, seen = threading.Event(), [0]
+    step, settle, discard, arm = spec._step, spec.settle, spec.discard, spec.arm
+
+    def held(*args):  # noqa: ANN002, ANN202
+        seen[0] += 1
+        if seen[0] > 1:
+            gate.wait(timeout=30)
+        return step(*args)
+
+    def opened(fn):  # noqa: ANN001, ANN202
+        def call(*args):  # noqa: ANN002, ANN202
+            gate.set()
+            return fn(*args)
+        return call
+
+    def armed(*args):  # noqa: ANN002, ANN202
+        out = arm(*args)
+        gate.clear()
+        seen[0] = 0
+        return out
+
+    spec._step, spec.settle, spec.discard, spec.arm = held, opened(settle), opened(discard), armed
+
+
+def _drained(spec) -> None:  # noqa: ANN001 - a test helper
+    """Every group stepped in the background before the step settles (the speculation covers the whole step)."""
+    settle = spec.settle
+
+    def call() -> None:
+        if spec.armed:
+            for future in list(spec._futures.values()):
+                future.result()
+        settle()
+
+    spec.settle = call
+
+
+# off: super_offload off (the oracle); drained: every group stepped in the background; partial: some groups left to
+# the ordinary step; overlap: partial, with overlap_param_gather (the rest stepped in the next forward)
+MODES = ("off", "drained", "partial", "overlap")
+
+
+def _run(stage: int, gas: int, clip: float, fp16: bool, mode: str, rank: int) -> dict:
     import hf_zero
 
-    engine, *_ = hf_zero.initialize(model=_model(), config=_config(stage, gas, clip, fp16, speculate))
+    speculate = mode != "off"
+    config = _config(stage, gas, clip, fp16, speculate)
+    if mode == "overlap":
+        config["zero_optimization"]["overlap_param_gather"] = True
+    engine, *_ = hf_zero.initialize(model=_model(), config=config)
     runner = engine.zero_optimizer.runner
-    assert (type(runner).__name__ == "SpeculativeHostRunner") == speculate, type(runner).__name__
+    expected = {"off": "HostRunner", "overlap": "SpeculativeDeferredHostRunner"}.get(mode, "SpeculativeHostRunner")
+    assert type(runner).__name__ == expected, (mode, type(runner).__name__)
+    if mode == "drained":
+        _drained(runner.speculation)
+    elif speculate:
+        _gate(runner.speculation)
     losses, norms = [], []
     for t in range(STEPS):
         for k in range(gas):
@@ -84,12 +141,16 @@ def _run(stage: int, gas: int, clip: float, fp16: bool, speculate: bool, rank: i
 def _grid(rank: int, world: int, cases: list) -> list:
     out = []
     for stage, gas, clip, fp16 in cases:
-        off = _run(stage, gas, clip, fp16, False, rank)
-        on = _run(stage, gas, clip, fp16, True, rank)
-        differ = sorted(k for k in off["state"] if not torch.equal(off["state"][k], on["state"][k]))
-        out.append({"case": [stage, gas, clip, fp16], "differ": differ, "same_keys": off["state"].keys() == on["state"].keys(),
-                    "losses": [off["losses"], on["losses"]], "norms": off["norms"], "skipped": [off["skipped"], on["skipped"]],
-                    "counts": on["counts"], "n": len(off["state"])})
+        off = _run(stage, gas, clip, fp16, "off", rank)
+        for mode in MODES[1:]:
+            if mode == "overlap" and stage == 3:  # overlap_param_gather is a stage 0-2 option
+                continue
+            on = _run(stage, gas, clip, fp16, mode, rank)
+            differ = sorted(k for k in off["state"] if not torch.equal(off["state"][k], on["state"][k]))
+            out.append({"case": [stage, gas, clip, fp16], "mode": mode, "differ": differ,
+                        "same_keys": off["state"].keys() == on["state"].keys(),
+                        "losses": [off["losses"], on["losses"]], "norms": off["norms"],
+                        "skipped": [off["skipped"], on["skipped"]], "counts": on["counts"], "n": len(off["state"])})
     return out
 
 
@@ -102,20 +163,25 @@ CASES = [(1, 1, 1.37, False), (2, 2, 1.0, False), (3, 1, 1.37, False), (2, 1, 1.
 def test_super_offload_equals_the_step_after_backward_bit_for_bit() -> None:
     rows = spawn(_grid, 2, CASES)
     for rank_rows in rows:
+        assert {row["mode"] for row in rank_rows} == set(MODES[1:])
         for row in rank_rows:
-            case = row["case"]
+            case, mode = row["case"], row["mode"]
             assert row["same_keys"] and row["n"] > 0, case
-            assert row["differ"] == [], (case, row["differ"][:5])
-            assert row["losses"][0] == row["losses"][1], (case, row["losses"])
-            assert row["skipped"][0] == row["skipped"][1], case
+            assert row["differ"] == [], (case, mode, row["differ"][:5])
+            assert row["losses"][0] == row["losses"][1], (case, mode, row["losses"])
+            assert row["skipped"][0] == row["skipped"][1], (case, mode)
             counts = row["counts"]
-            assert counts["stepped"] > 0 and counts["kept"] > 0, (case, counts)  # the background steps ran and stood
+            assert counts["stepped"] > 0 and counts["kept"] > 0, (case, mode, counts)  # background steps ran and stood
+            if mode == "drained":  # every step the background thread reached every group first
+                assert counts["settled"] == 0, (case, mode, counts)
+            else:  # the gate left groups to the ordinary step (and, with overlap, to the next forward)
+                assert counts["settled"] > 0, (case, mode, counts)
             stage, gas, clip, fp16 = case
             if fp16:
                 assert row["skipped"][0] >= 1, (case, row["skipped"])  # an overflow skipped a step ...
-                assert counts["undone"] > 0, (case, counts)  # ... whose speculative steps were undone
+                assert counts["undone"] > 0, (case, mode, counts)  # ... whose speculative steps were undone
             if clip and not fp16:
-                assert counts["undone"] > 0, (case, counts)  # clipping applied on a step: its speculation was undone
+                assert counts["undone"] > 0, (case, mode, counts)  # clipping applied on a step: its speculation undone
 
 
 def test_super_offload_takes_deepspeeds_share_of_the_cores() -> None:
@@ -131,3 +197,29 @@ def test_super_offload_takes_deepspeeds_share_of_the_cores() -> None:
     assert share({"super_offload": True}) == 0.8
     assert share({"super_offload": True, "cpuadam_cores_perc": 0.5}) == 0.5
     assert share({"cpuadam_cores_perc": 0.25}) == 0.25
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double().cpu(), b.double().cpu()
+    return float((a - b).norm() / b.norm().clamp_min(1e-12))
+
+
+def gpu_suite(rank: int, world: int) -> list[dict]:
+    """``tests/gpu/gpu_check.py``'s rows: the same runs on GPUs, where the gradients reach host memory by copies on a side
+    stream that the background thread waits for with CUDA events, and (with ``overlap_param_gather``) the groups stepped
+    during backward go back to the GPU ahead of their publish. Errors against super_offload off; a row whose background
+    steps did not run, or did not leave groups to the ordinary step where the gate held them, fails."""
+    rows = []
+    for stage, gas, clip, fp16 in [c for c in CASES if not c[3]]:  # fp16 stays the CPU test's (kernels round differently)
+        off = _run(stage, gas, clip, fp16, "off", rank)
+        for mode in MODES[1:]:
+            if mode == "overlap" and stage == 3:
+                continue
+            on = _run(stage, gas, clip, fp16, mode, rank)
+            counts = on["counts"]
+            ran = counts["stepped"] > 0 and counts["kept"] > 0 and (counts["settled"] == 0) == (mode == "drained")
+            w = max(_rel(on["state"][k], off["state"][k]) for k in off["state"])
+            loss = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(on["losses"], off["losses"]))
+            rows.append({"case": f"super_offload ({mode}) stage {stage}, gas {gas}, clip {clip}",
+                         "loss_err": loss if ran else float("inf"), "w_err": w})
+    return rows

@@ -65,10 +65,6 @@ def refuse_missing_features(cfg: Any) -> list[str]:
             raise ConfigError('zero_optimization.offload_optimizer.super_offload: got true with "device": "nvme", but '
                               'the speculative host step keeps the masters in host memory; use "device": "cpu" or '
                               "remove super_offload")
-        if opt.super_offload and zo.overlap_param_gather:
-            raise ConfigError("zero_optimization.offload_optimizer.super_offload: got true with "
-                              "zero_optimization.overlap_param_gather, which defers the host step to the next forward "
-                              "instead of taking it during backward; keep one of the two")
     par = zo.offload_param
     nvme = [(key, sec) for key, sec in (("offload_optimizer", opt), ("offload_param", par))
             if sec is not None and sec.device == "nvme" and (key == "offload_optimizer" or zo.stage == 3)]

@@ -62,9 +62,16 @@ def sharded_optimizer(module: torch.nn.Module, optimizer: Any, config: ZeroConfi
     )
     off, par = zc.offload_optimizer, zc.offload_param  # offload_param: stage 3 only (the config says it is ignored elsewhere)
     offload_optimizer = off is not None and off.device in ("cpu", "nvme") and not inference_only
-    host_threads = None
+    host_threads = speculate_threads = None
     if offload_optimizer:
-        host_threads, why = host_step_threads(None, off.cores_share())
+        # cpuadam_cores_perc is the share of the host step that runs beside the backward (super_offload's background
+        # steps); the steps taken while the GPU waits for them take the whole share. Without super_offload it is the
+        # whole host step's share, as before.
+        speculative = bool(off.super_offload) and off.device == "cpu"
+        host_threads, why = host_step_threads(None, None if speculative else off.cores_share())
+        if speculative:
+            speculate_threads, why_spec = host_step_threads(None, off.cores_share())
+            why += f"; {speculate_threads} for the steps taken during backward ({why_spec})"
         if timers.enabled:
             timers.note("step.cpu_optimizer", f"{host_threads} threads")
             if rank == 0:
@@ -78,6 +85,7 @@ def sharded_optimizer(module: torch.nn.Module, optimizer: Any, config: ZeroConfi
         optimizer_nvme=_nvme(off, "offload_optimizer", config.aio) if offload_optimizer else None,
         params_nvme=_nvme(par, "offload_param", config.aio) if params_on and offload_optimizer else None,
         speculate=offload_optimizer and bool(off.super_offload) and off.device == "cpu",
+        speculate_threads=speculate_threads,
         ratio=float(off.ratio) if offload_optimizer else 1.0,
         sub_group_size=int(zc.sub_group_size) if offload_optimizer else None,
     )

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import threading
 import time
 import zlib
 from collections.abc import Callable, Iterator
@@ -265,21 +266,25 @@ class SpeculativeHostStep:
     clipping factor), and whether the step is applied at all (an fp16 overflow or a non-finite gradient skips it).
     Both are known only after the last gradient, so the step is taken *speculatively* with the coefficient of a
     step that does not clip (``1 / loss scale``, :meth:`arm`), and :meth:`verdict` compares it with the one the
-    policy computed: equal, the steps stand and the runner only publishes those groups; different (clipping
-    applies), or the step is skipped (:meth:`discard`), every speculatively stepped group gets back its master and
-    optimizer state, saved just before its step, and the runner steps it the ordinary way. The arithmetic of a
-    step that stands is the ordinary step's (the same optimizer call on the same master and the same gradient
-    values, multiplied by the same float), so the weights equal :class:`HostStep`'s bit for bit either way.
+    policy computed: different (clipping applies), or the step is skipped (:meth:`discard`), every speculatively
+    stepped group gets back its master and optimizer state, saved just before its step, and the runner steps it the
+    ordinary way. The arithmetic of a step that stands is the ordinary step's (the same optimizer call on the same
+    master and the same gradient values, multiplied by the same float), so the weights equal :class:`HostStep`'s bit
+    for bit either way.
 
-    The gradient a group steps with is its host copy (:class:`hf_zero.zero.offload._HostMaster`), read, never
-    written: with a coefficient other than 1 the product goes to a scratch buffer of the largest group, so the
-    copy stays as the ordinary step expects it. The price is the undo copy of each master and its state (16 bytes
-    per element with Adam) in host memory, in buffers kept for the run and reused every step; DeepSpeed's
-    SuperOffload undoes its step arithmetically instead, which does not give back the same bits. The optimizer's hyperparameters are checked too: a change
-    between the backward and the step (a scheduler stepped early) undoes the speculation.
+    Speculation is only worth its price while the verdict is unknown. The price is the undo copy of each master and its
+    state (16 bytes per element with Adam, read and written again: about 1.9x the traffic of the step itself), in
+    host memory, in buffers kept for the run and reused every step. So at the step the runner calls :meth:`settle`:
+    the background thread takes no new group, the one it is stepping finishes, the groups still queued are left to
+    the runner's ordinary step (no undo copy: the verdict is known by then), and :meth:`commit` returns those that
+    were stepped. Which groups the background thread reached differs from rank to rank; the runner publishes in one
+    fixed order whatever the split, so every rank issues the same collectives. DeepSpeed's SuperOffload undoes its
+    step arithmetically instead, which does not give back the same bits. The optimizer's hyperparameters are checked
+    too: a change between the backward and the step (a scheduler stepped early) undoes the speculation.
 
     One background thread steps the groups in the order their gradients arrive, on ``threads`` intra-op threads
-    (:func:`host_step_threads`; torch's thread count is per thread, so the backward keeps the launcher's).
+    (:func:`host_step_threads` with ``cpuadam_cores_perc``: the backward's own threads keep the rest of the cores;
+    torch's thread count is per thread, so the backward keeps the launcher's).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, threads: int | None, sub_group_size: int | None = None) -> None:
@@ -287,13 +292,17 @@ class SpeculativeHostStep:
         self.sub_group_size = sub_group_size  # as HostStep's: each group stepped in ranges of about this many elements
         self._pool: ThreadPoolExecutor | None = None
         self._futures: dict[int, Future[None]] = {}
-        self._undo: dict[int, _Undo] = {}
+        self._undo: dict[int, _Undo] = {}  # the groups stepped in the background this step, with what they overwrote
         self._coef: float | None = None  # armed: the coefficient the groups are stepped with
+        self._stopped = False  # settle() or discard() came: the background thread starts no further group
+        self._lock = threading.Lock()  # a group's start against settle(): either it is stepped, or left to the runner
         self._hyper: list[dict[str, Any]] = []
         self._scratch: torch.Tensor | None = None
         self._backup: dict[int, dict[str, torch.Tensor]] = {}  # each group's undo buffers, reused every step
         self.cpu_seconds = 0.0  # the background steps' own time this step
-        self.counts = {"stepped": 0, "kept": 0, "undone": 0}  # since the start of the run
+        # since the start of the run: stepped in the background, of those kept and undone, and left to the ordinary
+        # step because the verdict came first (settled)
+        self.counts = {"stepped": 0, "kept": 0, "undone": 0, "settled": 0}
 
     @property
     def armed(self) -> bool:
@@ -309,11 +318,12 @@ class SpeculativeHostStep:
         if any(g.master is not None and g.master.grad is not None for g in groups):
             return False
         self._coef, self._hyper, self.cpu_seconds = float(coef), _hyperparameters(self.optimizer), 0.0
+        self._stopped = False
         return True
 
     def submit(self, group: ShardGroup, grad: torch.Tensor, ready: torch.cuda.Event | None) -> None:
         """``group``'s gradient is (or, once ``ready`` has fired, will be) in host memory: step it in the background."""
-        if self._coef is None or id(group) in self._futures:
+        if self._coef is None or self._stopped or id(group) in self._futures:
             return
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf_zero-host-step")
@@ -324,10 +334,13 @@ class SpeculativeHostStep:
             ready.synchronize()
         master = group.master
         assert master is not None
+        with self._lock:
+            if self._stopped:  # the verdict came first: the runner's ordinary step takes this group
+                return
+        # Past this point the group is stepped whatever settle() says: settle() waits for this call to return.
         with intra_op_threads(self.threads):
             start = time.perf_counter()
-            state = self.optimizer.state.get(master)
-            self._undo[id(group)] = self._save(group, master, state)
+            self._undo[id(group)] = self._save(group, master, self.optimizer.state.get(master))
             if coef != 1.0:  # the policy's scale_grads multiplies the host copy by this same float
                 if self._scratch is None or self._scratch.numel() < grad.numel():
                     self._scratch = torch.empty(grad.numel(), dtype=grad.dtype)
@@ -367,12 +380,15 @@ class SpeculativeHostStep:
 
     def undo(self, group: ShardGroup) -> None:
         """Give ``group`` back its master and optimizer state from before its speculative step (none: nothing to do);
-        its gradient changed (reduced again in this backward) or the step will not stand."""
+        its gradient changed (reduced again in this backward) or the step will not stand. A step still queued is
+        dropped unrun; the group may be submitted again."""
         future = self._futures.pop(id(group), None)
         if future is None:
             return
+        future.cancel()
         try:
-            future.result()
+            if not future.cancelled():
+                future.result()
         finally:
             saved = self._undo.pop(id(group), None)
             if saved is not None:
@@ -395,8 +411,28 @@ class SpeculativeHostStep:
                     state[k] = v.clone() if isinstance(v, torch.Tensor) else v
         self.counts["undone"] += 1
 
+    def _stop(self) -> None:
+        """No further group starts: the queued ones are cancelled, the one running finishes (or, not past its undo
+        copy yet, returns unstepped); raises what a background step raised, after waiting for all of them."""
+        with self._lock:
+            self._stopped = True
+        for future in self._futures.values():
+            future.cancel()
+        first: BaseException | None = None
+        for future in self._futures.values():
+            if future.cancelled():
+                continue
+            try:
+                future.result()
+            except BaseException as e:  # wait for the others first, then say what failed
+                first = first or e
+        self._futures = {gid: f for gid, f in self._futures.items() if gid in self._undo}  # those actually stepped
+        if first is not None:
+            raise first
+
     def drain(self) -> None:
-        """Wait for every step in flight; a failed one undoes them all and raises."""
+        """Wait for every step queued or in flight (tests: a backward whose groups were all stepped before the
+        verdict); a failed one undoes them all and raises."""
         try:
             for future in list(self._futures.values()):
                 future.result()
@@ -405,28 +441,48 @@ class SpeculativeHostStep:
             raise
 
     def verdict(self, coef: torch.Tensor | float) -> None:
-        """The step policy's coefficient for this step: the speculative steps stand only if they used it."""
+        """The step policy's coefficient for this step: the speculative steps stand only if they used it.
+
+        When they stand and the coefficient is the float 1.0 (bf16 or fp32, no clipping: the policy leaves the
+        gradients as they are) nothing is waited for here; :meth:`settle` at the step stops the background thread.
+        Any other coefficient is about to be multiplied into the host copies in place, which a background step may
+        be reading: the background thread is settled first."""
         if self._coef is None:
             return
-        self.drain()
         if float(coef) != self._coef or not _same_hyperparameters(self._hyper, _hyperparameters(self.optimizer)):
             self.discard()
+        elif not (isinstance(coef, float) and coef == 1.0):
+            self.settle()
+
+    def settle(self) -> None:
+        """The step is being taken: the background thread starts no further group and the one it steps finishes, so
+        the runner may hand the masters their ``.grad`` and step the rest itself (a failed background step undoes
+        them all and raises)."""
+        if self._coef is None:
+            return
+        try:
+            self._stop()
+        except BaseException:
+            self.discard()
+            raise
 
     def commit(self, stepped: set[int]) -> frozenset[int]:
-        """At the step: the ids of the groups whose speculative step stands (the runner only publishes them).
+        """At the step, after :meth:`settle`: the ids of the groups whose speculative step stands (the runner only
+        publishes them, and steps the others itself).
 
         ``stepped`` are the ids of the groups the step takes; a speculative step of any other group is undone.
         """
         if self._coef is None:
             return frozenset()
-        self.drain()
+        self.settle()
         if not _same_hyperparameters(self._hyper, _hyperparameters(self.optimizer)):
             self.discard()
             return frozenset()
-        for gid in [gid for gid in self._futures if gid not in stepped]:
+        for gid in [gid for gid in self._undo if gid not in stepped]:
             self.undo(self._undo[gid].group)
-        kept = frozenset(self._futures)
+        kept = frozenset(self._undo)
         self.counts["kept"] += len(kept)
+        self.counts["settled"] += len(stepped - kept)
         self._futures.clear()
         self._undo.clear()
         self._coef = None
@@ -436,17 +492,13 @@ class SpeculativeHostStep:
         """Undo every speculative step of this step (skipped, cleared, or the masters read for a save); disarm."""
         self._coef = None
         first: BaseException | None = None
-        for gid in list(self._futures):
-            future = self._futures[gid]
-            saved = None
-            try:
-                future.result()
-            except BaseException as e:  # restore the others first, then say what failed
-                first = first or e
-            self._futures.pop(gid)
-            saved = self._undo.pop(gid, None)
-            if saved is not None:
-                self._restore(saved)
+        try:
+            self._stop()
+        except BaseException as e:  # restore the others first, then say what failed
+            first = e
+        for gid in list(self._undo):
+            self._restore(self._undo.pop(gid))
+        self._futures.clear()
         self._undo.clear()
         if first is not None:
             raise first

@@ -109,6 +109,9 @@ class OffloadPolicy:
     # offload_optimizer.super_offload: each group's host step taken during the backward that ends the step, undone
     # exactly where clipping or a skipped step says so (hf_zero/zero/host_step.py SpeculativeHostStep)
     speculate: bool = False
+    # the background steps' intra-op threads under super_offload (cpuadam_cores_perc of the share: they run beside the
+    # backward); None: host_threads
+    speculate_threads: int | None = None
     # offload_optimizer.ratio (ZeRO-Offload++'s Twin-Flow): the share of the trainable groups whose master and optimizer
     # state live in host memory; the rest, the first groups in parameter order, stay and step on the device
     ratio: float = 1.0
@@ -117,8 +120,10 @@ class OffloadPolicy:
     sub_group_size: int | None = None
 
     def __post_init__(self) -> None:
-        if self.host_threads is not None and self.host_threads < 1:
-            raise ValueError(f"OffloadPolicy.host_threads: got {self.host_threads}; give a positive count or None")
+        for name in ("host_threads", "speculate_threads"):
+            n = getattr(self, name)
+            if n is not None and n < 1:
+                raise ValueError(f"OffloadPolicy.{name}: got {n}; give a positive count or None")
         if not 0.0 <= self.ratio <= 1.0:
             raise ValueError(f"OffloadPolicy.ratio: got {self.ratio!r}; give the offloaded share, between 0 and 1")
         if self.sub_group_size is not None and self.sub_group_size < 0:
@@ -388,10 +393,28 @@ class OffloadedFlatGroup(_HostMaster, FlatGroup):
         FlatGroup.reduce_grads(self, stream)
         self._copy_after_reduce(stream)
 
+    _shard_ahead = False  # write_shard_ahead copied the master already: the next publish only all-gathers
+
     def _write_shard(self, shard: torch.Tensor) -> None:
         """Host master -> this rank's range of the device parameters, cast to the compute dtype on the device
         (:meth:`FlatGroup.publish_master` then all-gathers it)."""
+        if self._shard_ahead:
+            self._shard_ahead = False
+            return
         _to_device(shard, self.master, self.pin)
+
+    def write_shard_ahead(self, stream: torch.cuda.Stream | None) -> None:
+        """Copy the stepped master into this rank's range of the parameters now, on ``stream``, ahead of the publish.
+
+        Why: under ``super_offload`` with ``overlap_param_gather`` the groups stepped during backward are published
+        where the next forward reaches them, in one order on every rank (the all-gathers are collectives), and those are
+        the last blocks': left to then, their host-to-device copies would run at the end of the forward with no CPU
+        step to hide behind. The copy is this rank's alone, so it may go at once; the publish then only all-gathers
+        (the stream orders the two)."""
+        assert self.master is not None and not self.publish_pending
+        with C.on_stream(stream):
+            _to_device(self.param_flat[self.shard_lo : self.shard_hi], self.master, self.pin)
+        self._shard_ahead = True
 
 
 class _HostParamShard(ShardedParamGroup):

@@ -14,8 +14,10 @@ taken per step:
   copied back and published at once (:class:`hf_zero.zero.host_step.HostStep`), inside ``engine.step()``;
 - :class:`DeferredHostRunner` (``offload_optimizer`` with ``overlap_param_gather`` at stages 1-2): the first
   group the forward reads stepped at once, every other one where the next forward first reads it;
-- :class:`SpeculativeHostRunner` (``offload_optimizer.super_offload``): :class:`HostRunner`'s step with each group
-  stepped during the backward that ends the step, undone exactly where clipping or a skipped step says so;
+- :class:`SpeculativeHostRunner` (``offload_optimizer.super_offload``): :class:`HostRunner`'s step with the groups
+  whose gradients reached host memory early enough stepped during the backward that ends the step, undone exactly
+  where clipping or a skipped step says so; :class:`SpeculativeDeferredHostRunner` the same over
+  :class:`DeferredHostRunner` (with ``overlap_param_gather``);
 - :class:`NvmeRunner` (``"device": "nvme"``): :class:`HostRunner`'s step with the masters and optimizer state
   read from files and written back around each group's step (:mod:`hf_zero.zero.nvme`).
 
@@ -228,66 +230,6 @@ class HostRunner(StepRunner):
         self.grad_buffers = []
 
 
-class SpeculativeHostRunner(HostRunner):
-    """``offload_optimizer.super_offload``: :class:`HostRunner`'s step, with each group already stepped during the
-    backward that ended it, as soon as its gradient reached host memory, on a background thread
-    (:class:`hf_zero.zero.host_step.SpeculativeHostStep`), assuming the step does not clip and is not skipped; the
-    step then only publishes those groups. Where the assumption fails (``verdict``: clipping applies; ``discard``: an
-    fp16 overflow or a non-finite gradient skips the step, or the gradients are cleared) the speculative steps are
-    undone exactly and the step is the ordinary one. The weights equal :class:`HostRunner`'s bit for bit.
-
-    With the gradients streamed from the device (``stream_grads``) no host copy exists during backward, and the step
-    is :class:`HostRunner`'s. A save or load (``resident``) undoes a speculation in flight first, so it reads the
-    masters of the last step.
-    """
-
-    def __init__(self, optimizer: torch.optim.Optimizer, groups: list[ShardGroup], stream: torch.cuda.Stream | None,
-                 device: torch.device, offload: OffloadPolicy, stream_grads: bool) -> None:
-        super().__init__(optimizer, groups, stream, device, offload, stream_grads)
-        self.speculation: SpeculativeHostStep | None = SpeculativeHostStep(optimizer, self.threads, self.sub_group_size)
-        for g in groups:
-            if g.master is not None and hasattr(g, "speculation"):  # the host-master groups (hf_zero/zero/offload.py)
-                g.speculation = self.speculation  # type: ignore[attr-defined]
-
-    def arm(self, coef: float) -> None:
-        if self.speculation is not None and not self.stream_grads:
-            self.speculation.arm(self.host_groups, coef)
-
-    def verdict(self, coef: torch.Tensor | float) -> None:
-        if self.speculation is not None:
-            self.speculation.verdict(coef)
-
-    def discard(self) -> None:
-        if self.speculation is not None:
-            self.speculation.discard()
-
-    def _prestepped(self, work: list[tuple[ShardGroup, torch.Tensor]]) -> frozenset[int]:
-        if self.speculation is None:
-            return frozenset()
-        return self.speculation.commit({id(g) for g, _ in work})
-
-    def step(self, timed: Timed | None) -> None:
-        if self.speculation is not None:
-            self.speculation.drain()  # before before_step hands the host copies to the masters' .grad
-        super().step(timed)
-        if timed is not None and self.speculation is not None:
-            timed("step.cpu_optimizer_overlapped", self.speculation.cpu_seconds)
-
-    @contextlib.contextmanager
-    def resident(self) -> Iterator[None]:
-        self.discard()
-        yield
-
-    def release(self) -> None:
-        if self.speculation is not None:
-            self.speculation.close()
-        for g in self.groups:
-            if hasattr(g, "speculation"):
-                g.speculation = None  # type: ignore[attr-defined]
-        self.speculation = None
-        super().release()
-
-
 class DeferredHostRunner(HostRunner):
     """``offload_optimizer`` with ``overlap_param_gather`` at stages 1-2: only the group the next forward reads first
     is stepped inside the step; every other group is handed the step (:meth:`hf_zero.zero.flat.FlatGroup.defer_step`)
@@ -317,7 +259,7 @@ class DeferredHostRunner(HostRunner):
             timed("step.wait_grads", t1 - t0)
         run = HostStep(self.optimizer, self.stream, work, streamed=streamed, defer=True,
                        on_done=None if timed is None else (lambda s: timed("step.cpu_optimizer", s)),
-                       threads=self.threads, sub_group_size=self.sub_group_size)
+                       threads=self.threads, prestepped=self._prestepped(work), sub_group_size=self.sub_group_size)
         through = run.through  # one bound method for every group: its first wait steps it (and those before it)
         for g, _ in work:
             g.defer_step(through)  # type: ignore[attr-defined]
@@ -328,6 +270,106 @@ class DeferredHostRunner(HostRunner):
     def release(self) -> None:
         super().release()
         self.overlap = None
+
+
+class _Speculating:
+    """``offload_optimizer.super_offload`` over a host runner (:class:`SpeculativeHostRunner`,
+    :class:`SpeculativeDeferredHostRunner`): each group stepped during the backward that ends the step, as soon as its
+    gradient reaches host memory, on a background thread (:class:`hf_zero.zero.host_step.SpeculativeHostStep`),
+    assuming the step does not clip and is not skipped. At the step the background thread is settled (it finishes
+    the group it is on and takes no other) and the runner's own step only publishes the groups it stepped, stepping
+    the rest itself. Where the assumption fails (``verdict``: clipping applies; ``discard``: an fp16 overflow or a
+    non-finite gradient skips the step, or the gradients are cleared) the speculative steps are undone exactly and the
+    step is the ordinary one. The weights equal the ordinary runner's bit for bit.
+
+    With the gradients streamed from the device (``stream_grads``) no host copy exists during backward, and the step
+    is the ordinary one. A save or load (``resident``) undoes a speculation in flight first, so it reads the masters of
+    the last step.
+    """
+
+    speculation: SpeculativeHostStep | None
+    groups: list[ShardGroup]
+    host_groups: list[ShardGroup]
+    stream_grads: bool
+
+    def _speculate(self, optimizer: torch.optim.Optimizer, offload: OffloadPolicy) -> None:
+        # the background steps run beside the backward: cpuadam_cores_perc of the share (the ordinary step takes it all)
+        threads = offload.speculate_threads if offload.speculate_threads is not None else offload.host_threads
+        self.speculation = SpeculativeHostStep(optimizer, threads, offload.sub_group_size)
+        for g in self.groups:
+            if g.master is not None and hasattr(g, "speculation"):  # the host-master groups (hf_zero/zero/offload.py)
+                g.speculation = self.speculation  # type: ignore[attr-defined]
+
+    def arm(self, coef: float) -> None:
+        if self.speculation is not None and not self.stream_grads:
+            self.speculation.arm(self.host_groups, coef)
+
+    def verdict(self, coef: torch.Tensor | float) -> None:
+        if self.speculation is not None:
+            self.speculation.verdict(coef)
+
+    def discard(self) -> None:
+        if self.speculation is not None:
+            self.speculation.discard()
+
+    def _prestepped(self, work: list[tuple[ShardGroup, torch.Tensor]]) -> frozenset[int]:
+        if self.speculation is None:
+            return frozenset()
+        return self.speculation.commit({id(g) for g, _ in work})
+
+    def step(self, timed: Timed | None) -> None:
+        if self.speculation is not None:
+            self.speculation.settle()  # before before_step hands the host copies to the masters' .grad
+        super().step(timed)  # type: ignore[misc]
+        if timed is not None and self.speculation is not None:
+            timed("step.cpu_optimizer_overlapped", self.speculation.cpu_seconds)
+
+    @contextlib.contextmanager
+    def resident(self) -> Iterator[None]:
+        self.discard()
+        yield
+
+    def release(self) -> None:
+        if self.speculation is not None:
+            self.speculation.close()
+        for g in self.groups:
+            if hasattr(g, "speculation"):
+                g.speculation = None  # type: ignore[attr-defined]
+        self.speculation = None
+        super().release()  # type: ignore[misc]
+
+
+class SpeculativeHostRunner(_Speculating, HostRunner):
+    """``offload_optimizer.super_offload``: :class:`HostRunner`'s step, with the groups the background thread reached
+    during backward already stepped (:class:`_Speculating`); the step publishes them, in the same fixed order as it
+    steps and publishes the others, so every rank issues the same collectives whichever groups it reached."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, groups: list[ShardGroup], stream: torch.cuda.Stream | None,
+                 device: torch.device, offload: OffloadPolicy, stream_grads: bool) -> None:
+        HostRunner.__init__(self, optimizer, groups, stream, device, offload, stream_grads)
+        self._speculate(optimizer, offload)
+
+
+class SpeculativeDeferredHostRunner(_Speculating, DeferredHostRunner):
+    """``super_offload`` with ``overlap_param_gather`` at stages 1-2: the groups the background thread reached during
+    backward are stepped there (:class:`_Speculating`), and the others where the next forward first reads them
+    (:class:`DeferredHostRunner`), so the CPU works from the first gradient of one backward to the last block of the next
+    forward."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, groups: list[ShardGroup], stream: torch.cuda.Stream | None,
+                 device: torch.device, offload: OffloadPolicy, stream_grads: bool, overlap: DeferredPublish) -> None:
+        DeferredHostRunner.__init__(self, optimizer, groups, stream, device, offload, stream_grads, overlap)
+        self._speculate(optimizer, offload)
+
+    def _prestepped(self, work: list[tuple[ShardGroup, torch.Tensor]]) -> frozenset[int]:
+        """The groups stepped during backward, each copied into this rank's range of the parameters now (a local copy,
+        so in any order): their all-gathers wait for the forward's fixed order, their host-to-device copies need not
+        (:meth:`hf_zero.zero.offload.OffloadedFlatGroup.write_shard_ahead`)."""
+        kept = super()._prestepped(work)
+        for g, _ in work:
+            if id(g) in kept and hasattr(g, "write_shard_ahead"):
+                g.write_shard_ahead(self.stream)  # type: ignore[attr-defined]
+        return kept
 
 
 class NvmeRunner(HostRunner):
@@ -422,7 +464,9 @@ def pick_runner(optimizer: torch.optim.Optimizer, groups: list[ShardGroup], stre
                          "host step (overlap_param_gather) do not handle; offload the whole state (ratio 1.0)")
     if offload.optimizer and nvme is not None:  # the config refuses NVMe with overlap_param_gather
         return NvmeRunner(optimizer, groups, stream, device, offload, process_group, nvme)
-    if offload.optimizer and offload.speculate and overlap is None:  # the config refuses it with overlap_param_gather
+    if offload.optimizer and offload.speculate:
+        if overlap is not None:
+            return SpeculativeDeferredHostRunner(optimizer, groups, stream, device, offload, stream_grads, overlap)
         return SpeculativeHostRunner(optimizer, groups, stream, device, offload, stream_grads)
     if offload.optimizer:
         if overlap is not None:
