@@ -159,10 +159,10 @@ def worker(args: argparse.Namespace) -> None:
               "runs": {}}
     for run in args.runs.split(","):
         result["runs"][run] = train_one(run, args, train, held)
-    result["params"] = next(iter(result["runs"].values()))["params"]
-    if dist.get_rank() == 0:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        Path(args.out, "losses.json").write_text(json.dumps(result, indent=1))
+        result["params"] = result["runs"][run]["params"]
+        if dist.get_rank() == 0:  # after every run: a call cut short by its time limit keeps the runs that finished
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+            Path(args.out, "losses.json").write_text(json.dumps(result, indent=1))
     dist.barrier()
     dist.destroy_process_group()
 
