@@ -283,9 +283,10 @@ def _overlap(rank: int, world: int) -> list[dict]:
             for key, e in eager.items():
                 o = overlap[key]
                 n = o["groups"]
-                # One rank has no all-gather to defer: the publish is eager, and offloaded, the groups whose CPU step
-                # the next forward runs (all but the forward's first, which step() runs) are what is left in flight.
-                left = n if world > 1 else (n - 1 if variant else 0)
+                # One CPU rank has no all-gather to defer: the publish is eager, and offloaded, the groups whose CPU
+                # step the next forward runs (all but the forward's first, which step() runs) are what is left in flight.
+                # On GPUs every deferred publish leaves an event to wait for, one rank too.
+                left = n if world > 1 or ON_GPU else (n - 1 if variant else 0)
                 hooks_waited = (o["in_flight_after_step"] == [left] * test_overlap_param_gather.STEPS
                                 and o["forward_waits"] == [{"forward": left, "other": 0}]
                                 and not o["pending_seen_by_modules"])
