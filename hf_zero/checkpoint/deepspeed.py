@@ -25,6 +25,7 @@ random streams as they were (transformers' Trainer keeps its own ``rng_state_*.p
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import shutil
@@ -38,12 +39,15 @@ from hf_zero.checkpoint.deepspeed_map import DS_KEYS, Plan, plan, read_share
 from hf_zero.checkpoint.deepspeed_read import DeepSpeedCheckpointError, is_deepspeed_checkpoint, load_pickle
 from hf_zero.checkpoint.format import FORMAT, LATEST, to_json
 from hf_zero.checkpoint.save import write_files
+from hf_zero.checkpoint.tp_reshard import base_name
 from hf_zero.errors import CheckpointError
+from hf_zero.parallel.tp_split import parse_slice_name
 
 if TYPE_CHECKING:
     from hf_zero.checkpoint.state import Progress, TrainState
 
-__all__ = ["DeepSpeedCheckpointError", "convert", "is_deepspeed_checkpoint", "load", "resume_trainer", "consolidate"]
+__all__ = ["DeepSpeedCheckpointError", "convert", "is_deepspeed_checkpoint", "load", "resume_trainer", "consolidate",
+           "weights"]
 
 
 
@@ -77,10 +81,14 @@ def _write_share(p: Plan, rank: int, out: str) -> None:
     tensors: dict[str, torch.Tensor] = {}
     ranges: dict[str, list] = {}
     scalars: dict[str, dict[str, Any]] = {}
+    seen: set[str] = set()
     for pc in share.pieces:
         n = pc.b - pc.a
         master = share.masters[pc.flat]
-        key = f"master|{pc.name}"
+        # one range of a parameter per rank, except an AutoEP expert block's, whose gate and up rows interleave
+        suffix = "" if pc.name not in seen else f"|{pc.a}"
+        seen.add(pc.name)
+        key = f"master|{pc.name}{suffix}"
         tensors[key] = master[pc.at : pc.at + n].to(torch.float32)
         ranges[key] = [pc.name, pc.a, pc.b]
         for k, v in share.states[pc.flat].items():
@@ -89,7 +97,7 @@ def _write_share(p: Plan, rank: int, out: str) -> None:
                     raise DeepSpeedCheckpointError(
                         f"{p.folder.path}: rank {rank}'s optimizer state '{k}' is shorter than its fp32 partition; the checkpoint is damaged"
                     )
-                key = f"optim.{k}|{pc.name}"
+                key = f"optim.{k}|{pc.name}{suffix}"
                 tensors[key] = v.reshape(-1)[pc.at : pc.at + n]
                 ranges[key] = [pc.name, pc.a, pc.b]
             elif torch.is_tensor(v):
@@ -102,9 +110,8 @@ def _write_share(p: Plan, rank: int, out: str) -> None:
         ranges[key] = [name, a, b]
     if rank == 0:
         module = p.model0["module"]
-        for name in p.model0.get("buffer_names") or []:
-            if torch.is_tensor(module.get(name)):
-                tensors[f"buffer|{name}"] = module[name]
+        for name, src in p.buffer_names():
+            tensors[f"buffer|{name}"] = module[src]
     rng_tensors, rng_meta = _seeded_rng()
     tensors.update(rng_tensors)
 
@@ -157,10 +164,9 @@ def _meta(p: Plan, client: Any, frozen_excluded: bool = False) -> dict:
     for the parameters frozen there that it holds none of (``hf_zero/checkpoint/load.py``), as for hf_zero's own."""
     m0 = p.model0
     params: dict[str, Any] = {}
-    for f, flat in enumerate(p.flats):
-        for name, shape, _ in flat:
-            params[name] = {"shape": list(shape), "dtype": _dtype_name(p.compute_dtype), "trainable": True,
-                            "group": p.flat_group[f]}
+    for name, info in p.table().items():
+        params[name] = {"shape": list(info["shape"]), "dtype": _dtype_name(p.compute_dtype), "trainable": True,
+                        "group": info["group"], **({"ep": info["ep"]} if "ep" in info else {})}
     for name, (shape, dtype) in p.frozen.items():
         params[name] = {"shape": list(shape), "dtype": _dtype_name(dtype), "trainable": False, "group": None}
     steps = int(m0.get("global_steps") or 0)
@@ -178,6 +184,11 @@ def _meta(p: Plan, client: Any, frozen_excluded: bool = False) -> dict:
         "converted_from": {"deepspeed": str(m0.get("ds_version")), "path": p.folder.path, "tag": p.folder.tag},
         **({"frozen_excluded": True} if frozen_excluded or p.frozen_excluded else {}),
     }
+
+
+def _module_name(p: Plan, name: str) -> str | None:
+    """The model's name of an entry of DeepSpeed's module state dict (None: AutoEP's alias of its router)."""
+    return name if p.autoep is None else p.autoep.model_name(name, set(p.model0["module"]))
 
 
 def _copy_model_config(p: Plan, out: str) -> None:
@@ -225,40 +236,44 @@ def convert(src: str, dst: str, tag: str | None = None, progress: bool = True) -
     return final
 
 
-def consolidate(src: str, out_dir: str, tag: str | None = None, max_shard_size: int | str = "5GB",
-                progress: bool = True) -> list[str]:
-    """DeepSpeed's ``zero_to_fp32`` without DeepSpeed: the checkpoint's fp32 weights as a ``from_pretrained`` folder.
-
-    Each tensor is assembled from the ranks' memory-mapped partitions, written, and dropped;
-    tied repeats are left out as ``save_pretrained`` leaves them; ``config.json`` is copied when
-    the checkpoint has one beside it (a Trainer's ``checkpoint-N`` does). Returns the files written.
-    """
-    from tqdm.auto import tqdm
-
-    from hf_zero.checkpoint.consolidated import write_weights
-
+def weights(src: str, tag: str | None = None, dtype: torch.dtype | None = torch.float32,
+            exclude_frozen: bool = False) -> tuple[Plan, list[tuple[str, torch.dtype, tuple[int, ...]]], Any]:
+    """The checkpoint's weights one tensor at a time: ``(plan, entries, produce)``, ``entries`` the model's names with
+    their dtype and whole shape in the module's order, ``produce(name)`` the whole tensor, assembled from the ranks'
+    memory-mapped partitions (an AutoEP expert tensor from its EP ranks' blocks). ``dtype`` for the floating weights
+    (None: the dtype the run trained in); tied repeats are left out as ``save_pretrained`` leaves them."""
     p = plan(src, tag)
+    table = p.table()
+    # an EP rank's block of a fused experts tensor (AutoEP) is a run of whole experts along dim 0: elements
+    # [r * n, (r + 1) * n) of the tensor, n the block's elements
+    offset = {n: (cut[1] * math.prod(info["shape"]), cut[0]) for n, info in table.items() if (cut := parse_slice_name(n))}
     where: dict[str, list[tuple[Any, int, int, torch.Tensor]]] = {}
     for r in range(p.shares):
         share = read_share(p, r)
         for pc in share.pieces:
-            where.setdefault(pc.name, []).append((pc.a, pc.b, share.masters[pc.flat][pc.at : pc.at + pc.b - pc.a]))
+            at, name = offset.get(pc.name, (0, pc.name))
+            where.setdefault(name, []).append((at + pc.a, at + pc.b, share.masters[pc.flat][pc.at : pc.at + pc.b - pc.a]))
         for name, a, b, values in share.frozen:
             where.setdefault(name, []).append((a, b, values))
     module = p.model0["module"]
-    shapes = {**p.trainable, **{n: s for n, (s, _) in p.frozen.items()}}
-    buffers = [n for n in p.model0.get("buffer_names") or [] if torch.is_tensor(module.get(n))]
+    whole = {base_name(n): tuple(info["ep"]["full_shape"]) if "ep" in info else tuple(info["shape"])
+             for n, info in table.items()}
+    shapes = {**whole, **({} if exclude_frozen else {n: s for n, (s, _) in p.frozen.items()})}
+    buffers = dict(p.buffer_names())
+    floating = dtype or p.compute_dtype
+    model_order = [m for n in module if (m := _module_name(p, n)) is not None]
     entries = []
-    for name in list(module) + [n for n in shapes if n not in module]:
+    for name in model_order + [n for n in shapes if n not in model_order]:
         if name in shapes:
-            entries.append((name, torch.float32, tuple(shapes[name])))
+            entries.append((name, floating, tuple(shapes[name])))
         elif name in buffers:
-            t = module[name]
-            entries.append((name, torch.float32 if t.is_floating_point() else t.dtype, tuple(t.shape)))
+            t = module[buffers[name]]
+            entries.append((name, floating if t.is_floating_point() else t.dtype, tuple(t.shape)))
 
     def produce(name: str) -> torch.Tensor:
         if name in buffers:
-            return module[name]
+            t = module[buffers[name]]
+            return t.to(floating) if t.is_floating_point() else t
         shape = shapes[name]
         out = torch.empty(int(np.prod(shape, dtype=np.int64)), dtype=torch.float32)
         covered = 0
@@ -267,20 +282,37 @@ def consolidate(src: str, out_dir: str, tag: str | None = None, max_shard_size: 
             covered += b - a
         if covered != out.numel():
             raise DeepSpeedCheckpointError(f"{p.folder.path} holds {covered} of the {out.numel()} elements of '{name}'; it is damaged")
-        return out.view(shape)
+        return out.view(shape).to(floating)
 
+    return p, entries, produce
+
+
+def consolidate(src: str, out_dir: str, tag: str | None = None, max_shard_size: int | str = "5GB",
+                progress: bool = True, dtype: torch.dtype | None = torch.float32) -> list[str]:
+    """DeepSpeed's ``zero_to_fp32`` without DeepSpeed: the checkpoint's fp32 weights as a ``from_pretrained`` folder
+    (``hf-zero consolidate`` and ``hf-zero convert-deepspeed --consolidated`` of a DeepSpeed folder).
+
+    Each tensor is assembled (:func:`weights`), written, and dropped; ``config.json`` is copied when the checkpoint
+    has one beside it (a Trainer's ``checkpoint-N`` does), its dtype made the weights'. ``dtype``: the floating
+    weights' (None: the dtype the run trained in). Returns the files written.
+    """
+    from tqdm.auto import tqdm
+
+    from hf_zero.checkpoint.consolidated import write_weights
+
+    p, entries, produce = weights(src, tag, dtype)
     os.makedirs(out_dir, exist_ok=True)
     bar = tqdm(total=len(entries), desc="consolidating", unit="tensor", disable=not progress)
     files = write_weights(out_dir, entries, produce, max_shard_size, writer=True, progress=bar)
     bar.close()
     _copy_model_config(p, out_dir)
     cfg_path = os.path.join(out_dir, "config.json")
-    if os.path.isfile(cfg_path):  # the weights are fp32 now, whatever the run trained in
+    if os.path.isfile(cfg_path):  # the weights are in this dtype now, whatever the run trained in
         with open(cfg_path) as f:
             cfg = json.load(f)
         for key in ("dtype", "torch_dtype"):
             if key in cfg:
-                cfg[key] = "float32"
+                cfg[key] = _dtype_name(dtype or p.compute_dtype)
         _write_json(cfg_path, cfg)
     return files
 
@@ -391,7 +423,7 @@ def _same_model(p: Plan, module: Any) -> bool:
     Returns whether it was saved with ``exclude_frozen_parameters=True``: every missing parameter frozen here and no
     frozen value in the checkpoint (the model at hand tells it at ZeRO 1 too, where DeepSpeed's files do not).
     """
-    held = set(p.trainable) | set(p.frozen) | set(p.shared)
+    held = {base_name(n) for n in p.trainable} | set(p.frozen) | set(p.shared)
     missing = [(n, q) for n, q in module.named_parameters() if n not in held]
     if not missing:
         return False

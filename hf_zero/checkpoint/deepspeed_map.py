@@ -20,16 +20,25 @@ the names come from what its model-states file records:
 
 A rank's share is a list of :class:`Piece`: elements ``[a, b)`` of parameter ``name`` are
 elements ``[at, at + b - a)`` of its flat number ``flat``.
+
+A checkpoint of DeepSpeed's AutoEP (``ds_autoep_layers`` in the model-states file, ``deepspeed_autoep.py``) adds
+flats of experts: each rank's holds its EP rank's block of every layer's ``w1``/``w2``/``w3``, partitioned over its
+expert-data-parallel group instead of all ranks, in optimizer param groups of their own. The plan reads the flats
+under DeepSpeed's names (their offsets are DeepSpeed's), and gives everything else under the model's: a share's
+pieces of experts are ranges of the EP rank's block of ``gate_up_proj`` / ``down_proj`` (``name@ep<r>of<N>``), the
+router and shared experts their own names, the expert groups folded back into the groups they were split from.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from hf_zero.checkpoint.deepspeed_autoep import AutoEPError, AutoEPLayout, check_partitions, layout
 from hf_zero.checkpoint.deepspeed_read import (
     DeepSpeedCheckpointError,
     Folder,
@@ -43,7 +52,7 @@ DS_KEYS = frozenset({
     "module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params", "frozen_param_fragments",
     "lr_scheduler", "data_sampler", "random_ltd", "sparse_tensor_module_names", "skipped_steps", "global_steps",
     "global_samples", "dp_world_size", "mp_world_size", "checkpoint_parallel_dimensions", "ds_config", "ds_version",
-    "universal_checkpoint_info", "num_experts",
+    "universal_checkpoint_info", "num_experts", "ds_autoep_layers", "autoep_layers", "folding",
 })
 
 
@@ -87,10 +96,46 @@ class Plan:
     # Saved with save_checkpoint(exclude_frozen_parameters=True): DeepSpeed then writes frozen_param_shapes as None at
     # ZeRO 2-3 (a dict, empty without frozen parameters, otherwise) and leaves the frozen values out altogether.
     frozen_excluded: bool = False
+    autoep: AutoEPLayout | None = None  # DeepSpeed's AutoEP: its layout; flats and offsets stay under its names
+    expert_flats: list[bool] = field(default_factory=list)  # AutoEP: which flats hold an EP rank's experts
+    source: dict[str, str] = field(default_factory=dict)  # AutoEP: a frozen parameter's or buffer's DeepSpeed name
+
+    def table(self) -> dict[str, dict[str, Any]]:
+        """The trainable parameters as the converted checkpoint stores them: name -> shape, optimizer param group, and
+        for an EP rank's block of a fused experts tensor (``name@ep<r>of<N>``) its cut (``deepspeed_autoep.py``)."""
+        out: dict[str, dict[str, Any]] = {}
+        for f, flat in enumerate(self.flats):
+            for n, shape, _ in flat:
+                if self.autoep is None or not self.expert_flats[f]:
+                    out[self.model_name(n)] = {"shape": tuple(shape), "group": self.flat_group[f]}
+                    continue
+                base, whole = self.autoep.expert_names(n, tuple(shape))
+                block = (whole[0] // self.autoep.size, *whole[1:])
+                for r in range(self.autoep.size):
+                    out[self.autoep.stored(base, r)] = {"shape": block, "group": self.flat_group[f],
+                                                        **self.autoep.cut(whole, r)}
+        return out
 
     @property
     def trainable(self) -> dict[str, tuple[int, ...]]:
-        return {n: s for flat in self.flats for n, s, _ in flat}
+        """Stored name -> shape of every trainable parameter (the model's names)."""
+        return {n: v["shape"] for n, v in self.table().items()}
+
+    def model_name(self, name: str) -> str:
+        """The model's name of a trainable DeepSpeed tensor outside the experts (itself without AutoEP)."""
+        if self.autoep is None:
+            return name
+        out = self.autoep.model_name(name)
+        assert out is not None, name
+        return out
+
+    def buffer_names(self) -> list[tuple[str, str]]:
+        """``(model's name, DeepSpeed's name)`` of every buffer of the module state dict."""
+        names = [n for n in self.model0.get("buffer_names") or [] if torch.is_tensor(self.model0["module"].get(n))]
+        if self.autoep is None:
+            return [(n, n) for n in names]
+        renamed = [(self.autoep.model_name(n, set(self.model0["module"])), n) for n in names]
+        return [(m, n) for m, n in renamed if m is not None]
 
 
 def _numel(shape: Any) -> int:
@@ -123,7 +168,7 @@ def plan(load_dir: str, tag: str | None, order_hint: list[list[str]] | None = No
     else:
         p = _stage0_plan(folder, m0, world, dtype, order_hint)
     p.frozen_excluded = p.stage >= 2 and "frozen_param_shapes" in m0 and m0["frozen_param_shapes"] is None
-    trainable = p.trainable
+    trainable = {n: s for flat in p.flats for n, s, _ in flat}  # DeepSpeed's names
     if p.kind == "zero3":  # ZeRO 3 records frozen shapes; tied aliases are in rank 0's shared_params
         p.frozen = {n: (tuple(s), dtype) for n, s in frozen_shapes.items()}
         p.shared = {k: v for k, v in shared.items() if k not in trainable and k not in p.frozen}
@@ -131,7 +176,75 @@ def plan(load_dir: str, tag: str | None, order_hint: list[list[str]] | None = No
         params, aliases = _module_params(m0)
         p.shared = {**aliases, **{k: v for k, v in shared.items() if k not in trainable}}
         p.frozen = {n: (tuple(t.shape), t.dtype) for n, t in params if n not in trainable and n not in p.shared}
+    try:
+        p.autoep = layout(m0, world, p.stage, p.kind, [dict(g) for g in m0.get("param_shapes") or []])
+        if p.autoep is not None:
+            _autoep_plan(p)
+    except AutoEPError as e:
+        raise DeepSpeedCheckpointError(f"{folder.path} is a DeepSpeed AutoEP checkpoint that hf_zero cannot map: {e}") from None
+    if p.autoep is None and folder.expert_files:
+        raise DeepSpeedCheckpointError(
+            f"{folder.path} holds mixture-of-experts files ('{os.path.basename(folder.expert_files[0])}') of DeepSpeed's own "
+            "MoE layers (deepspeed.moe.layer.MoE), which hf_zero does not convert; checkpoints of AutoEP (the "
+            "expert_parallel section on a transformers model) it does"
+        )
     return p
+
+
+def _autoep_plan(p: Plan) -> None:
+    """An AutoEP checkpoint's flats of experts, their partition groups, the param groups they were split from, and the
+    model's names of its frozen parameters and tied aliases (``deepspeed_autoep.py``)."""
+    ep = p.autoep
+    assert ep is not None
+    p.expert_flats = []
+    for f, flat in enumerate(p.flats):
+        kinds = {ep.is_expert(n) for n, _, _ in flat}
+        if len(kinds) > 1:
+            raise AutoEPError(f"its optimizer flat {f} holds experts and other parameters together")
+        p.expert_flats.append(kinds == {True})
+        for n, shape, _ in flat if p.expert_flats[f] else ():
+            ep.expert_names(n, tuple(shape))  # refuses a block that is not [E/N, I, H]
+        if p.kind == "zero3" and p.expert_flats[f]:  # each expert tensor cut over its holders, not over all ranks
+            at, p.flats[f] = 0, list(flat)
+            for i, (n, shape, _) in enumerate(flat):
+                p.flats[f][i] = (n, shape, at)
+                at += math.ceil(_numel(shape) / ep.edp_size)
+    if p.kind == "zero12":
+        counts = (p.optim0 or {}).get("partition_count")
+        if isinstance(counts, list):
+            for f, c in enumerate(counts):
+                want = ep.edp_size if p.expert_flats[f] else p.world
+                if int(c) != want:
+                    raise AutoEPError(f"its optimizer param group {f} is partitioned over {c} ranks, not the {want} its "
+                                      "AutoEP layout says")
+    # DeepSpeed splits every param group into its non-expert part (kept in place) and an expert part appended after
+    # all of them with the same hyper-parameters ("moe": true, "name" the EP group's): folded back by those.
+    dense = [g for g, h in enumerate(p.hypers) if not h.get("moe")]
+    plain = [{k: v for k, v in p.hypers[g].items() if k not in ("name", "moe")} for g in range(len(p.hypers))]
+    fold = {}
+    for g, h in enumerate(p.hypers):
+        if h.get("moe"):
+            match = [d for d in dense if plain[d] == plain[g]]
+            if not match:
+                raise AutoEPError(f"its expert optimizer param group {g} has hyper-parameters no other group has, so the "
+                                  "param group it was split from is unknown")
+            fold[g] = match[0]
+    keep = {g: i for i, g in enumerate(dense)}
+    p.flat_group = [keep[fold.get(g, g)] for g in p.flat_group]
+    p.hypers = [{k: v for k, v in p.hypers[g].items() if not (k == "name" and v == "dense-params")} for g in dense]
+    held = set(p.model0["module"]) | {n for flat in p.flats for n, _, _ in flat}
+    frozen, p.source = {}, {}
+    for n, v in p.frozen.items():
+        m = ep.model_name(n, held)
+        if m is not None:
+            frozen[m], p.source[m] = v, n
+    p.frozen = frozen
+    shared = {}
+    for k, v in p.shared.items():
+        mk, mv = ep.model_name(k, held), ep.model_name(v, held)
+        if mk is not None and mv is not None:
+            shared[mk] = mv
+    p.shared = shared
 
 
 def _zero_plan(folder: Folder, m0: dict, osd: dict, world: int, dtype: torch.dtype) -> Plan:
@@ -206,14 +319,20 @@ def read_share(p: Plan, rank: int) -> Share:
         masters = list(osd["fp32_flat_groups"])
         inner = osd["optimizer_state_dict"]
         states = [inner["state"].get(k, inner["state"].get(str(k), {})) for k in range(len(masters))]
+        if p.autoep is not None:
+            try:
+                check_partitions(osd, p.autoep, rank, p.expert_flats, where)
+            except AutoEPError as e:
+                raise DeepSpeedCheckpointError(str(e)) from None
         pieces, frozen = [], []
         for k, flat in enumerate(p.flats):
+            count, part = _partition(p, k, rank)
             for n, s, at in flat:
-                c = math.ceil(_numel(s) / p.world)
-                a, b = rank * c, min(_numel(s), (rank + 1) * c)
+                c = math.ceil(_numel(s) / count)
+                a, b = part * c, min(_numel(s), (part + 1) * c)
                 if a < b:
                     pieces.append(Piece(n, a, b, k, at))
-            if masters[k].numel() != sum(math.ceil(_numel(s) / p.world) for _, s, _ in flat):
+            if masters[k].numel() != sum(math.ceil(_numel(s) / count) for _, s, _ in flat):
                 raise DeepSpeedCheckpointError(f"{where}: fp32 flat {k} has {masters[k].numel()} elements, not what "
                                                "its parameters' ZeRO-3 slices add up to; the checkpoint is damaged")
         model = p.model0 if rank == 0 else load_pickle(p.folder.model_files[rank])
@@ -222,16 +341,18 @@ def read_share(p: Plan, rank: int) -> Share:
             c = math.ceil(_numel(shape) / p.world)
             a, b = rank * c, min(_numel(shape), (rank + 1) * c)
             if a < b:
-                if n not in fragments:
-                    raise DeepSpeedCheckpointError(f"{p.folder.model_files[rank]} lacks its slice of the frozen parameter '{n}'")
-                frozen.append((n, a, b, fragments[n].reshape(-1)[: b - a]))
-        return Share(masters, states, pieces, frozen)
+                src = p.source.get(n, n)
+                if src not in fragments:
+                    raise DeepSpeedCheckpointError(f"{p.folder.model_files[rank]} lacks its slice of the frozen parameter '{src}'")
+                frozen.append((n, a, b, fragments[src].reshape(-1)[: b - a]))
+        return Share(masters, states, _model_pieces(p, rank, pieces), frozen)
     masters = list(osd["single_partition_of_fp32_groups"])
     base = osd["base_optimizer_state"]
     states = [base["state"].get(int(pg["params"][0]), {}) for pg in base["param_groups"]]
     pieces = []
     for g, flat in enumerate(p.flats):
-        lo, hi = rank * p.partition[g], (rank + 1) * p.partition[g]
+        part = _partition(p, g, rank)[1]
+        lo, hi = part * p.partition[g], (part + 1) * p.partition[g]
         for n, s, off in flat:
             x, y = max(off, lo), min(off + _numel(s), hi)
             if x < y:
@@ -241,7 +362,32 @@ def read_share(p: Plan, rank: int) -> Share:
     frozen = []
     if rank == 0:
         frozen = _whole_frozen(p)
-    return Share(masters, states, pieces, frozen)
+    return Share(masters, states, _model_pieces(p, rank, pieces), frozen)
+
+
+def _partition(p: Plan, flat: int, rank: int) -> tuple[int, int]:
+    """``(partitions, this rank's)`` of a flat: over all ranks, or for AutoEP's experts over the ranks holding them."""
+    if p.autoep is not None and p.expert_flats[flat]:
+        return p.autoep.edp_size, p.autoep.edp_rank(rank)
+    return p.world, rank
+
+
+def _model_pieces(p: Plan, rank: int, pieces: list[Piece]) -> list[Piece]:
+    """A share's pieces under the model's names: AutoEP's expert ranges as ranges of this rank's EP block of the fused
+    tensors (``w1``/``w3`` cut at expert boundaries), its router and shared experts renamed; the rest as they are."""
+    ep = p.autoep
+    if ep is None:
+        return pieces
+    out = []
+    shapes = {n: tuple(s) for flat in p.flats for n, s, _ in flat}
+    for pc in pieces:
+        if not p.expert_flats[pc.flat]:
+            out.append(Piece(p.model_name(pc.name), pc.a, pc.b, pc.flat, pc.at))
+            continue
+        base, _ = ep.expert_names(pc.name, shapes[pc.name])
+        name = ep.stored(base, ep.ep_rank(rank))
+        out += [Piece(name, x, y, pc.flat, pc.at + off) for x, y, off in ep.expert_ranges(pc.name, shapes[pc.name], pc.a, pc.b)]
+    return out
 
 
 def _whole_frozen(p: Plan) -> list[tuple[str, int, int, torch.Tensor]]:
@@ -250,7 +396,8 @@ def _whole_frozen(p: Plan) -> list[tuple[str, int, int, torch.Tensor]]:
     module = p.model0["module"]
     out = []
     for n, (shape, _) in p.frozen.items():
-        t = fragments.get(n, module.get(n))
+        src = p.source.get(n, n)
+        t = fragments.get(src, module.get(src))
         if t is None:
             raise DeepSpeedCheckpointError(f"{p.folder.model_files[0]} has no values for the frozen parameter '{n}'")
         out.append((n, 0, _numel(shape), t.reshape(-1)))

@@ -16,9 +16,14 @@ the plain attribute holders below, registered under DeepSpeed's names, so nothin
 runs and DeepSpeed need not be installed. Any other global is named in a refusal and never
 loaded. The files are memory-mapped, so a rank reads only the bytes it uses.
 
+DeepSpeed's AutoEP (the ``expert_parallel`` section) adds ``layer_<L>_expert_<X>_mp_rank_00_model_states.pt``, one
+per expert, at ZeRO 1-2: copies of the experts' weights the optimizer files hold as masters, listed here and not read
+(``deepspeed_autoep.py`` maps the rest).
+
 Layouts hf_zero cannot take are refused in one sentence naming them: tensor or pipeline
-parallelism (``mp_rank_01…``, ``layer_*`` files), mixture-of-experts files, NVMe offload swap
-folders, universal checkpoints, and a folder missing one of its rank files.
+parallelism (``mp_rank_01…``, ``layer_*`` files), DeepSpeed's own MoE layers' files and per-EP-rank
+optimizer files (``expp_rank_*``, ZeRO 0 with experts), NVMe offload swap folders, universal
+checkpoints, and a folder missing one of its rank files.
 """
 
 from __future__ import annotations
@@ -100,6 +105,7 @@ def _refusal(path: str, message: str) -> str:
 _MODEL = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
 _MODEL3 = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
 _OPTIM = re.compile(r"^(?:bf16_|fp16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_?optim_states\.pt$")
+_EXPERT = re.compile(r"^layer_(\d+)_expert_(\d+)_mp_rank_(\d+)_model_states\.pt$")
 
 
 @dataclass
@@ -111,6 +117,7 @@ class Folder:
     model_files: list[str]  # one (ZeRO 0-2) or one per rank (ZeRO 3)
     optim_files: list[str] = field(default_factory=list)  # one per rank (ZeRO 1-3, bf16), none for ZeRO 0
     optim_pattern: str = ""  # the optimizer-state file name with "{}" for the rank
+    expert_files: list[str] = field(default_factory=list)  # MoE layers' per-expert weights (AutoEP's: not read)
 
 
 def resolve(load_dir: str, tag: str | None) -> tuple[str, str]:
@@ -164,13 +171,18 @@ def find(load_dir: str, tag: str | None) -> Folder:
             raise DeepSpeedCheckpointError(
                 f"{path} is a DeepSpeed universal checkpoint ('{n}/' folder); convert the original checkpoint it was made from"
             )
-        if n.startswith("layer_"):
+        if n.startswith("layer_") and not _EXPERT.match(n):
             raise DeepSpeedCheckpointError(
                 f"{path} holds pipeline-parallel layer files ('{n}'); hf_zero converts data-parallel ZeRO checkpoints only"
             )
-        if n.startswith(("expert_", "expp_rank_")):
+        if n.startswith("expp_rank_"):
+            raise DeepSpeedCheckpointError(
+                f"{path} holds mixture-of-experts files ('{n}': optimizer state per EP rank, which DeepSpeed writes at ZeRO "
+                "stage 0), which hf_zero does not convert; it converts AutoEP checkpoints of ZeRO stages 1-3"
+            )
+        if n.startswith("expert_"):
             raise DeepSpeedCheckpointError(f"{path} holds mixture-of-experts files ('{n}'), which hf_zero does not convert")
-        m = _MODEL.match(n) or _MODEL3.match(n) or _OPTIM.match(n)
+        m = _MODEL.match(n) or _MODEL3.match(n) or _OPTIM.match(n) or _EXPERT.match(n)
         if m and int(m.groups()[-1]) != 0:
             raise DeepSpeedCheckpointError(
                 f"{path} holds tensor/model-parallel rank files ('{n}'); hf_zero converts data-parallel ZeRO checkpoints "
@@ -184,7 +196,8 @@ def find(load_dir: str, tag: str | None) -> Folder:
     model_files = [os.path.join(path, model0[0])] if model0 else _contiguous(path, model3, "zero_pp_rank_{}_mp_rank_00_model_states.pt")
     optim_files = _contiguous(path, optim, _optim_pattern(optim)) if optim else []
     pattern = _optim_pattern(optim) if optim else ""
-    return Folder(path, tag, model_files, optim_files, pattern)
+    experts = [os.path.join(path, n) for n in names if _EXPERT.match(n)]
+    return Folder(path, tag, model_files, optim_files, pattern, experts)
 
 
 def _optim_pattern(found: dict[int, str]) -> str:

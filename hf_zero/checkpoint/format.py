@@ -15,8 +15,9 @@ Layout of ``<save_dir>/<tag>/``::
 Nothing is stored by flat-buffer position: every tensor is "elements [a, b) of parameter
 ``name`` (flattened)". A tensor's key in its safetensors file is ``<kind>|<name>`` with kind
 ``master`` (fp32), ``optim.<state>`` (e.g. ``optim.exp_avg``), ``frozen`` (a parameter nothing
-trains, in its own dtype) or ``buffer``; the rank's JSON maps each key to its file and to
-``[name, a, b]`` (``ranges``), and holds each parameter's scalar optimizer state (``scalars``:
+trains, in its own dtype) or ``buffer`` (a rank holding several ranges of one parameter keys the others
+``<kind>|<name>|<a>``: a converted DeepSpeed AutoEP checkpoint, whose expert ranges interleave in the fused
+tensors); the rank's JSON maps each key to its file and to ``[name, a, b]`` (``ranges``), and holds each parameter's scalar optimizer state (``scalars``:
 Adam's ``step``; a one-element tensor's ``value`` and ``dtype``, with its ``shape`` unless it is 0-d). RNG tensors are ``rng.torch_cpu`` / ``rng.torch_cuda``. A run with any world
 size and any ZeRO stage computes which elements it owns and reads exactly those from whichever
 files hold them, so resharding needs no conversion step, and a pipeline layout (which only

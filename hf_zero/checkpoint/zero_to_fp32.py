@@ -4,7 +4,9 @@
 DeepSpeed users turn a ZeRO checkpoint into one state dict with these three functions (or the
 ``zero_to_fp32.py`` script DeepSpeed copies beside each checkpoint). They read hf_zero's
 checkpoints here (any world size, ZeRO stage or pipeline layout, as saved by
-``engine.save_checkpoint``), on a CPU, without starting processes. For a ``from_pretrained``
+``engine.save_checkpoint``), and folders DeepSpeed's ``save_checkpoint`` wrote (``checkpoint/deepspeed.py``'s
+reading of them: any ZeRO stage 0-3 layout it converts, AutoEP's expert blocks made the model's fused tensors), on a
+CPU, without starting processes. For a ``from_pretrained``
 folder, ``hf-zero consolidate`` (or ``engine.save_pretrained``) is the direct way. Files are
 written as safetensors unless a script asks for DeepSpeed's pickles (``safe_serialization=False``).
 """
@@ -35,6 +37,11 @@ def get_fp32_state_dict_from_zero_checkpoint(
 
     if lazy_mode:
         raise UsageError("get_fp32_state_dict_from_zero_checkpoint(lazy_mode=True) is not supported by hf_zero; leave it False")
+    if _from_deepspeed(checkpoint_dir, tag):
+        from hf_zero.checkpoint import deepspeed as ds_checkpoint
+
+        _, entries, produce = ds_checkpoint.weights(checkpoint_dir, tag, exclude_frozen=exclude_frozen_parameters)
+        return {name: produce(name) for name, _, _ in entries}
     checkpoint_dir, tag = _split(checkpoint_dir, tag)
     state = read_state_dict(checkpoint_dir, tag, dtype=torch.float32, exclude_frozen=exclude_frozen_parameters)
     return _with_shared(state, checkpoint_dir, tag)
@@ -66,7 +73,7 @@ def load_state_dict_from_zero_checkpoint(model: torch.nn.Module, checkpoint_dir:
 
         mine = model.state_dict(keep_vars=True)
         loaded = {id(mine[n]) for n in state if n in mine}
-        left_out = frozen_left_out(*_split(checkpoint_dir, tag))
+        left_out = set() if _from_deepspeed(checkpoint_dir, tag) else frozen_left_out(*_split(checkpoint_dir, tag))
         missing = [n for n in missing if id(mine[n]) not in loaded and n not in left_out]
     if missing or unexpected:
         raise UsageError(
@@ -89,6 +96,16 @@ def convert_zero_checkpoint_to_fp32_state_dict(
     """
     from hf_zero.checkpoint.consolidated import checkpoint_weights, save_pickled_shards, write_weights
 
+    if _from_deepspeed(checkpoint_dir, tag):
+        from hf_zero.checkpoint import deepspeed as ds_checkpoint
+
+        if safe_serialization and not exclude_frozen_parameters:
+            return ds_checkpoint.consolidate(checkpoint_dir, output_dir, tag, max_shard_size, progress=False)
+        _, entries, produce = ds_checkpoint.weights(checkpoint_dir, tag, exclude_frozen=exclude_frozen_parameters)
+        os.makedirs(output_dir, exist_ok=True)
+        if safe_serialization:
+            return write_weights(output_dir, entries, produce, max_shard_size, writer=True)
+        return save_pickled_shards({name: produce(name) for name, _, _ in entries}, output_dir, max_shard_size)
     checkpoint_dir, tag = _split(checkpoint_dir, tag)
     _, entries, produce = checkpoint_weights(checkpoint_dir, tag, torch.float32, exclude_frozen_parameters)  # one tensor at a time
     os.makedirs(output_dir, exist_ok=True)
@@ -99,6 +116,13 @@ def convert_zero_checkpoint_to_fp32_state_dict(
         files = save_pickled_shards(state, output_dir, max_shard_size)
     _copy_config(checkpoint_dir, tag, output_dir)
     return files
+
+
+def _from_deepspeed(checkpoint_dir: str, tag: str | None) -> bool:
+    """Whether the folder is one DeepSpeed wrote (read through ``checkpoint/deepspeed.py``), not hf_zero's."""
+    from hf_zero.checkpoint.deepspeed import is_deepspeed_checkpoint
+
+    return os.path.isdir(checkpoint_dir) and is_deepspeed_checkpoint(checkpoint_dir, tag)
 
 
 def _split(checkpoint_dir: str, tag: str | None) -> tuple[str, str | None]:

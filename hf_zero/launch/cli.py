@@ -222,11 +222,12 @@ def _add_consolidate_parser(subparsers: argparse._SubParsersAction) -> None:
         "consolidate",
         help="turn a resume checkpoint into a from_pretrained folder (offline, on a CPU)",
         description="Write a resume checkpoint's full weights in Hugging Face's safetensors layout, one tensor at "
-        "a time (memory bounded by the largest tensor). Trainable weights come from the fp32 masters.",
+        "a time (memory bounded by the largest tensor). Trainable weights come from the fp32 masters. A folder "
+        "DeepSpeed's save_checkpoint wrote is read too (its zero_to_fp32, AutoEP's expert blocks made whole).",
         allow_abbrev=False,
     )
-    p.add_argument("checkpoint_dir", help="the save_checkpoint directory (its 'latest' is used), a tag inside it, or a "
-                   "Trainer output dir (its newest checkpoint-N is used)")
+    p.add_argument("checkpoint_dir", help="the save_checkpoint directory (its 'latest' is used; hf_zero's or "
+                   "DeepSpeed's), a tag inside it, or a Trainer output dir (its newest checkpoint-N is used)")
     p.add_argument("out_dir", help="where to write model.safetensors / shards, config.json, generation_config.json")
     p.add_argument("--tag", default=None, help="checkpoint tag (default: the one 'latest' names)")
     p.add_argument("--max_shard_size", default="5GB", help="split into shards above this size (default 5GB)")
@@ -280,12 +281,22 @@ def find_checkpoint(path: str, tag: str | None) -> tuple[str, str | None]:
 def _cmd_consolidate(args: argparse.Namespace) -> int:
     import torch
 
+    from hf_zero.checkpoint import deepspeed as ds_checkpoint
     from hf_zero.checkpoint.consolidated import consolidate
 
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "auto": None}[args.dtype]
+    if os.path.isdir(args.checkpoint_dir) and ds_checkpoint.is_deepspeed_checkpoint(args.checkpoint_dir, args.tag):
+        # a folder DeepSpeed wrote (AutoEP's included): its zero_to_fp32, as convert-deepspeed --consolidated
+        if args.merge_adapters:
+            raise ValueError(f"--merge-adapters: {args.checkpoint_dir} is a DeepSpeed checkpoint, which holds no peft "
+                             "adapters of hf_zero's; consolidate it without the flag")
+        files = ds_checkpoint.consolidate(args.checkpoint_dir, args.out_dir, tag=args.tag,
+                                          max_shard_size=args.max_shard_size, dtype=dtype)
+        print(f"wrote {len(files)} weight file(s) to {args.out_dir}")
+        return 0
     ckpt, tag = find_checkpoint(args.checkpoint_dir, args.tag)
     if os.path.normpath(ckpt) != os.path.normpath(args.checkpoint_dir) and tag is None:
         print(f"hf-zero consolidate: reading {ckpt} (the newest checkpoint-N)", file=sys.stderr)
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "auto": None}[args.dtype]
     from hf_zero.checkpoint import adapters as hz_peft
 
     if args.merge_adapters or hz_peft.is_peft_checkpoint(ckpt, tag):
