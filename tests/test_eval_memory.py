@@ -212,7 +212,8 @@ def different_lengths(rank: int, world: int, device: torch.device) -> dict:
     engine.eval()
     cases = {
         "max_new_tokens, synced_gpus not passed": dict(max_new_tokens=2 + 5 * rank, min_new_tokens=2 + 5 * rank),
-        "max_new_tokens, synced_gpus=True": dict(max_new_tokens=6 - 3 * rank, min_new_tokens=6 - 3 * rank,
+        # the lengths fall with the rank (the first rank the longest, 6 and 3 tokens on 2 ranks), positive at any world
+        "max_new_tokens, synced_gpus=True": dict(max_new_tokens=3 * (world - rank), min_new_tokens=3 * (world - rank),
                                                  synced_gpus=True),
         "eos, synced_gpus not passed": dict(max_new_tokens=12, eos_token_id=eos),
         "eos, synced_gpus=True": dict(max_new_tokens=12, eos_token_id=eos, synced_gpus=True),

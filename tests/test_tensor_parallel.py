@@ -49,9 +49,16 @@ def _micro(data: dict, t: int, lo: int, n: int) -> dict:
 
 
 def heads_for(tp: int) -> dict:
-    """The model's head counts at tensor-parallel degree ``tp``: the suite's 4 heads (2 key/value) where 2 divides them,
-    else 2 ``tp`` heads and ``tp`` key/value heads (hidden 32, intermediate 56 and vocabulary 80 split evenly up to 8)."""
-    return {} if tp == 2 else {"num_attention_heads": 2 * tp, "num_key_value_heads": tp}
+    """The model's shape at tensor-parallel degree ``tp``, so that any degree has a model it splits evenly.
+
+    The suite's 4 heads (2 key/value) at degree 2; else 2 ``tp`` heads and ``tp`` key/value heads, the hidden 32 and
+    the intermediate 56 rounded up to multiples of ``2 tp`` and ``tp`` (degrees 4 and 8 keep the model they had; at 3,
+    hidden 36 and intermediate 57, so a world of 3 has a tp 3 layout). transformers refuses a hidden size the heads
+    do not divide."""
+    if tp == 2:
+        return {}
+    return {"num_attention_heads": 2 * tp, "num_key_value_heads": tp, "hidden_size": -(-32 // (2 * tp)) * 2 * tp,
+            "intermediate_size": -(-56 // tp) * tp}
 
 
 def _oracle(steps: int, micro: int, per_step: int, clip: float, model: dict | None = None) -> tuple[list[float], dict]:
@@ -207,21 +214,35 @@ def _zero3_resume_and_save(rank: int, world: int, tmp: str) -> dict:
 TP_SP_CASES = [[1, 1, 0.5], [2, 2, 0.0], [3, 1, 0.5], [3, 2, 0.5]]
 
 
+def sp_heads_for(tp: int, sp: int) -> dict:
+    """The heads of :func:`_tp_times_sp`'s model at ``tp`` x Ulysses ``sp``: 8 (4 key/value) where each tensor-parallel
+    rank's share splits over ``sp`` (tp 2 x sp 2, sp 2, 4 or 8 alone), else ``2 tp sp`` heads and ``tp sp`` key/value
+    heads, the hidden 32 rounded up to a multiple of the heads (sp 3 alone: 6 heads of 6), so every sequence-parallel
+    degree has a model."""
+    heads, kv = 8 // tp, 4 // tp
+    if 8 % tp == 0 and 4 % tp == 0 and heads % sp == 0 and (kv % sp == 0 or sp % kv == 0):
+        return {"hidden_size": 32, "num_attention_heads": 8, "num_key_value_heads": 4}
+    n = 2 * tp * sp
+    return {"hidden_size": -(-32 // n) * n, "num_attention_heads": n, "num_key_value_heads": tp * sp}
+
+
 def _tp_times_sp(rank: int, world: int, tp: int = 2, sp: int = 2, cases: list | None = None) -> dict:
     """tp 2 x Ulysses sp 2 on 4 ranks (8 heads: 4 per tensor-parallel rank, 2 per sequence-parallel rank) at ZeRO 1-3
     against one process: tests/test_sequence_parallel_engine.py's ragged, prompt-masked batches and oracle.
 
-    ``tp`` and ``sp`` pick another layout of the same model (tests/gpu/gpu_check.py: sp 4 alone, tp 1 leaving
-    tensor parallelism out); the data-parallel degree is what the world leaves."""
+    ``tp`` and ``sp`` pick another layout (tests/gpu/gpu_check.py: sp = the world alone, tp 1 leaving tensor
+    parallelism out), of the model :func:`sp_heads_for` gives; the data-parallel degree is what the world leaves."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     import hf_zero
     from tests import test_sequence_parallel_engine as S
 
+    heads = sp_heads_for(tp, sp)
+
     def llama() -> LlamaForCausalLM:
         torch.manual_seed(0)
-        return LlamaForCausalLM(LlamaConfig(vocab_size=S.VOCAB, hidden_size=32, intermediate_size=56, num_hidden_layers=2,
-                                            num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=128))
+        return LlamaForCausalLM(LlamaConfig(vocab_size=S.VOCAB, intermediate_size=56, num_hidden_layers=2,
+                                            max_position_embeddings=128, **heads))
 
     S._llama = llama  # the oracle builds the same model (this rank's process only)
     out = {}

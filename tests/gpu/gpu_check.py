@@ -209,21 +209,23 @@ def _offload(rank: int, world: int) -> list[dict]:
 def _tensor_parallel(rank: int, world: int) -> list[dict]:
     """Tensor and sequence parallelism in every layout the world size allows, ZeRO over what is left as data parallel.
 
-    tp 2 x dp world/2 (the forward and backward all-reduces inside the blocks; on 2 ranks also the resume,
-    save_pretrained and consolidate rows, on 4 the ZeRO-3 resume and tp 2 x sp 2), tp 4 and 8 where the world holds
-    them (a model of 2 tp heads, tp key/value heads), and Ulysses sp = world alone up to 4 (8 heads, 4 key/value).
-    One rank, or a world no degree of 2, 4 or 8 divides, has no such layout: the suite says so and has no rows."""
+    tp d x dp world/d for every degree d from 2 to 8 that divides the world, each on a model sized so that d splits it
+    evenly (``test_tensor_parallel.heads_for``: the suite's 4 heads at 2, else 2 d heads, d key/value heads): at d 2 the
+    forward and backward all-reduces inside the blocks at ZeRO 0-3 (on 2 ranks also the resume, save_pretrained and
+    consolidate rows, on 4 the ZeRO-3 resume and tp 2 x sp 2); then Ulysses sp = world alone (8 heads, 4 key/value,
+    where sp divides them; else 2 sp heads: ``test_tensor_parallel.sp_heads_for``). One rank has no such layout: the
+    suite says so and has no rows."""
     import tempfile
 
-    if world % 2:
+    if world < 2:
         if rank == 0:
-            print(f"tensor parallel: no layout at world size {world} (tp and sp need 2, 4 or 8 ranks to divide it)")
+            print("tensor parallel: no layout at world size 1 (tp and sp need 2 ranks or more)")
         return []
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         path = [tmp]
         dist.broadcast_object_list(path, src=0)
-        for tp in (t for t in (2, 4, 8) if world % t == 0):
+        for tp in (t for t in range(2, 9) if world % t == 0):
             cases = (test_tensor_parallel.CASES_2 if world == 2 else test_tensor_parallel.CASES_4) if tp == 2 else \
                 [[1, 1, 0.5], [3, 2, 0.0]]
             grid = test_tensor_parallel._grid(rank, world, cases, os.path.join(path[0], f"tp{tp}"), tp)
@@ -243,9 +245,8 @@ def _tensor_parallel(rank: int, world: int) -> list[dict]:
                              "w_err": max(z3["resume3_w_err"], z3["resume1_w_err"], z3["saved_err"], z3["offline_err"])})
                 rows += _tp_sp_rows(tp_sp, 2, 2)
         dist.barrier()
-    for sp in (s for s in (2, 4) if s == world):
-        rows += _tp_sp_rows(test_tensor_parallel._tp_times_sp(rank, world, tp=1, sp=sp,
-                                                              cases=[[1, 1, 0.5], [3, 2, 0.5]]), 1, sp)
+    rows += _tp_sp_rows(test_tensor_parallel._tp_times_sp(rank, world, tp=1, sp=world,
+                                                          cases=[[1, 1, 0.5], [3, 2, 0.5]]), 1, world)
     return rows
 
 
