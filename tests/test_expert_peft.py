@@ -238,6 +238,8 @@ def world4(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
 def test_equals_one_process(world4: list[dict], case: tuple) -> None:
+    print(case, "largest differences from one process:",
+          {k: max(res["/".join(map(str, case))][k] for res in world4) for k in ("loss", "norm", "adapters")})
     for rank, res in enumerate(world4):
         r = res["/".join(map(str, case))]
         assert r["loss"] < TOL and r["adapters"] < TOL, (rank, r)  # each rank's own experts' factors, and the rest
