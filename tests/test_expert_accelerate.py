@@ -6,10 +6,11 @@ missing ``deepspeed`` package, docs/accelerate.md).
 
 The loop is Accelerate's usual one on a tiny Mixtral (8 experts, top-2, aux loss on): ``prepare(model, optimizer,
 loader)``, 2 accumulated micro-batches per step through ``accumulate()``, ``clip_grad_norm_`` at 0.3, 3 steps, fp32,
-4 gloo ranks, ZeRO-2 and ZeRO-3 with EP 2. The oracle is the same loop without the section (every expert on every rank;
+4 gloo ranks, ZeRO-3 with EP 2. The oracle is the same loop without the section (every expert on every rank;
 ``tests/test_expert_parallel.py`` checks that it equals one process): every step's loss averaged over the ranks
-(``accelerator.gather``) and every pre-clip norm, 1e-5. The script the YAML launches is that loop, written out; its
-losses equal the spawned loop's without the section.
+(``accelerator.gather``), every pre-clip norm and the whole weights ``get_state_dict`` gathers, 1e-5. The script the
+YAML launches is that loop, written out, at ZeRO-2 with EP 2 (the stages train alike, so the ZeRO-3 loop without the
+section is its oracle too).
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ def _loops(rank: int, world: int, cases: list) -> list:
     return out
 
 
-CASES = [(2, 2), (2, 1), (3, 2), (3, 1)]
+CASES = [(3, 2), (3, 1)]
 
 
 @pytest.fixture(scope="module")
@@ -88,9 +89,8 @@ def loops() -> list:
     return spawn(_loops, WORLD, CASES)
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_accelerator_with_the_section_equals_the_loop_without(loops: list, stage: int) -> None:
-    ep, plain = (CASES.index((stage, e)) for e in (2, 1))
+def test_accelerator_with_the_section_equals_the_loop_without(loops: list) -> None:
+    ep, plain = CASES.index((3, 2)), CASES.index((3, 1))
     for rank, res in enumerate(loops):
         got, want = res[ep], res[plain]
         assert got["local_experts"] == [4, 4] and want["local_experts"] == [8, 8], (rank, got, want)  # split, or not
@@ -101,7 +101,7 @@ def test_accelerator_with_the_section_equals_the_loop_without(loops: list, stage
     got, want = loops[0][ep]["weights"], loops[0][plain]["weights"]
     assert got.keys() == want.keys()
     worst = max(abs(a - b) for k in want for a, b in zip(got[k], want[k], strict=True))
-    print(f"ZeRO-{stage} EP 2 against no EP: losses", loops[0][ep]["losses"], loops[0][plain]["losses"],
+    print("ZeRO-3 EP 2 against no EP: losses", loops[0][ep]["losses"], loops[0][plain]["losses"],
           "largest weight difference", worst)
     assert worst < TOL
 
@@ -135,7 +135,7 @@ def test_deepspeed_yaml_with_the_section_through_hf_zero_launch(loops: list, tmp
     done = _run(["-m", "hf_zero.launch.cli", "launch", "--config_file", str(tmp_path / "ep.yaml"),
                  "--main_process_port", str(_free_port()), str(tmp_path / "train.py")], tmp_path)
     line = next(x for x in done.stdout.splitlines() if x.startswith("RESULT "))
-    got, want = json.loads(line.removeprefix("RESULT ")), loops[0][CASES.index((2, 1))]
+    got, want = json.loads(line.removeprefix("RESULT ")), loops[0][CASES.index((3, 1))]
     worst = max(abs(a - b) for k in want["weights"] for a, b in zip(got["weights"][k], want["weights"][k]))
     print("YAML run, EP 2 against the loop without the section: losses", got["losses"], want["losses"],
           "largest weight difference", worst)
