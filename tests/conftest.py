@@ -40,14 +40,14 @@ INTEGRATION = ("test_accelerate.py test_accelerate_deepspeed_yaml.py test_bench_
                "test_cli.py test_ds_corpus_trainer.py test_examples.py test_finetune.py test_host_overhead.py "
                "test_hub.py test_model_cards.py test_reliability_secrets.py test_sequence_parallel_trainer.py "
                "test_tensor_parallel_trainer.py test_trainer.py test_trainer_launch.py test_trainer_life.py "
-               "test_preemption.py test_consolidated.py test_launch_multinode.py test_fp8_trainer.py test_fp8_loss_curve.py")
+               "test_preemption.py test_consolidated.py test_launch_multinode.py test_fp8_trainer.py test_fp8_loss_curve.py test_expert_accelerate.py")
 DIST = ("test_activation_checkpointing.py test_async_checkpoint.py test_checkpoint.py test_checkpoint_faults.py "
         "test_compile.py test_ds_api.py test_host_threads.py test_memory.py test_nvme.py test_offload.py test_offload_overlap.py test_offload_parity.py test_offload_ratio.py "
         "test_overlap_param_gather.py test_parity.py test_pipe.py test_pipe_checkpoint.py test_precision.py "
         "test_reliability.py test_reliability_rank_death.py test_sequence_parallel_dist.py "
         "test_sequence_parallel_engine.py test_stage3.py test_stage3_tools.py test_zero_init.py test_planner.py "
         "test_hybrid_shard.py test_grid_parity.py test_bench_layouts.py test_released_params.py test_eval_memory.py "
-        "test_fp8.py test_fp8_paths.py test_expert_parallel.py test_expert_checkpoint.py test_expert_trainer.py")
+        "test_fp8.py test_fp8_paths.py test_expert_parallel.py test_expert_checkpoint.py test_expert_trainer.py test_expert_peft.py")
 KINDS: dict[str, str] = {f: kind for kind, files in (("unit", UNIT), ("dist", DIST), ("oracle", ORACLE),
                                                        ("integration", INTEGRATION)) for f in files.split()}
 

@@ -22,7 +22,7 @@ import torch
 from hf_zero.checkpoint.format import CheckpointReader, read_meta, resolve_tag
 from hf_zero.errors import CheckpointError
 from hf_zero.expert.slices import gather_whole, slice_of
-from hf_zero.parallel.tp_split import cut_entry, parse_slice_name, split_of
+from hf_zero.parallel.tp_split import cut_entry, join_entry, parse_slice_name, split_of
 from hf_zero.precision.policies import SAFETENSORS_DTYPES
 
 if TYPE_CHECKING:
@@ -424,7 +424,7 @@ def checkpoint_weights(
     def produce(name: str) -> torch.Tensor:
         if name in slices:
             parts = [produce(key) for key in slices[name]]
-            return torch.cat(parts, dim=cut_entry(kinds[slices[name][0]][1])["dim"])
+            return join_entry(parts, cut_entry(kinds[slices[name][0]][1]))
         kind, info = kinds[name]
         if kind == "buffer":
             return reader.tensor(*reader.buffers[name])

@@ -19,7 +19,7 @@ from collections import defaultdict
 import torch
 
 from hf_zero.checkpoint.format import CheckpointReader
-from hf_zero.parallel.tp_split import TPSplit, cut_entry, parse_slice_name
+from hf_zero.parallel.tp_split import TPSplit, cut, cut_entry, join_entry, parse_slice_name
 
 
 def base_name(key: str) -> str:
@@ -76,10 +76,10 @@ class _Derived:
             buf = torch.empty(math.prod(shape), dtype=torch.float32 if self.kind != "frozen" else _dtype(self.saved[s]))
             self.reader.read(self.kind, s, 0, buf.numel(), buf)
             parts.append(buf.view(shape))
-        whole = parts[0] if len(parts) == 1 else torch.cat(parts, dim=cut_entry(self.saved[self.sources[0]])["dim"])
+        whole = parts[0] if len(parts) == 1 else join_entry(parts, cut_entry(self.saved[self.sources[0]]))
         if self.split is not None:
-            n = whole.shape[self.split.dim] // self.split.size
-            whole = whole.narrow(self.split.dim, self.split.rank * n, n)
+            s = self.split
+            whole = cut(whole, s.dim, s.rank, s.size, s.view)
         return whole.reshape(-1)
 
 

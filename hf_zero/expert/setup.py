@@ -8,6 +8,11 @@ objects, so an optimizer already built on them stays valid, and the same names),
 its forward sends the pairs through ``hf_zero/expert/dispatch.py`` and runs the received ones with the class's own
 forward (or transformers' grouped GEMM, ``use_grouped_mm``). The router, the aux loss and shared experts are the
 model's code, untouched.
+
+PEFT's LoRA on the fused experts (``LoraConfig(target_parameters=["experts.gate_up_proj", ...])``, ``ParamWrapper``
+layers around the experts module) is split with them: each rank keeps its experts' factors, in PEFT's layout for its
+local experts, so PEFT's own forward merges the delta of the local experts into the local block
+(:func:`_split_adapters`).
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from hf_zero.expert.groups import ExpertGroups, expert_groups
 from hf_zero.expert.slices import ExpertSlice
 from hf_zero.expert.slices import mark as mark_slice
 from hf_zero.parallel import ParallelGrid
-from hf_zero.parallel.tp_split import TPSplit, mark_expert_cut
+from hf_zero.parallel.tp_split import TPSplit, cut, mark_expert_cut
 from hf_zero.training.module_setup import broadcast_module, move_to_device
 from hf_zero.zero.attach import mark_synced_generation
 from hf_zero.zero.group import SubGroup, mark_subgroup
@@ -39,8 +44,10 @@ ATTR = "hf_zero_ep"  # on an expert-parallel experts module: its ExpertShard
 class ExpertShard:
     """What an experts module holds after the split: experts ``[first, first + local)`` of ``total``."""
 
-    def __init__(self, first: int, local: int, total: int, groups: ExpertGroups, use_grouped_mm: bool) -> None:
+    def __init__(self, first: int, local: int, total: int, groups: ExpertGroups, use_grouped_mm: bool,
+                 names: list[str]) -> None:
         self.first, self.local, self.total, self.groups, self.use_grouped_mm = first, local, total, groups, use_grouped_mm
+        self.names = names  # the module's own parameters (read by name: PEFT's LoRA parametrizes them in its forward)
 
 
 def is_experts_module(module: torch.nn.Module) -> bool:
@@ -93,7 +100,7 @@ def _check(model: torch.nn.Module, cfg: Any, grid: ParallelGrid, found: list[tup
         raise ConfigError(f"expert_parallel.top_k: got {ep.top_k}, but the model routes each token to its "
                           f"num_experts_per_tok = {top_k} experts with its own router; remove top_k or set it to {top_k}")
     for mname, m in found:
-        _refuse_adapter_wrapper(model, mname)
+        _check_adapters(model, mname, m)
         if hasattr(m, ATTR):
             raise UsageError(f"'{mname}' is already split for expert parallelism (the model went through initialize "
                              "before); build the model again for a second engine")
@@ -104,22 +111,71 @@ def _check(model: torch.nn.Module, cfg: Any, grid: ParallelGrid, found: list[tup
             raise UsageError(f"expert_parallel: '{mname}' has parameters on the meta device; load real weights first")
 
 
-def _refuse_adapter_wrapper(model: torch.nn.Module, mname: str) -> None:
-    """PEFT's parameter-targeted LoRA (``LoraConfig(target_parameters=[...experts.gate_up_proj])``) wraps the experts
-    module (``ParamWrapper``, as ``base_layer``) and adds a delta made from adapters that interleave every expert's
-    rank-r factors in one matrix (lora_B's expert axis is dim 1), merged into the whole fused parameter at each
-    forward: an EP rank holds only a dim-0 block of that parameter, so the merge would add the wrong experts' deltas
-    (or fail on the shapes). Refused until the adapters are split with the experts."""
-    parts = mname.split(".")
+def adapter_wrappers(model: torch.nn.Module, mname: str) -> list[tuple[str, torch.nn.Module]]:
+    """PEFT's parameter-targeted LoRA layers around the experts module ``mname``, by name, outermost first.
+
+    ``LoraConfig(target_parameters=["experts.gate_up_proj", "experts.down_proj"])`` wraps the experts module in one
+    ``ParamWrapper`` per targeted parameter, nested through ``base_layer`` (``mlp.experts.base_layer.base_layer`` is
+    then the experts module itself); each wraps one fused parameter and holds its adapters.
+    """
+    parts, out = mname.split("."), []
     for i in range(len(parts) - 1, 0, -1):
         if parts[i] != "base_layer":
             break
-        wrapper = model.get_submodule(".".join(parts[:i]))
-        if hasattr(wrapper, "lora_A"):
-            raise UsageError(f"expert_parallel: '{'.'.join(parts[:i])}' is wrapped by PEFT's parameter-targeted LoRA "
-                             "(LoraConfig(target_parameters=...)), whose per-expert adapters hf_zero cannot split over "
-                             "EP ranks yet; put LoRA on other modules (target_modules, the experts then frozen) or "
-                             "disable expert_parallel")
+        name = ".".join(parts[:i])
+        wrapper = model.get_submodule(name)
+        if hasattr(wrapper, "lora_A") and hasattr(wrapper, "parameter_name"):
+            out.append((name, wrapper))
+    return out[::-1]
+
+
+def _check_adapters(model: torch.nn.Module, mname: str, experts: torch.nn.Module) -> None:
+    """What PEFT's adapters on the experts must be for each EP rank to keep its experts' factors alone: per expert
+    (PEFT's ``num_experts`` equal to the module's; a 2-D per-expert tensor such as gpt-oss's biases gets one matrix
+    shared by every expert) and nothing but ``lora_A`` / ``lora_B`` weights (PEFT's ParamWrapper already refuses
+    dropout, DoRA and LoRA biases)."""
+    for wname, w in adapter_wrappers(model, mname):
+        if getattr(w, "num_experts", None) != experts.num_experts:
+            raise UsageError(f"expert_parallel: the LoRA of '{wname}' on {w.parameter_name!r} has factors shared by "
+                             f"all {experts.num_experts} experts (PEFT reads that tensor as one matrix), which EP ranks "
+                             "cannot split; target only the 3-D expert weights in target_parameters")
+        other = [n for n, _ in w.named_parameters() if not n.startswith("base_layer.")
+                 and not (n.startswith(("lora_A.", "lora_B.")) and n.endswith(".weight"))]
+        if other:
+            raise UsageError(f"expert_parallel: '{wname}.{other[0]}' is an adapter tensor hf_zero does not know how "
+                             "to split over EP ranks (it splits lora_A and lora_B of a LoRA); use a plain LoRA on "
+                             "the experts or disable expert_parallel")
+
+
+def _split_adapters(model: torch.nn.Module, mname: str, where: ExpertSlice, groups: ExpertGroups,
+                    sub: SubGroup) -> None:
+    """Keep this rank's experts' factors of every PEFT adapter on the experts module ``mname``, in PEFT's own layout
+    for ``where.local`` experts, so PEFT's ParamWrapper merges a delta for the local experts only into the local block.
+
+    PEFT (``peft/tuners/lora/layer.py``, ``ParamWrapper.get_delta_factors``) reads ``lora_A`` ``(r*E, in)`` as
+    ``(E, r, in)`` (expert ``e``'s rows ``[e*r, (e+1)*r)``) and ``lora_B`` ``(out, r*E)`` as ``(out, r, E)`` (expert
+    ``e``'s columns ``e, E+e, ...``): the rank keeps the block of those views' experts axis and the wrapper's
+    ``num_experts`` becomes the local count. The factors are then marked as the experts are: sharded by ZeRO over the
+    expert-data-parallel group, stored per EP rank, gathered whole for ``save_pretrained``.
+    """
+    total, local = where.total, where.local
+    for _, w in adapter_wrappers(model, mname):
+        for adapter in list(w.lora_A):
+            a, b = w.lora_A[adapter], w.lora_B[adapter]
+            r = a.weight.shape[0] // total
+            _cut_adapter(a.weight, (total, r, a.weight.shape[1]), 0, (r * local, a.weight.shape[1]), where, groups, sub)
+            _cut_adapter(b.weight, (b.weight.shape[0], r, total), 2, (b.weight.shape[0], r * local), where, groups, sub)
+            a.out_features = b.in_features = r * local
+        w.num_experts = local
+
+
+def _cut_adapter(p: torch.Tensor, view: tuple[int, ...], dim: int, local_shape: tuple[int, ...], where: ExpertSlice,
+                 groups: ExpertGroups, sub: SubGroup) -> None:
+    shape = tuple(p.shape)
+    mark_expert_cut(p, TPSplit(dim, groups.ep_rank, groups.ep_size, shape, view))
+    p.data = cut(p.data, dim, groups.ep_rank, groups.ep_size, view).reshape(local_shape).clone()
+    mark_subgroup(p, sub)
+    mark_slice(p, ExpertSlice(where.first, where.local, where.total, where.group, where.size, dim, view, shape))
 
 
 def _forward(module: torch.nn.Module, shard: ExpertShard, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
@@ -135,7 +191,8 @@ def _forward(module: torch.nn.Module, shard: ExpertShard, hidden_states: torch.T
 
     g = shard.groups
     return dispatch_combine(hidden_states, top_k_index, top_k_weights, local_experts=shard.local, group=g.ep_group,
-                            group_size=g.ep_size, run_local=run_local, weights=list(module.parameters(recurse=False)))
+                            group_size=g.ep_size, run_local=run_local,
+                            weights=[getattr(module, n) for n in shard.names])
 
 
 def setup(model: torch.nn.Module, cfg: Any, grid: ParallelGrid, device: torch.device) -> ExpertGroups | None:
@@ -166,7 +223,8 @@ def setup(model: torch.nn.Module, cfg: Any, grid: ParallelGrid, device: torch.de
     broadcast_module(model, None)  # every rank's experts are cut from the same whole weights
     sub = SubGroup(groups.edp_group, grid.zero_size)
     with torch.no_grad():
-        for _, m in found:
+        for mname, m in found:
+            names = [n for n, _ in m.named_parameters(recurse=False)]
             total = m.num_experts
             local = total // ep.size
             first = groups.ep_rank * local
@@ -178,7 +236,8 @@ def setup(model: torch.nn.Module, cfg: Any, grid: ParallelGrid, device: torch.de
                 mark_subgroup(p, sub)
                 mark_slice(p, where)
             m.num_experts = local
-            shard = ExpertShard(first, local, total, groups, ep.use_grouped_mm)
+            _split_adapters(model, mname, where, groups, sub)
+            shard = ExpertShard(first, local, total, groups, ep.use_grouped_mm, names)
             setattr(m, ATTR, shard)
             m.forward = _bound(m, shard)
     # Every forward now exchanges tokens within the EP group, so generate must keep the ranks' forwards in step

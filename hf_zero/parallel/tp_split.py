@@ -16,6 +16,12 @@ experts tensor (experts ``[r*E/n, (r+1)*E/n)``). Its cut rides on the parameter 
 buckets, the norm, consolidation's all-gather) takes experts for a tensor-parallel slice; only the checkpoint names
 (``name@ep<r>of<n>``) and the parameter table (``"ep"``: the dim, the degree, the whole shape and the global expert
 range) treat both alike, so a resume checkpoint reshards across EP degrees the way it does across tp degrees.
+
+A cut need not be a block of the tensor itself. PEFT's LoRA on the fused experts (``LoraConfig(target_parameters=...)``)
+keeps expert ``e``'s rank-``r`` factors of ``lora_B`` in columns ``e, E+e, 2E+e, ...`` (its weight is ``(out, r*E)``
+read as ``(out, r, E)``): an EP rank's experts are a block of dim 2 of that view, strided columns of the weight. Such a
+cut records the whole tensor's ``view`` with the cut axis ``dim`` apart; :func:`join` and :func:`cut` put the whole
+back and take a rank's block through it, wherever the blocks are assembled or re-cut.
 """
 
 from __future__ import annotations
@@ -32,12 +38,37 @@ _KEY = re.compile(r"^(?P<name>.+)@(?P<kind>tp|ep)(?P<rank>\d+)of(?P<size>\d+)$")
 
 @dataclass(frozen=True)
 class TPSplit:
-    """This rank's slice of a parameter: slice ``rank`` of ``size`` along ``dim`` of a tensor of ``full_shape``."""
+    """This rank's slice of a parameter: slice ``rank`` of ``size`` along ``dim`` of a tensor of ``full_shape`` (or,
+    with ``view``, along ``dim`` of the whole tensor reshaped to ``view``: strided elements of it; module docstring)."""
 
     dim: int
     rank: int
     size: int
     full_shape: tuple[int, ...]
+    view: tuple[int, ...] | None = None
+
+
+def _local_view(view: tuple[int, ...], dim: int, size: int) -> tuple[int, ...]:
+    return (*view[:dim], view[dim] // size, *view[dim + 1:])
+
+
+def join(parts: list[torch.Tensor], dim: int, full_shape: tuple[int, ...],
+         view: tuple[int, ...] | None = None) -> torch.Tensor:
+    """The whole tensor from every rank's slice, in rank order (a new tensor): concatenated along ``dim``, or along
+    ``dim`` of ``view`` and reshaped back to ``full_shape``."""
+    if view is None:
+        return torch.cat(parts, dim=dim)
+    local = _local_view(tuple(view), dim, len(parts))
+    return torch.cat([p.reshape(local) for p in parts], dim=dim).reshape(full_shape)
+
+
+def cut(whole: torch.Tensor, dim: int, rank: int, size: int, view: tuple[int, ...] | None = None) -> torch.Tensor:
+    """Slice ``rank`` of ``size`` of ``whole``, the inverse of :func:`join`: a view of ``whole`` narrowed along
+    ``dim``, or with ``view`` the block of that view (its elements in the slice's order; reshape it to the slice's
+    own shape)."""
+    src = whole if view is None else whole.reshape(view)
+    n = src.shape[dim] // size
+    return src.narrow(dim, rank * n, n)
 
 
 def split_of(p: torch.Tensor) -> TPSplit | None:
@@ -50,7 +81,8 @@ def mark(p: torch.Tensor, split: TPSplit) -> None:
 
 
 def mark_expert_cut(p: torch.Tensor, cut: TPSplit) -> None:
-    """Record that ``p`` holds EP rank ``cut.rank``'s block of dim 0 of a fused experts tensor (module docstring)."""
+    """Record that ``p`` holds EP rank ``cut.rank``'s block of experts: dim 0 of a fused experts tensor, or the
+    experts axis of a PEFT adapter's ``view`` (module docstring)."""
     setattr(p, EP_ATTR, cut)
 
 
@@ -102,14 +134,23 @@ def table_entry(p: torch.Tensor, key: str | None = None) -> dict:
         return {}
     kind, s = c
     entry: dict = {"dim": s.dim, "size": s.size, "full_shape": list(s.full_shape)}
+    if s.view is not None:
+        entry["view"] = list(s.view)
     if kind == "ep":
-        cut = parse_slice_name(key) if key is not None else None
-        rank = cut[1] if cut is not None else s.rank
-        per = s.full_shape[0] // s.size
+        named = parse_slice_name(key) if key is not None else None
+        rank = named[1] if named is not None else s.rank
+        per = (s.view or s.full_shape)[s.dim] // s.size
         entry["experts"] = [rank * per, (rank + 1) * per]
     return {kind: entry}
 
 
 def cut_entry(info: dict) -> dict | None:
-    """A parameter table entry's cut (``"tp"`` or ``"ep"``: dim, size, full_shape), None for a whole parameter."""
+    """A parameter table entry's cut (``"tp"`` or ``"ep"``: dim, size, full_shape, maybe view), None for a whole
+    parameter."""
     return info.get("tp") or info.get("ep")
+
+
+def join_entry(parts: list[torch.Tensor], entry: dict) -> torch.Tensor:
+    """The whole tensor from the slices a checkpoint stored, as its table's ``entry`` (:func:`cut_entry`) says."""
+    view = entry.get("view")
+    return join(parts, entry["dim"], tuple(entry["full_shape"]), tuple(view) if view is not None else None)

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import torch
 
 from hf_zero.errors import UnusedParameterError, UsageError
-from hf_zero.parallel.tp_split import split_of
+from hf_zero.parallel.tp_split import checkpoint_name, split_of
 from hf_zero.zero import collectives as C
 from hf_zero.zero.flat import FlatGroup
 from hf_zero.zero.float8_gather import Float8ShardedParamGroup, float8_module_of
@@ -277,7 +277,9 @@ class ShardedOptimizer(DeepSpeedOptimizerViews):
         offload, threshold = self.offload, self.zero.persistence_threshold
         unit_mods, unit_of = assign_units(module)
         names = dict(module.named_parameters())
-        frozen = [(n, p) for n, p in names.items() if not p.requires_grad]
+        # named as checkpoints store them, as the trainable ones are (trainable_by_param_group): an EP rank's frozen
+        # experts are its own block, which a resume checkpoint must keep apart from the other EP ranks' (name@ep<r>of<n>)
+        frozen = [(checkpoint_name(n, p), p) for n, p in names.items() if not p.requires_grad]
         units: list[Unit] = []
         for ui in [*range(len(unit_mods)), -1]:
             materialize_([p for p in names.values() if unit_of.get(id(p), -1) == ui], self.device)
