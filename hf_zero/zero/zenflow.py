@@ -634,7 +634,7 @@ class ZenFlow:
             for key, value in ((_STEP, self.m), (_FAST_STEPS, self.fast_steps), (_COUNT, self.count),
                                (_PENDING, int(self.pending)), (_SINCE, self.since)):
                 st[key] = torch.tensor(float(value), dtype=torch.float64)
-            laid[id(master)] = (st[_SUM], master._version)
+            laid[id(master)] = (st[_STEP], master._version)  # a load makes its scalars anew
         return laid
 
     def _take_back(self, laid: dict[int, tuple[torch.Tensor, int]]) -> None:
@@ -642,7 +642,7 @@ class ZenFlow:
         (a save; or a load without optimizer state, after which an update in flight no longer matches the masters)."""
         opt = self.optimizer
         states = []
-        reloaded = False
+        kept, changed = True, False  # the optimizer state not loaded; the masters written
         for lane in self.lanes:
             master = lane.group.master
             assert master is not None
@@ -652,16 +652,17 @@ class ZenFlow:
                 opt.state.pop(master, None)
             states.append(mine)
             ours, version = laid.get(id(master), (None, -1))
-            reloaded = reloaded or mine.get(_SUM) is not ours or master._version != version
+            kept = kept and mine.get(_STEP) is ours
+            changed = changed or master._version != version
         if not states or any(_STEP not in s for s in states):
             self._reset()
             return
         first = states[0]
         self.m, self.fast_steps = int(first[_STEP]), int(first[_FAST_STEPS])
         self.count, self.since = int(first[_COUNT]), int(first[_SINCE])
-        kept = all(s.get(_SUM) is laid.get(id(lane.group.master), (None,))[0] for s, lane in zip(states, self.lanes))
-        # an update in flight goes on only if it came with the state (a save; a load of a checkpoint that had one)
-        self.pending = bool(int(first[_PENDING])) and all(_AHEAD in s for s in states) and not (kept and reloaded)
+        # an update in flight goes on if it came with the state (a save; a load of a checkpoint that had one), not after
+        # a load of the weights alone, which it would overwrite
+        self.pending = bool(int(first[_PENDING])) and all(_AHEAD in s for s in states) and not (kept and changed)
         chosen = self.m > self.policy.warm_up  # the step that chose the columns has run
         for lane, st in zip(self.lanes, states):
             master = lane.group.master
