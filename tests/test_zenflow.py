@@ -240,6 +240,17 @@ STALE = {"sequential": {"topk_ratio": 0.3, "select_strategy": "step", "select_in
 PROBES = (3, 4, 5)  # the first step of an interval, its middle, its host update's step
 
 
+def _first_change(base: list, moved: list, selected: dict, j: int, important: bool) -> int | None:
+    """How many steps after step ``j`` the first weights that differ between the runs are read (the weights after step
+    ``t`` are what step ``t + 1`` reads), among the important elements or the others; None: none differ."""
+    for t in range(j, len(base)):
+        for n, sel in selected.items():
+            keep = sel if important else ~sel
+            if not torch.equal(base[t][n].reshape(-1)[keep], moved[t][n].reshape(-1)[keep]):
+                return t + 1 - j
+    return None
+
+
 def _delays(rank: int, world: int, names: list[str]) -> dict:
     out: dict = {"definition": _definition_runs(rank, world, names)}
     for mode, zf in STALE.items():
@@ -252,15 +263,8 @@ def _delays(rank: int, world: int, names: list[str]) -> dict:
             moved = _train(engine, 0, 10, world, rank, perturb=j)
             engine.destroy()
 
-            def first(part: str) -> int | None:
-                for t in range(j, 10):  # the weights after step t are what step t + 1 reads
-                    for n, sel in selected.items():
-                        keep = sel if part == "important" else ~sel
-                        if not torch.equal(base[t][n].reshape(-1)[keep], moved[t][n].reshape(-1)[keep]):
-                            return t + 1 - j
-                return None
-
-            out[f"{mode}/{j}"] = {"important": first("important"), "others": first("others")}
+            out[f"{mode}/{j}"] = {part: _first_change(base, moved, selected, j, part == "important")
+                                  for part in ("important", "others")}
     return out
 
 
