@@ -114,7 +114,7 @@ def selected_columns(num_columns: int, topk_ratio: float) -> int:
 
 
 class Schedule:
-    """Which steps choose the columns and which take the host update (pure: ``tests/test_zenflow.py`` reads it)."""
+    """Which steps choose the columns and which take the host update: functions of the step index alone."""
 
     def __init__(self, policy: ZenFlowPolicy) -> None:
         self.policy = policy
