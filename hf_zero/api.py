@@ -8,6 +8,7 @@ argument — every rank reaches the same verdict, so none is left waiting in a c
 from __future__ import annotations
 
 import argparse
+import contextlib
 import warnings
 import weakref
 from collections.abc import Callable, Iterable
@@ -253,5 +254,9 @@ def initialize(
     loader = _make_dataloader(training_data, collate_fn, cfg, (grid.dp_rank, grid.dp_size)) if training_data is not None else None
     loader = wrap_sequence_loader(loader, sp, model, engine.device) if loader is not None else None
     engine.training_dataloader = loader
+    if loader is not None and engine.zero_optimizer is not None:
+        # ZenFlow's "epoch" reselection counts optimizer steps of this loader, as DeepSpeed's counts its length
+        with contextlib.suppress(TypeError):
+            engine.zero_optimizer.set_epoch_length(max(1, len(loader) // cfg.gradient_accumulation_steps))
     _latest[0] = weakref.ref(engine)
     return engine, engine.optimizer, loader, sched

@@ -35,14 +35,14 @@ UNIT = ("test_api.py test_optim.py test_sequence_parallel.py test_config.py test
         "test_checkpoint_fileio.py test_init_memory.py test_offload_floor.py")
 ORACLE = ("test_cpu_adam.py test_deepspeed_checkpoints.py test_deepspeed_autoep.py test_deepspeed_parity.py test_ds_config_oracle.py test_ds_config_view.py "
           "test_ds_semantics.py test_estimate_offload.py test_tensor_parallel.py test_trl.py test_peft.py "
-          "test_any_module.py test_conformance.py test_pipe_topology.py test_ds_getters.py")
+          "test_any_module.py test_conformance.py test_pipe_topology.py test_ds_getters.py test_zenflow_deepspeed.py")
 INTEGRATION = ("test_accelerate.py test_accelerate_deepspeed_yaml.py test_bench_checkpoint.py test_bench_finetune.py "
                "test_cli.py test_ds_corpus_trainer.py test_examples.py test_finetune.py test_host_overhead.py "
                "test_hub.py test_model_cards.py test_reliability_secrets.py test_sequence_parallel_trainer.py "
                "test_tensor_parallel_trainer.py test_trainer.py test_trainer_launch.py test_trainer_life.py "
                "test_preemption.py test_consolidated.py test_launch_multinode.py test_fp8_trainer.py test_fp8_loss_curve.py test_expert_accelerate.py")
 DIST = ("test_activation_checkpointing.py test_async_checkpoint.py test_checkpoint.py test_checkpoint_faults.py "
-        "test_compile.py test_ds_api.py test_host_threads.py test_memory.py test_nvme.py test_offload.py test_offload_overlap.py test_offload_parity.py test_offload_ratio.py "
+        "test_compile.py test_ds_api.py test_host_threads.py test_memory.py test_nvme.py test_offload.py test_offload_overlap.py test_offload_parity.py test_offload_ratio.py test_zenflow.py "
         "test_overlap_param_gather.py test_parity.py test_pipe.py test_pipe_checkpoint.py test_precision.py "
         "test_reliability.py test_reliability_rank_death.py test_sequence_parallel_dist.py "
         "test_sequence_parallel_engine.py test_stage3.py test_stage3_tools.py test_zero_init.py test_planner.py "

@@ -152,9 +152,9 @@ CORPUS: list[Source] = [
     # bf16 masters, gradients and Adam state, with torch_autocast
     _at(DS_EXAMPLES, "dsexamples_bf16_master_weight_bf16_full.json", "training/bf16_master_weight/configs/bf16_full.json"),
     _at(DS_EXAMPLES, "dsexamples_autosp_torchcompile.json", "benchmarks/autosp/configs/torchcompile_config.json"),
-    # DeepSpeed feature demos: each exists to show a DeepSpeed feature hf_zero has no issue for yet
-    _at(DS_EXAMPLES, "dsexamples_zenflow.json", "training/DeepSpeed-ZenFlow/finetuning/zf_config.json",
-        refuses="ZenFlow is not supported yet"),
+    # DeepSpeed feature demos: each exists to show a DeepSpeed feature (ZenFlow's trains; the others show features
+    # hf_zero has no issue for yet)
+    _at(DS_EXAMPLES, "dsexamples_zenflow.json", "training/DeepSpeed-ZenFlow/finetuning/zf_config.json"),
     _at(DS_EXAMPLES, "dsexamples_tensor_parallel_hf.json", "training/tensor_parallel/hf_integration/configs/ds_config.json"),
     _at(DS_EXAMPLES, "dsexamples_autosp.json", "benchmarks/autosp/configs/autosp_config.json",
         refuses="DeepCompile is not supported"),  # and sequence_parallel_size 2, refused after it
@@ -304,7 +304,7 @@ def compatibility_markdown() -> str:
         "as the Trainer passes it): *accepted*, naming the keys its warnings name (DeepSpeed keys that ask",
         "for something hf_zero does not do, keys that are not DeepSpeed's, and keys older DeepSpeed accepted that",
         "DeepSpeed 0.19.8 refuses), or *refused* with the sentence a user sees. The rule is in",
-        "[docs/config.md](docs/config.md#the-rule-for-every-key). What is still refused is ZenFlow and DeepCompile, NVMe offload without an `nvme_path`, and a",
+        "[docs/config.md](docs/config.md#the-rule-for-every-key). What is still refused is DeepCompile, NVMe offload without an `nvme_path`, and a",
         "key DeepSpeed 0.19.8 refuses too; the last four rows are DeepSpeed feature demos. NVMe offload (ZeRO-Infinity,",
         "`\"device\": \"nvme\"` with the `aio` section) runs as [docs/offload.md](docs/offload.md#nvme-offload-zero-infinity)",
         "says, which also lists what of it does not run yet (parameters on NVMe without `offload_optimizer`, with",

@@ -421,7 +421,7 @@ def test_classify_names_what_happens_to_a_key() -> None:
     assert classify("optimizer.params.betas") == "acted"  # free-form: optim.py checks the params
     assert classify("tensorboard.output_path") == "inert" and classify("timers.throughput.enabled") == "inert"
     assert classify("bfloat16.enabled") == "acted" and classify("zero_optimization.overlap_comm") == "inert"
-    assert classify("zero_optimization.zenflow.topk_ratio") == "refused" and classify("amp.opt_level") == "refused"
+    assert classify("zero_optimization.zenflow.topk_ratio") == "acted" and classify("amp.opt_level") == "refused"
     assert classify("comms_config") is None and classify("zero_optimization.aio") is None
     assert all(path == "" or classify(path) == "acted" for path in SECTIONS)
 
@@ -434,3 +434,67 @@ def test_zero_and_one_are_booleans_as_deepspeed_reads_them() -> None:
     assert "bf16.enabled: got 'true', expected true or false" in refusal({**MB, "bf16": {"enabled": "true"}})
     assert "zero_allow_untested_optimizer: got 2, expected true or false" in refusal(
         {**MB, "zero_allow_untested_optimizer": 2})
+
+
+# ---------------------------------------------------------------- zero_optimization.zenflow
+
+ZF_BASE = {"stage": 2, "offload_optimizer": {"device": "cpu"}}
+
+
+def _zf(zenflow: object, **zero: object) -> dict:
+    return {**MB, "zero_optimization": {**ZF_BASE, **zero, "zenflow": zenflow}}
+
+
+def test_zenflow_parses_every_key_with_deepspeeds_defaults() -> None:
+    cfg, said = load(_zf({}))
+    assert said == []
+    assert cfg.zero_optimization.zenflow == config_sections.ZenFlowConfig(
+        topk_ratio=0.1, select_strategy="auto", select_interval="auto", update_interval="auto", overlap_step=False,
+        offload=False, auto_ratio=0.99, full_warm_up_rounds=0, pt_reserved_cores_perc=0.5, steps_per_epoch=None)
+    given = {"topk_ratio": 0.05, "select_strategy": "step", "select_interval": 8, "update_interval": 4,
+             "overlap_step": True, "offload": True, "auto_ratio": 0.5, "full_warm_up_rounds": 3,
+             "pt_reserved_cores_perc": 0.25, "steps_per_epoch": 100}
+    cfg, _ = load(_zf(given))
+    assert dataclasses.asdict(cfg.zero_optimization.zenflow) == given
+    assert load(_zf(None))[0].zero_optimization.zenflow is None  # null: off, as DeepSpeed leaves it
+
+
+@pytest.mark.parametrize("zenflow, needle", [
+    ({"topk_ratio": 1.0}, "zero_optimization.zenflow.topk_ratio: got 1.0, expected a number greater than 0 and less than 1"),
+    ({"topk_ratio": 0}, "zero_optimization.zenflow.topk_ratio: got 0, expected a number greater than 0"),
+    ({"update_interval": 0}, "zero_optimization.zenflow.update_interval: got 0, expected \"auto\" or a whole number of steps, at least 1"),
+    ({"update_interval": "often"}, "zero_optimization.zenflow.update_interval: got 'often', expected \"auto\""),
+    ({"select_strategy": "batch"}, "zero_optimization.zenflow.select_strategy: got 'batch', expected one of auto, step, epoch"),
+    ({"select_interval": 4}, "zero_optimization.zenflow.select_interval: got 4 with select_strategy \"auto\""),
+    ({"select_strategy": "epoch"}, "zero_optimization.zenflow.select_interval: got \"auto\" with select_strategy 'epoch'"),
+    ({"select_strategy": "step", "select_interval": 2, "update_interval": 4},
+     "zero_optimization.zenflow.select_interval: got 2, less than update_interval 4"),
+    ({"auto_ratio": 1.5}, "zero_optimization.zenflow.auto_ratio: got 1.5, expected a number from 0 to 1"),
+    ({"full_warm_up_rounds": -1}, "zero_optimization.zenflow.full_warm_up_rounds: got -1, expected an integer >= 0"),
+    ({"overlap_step": "yes"}, "zero_optimization.zenflow.overlap_step: got 'yes', expected true or false"),
+    ({"topk": 0.1}, "zero_optimization.zenflow.topk: unknown key; did you mean 'topk_ratio'?"),
+])
+def test_a_bad_zenflow_value_is_one_sentence_naming_its_path(zenflow: dict, needle: str) -> None:
+    assert needle in refusal(_zf(zenflow))
+
+
+@pytest.mark.parametrize("config, needle", [
+    (_zf({}, stage=3), "ZenFlow runs at ZeRO stages 1-2 (DeepSpeed 0.19.8's stage-3 ZenFlow is not built here yet), and the stage is 3; set zero_optimization.stage to 2"),
+    ({**MB, "zero_optimization": {"stage": 2, "zenflow": {}}}, 'and the config has no offload_optimizer; set "offload_optimizer": {"device": "cpu"}'),
+    (_zf({}, offload_optimizer={"device": "nvme", "nvme_path": "/nvme"}), 'offload_optimizer.device "nvme"'),
+    (_zf({}, offload_optimizer={"device": "cpu", "super_offload": True}), "beside zero_optimization.offload_optimizer.super_offload"),
+    (_zf({}, offload_optimizer={"device": "cpu", "ratio": 0.5}), "beside zero_optimization.offload_optimizer.ratio"),
+    (_zf({}, overlap_param_gather=True), "beside zero_optimization.overlap_param_gather"),
+    ({**_zf({}), "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}, "optimizer.type is 'SGD'; use \"Adam\" or \"AdamW\""),
+    ({**_zf({}), "optimizer": {"type": "AdamW", "params": {"amsgrad": True}}}, "optimizer.params.amsgrad is true"),
+    ({**_zf({}), "tensor_parallel": {"autotp_size": 2}}, "ZenFlow with tensor_parallel.autotp_size above 1 is not supported yet"),
+])
+def test_zenflow_outside_the_offloaded_stages_1_2_is_refused_saying_what_to_do(config: dict, needle: str) -> None:
+    assert needle in refusal(config)
+
+
+def test_zenflow_keys_that_change_nothing_here_are_named() -> None:
+    _, said = load(_zf({"pt_reserved_cores_perc": 0.3, "select_strategy": "step", "select_interval": 4,
+                        "update_interval": 2, "steps_per_epoch": 10}))
+    assert any("zero_optimization.zenflow.pt_reserved_cores_perc" in s and "zero_optimization.zenflow.steps_per_epoch" in s
+               for s in said), said

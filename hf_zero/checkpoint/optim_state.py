@@ -96,6 +96,14 @@ def load_optimizer(state: TrainState, reader: CheckpointReader, hypers: list[dic
     opt = zo.optimizer
     master_index = {id(m): i for i, m in enumerate(m for pg in opt.param_groups for m in pg["params"])}
     state_keys = sorted({kind.removeprefix("optim.") for kind, _ in reader.index if kind.startswith("optim.")})
+    # A dotted key is a step runner's own state (ZenFlow's "zenflow.grad_sum", ...): loaded only into a run whose
+    # runner keeps that namespace, never left in another optimizer's state
+    own = zo.state_namespace
+
+    def taken(k: str) -> bool:
+        return "." not in k or (own is not None and k.startswith(own))
+
+    state_keys = [k for k in state_keys if taken(k)]
     new_state: dict[int, dict[str, Any]] = {}
     requests: list[tuple[str, str, int, int, torch.Tensor]] = []  # read into place, the files side by side
     for g in zo.groups:
@@ -120,6 +128,8 @@ def load_optimizer(state: TrainState, reader: CheckpointReader, hypers: list[dic
         scal: dict[str, Any] = {}
         for r in g.owned():
             for k, v in reader.scalars.get(r.slot.name, {}).items():
+                if not taken(k):
+                    continue
                 prev = scal.get(k)
                 if prev is not None and prev["value"] != v["value"]:
                     # Parameters stepped a different number of times share this master now: keep the most.

@@ -68,6 +68,7 @@ from hf_zero.config.schema import (
     TOP,
     TORCH_AUTOCAST,
     TORCH_AUTOCAST_DTYPES,
+    ZENFLOW,
     ZERO,
     ConfigError,
     Section,
@@ -85,6 +86,7 @@ from hf_zero.config.sections import (
     PipelineConfig,
     SchedulerConfig,
     TorchAutocastConfig,
+    ZenFlowConfig,
     ZeroOptimizationConfig,
 )
 from hf_zero.config.unknown_keys import OWN_CLOSED, near_miss, read_elsewhere, suggest, unknown_in_closed
@@ -93,6 +95,7 @@ from hf_zero.config.values import (
     Int,
     Number,
     OneOf,
+    OpenRatio,
     SignalNames,
     Text,
     asks_for,
@@ -511,7 +514,57 @@ class Parser:
             mics_shard_size=obj.get("mics_shard_size", Int(None), d.mics_shard_size),
             ignore_unused_parameters=obj.get("ignore_unused_parameters", Bool(), d.ignore_unused_parameters),
             sub_group_size=obj.get("sub_group_size", Int(0), d.sub_group_size),
+            zenflow=self.zenflow(obj),
         )
+
+    def zenflow(self, zero: _Object) -> ZenFlowConfig | None:
+        """``zenflow``: every key of DeepSpeed 0.19.8's ``ZenFlowConfig``, its defaults and the checks its model and its
+        ``configure_zenflow`` make (the ones that need the epoch's length wait for it: hf_zero/zero/zenflow.py); None
+        when absent or null, as DeepSpeed leaves ZenFlow off then."""
+        if zero.values.get("zenflow") is None:
+            return None
+        obj = self.object(zero.raw("zenflow", '{"topk_ratio": 0.1, "update_interval": 4}'), zero.where("zenflow"),
+                          ZENFLOW)
+        d = ZenFlowConfig()
+
+        def interval(key: str, minimum: int) -> int | str:
+            # "auto" is a value of its own here (DeepSpeed's default), not a placeholder the Trainer fills
+            value = obj.values.get(key, d.select_interval if key == "select_interval" else d.update_interval)
+            if isinstance(value, str) and value == "auto":
+                return "auto"
+            if isinstance(value, bool) or not isinstance(value, int | float) or not float(value).is_integer() \
+                    or value < minimum:
+                count = "a whole number of steps" if minimum == 0 else "a whole number of steps, at least 1"
+                raise ConfigError(f"{obj.where(key)}: got {show(value)}, expected \"auto\" or {count}")
+            return int(value)
+
+        out = ZenFlowConfig(
+            topk_ratio=obj.get("topk_ratio", OpenRatio(), d.topk_ratio),
+            select_strategy=obj.get("select_strategy", OneOf(("auto", "step", "epoch")), d.select_strategy),
+            select_interval=interval("select_interval", 0),
+            update_interval=interval("update_interval", 1),
+            overlap_step=obj.get("overlap_step", Bool(), d.overlap_step),
+            offload=obj.get("offload", Bool(), d.offload),
+            auto_ratio=obj.get("auto_ratio", Number(0.0, maximum=1.0), d.auto_ratio),
+            full_warm_up_rounds=obj.get("full_warm_up_rounds", Int(0), d.full_warm_up_rounds),
+            pt_reserved_cores_perc=obj.get("pt_reserved_cores_perc", Number(0.0, maximum=1.0), d.pt_reserved_cores_perc),
+            steps_per_epoch=obj.get("steps_per_epoch", Int(1), d.steps_per_epoch, nullable=True),
+        )
+        # DeepSpeed 0.19.8's configure_zenflow: "auto" selection is once an epoch, and a reselection needs a flush first
+        if out.select_strategy == "auto" and out.select_interval != "auto":
+            raise ConfigError(f"{obj.where('select_interval')}: got {show(out.select_interval)} with select_strategy "
+                              "\"auto\", which chooses the columns again once an epoch; set select_strategy to \"step\" "
+                              "or \"epoch\" to give an interval, or remove select_interval")
+        if out.select_strategy != "auto" and out.select_interval == "auto":
+            raise ConfigError(f"{obj.where('select_interval')}: got \"auto\" with select_strategy "
+                              f"{show(out.select_strategy)}, which needs a number (of steps or epochs); give one, or set "
+                              "select_strategy to \"auto\"")
+        if (out.select_strategy == "step" and isinstance(out.update_interval, int) and out.select_interval != 0
+                and out.select_interval < out.update_interval):  # type: ignore[operator]
+            raise ConfigError(f"{obj.where('select_interval')}: got {out.select_interval}, less than update_interval "
+                              f"{out.update_interval}; the columns can be chosen again only after the others' update, so "
+                              "give a select_interval of at least update_interval (0: choose them once)")
+        return out
 
     def offload_optimizer(self, zero: _Object) -> OffloadOptimizerConfig | None:
         """``offload_optimizer``, or DeepSpeed's deprecated ``cpu_offload`` converted as DeepSpeed 0.19.8 converts it.

@@ -65,6 +65,7 @@ def refuse_missing_features(cfg: Any) -> list[str]:
             raise ConfigError('zero_optimization.offload_optimizer.super_offload: got true with "device": "nvme", but '
                               'the speculative host step keeps the masters in host memory; use "device": "cpu" or '
                               "remove super_offload")
+    _refuse_zenflow_combinations(cfg)
     par = zo.offload_param
     nvme = [(key, sec) for key, sec in (("offload_optimizer", opt), ("offload_param", par))
             if sec is not None and sec.device == "nvme" and (key == "offload_optimizer" or zo.stage == 3)]
@@ -95,6 +96,14 @@ def refuse_missing_features(cfg: Any) -> list[str]:
                        "the optimizer steps each group in one call)")
     if par is not None and par.device in ("cpu", "nvme") and zo.stage != 3:
         ignored.append("zero_optimization.offload_param (DeepSpeed reads it at stage 3 only)")
+    zf = zo.zenflow
+    given_zf = given_zero.get("zenflow") if isinstance(given_zero, dict) else None
+    if zf is not None and isinstance(given_zf, dict):
+        if "pt_reserved_cores_perc" in given_zf and not zf.overlap_step:
+            ignored.append("zero_optimization.zenflow.pt_reserved_cores_perc (it splits the cores between training and "
+                           "the host update running beside it, which only overlap_step does)")
+        if given_zf.get("steps_per_epoch") is not None and zf.select_strategy == "step":
+            ignored.append("zero_optimization.zenflow.steps_per_epoch (select_strategy \"step\" counts steps)")
     for key, _ in nvme:
         given = cfg.raw.get("zero_optimization", {}).get(key, {}) or {}
         if key == "offload_param" and "buffer_size" in given:
@@ -102,3 +111,42 @@ def refuse_missing_features(cfg: Any) -> list[str]:
         if key == "offload_optimizer" and given.get("fast_init"):
             ignored.append("zero_optimization.offload_optimizer.fast_init (the masters are written once, at build)")
     return ignored
+
+
+def _refuse_zenflow_combinations(cfg: Any) -> None:
+    """``zero_optimization.zenflow`` runs on the offloaded optimizer of stages 1-2 (``hf_zero/zero/zenflow.py``), as
+    DeepSpeed 0.19.8's stage-1-2 ZenFlow optimizer does, with an Adam-family optimizer; everything else is refused here
+    in one sentence, before any model exists."""
+    zo = cfg.zero_optimization
+    if zo.zenflow is None:
+        return
+    where = "zero_optimization.zenflow"
+    opt = zo.offload_optimizer
+    if zo.stage == 3:
+        raise ConfigError(f"{where}: ZenFlow runs at ZeRO stages 1-2 (DeepSpeed 0.19.8's stage-3 ZenFlow is not built "
+                          "here yet), and the stage is 3; set zero_optimization.stage to 2, or remove zenflow")
+    if zo.stage == 0:
+        raise ConfigError(f"{where}: ZenFlow steps the offloaded optimizer of ZeRO stages 1-2, and the stage is 0; set "
+                          "zero_optimization.stage to 2, or remove zenflow")
+    if opt is None or opt.device != "cpu":
+        got = "no offload_optimizer" if opt is None or opt.device == "none" else f'offload_optimizer.device "{opt.device}"'
+        raise ConfigError(f"{where}: ZenFlow steps the unimportant columns with the offloaded optimizer on the host, "
+                          f'and the config has {got}; set "offload_optimizer": {{"device": "cpu"}}, or remove zenflow')
+    for key, on, why in (
+        ("offload_optimizer.super_offload", opt.super_offload, "the speculative host step of every step"),
+        ("offload_optimizer.ratio", opt.ratio < 1.0, "optimizer state kept on the device"),
+        ("overlap_param_gather", zo.overlap_param_gather, "the host step deferred into the next forward"),
+    ):
+        if on:
+            raise ConfigError(f"{where}: ZenFlow takes its own host step every update_interval steps, which does not run "
+                              f"beside zero_optimization.{key} ({why}); keep one of the two")
+    if cfg.optimizer is not None and cfg.optimizer.type not in ("Adam", "AdamW"):
+        raise ConfigError(f"{where}: ZenFlow steps the important columns with Adam, and optimizer.type is "
+                          f"{cfg.optimizer.type!r}; use \"Adam\" or \"AdamW\", or remove zenflow")
+    if cfg.optimizer is not None and cfg.optimizer.params.get("amsgrad"):
+        raise ConfigError(f"{where}: ZenFlow's Adam steps without AMSGrad, and optimizer.params.amsgrad is true; remove "
+                          "amsgrad or zenflow")
+    if cfg.tensor_parallel_size > 1 or cfg.expert_parallel.active:
+        what = "tensor_parallel.autotp_size" if cfg.tensor_parallel_size > 1 else "expert_parallel.autoep_size"
+        raise ConfigError(f"{where}: ZenFlow with {what} above 1 is not supported yet (each slice would choose its own "
+                          f"columns); remove one of the two")

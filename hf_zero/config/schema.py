@@ -205,6 +205,7 @@ ZERO = Section(
         "ignore_unused_parameters",  # false: a trainable parameter with no gradient is an error at stages 1-2
         "sub_group_size",  # the offloaded host step's granularity (hf_zero/zero/host_step.py sub_group_ranges)
         "cpu_offload",  # DeepSpeed's deprecated spelling of offload_optimizer on the cpu, converted as DeepSpeed does
+        "zenflow",  # DeepSpeed's ZenFlow over the offloaded optimizer (hf_zero/zero/zenflow.py)
     ),
     # DeepSpeed's field names beside their stage3_* aliases, and the deprecated fp16 spelling
     aliases={
@@ -254,7 +255,6 @@ ZERO = Section(
                                        "zero_optimization.mics_shard_size or ParallelismConfig(dp_replicate_size=...) "
                                        "instead"),
         "zeropp_loco_param": (None, "LoCo-Zero++ is not supported, and DeepSpeed 0.19.8 has removed it too; remove the key"),
-        "zenflow": (SECTION, "ZenFlow is not supported yet; remove the section"),
     },
     closed=True,
     # DeepSpeed 0.19.8's _REMOVED_ZERO_CONFIG_KEYS
@@ -265,6 +265,9 @@ ZERO = Section(
 # Both offload sections are parsed in full (sections.OffloadParamConfig, OffloadOptimizerConfig).
 OFFLOAD_PARAM = Section(keys=("device", "nvme_path", "buffer_count", "buffer_size", "max_in_cpu", "pin_memory"),
                         closed=True)
+# DeepSpeed 0.19.8's ZenFlowConfig, every field (parsed in full: sections.ZenFlowConfig)
+ZENFLOW = Section(keys=("topk_ratio", "select_strategy", "select_interval", "update_interval", "overlap_step", "offload",
+                        "auto_ratio", "full_warm_up_rounds", "pt_reserved_cores_perc", "steps_per_epoch"), closed=True)
 OFFLOAD_OPTIMIZER = Section(keys=("device", "nvme_path", "buffer_count", "pin_memory", "pipeline_read", "pipeline_write",
                                   "fast_init", "ratio", "super_offload", "cpuadam_cores_perc"), closed=True)
 
@@ -399,7 +402,7 @@ EXPERT_PRESETS: dict[str, tuple[str, ...]] = {
 # sub-section (optimizer.params and scheduler.params are free-form: optim.py checks them).
 SECTIONS: dict[str, Section] = {
     "": TOP, "fp16": FP16, "bf16": BF16, "zero_optimization": ZERO,
-    "zero_optimization.offload_param": OFFLOAD_PARAM, "zero_optimization.offload_optimizer": OFFLOAD_OPTIMIZER,
+    "zero_optimization.offload_param": OFFLOAD_PARAM, "zero_optimization.offload_optimizer": OFFLOAD_OPTIMIZER, "zero_optimization.zenflow": ZENFLOW,
     "checkpoint": CHECKPOINT, "compile": COMPILE, "aio": AIO, "torch_autocast": TORCH_AUTOCAST, "fp8": FP8, "optimizer": OPTIMIZER, "scheduler": SCHEDULER,
     "activation_checkpointing": ACTIVATION_CHECKPOINTING, "pipeline": PIPELINE,
     "tensor_parallel": TENSOR_PARALLEL, "tensor_parallel.tensor_parallel": TENSOR_PARALLEL_GROUPS,
@@ -422,9 +425,6 @@ CLOSED_WHOLE: dict[str, frozenset[str]] = {
     "timers.throughput": frozenset({"enabled", "synchronized"}),  # "timers" itself is read key by key
     "weight_quantization": frozenset({"enabled", "num_bits", "q_type", "q_groups", "quantized_initialization",
                                       "post_init_quant"}),
-    "zero_optimization.zenflow": frozenset({"topk_ratio", "select_strategy", "select_interval", "update_interval",
-                                            "overlap_step", "offload", "auto_ratio", "full_warm_up_rounds",
-                                            "pt_reserved_cores_perc", "steps_per_epoch"}),
     "zero_optimization.leaf_module": frozenset({"classes", "names", "name_suffixes"}),
 }
 

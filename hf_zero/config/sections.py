@@ -127,6 +127,33 @@ class OffloadOptimizerConfig:
 
 
 @dataclass
+class ZenFlowConfig:
+    """``zero_optimization.zenflow``: DeepSpeed 0.19.8's ZenFlow keys and defaults (``hf_zero/zero/zenflow.py`` runs it).
+
+    Each step the ``topk_ratio`` most important columns of every 2-D weight (by the summed magnitude of their
+    gradient; every element of the other parameters) are stepped with Adam at once, on the device; the others'
+    gradients are summed and the host steps them every ``update_interval`` steps ("auto": when the unimportant
+    columns' summed gradient catches up with the important ones'), one update late with ``overlap_step``. The
+    columns are chosen again every ``select_interval`` steps (``select_strategy`` "step") or epochs ("epoch";
+    "auto" is once an epoch); the first ``full_warm_up_rounds`` steps are ordinary offloaded steps. ``offload``
+    keeps the important columns' Adam state in host memory, ``pt_reserved_cores_perc`` is the share of the rank's
+    cores the host update leaves to training while it runs in the background (``overlap_step``).
+    ``steps_per_epoch`` is the epoch's length when the engine has no training loader (DeepSpeed sets it itself).
+    """
+
+    topk_ratio: float = 0.1
+    select_strategy: str = "auto"  # "auto" | "step" | "epoch"
+    select_interval: int | str = "auto"  # "auto" or a count of steps / epochs (0: choose once)
+    update_interval: int | str = "auto"  # "auto" or a count of steps (at least 1)
+    overlap_step: bool = False
+    offload: bool = False
+    auto_ratio: float = 0.99
+    full_warm_up_rounds: int = 0
+    pt_reserved_cores_perc: float = 0.5
+    steps_per_epoch: int | None = None
+
+
+@dataclass
 class AioConfig:
     """``aio``: how NVMe offload reads and writes its files (DeepSpeed 0.19.8's keys and defaults).
 
@@ -175,6 +202,8 @@ class ZeroOptimizationConfig:
     # DeepSpeed's: parameters taken in order into sub-groups of at least this many elements (0: one parameter each); here
     # the granularity of the offloaded host step (hf_zero/zero/host_step.py sub_group_ranges), read with offload only
     sub_group_size: int = 1_000_000_000
+    # DeepSpeed's ZenFlow (hf_zero/zero/zenflow.py): important columns stepped at once, the rest every few steps; None: off
+    zenflow: ZenFlowConfig | None = None
 
 
 @dataclass

@@ -97,6 +97,18 @@ class Number:
 
 
 @dataclass(frozen=True)
+class OpenRatio:
+    """A number strictly between 0 and 1 (pydantic's ``gt=0.0, lt=1.0``, as DeepSpeed's ``zenflow.topk_ratio``)."""
+
+    what: str = "a number greater than 0 and less than 1"
+
+    def __call__(self, value: Any, path: str) -> float:
+        if not _is_number(value) or not 0.0 < value < 1.0:
+            raise ConfigError(f"{path}: got {show(value)}, expected {self.what}")
+        return float(value)
+
+
+@dataclass(frozen=True)
 class Text:
     """Any string (a path, a name); ``null`` is handled by the caller's ``nullable``."""
 

@@ -22,6 +22,7 @@ from hf_zero.zero.host_step import host_step_threads
 from hf_zero.zero.nvme_io import NvmeSpec
 from hf_zero.zero.offload import OffloadPolicy
 from hf_zero.zero.optimizer import ShardedOptimizer, ZeroPolicy
+from hf_zero.zero.zenflow import ZenFlowPolicy
 
 logger = logging.getLogger("hf_zero")
 
@@ -43,6 +44,20 @@ def _nvme(sec: Any, key: str, aio: Any) -> NvmeSpec | None:
                     buffer_size=int(getattr(sec, "buffer_size", 0)), block_size=int(aio.block_size),
                     queue_depth=int(aio.queue_depth), threads=int(aio.intra_op_parallelism),
                     single_submit=bool(aio.single_submit))
+
+
+def _zenflow(zf: Any) -> ZenFlowPolicy | None:
+    """``zero_optimization.zenflow`` resolved as DeepSpeed 0.19.8's ``configure_zenflow`` resolves it: "auto" selection
+    is once an epoch (``select_strategy`` "epoch", interval 1), "auto" ``update_interval`` is None."""
+    if zf is None:
+        return None
+    by_epoch = zf.select_strategy in ("auto", "epoch")
+    every = 1 if zf.select_strategy == "auto" else int(zf.select_interval)
+    return ZenFlowPolicy(topk_ratio=float(zf.topk_ratio), by_epoch=by_epoch, select_every=every,
+                         update_interval=None if zf.update_interval == "auto" else int(zf.update_interval),
+                         overlap_step=bool(zf.overlap_step), offload=bool(zf.offload), auto_ratio=float(zf.auto_ratio),
+                         warm_up=int(zf.full_warm_up_rounds), reserved_cores=float(zf.pt_reserved_cores_perc),
+                         steps_per_epoch=zf.steps_per_epoch)
 
 
 def sharded_optimizer(module: torch.nn.Module, optimizer: Any, config: ZeroConfig, grid: ParallelGrid,
@@ -88,5 +103,6 @@ def sharded_optimizer(module: torch.nn.Module, optimizer: Any, config: ZeroConfi
         speculate_threads=speculate_threads,
         ratio=float(off.ratio) if offload_optimizer else 1.0,
         sub_group_size=int(zc.sub_group_size) if offload_optimizer else None,
+        zenflow=_zenflow(zc.zenflow) if offload_optimizer else None,
     )
     return ShardedOptimizer(module, optimizer, place=place, zero=zero, offload=offload)

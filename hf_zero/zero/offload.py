@@ -67,6 +67,7 @@ from hf_zero.zero import collectives as C
 from hf_zero.zero.flat import FlatGroup
 from hf_zero.zero.group import Placement, ShardGroup
 from hf_zero.zero.sharded_group import ShardedParamGroup
+from hf_zero.zero.zenflow import ZenFlowPolicy
 
 if TYPE_CHECKING:
     from hf_zero.zero.nvme_io import NvmeSpec
@@ -93,6 +94,8 @@ class OffloadPolicy:
     - ``speculate`` (``offload_optimizer.super_offload``): the host step of each group taken while backward runs,
       as soon as its gradient is in host memory, and undone exactly where clipping or a skipped step says so
       (:class:`hf_zero.zero.runner.SpeculativeHostRunner`).
+    - ``zenflow`` (``zero_optimization.zenflow``): each step only the important columns are stepped, on the device;
+      the host steps the others with their summed gradient every few steps (:mod:`hf_zero.zero.zenflow`).
     - ``optimizer_nvme`` / ``params_nvme`` (``"device": "nvme"``): the same state, kept in files on disk between
       steps instead (:mod:`hf_zero.zero.nvme`); ``optimizer`` / ``params`` are on as well, the step is then
       :class:`hf_zero.zero.runner.NvmeRunner`'s.
@@ -118,6 +121,9 @@ class OffloadPolicy:
     # zero_optimization.sub_group_size: each host group stepped in sub-groups of about that many elements
     # (hf_zero/zero/host_step.py sub_group_ranges); None: each group in one call
     sub_group_size: int | None = None
+    # zero_optimization.zenflow: important columns stepped on the device every step, the rest on the host every few
+    # (hf_zero/zero/zenflow.py; the step is hf_zero.zero.runner.ZenFlowRunner's); None: the exact offloaded step
+    zenflow: ZenFlowPolicy | None = None
 
     def __post_init__(self) -> None:
         for name in ("host_threads", "speculate_threads"):

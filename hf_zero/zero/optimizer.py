@@ -155,7 +155,8 @@ class ShardedOptimizer(DeepSpeedOptimizerViews):
         plan = HostPlan.FITS
         if offload.host_memory:  # before any host buffer exists; every rank gets the same answer
             plan = plan_host_memory(offload, self._shard_sizes(module, group_named),
-                                    state_bytes=state_bytes_per_element(optimizer),
+                                    state_bytes=state_bytes_per_element(optimizer) + (
+                                        offload.zenflow.host_bytes_per_element() if offload.zenflow else 0),
                                     param_bytes=place.compute_dtype.itemsize, group=place.group)
         self.stream_grads = plan is HostPlan.STREAM_GRADS
         # "device": "nvme": the folders exist before the groups, and each group goes to disk as it is built
@@ -356,6 +357,17 @@ class ShardedOptimizer(DeepSpeedOptimizerViews):
         """Every master, optimizer state and offloaded shard in memory for the block: a save or a load reads and writes
         them (collective). Only NVMe offload keeps any elsewhere (:class:`hf_zero.zero.runner.NvmeRunner`)."""
         return self.runner.resident()
+
+    @property
+    def state_namespace(self) -> str | None:
+        """The prefix of the optimizer-state keys the step runner keeps state of its own under during a save or load
+        (``"zenflow."``); None for the runners that keep none. A checkpoint's keys of another namespace are not
+        loaded (``hf_zero/checkpoint/optim_state.py``)."""
+        return self.runner.state_namespace
+
+    def set_epoch_length(self, steps: int) -> None:
+        """The training loader's epoch is ``steps`` optimizer steps: ZenFlow's "epoch" reselection counts in it."""
+        self.runner.set_epoch_length(steps)
 
     def release_inference(self) -> None:
         """Stage 3: release what no-grad forwards (evaluation, ``generate``) left gathered."""

@@ -18,6 +18,8 @@ taken per step:
   whose gradients reached host memory early enough stepped during the backward that ends the step, undone exactly
   where clipping or a skipped step says so; :class:`SpeculativeDeferredHostRunner` the same over
   :class:`DeferredHostRunner` (with ``overlap_param_gather``);
+- :class:`ZenFlowRunner` (``zero_optimization.zenflow``): each step only the important columns stepped, on the device,
+  the others by the host every ``update_interval`` steps (:class:`hf_zero.zero.zenflow.ZenFlow`);
 - :class:`NvmeRunner` (``"device": "nvme"``): :class:`HostRunner`'s step with the masters and optimizer state
   read from files and written back around each group's step (:mod:`hf_zero.zero.nvme`).
 
@@ -49,6 +51,8 @@ from hf_zero.zero.offload import (
     use_host_kernels,
 )
 from hf_zero.zero.overlap import DeferredPublish
+from hf_zero.zero.zenflow import NAMESPACE as ZENFLOW_STATE
+from hf_zero.zero.zenflow import ZenFlow
 
 Timed = Callable[[str, float], None]  # wall_clock_breakdown's sink (hf_zero/training/timers.py): (part, seconds)
 
@@ -90,6 +94,13 @@ class StepRunner:
 
     def discard(self) -> None:
         """This step's gradients are dropped without a step (skipped, cleared)."""
+
+    # The prefix of the optimizer-state keys this runner lays its own state under during resident() (a checkpoint then
+    # carries them; a run whose runner has another or none leaves them out when it loads one); None: it has none.
+    state_namespace: str | None = None
+
+    def set_epoch_length(self, steps: int) -> None:
+        """The training loader's epoch is ``steps`` optimizer steps (only ZenFlow's reselection reads it)."""
 
 
 class DeviceRunner(StepRunner):
@@ -448,6 +459,55 @@ class NvmeRunner(HostRunner):
         self.swap = self.params = None
 
 
+class ZenFlowRunner(StepRunner):
+    """``zero_optimization.zenflow`` (stages 1-2, ``offload_optimizer`` on the cpu): each step the important columns
+    are stepped with Adam on the device and published, the host steps every element with the summed gradients every
+    ``update_interval`` steps (with ``overlap_step`` in the background, published one interval late). The step and the
+    mode's state are :class:`hf_zero.zero.zenflow.ZenFlow`'s; stale by design (its module doc says how far).
+    """
+
+    state_namespace = ZENFLOW_STATE
+
+    def __init__(self, optimizer: torch.optim.Optimizer, groups: list[ShardGroup], stream: torch.cuda.Stream | None,
+                 device: torch.device, offload: OffloadPolicy, stream_grads: bool) -> None:
+        super().__init__(optimizer, groups, stream)
+        assert offload.zenflow is not None
+        if stream_grads:
+            raise ValueError("zero_optimization.zenflow sums every gradient in host memory, and host memory cannot hold "
+                             "even a gradient copy beside the masters here; use more machines or a higher ZeRO stage, "
+                             "or remove zenflow")
+        if any(g.master is not None and not is_host_master(g) for g in self.groups):
+            raise ValueError("zero_optimization.zenflow steps offloaded groups only; offload them all (ratio 1.0)")
+        use_host_kernels(optimizer)
+        self.zenflow: ZenFlow | None = ZenFlow(optimizer, [g for g in self.groups if is_host_master(g)], stream,
+                                               device, offload.zenflow, offload.host_threads, offload.sub_group_size)
+
+    def step(self, timed: Timed | None) -> None:
+        assert self.zenflow is not None, "the runner was released (engine.destroy())"
+        for g in self.groups:
+            if not is_host_master(g):
+                g.before_step()  # a frozen or empty group: nothing of it steps
+        self.zenflow.step(timed)
+
+    @contextlib.contextmanager
+    def resident(self) -> Iterator[None]:
+        if self.zenflow is None:
+            yield
+            return
+        with self.zenflow.resident():
+            yield
+
+    def set_epoch_length(self, steps: int) -> None:
+        if self.zenflow is not None:
+            self.zenflow.set_epoch_length(steps)
+
+    def release(self) -> None:
+        if self.zenflow is not None:
+            self.zenflow.close()
+        self.zenflow = None
+        super().release()
+
+
 def pick_runner(optimizer: torch.optim.Optimizer, groups: list[ShardGroup], stream: torch.cuda.Stream | None, *,
                 device: torch.device, offload: OffloadPolicy, stream_grads: bool,
                 overlap: DeferredPublish | None, process_group: object = None,
@@ -459,6 +519,8 @@ def pick_runner(optimizer: torch.optim.Optimizer, groups: list[ShardGroup], stre
     ``process_group`` the groups' (NVMe failures are raised on all its ranks), ``nvme`` the files the groups were
     written to as they were built (with ``offload.nvme``).
     """
+    if offload.optimizer and offload.zenflow is not None:  # the config refuses it beside NVMe, ratio, overlap, super_offload
+        return ZenFlowRunner(optimizer, groups, stream, device, offload, stream_grads)
     if offload.ratio < 1.0 and (nvme is not None or overlap is not None):  # the config refuses both first
         raise ValueError("OffloadPolicy.ratio below 1 keeps groups on the device, which the NVMe step and the deferred "
                          "host step (overlap_param_gather) do not handle; offload the whole state (ratio 1.0)")
