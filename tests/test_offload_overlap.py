@@ -1,6 +1,6 @@
 """``offload_optimizer.super_offload``: the host step taken during backward equals the ordinary offloaded step, bit for bit.
 
-hf_zero/zero/host_step.py ``SpeculativeHostStep`` steps each group's host master on a background thread as soon as
+hf_zero/zero/speculative_step.py ``SpeculativeHostStep`` steps each group's host master on a background thread as soon as
 its gradient is copied to host memory in the backward that ends the step, assuming the step neither clips nor is
 skipped, and undoes it exactly when it does either. The oracle is the same run with ``super_offload`` off
 (``HostStep`` after backward), on 2 CPU ranks over gloo with a small transformers Llama: the weights and the

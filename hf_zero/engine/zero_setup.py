@@ -22,7 +22,7 @@ from hf_zero.zero.host_step import host_step_threads
 from hf_zero.zero.nvme_io import NvmeSpec
 from hf_zero.zero.offload import OffloadPolicy
 from hf_zero.zero.optimizer import ShardedOptimizer, ZeroPolicy
-from hf_zero.zero.zenflow import ZenFlowPolicy
+from hf_zero.zero.zenflow_policy import ZenFlowPolicy
 
 logger = logging.getLogger("hf_zero")
 

@@ -24,7 +24,7 @@ master moved to the host. Per step:
 
 With ``offload_optimizer.super_offload`` step 3 moves into step 2: each group is stepped on a background thread as
 soon as its host copy lands, assuming the step neither clips nor is skipped, and undone exactly where the policy says
-otherwise (:class:`hf_zero.zero.host_step.SpeculativeHostStep`); the weights are the same bits.
+otherwise (:class:`hf_zero.zero.speculative_step.SpeculativeHostStep`); the weights are the same bits.
 
 When the host cannot hold the gradient copy beside the masters and the optimizer state (4 of each rank's
 16 bytes per element with Adam; an 8B full fine-tune on one 125 GiB host is that case),
@@ -67,7 +67,7 @@ from hf_zero.zero import collectives as C
 from hf_zero.zero.flat import FlatGroup
 from hf_zero.zero.group import Placement, ShardGroup
 from hf_zero.zero.sharded_group import ShardedParamGroup
-from hf_zero.zero.zenflow import ZenFlowPolicy
+from hf_zero.zero.zenflow_policy import ZenFlowPolicy
 
 if TYPE_CHECKING:
     from hf_zero.zero.nvme_io import NvmeSpec
@@ -110,7 +110,7 @@ class OffloadPolicy:
     optimizer_nvme: NvmeSpec | None = None
     params_nvme: NvmeSpec | None = None
     # offload_optimizer.super_offload: each group's host step taken during the backward that ends the step, undone
-    # exactly where clipping or a skipped step says so (hf_zero/zero/host_step.py SpeculativeHostStep)
+    # exactly where clipping or a skipped step says so (hf_zero/zero/speculative_step.py SpeculativeHostStep)
     speculate: bool = False
     # the background steps' intra-op threads under super_offload (cpuadam_cores_perc of the share: they run beside the
     # backward); None: host_threads
@@ -265,7 +265,7 @@ class _HostMaster(ShardGroup):
     # stays on the device until the step, which streams it through two shared host buffers (HostStep). Given to the
     # constructor, from the plan made before any group existed.
     stream_grads = False
-    # super_offload (hf_zero/zero/host_step.py SpeculativeHostStep, set by the runner): each host copy of the
+    # super_offload (hf_zero/zero/speculative_step.py SpeculativeHostStep, set by the runner): each host copy of the
     # backward that ends the step is handed to it to step at once, and a group reduced again is undone first
     speculation: Any = None
 

@@ -42,7 +42,7 @@ import torch
 
 from hf_zero.zero import collectives as C
 from hf_zero.zero.group import ShardGroup
-from hf_zero.zero.host_step import HostStep, SpeculativeHostStep
+from hf_zero.zero.host_step import HostStep
 from hf_zero.zero.nvme import NvmeStores, pooled_raise
 from hf_zero.zero.offload import (
     OffloadPolicy,
@@ -51,6 +51,7 @@ from hf_zero.zero.offload import (
     use_host_kernels,
 )
 from hf_zero.zero.overlap import DeferredPublish
+from hf_zero.zero.speculative_step import SpeculativeHostStep
 from hf_zero.zero.zenflow import NAMESPACE as ZENFLOW_STATE
 from hf_zero.zero.zenflow import ZenFlow
 
@@ -286,7 +287,7 @@ class DeferredHostRunner(HostRunner):
 class _Speculating:
     """``offload_optimizer.super_offload`` over a host runner (:class:`SpeculativeHostRunner`,
     :class:`SpeculativeDeferredHostRunner`): each group stepped during the backward that ends the step, as soon as its
-    gradient reaches host memory, on a background thread (:class:`hf_zero.zero.host_step.SpeculativeHostStep`),
+    gradient reaches host memory, on a background thread (:class:`hf_zero.zero.speculative_step.SpeculativeHostStep`),
     assuming the step does not clip and is not skipped. At the step the background thread is settled (it finishes
     the group it is on and takes no other) and the runner's own step only publishes the groups it stepped, stepping
     the rest itself. Where the assumption fails (``verdict``: clipping applies; ``discard``: an fp16 overflow or a
