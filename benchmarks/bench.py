@@ -145,7 +145,7 @@ def check_layouts(args: argparse.Namespace, world: int) -> None:
 # hf2nvme, hf3nvme: offload to NVMe under --nvme_path (hf_zero/zero/nvme.py); the aio section from --hf_config
 NVME_ENGINES = ("hf2nvme", "hf3nvme")
 # hf1os, hf2os, hf3os, hf3ops: optimizer offload with offload_optimizer.super_offload (each group's CPU step taken
-# during backward, hf_zero/zero/host_step.py SpeculativeHostStep); hf3ops with the parameter shards offloaded too;
+# during backward, hf_zero/zero/speculative_step.py SpeculativeHostStep); hf3ops with the parameter shards offloaded too;
 # hf1osg, hf2osg: super_offload with overlap_param_gather (the groups backward did not reach stepped in the next forward)
 SUPER_ENGINES = ("hf1os", "hf2os", "hf3os", "hf3ops", "hf1osg", "hf2osg")
 

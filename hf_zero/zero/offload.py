@@ -112,9 +112,7 @@ class OffloadPolicy:
     # offload_optimizer.super_offload: each group's host step taken during the backward that ends the step, undone
     # exactly where clipping or a skipped step says so (hf_zero/zero/speculative_step.py SpeculativeHostStep)
     speculate: bool = False
-    # the background steps' intra-op threads under super_offload (cpuadam_cores_perc of the share: they run beside the
-    # backward); None: host_threads
-    speculate_threads: int | None = None
+    speculate_threads: int | None = None  # super_offload's background steps' threads (cpuadam_cores_perc); None: host_threads
     # offload_optimizer.ratio (ZeRO-Offload++'s Twin-Flow): the share of the trainable groups whose master and optimizer
     # state live in host memory; the rest, the first groups in parameter order, stay and step on the device
     ratio: float = 1.0
@@ -400,7 +398,6 @@ class OffloadedFlatGroup(_HostMaster, FlatGroup):
         self._copy_after_reduce(stream)
 
     _shard_ahead = False  # write_shard_ahead copied the master already: the next publish only all-gathers
-
     def _write_shard(self, shard: torch.Tensor) -> None:
         """Host master -> this rank's range of the device parameters, cast to the compute dtype on the device
         (:meth:`FlatGroup.publish_master` then all-gathers it)."""
@@ -410,13 +407,10 @@ class OffloadedFlatGroup(_HostMaster, FlatGroup):
         _to_device(shard, self.master, self.pin)
 
     def write_shard_ahead(self, stream: torch.cuda.Stream | None) -> None:
-        """Copy the stepped master into this rank's range of the parameters now, on ``stream``, ahead of the publish.
-
-        Why: under ``super_offload`` with ``overlap_param_gather`` the groups stepped during backward are published
-        where the next forward reaches them, in one order on every rank (the all-gathers are collectives), and those are
-        the last blocks': left to then, their host-to-device copies would run at the end of the forward with no CPU
-        step to hide behind. The copy is this rank's alone, so it may go at once; the publish then only all-gathers
-        (the stream orders the two)."""
+        """Copy the stepped master into this rank's range of the parameters now, on ``stream``, ahead of the publish:
+        under ``super_offload`` with ``overlap_param_gather`` the groups stepped during backward (the last blocks') are
+        published in forward order, the same on every rank, and their copies would otherwise run at the forward's end
+        with no CPU step to hide behind. The copy is this rank's alone; the publish then only all-gathers."""
         assert self.master is not None and not self.publish_pending
         with C.on_stream(stream):
             _to_device(self.param_flat[self.shard_lo : self.shard_hi], self.master, self.pin)
