@@ -37,6 +37,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -87,26 +88,38 @@ def engine_config(run: str, args: argparse.Namespace) -> dict:
     return cfg
 
 
-def build_model(args: argparse.Namespace) -> torch.nn.Module:
+def build_model(args: argparse.Namespace, shapes: dict | None = None) -> torch.nn.Module:
+    """``args.model``'s Llama (from ``shapes``, default this script's), seeded: every run starts from the same weights."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    hidden, inter, layers, heads, kv = SHAPES[args.model]
+    hidden, inter, layers, heads, kv = (shapes or SHAPES)[args.model]
     torch.manual_seed(args.seed)
     return LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=inter,
                                         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv,
                                         max_position_embeddings=args.seq, tie_word_embeddings=False, use_cache=False))
 
 
-def train_one(run: str, args: argparse.Namespace, train: torch.Tensor, held: torch.Tensor) -> dict:
-    """One run on this rank: its micro-batch of each step's windows; the losses averaged over the ranks."""
+def _float8_figures(engine: object) -> dict:
+    return {"float8_layers": len(engine.float8_layers),  # type: ignore[attr-defined]
+            "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if engine.device.type == "cuda" else None}  # type: ignore[attr-defined]
+
+
+def train_one(run: str, args: argparse.Namespace, train: torch.Tensor, held: torch.Tensor, *,
+              config: Callable[[str, argparse.Namespace], dict] = engine_config,
+              model: Callable[[argparse.Namespace], torch.nn.Module] = build_model,
+              figures: Callable[[object], dict] = _float8_figures, tag: str = "fp8_loss_curve") -> dict:
+    """One run on this rank: its micro-batch of each step's windows; the losses averaged over the ranks.
+
+    ``config``, ``model`` and ``figures`` (what else the run reports, read off the engine after training) are this
+    script's; ``benchmarks/zenflow_loss_curve.py`` trains its runs through the same loop with its own."""
     import torch.distributed as dist
 
     import hf_zero
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    model = build_model(args)
-    params = sum(p.numel() for p in model.parameters())
-    engine = hf_zero.initialize(model=model, config=engine_config(run, args))[0]
+    net = model(args)
+    params = sum(p.numel() for p in net.parameters())
+    engine = hf_zero.initialize(model=net, config=config(run, args))[0]
     lo, hi = rank * args.micro, (rank + 1) * args.micro
     losses = []
     start = time.perf_counter()
@@ -119,18 +132,17 @@ def train_one(run: str, args: argparse.Namespace, train: torch.Tensor, held: tor
         dist.all_reduce(total)
         losses.append(total.item() / world)
         if rank == 0 and (t % max(1, args.steps // 10) == 0 or t == args.steps - 1):
-            print(f"[fp8_loss_curve] {run} step {t + 1}/{args.steps} loss {losses[-1]:.4f}", flush=True)
+            print(f"[{tag}] {run} step {t + 1}/{args.steps} loss {losses[-1]:.4f}", flush=True)
     if engine.device.type == "cuda":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
+    extra = figures(engine)
     engine.eval()
     with torch.no_grad():  # the held-out windows, split over the ranks
         mine = held[rank::world].to(engine.device)
         evals = torch.stack([engine(input_ids=r[None], labels=r[None]).loss.float() for r in mine]).sum()
         dist.all_reduce(evals)
-    out = {"params": params, "losses": losses, "eval_loss": evals.item() / held.shape[0], "seconds": seconds,
-           "float8_layers": len(engine.float8_layers),
-           "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if engine.device.type == "cuda" else None}
+    out = {"params": params, "losses": losses, "eval_loss": evals.item() / held.shape[0], "seconds": seconds, **extra}
     engine.destroy()
     del engine
     if torch.cuda.is_available():

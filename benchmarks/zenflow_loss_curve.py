@@ -28,13 +28,13 @@ import csv
 import hashlib
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fp8_loss_curve import VOCAB, batches, corpus  # noqa: E402 - the same data as the float8 curve
+import fp8_loss_curve as fp8_curve  # noqa: E402 - the same data, model and loop as the float8 curve
+from fp8_loss_curve import batches, corpus  # noqa: E402
 
 #: Llama shapes (hidden, intermediate, layers, heads, kv heads)
 SHAPES = {"tiny": (32, 64, 2, 4, 2), "small": (128, 384, 4, 4, 2), "30m": (512, 1408, 8, 8, 4)}
@@ -61,52 +61,18 @@ def engine_config(run: str, args: argparse.Namespace) -> dict:
     return cfg
 
 
-def build_model(args: argparse.Namespace) -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    hidden, inter, layers, heads, kv = SHAPES[args.model]
-    torch.manual_seed(args.seed)
-    return LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=inter,
-                                        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv,
-                                        max_position_embeddings=args.seq, tie_word_embeddings=False, use_cache=False))
+def _zenflow_figures(engine: object) -> dict:
+    runner = engine.zero_optimizer.runner  # type: ignore[attr-defined]
+    if getattr(runner, "zenflow", None) is not None:
+        return dict(runner.zenflow.counts)
+    return {"host_updates": engine.global_steps, "selections": 0}  # type: ignore[attr-defined]
 
 
 def train_one(run: str, args: argparse.Namespace, train: torch.Tensor, held: torch.Tensor) -> dict:
-    """One run on this rank (its micro-batch of each step's windows); the losses averaged over the ranks."""
-    import torch.distributed as dist
-
-    import hf_zero
-
-    rank, world = dist.get_rank(), dist.get_world_size()
-    model = build_model(args)
-    params = sum(p.numel() for p in model.parameters())
-    engine = hf_zero.initialize(model=model, config=engine_config(run, args))[0]
-    lo, hi = rank * args.micro, (rank + 1) * args.micro
-    losses = []
-    start = time.perf_counter()
-    for t in range(args.steps):
-        ids = train[t, lo:hi].to(engine.device)
-        loss = engine(input_ids=ids, labels=ids).loss
-        engine.backward(loss)
-        engine.step()
-        total = loss.detach().float().clone()
-        dist.all_reduce(total)
-        losses.append(total.item() / world)
-        if rank == 0 and (t % max(1, args.steps // 10) == 0 or t == args.steps - 1):
-            print(f"[zenflow_loss_curve] {run} step {t + 1}/{args.steps} loss {losses[-1]:.4f}", flush=True)
-    seconds = time.perf_counter() - start
-    runner = engine.zero_optimizer.runner
-    counts = dict(runner.zenflow.counts) if getattr(runner, "zenflow", None) is not None else {
-        "host_updates": args.steps, "selections": 0}
-    engine.eval()
-    with torch.no_grad():  # the held-out windows, split over the ranks
-        mine = held[rank::world].to(engine.device)
-        evals = torch.stack([engine(input_ids=r[None], labels=r[None]).loss.float() for r in mine]).sum()
-        dist.all_reduce(evals)
-    out = {"params": params, "losses": losses, "eval_loss": evals.item() / held.shape[0], "seconds": seconds,
-           **counts}
-    engine.destroy()
-    return out
+    """One run on this rank, through the float8 curve's loop with this script's config, model and figures."""
+    return fp8_curve.train_one(run, args, train, held, config=engine_config,
+                               model=lambda a: fp8_curve.build_model(a, SHAPES), figures=_zenflow_figures,
+                               tag="zenflow_loss_curve")
 
 
 def summary(result: dict, final: int) -> list[str]:

@@ -64,3 +64,18 @@ def test_smoke_run_writes_the_curves_and_the_summary(tmp_path: Path) -> None:
         assert float(line.group(1)) == pytest.approx(mean[name], abs=1e-4)
         assert float(line.group(2)) == pytest.approx(100 * (mean[name] - mean["bf16"]) / mean["bf16"], abs=0.01)
     assert "mean loss over the final 6 steps" in proc.stdout
+
+
+def test_zenflow_curve_trains_its_runs_through_the_same_loop(tmp_path: Path) -> None:
+    """benchmarks/zenflow_loss_curve.py reuses this script's data, model and training loop: the same first loss in
+    every run (same weights, same batch; ZenFlow only changes what the steps after it apply), ZenFlow's host updates
+    every update_interval steps, the exact run's every step."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "zenflow_loss_curve.py"), "--model", "tiny",
+                           "--steps", "8", "--out", str(tmp_path)], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    runs = json.loads((tmp_path / "losses.json").read_text())["runs"]
+    assert list(runs) == ["exact", "zenflow", "zenflow_overlap"]
+    assert len({r["losses"][0] for r in runs.values()}) == 1, runs
+    assert runs["exact"]["host_updates"] == 8 and 0 < runs["zenflow"]["host_updates"] < 8, runs
+    assert runs["exact"]["losses"] != runs["zenflow"]["losses"]
