@@ -151,6 +151,17 @@ def train_one(run: str, args: argparse.Namespace, train: torch.Tensor, held: tor
     return out
 
 
+def load_data(args: argparse.Namespace, world: int, held_rows: int = 16) -> tuple[bytes, torch.Tensor, torch.Tensor]:
+    """The corpus, each step's training windows for all ``world`` ranks, and about ``held_rows`` held-out windows (a
+    multiple of the world size) from its last 5%."""
+    text = corpus()
+    data = torch.frombuffer(bytearray(text), dtype=torch.uint8).long()
+    cut = int(data.numel() * 0.95)
+    train = batches(data[:cut], args.steps, args.micro * world, args.seq, args.seed)
+    held = batches(data[cut:], 1, max(world, held_rows // world * world), args.seq, args.seed + 1)[0]
+    return text, train, held
+
+
 def worker(args: argparse.Namespace) -> None:
     """Inside torchrun: every run in turn; rank 0 writes the JSON."""
     import torch.distributed as dist
@@ -160,11 +171,7 @@ def worker(args: argparse.Namespace) -> None:
 
     hf_zero.init_distributed()
     world = dist.get_world_size()
-    text = corpus()
-    data = torch.frombuffer(bytearray(text), dtype=torch.uint8).long()
-    cut = int(data.numel() * 0.95)
-    train = batches(data[:cut], args.steps, args.micro * world, args.seq, args.seed)
-    held = batches(data[cut:], 1, max(world, 16 // world * world), args.seq, args.seed + 1)[0]
+    text, train, held = load_data(args, world)
     result = {"model": args.model, "steps": args.steps, "world": world, "micro": args.micro, "seq": args.seq,
               "stage": args.stage, "lr": args.lr, "seed": args.seed, "device": get_device().type,
               "corpus": {"bytes": len(text), "sha256": hashlib.sha256(text).hexdigest()},
@@ -195,8 +202,9 @@ def summary(result: dict) -> list[str]:
     return lines
 
 
-def write_outputs(result: dict, out: Path) -> list[str]:
-    """losses.csv, and the plot when matplotlib is there; the files written."""
+def write_outputs(result: dict, out: Path, png: str = "fp8_loss_curve.png", title: str = "",
+                  tag: str = "fp8_loss_curve") -> list[str]:
+    """losses.csv, and the plot ``png`` titled ``title`` when matplotlib is there; the files written."""
     names = list(result["runs"])
     with open(out / "losses.csv", "w", newline="") as f:
         w = csv.writer(f)
@@ -210,7 +218,7 @@ def write_outputs(result: dict, out: Path) -> list[str]:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("[fp8_loss_curve] matplotlib is not importable: no plot (pip install 'hf_zero[bench]')")
+        print(f"[{tag}] matplotlib is not importable: no plot (pip install 'hf_zero[bench]')")
         return written
     fig, ax = plt.subplots(figsize=(8, 4.5))
     smooth = max(1, result["steps"] // 50)
@@ -220,12 +228,12 @@ def write_outputs(result: dict, out: Path) -> list[str]:
         ax.plot(range(1, len(ys) + 1), avg, label=n, linewidth=1.2)
     ax.set_xlabel("step")
     ax.set_ylabel(f"training loss ({smooth}-step moving mean)" if smooth > 1 else "training loss")
-    ax.set_title(f"hf_zero ZeRO-{result['stage']}, {result['model']}: bf16 vs float8")
+    ax.set_title(title or f"hf_zero ZeRO-{result['stage']}, {result['model']}: bf16 vs float8")
     ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(out / "fp8_loss_curve.png", dpi=120)
-    written.append(str(out / "fp8_loss_curve.png"))
+    fig.savefig(out / png, dpi=120)
+    written.append(str(out / png))
     return written
 
 

@@ -24,7 +24,6 @@ Printed: each run's mean loss over the final ``--final`` steps, its evaluation l
 from __future__ import annotations
 
 import argparse
-import csv
 import hashlib
 import json
 import sys
@@ -34,7 +33,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import fp8_loss_curve as fp8_curve  # noqa: E402 - the same data, model and loop as the float8 curve
-from fp8_loss_curve import batches, corpus  # noqa: E402
 
 #: Llama shapes (hidden, intermediate, layers, heads, kv heads)
 SHAPES = {"tiny": (32, 64, 2, 4, 2), "small": (128, 384, 4, 4, 2), "30m": (512, 1408, 8, 8, 4)}
@@ -93,34 +91,6 @@ def summary(result: dict, final: int) -> list[str]:
     return lines
 
 
-def write_outputs(result: dict, out: Path) -> list[str]:
-    """losses.csv, and the plot when matplotlib is there; the files written."""
-    names = list(result["runs"])
-    with open(out / "losses.csv", "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["step", *names])
-        for t in range(result["steps"]):
-            w.writerow([t + 1, *(f"{result['runs'][n]['losses'][t]:.6f}" for n in names)])
-    written = [str(out / "losses.csv"), str(out / "losses.json")]
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return written
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    for n in names:
-        ax.plot(range(1, result["steps"] + 1), result["runs"][n]["losses"], label=n, linewidth=1)
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("training loss (bytes)")
-    ax.set_title(f"ZenFlow beside the exact offloaded step: {result['model']}, {result['steps']} steps")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(out / "zenflow_loss_curve.png", dpi=120)
-    return [*written, str(out / "zenflow_loss_curve.png")]
-
-
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", choices=sorted(SHAPES), default="small")
@@ -145,11 +115,7 @@ def main(argv: list[str] | None = None) -> None:
 
     hf_zero.init_distributed()
     world = dist.get_world_size()
-    text = corpus()
-    data = torch.frombuffer(bytearray(text), dtype=torch.uint8).long()
-    cut = int(data.numel() * 0.95)
-    train = batches(data[:cut], args.steps, args.micro * world, args.seq, args.seed)
-    held = batches(data[cut:], 1, max(world, 32 // world * world), args.seq, args.seed + 1)[0]
+    text, train, held = fp8_curve.load_data(args, world, held_rows=32)
     result = {"model": args.model, "steps": args.steps, "world": world, "micro": args.micro, "seq": args.seq,
               "lr": args.lr, "seed": args.seed, "device": get_device().type, "bf16": args.bf16,
               "zenflow": {"topk_ratio": args.topk, "update_interval": args.update, "select_interval": args.select},
@@ -161,7 +127,9 @@ def main(argv: list[str] | None = None) -> None:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "losses.json").write_text(json.dumps(result, indent=1))
-        written = write_outputs(result, out)
+        written = fp8_curve.write_outputs(
+            result, out, png="zenflow_loss_curve.png", tag="zenflow_loss_curve",
+            title=f"ZenFlow beside the exact offloaded step: {result['model']}, {result['steps']} steps")
         print("\n".join(summary(result, args.final)))
         print("wrote " + ", ".join(written))
     dist.barrier()
