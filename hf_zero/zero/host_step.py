@@ -225,6 +225,20 @@ class HostStep:
 
 
 
+def report_step_parts(timed: Callable[[str, float], None], device: torch.device, t0: float, t1: float, t2: float,
+                      cpu_seconds: float, io_seconds: float | None = None) -> None:
+    """``wall_clock_breakdown``'s parts of a host step that ran from ``t0`` (``time.perf_counter``) to ``t2``: the wait
+    for the gradients until ``t1``, the CPU optimizer, the NVMe wait when given, and the rest, until the device holds
+    the new weights (a device sync, taken only when timing), as the copies back to it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    timed("step.wait_grads", t1 - t0)
+    timed("step.cpu_optimizer", cpu_seconds)
+    if io_seconds is not None:
+        timed("step.nvme_wait", io_seconds)
+    timed("step.to_device", (t2 - t1 - cpu_seconds - (io_seconds or 0.0)) + (time.perf_counter() - t2))
+
+
 # The environment variable that fixes the host step's thread count, over what host_step_threads would choose.
 HOST_THREADS_ENV = "HF_ZERO_HOST_THREADS"
 

@@ -42,7 +42,7 @@ import torch
 
 from hf_zero.zero import collectives as C
 from hf_zero.zero.group import ShardGroup
-from hf_zero.zero.host_step import HostStep
+from hf_zero.zero.host_step import HostStep, report_step_parts
 from hf_zero.zero.nvme import NvmeStores, pooled_raise
 from hf_zero.zero.offload import (
     OffloadPolicy,
@@ -227,11 +227,7 @@ class HostRunner(StepRunner):
         t2 = clock()
         C.wait_for(self.stream)
         if timed is not None:
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            timed("step.wait_grads", t1 - t0)
-            timed("step.cpu_optimizer", run.cpu_seconds)
-            timed("step.to_device", (t2 - t1 - run.cpu_seconds) + (clock() - t2))
+            report_step_parts(timed, self.device, t0, t1, t2, run.cpu_seconds)
 
     def _prestepped(self, work: list[tuple[ShardGroup, torch.Tensor]]) -> frozenset[int]:
         """The groups of ``work`` already stepped for this step (only :class:`SpeculativeHostRunner` has any)."""
@@ -435,13 +431,8 @@ class NvmeRunner(HostRunner):
                 self.swap.fail(str(e))
             raise
         if timed is not None:
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
             io = self.swap.io_seconds if self.swap is not None else 0.0
-            timed("step.wait_grads", t1 - t0)
-            timed("step.cpu_optimizer", run.cpu_seconds)
-            timed("step.nvme_wait", io)
-            timed("step.to_device", (t2 - t1 - run.cpu_seconds - io) + (clock() - t2))
+            report_step_parts(timed, self.device, t0, t1, t2, run.cpu_seconds, io)
 
     @contextlib.contextmanager
     def resident(self) -> Iterator[None]:

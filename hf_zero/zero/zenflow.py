@@ -19,7 +19,7 @@ import torch
 
 from hf_zero.zero import collectives as C
 from hf_zero.zero.group import ShardGroup
-from hf_zero.zero.host_step import intra_op_threads, step_master, sub_group_ranges
+from hf_zero.zero.host_step import intra_op_threads, report_step_parts, step_master, sub_group_ranges
 from hf_zero.zero.zenflow_policy import NAMESPACE, Schedule, ZenFlowPolicy, check_optimizer, selected_columns
 from hf_zero.zero.zenflow_state import ZenFlowState
 
@@ -120,11 +120,7 @@ class ZenFlow(ZenFlowState):
         t2 = clock()
         C.wait_for(self.stream)
         if timed is not None:
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            timed("step.wait_grads", t1 - t0)
-            timed("step.cpu_optimizer", self.cpu_seconds)
-            timed("step.to_device", (t2 - t1 - self.cpu_seconds) + (clock() - t2))
+            report_step_parts(timed, self.device, t0, t1, t2, self.cpu_seconds)
 
     def _take_grads(self) -> list[torch.Tensor | None]:
         """Each group's reduced (unscaled, clipped) gradient shard in host memory, taken off its master's ``.grad``
