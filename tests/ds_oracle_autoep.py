@@ -41,6 +41,9 @@ from typing import Any
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/ as a package
+from tests.models import tiny_moe  # noqa: E402
+
 VOCAB, SEQ, MICRO = 32, 8, 2
 WORLD, EP = 4, 2  # DeepSpeed's run: 4 ranks, EP groups [0, 1] and [2, 3], expert-data-parallel groups [0, 2], [1, 3]
 MICROS = 4  # micro-batches per optimizer step over all ranks (DeepSpeed: one per rank)
@@ -56,24 +59,8 @@ CASES = [
 
 
 def make_model(kind: str) -> Any:
-    """A seeded tiny MoE causal LM (hidden 32, 2 layers, 8 experts, top-2, aux loss on)."""
-    import transformers as T
-
-    common = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                  max_position_embeddings=SEQ, num_experts_per_tok=2, output_router_logits=True,
-                  router_aux_loss_coef=0.1, tie_word_embeddings=False, bos_token_id=None, eos_token_id=None,
-                  pad_token_id=None)
-    torch.manual_seed(0)
-    if kind == "mixtral":
-        return T.MixtralForCausalLM(T.MixtralConfig(intermediate_size=24, num_local_experts=8, **common))
-    if kind == "qwen3_moe":
-        return T.Qwen3MoeForCausalLM(T.Qwen3MoeConfig(intermediate_size=48, moe_intermediate_size=24, num_experts=8,
-                                                      decoder_sparse_step=1, head_dim=8, **common))
-    if kind == "qwen2_moe":  # a shared expert with its gate: AutoEP renames both (shared_experts, shared_experts_gate)
-        return T.Qwen2MoeForCausalLM(T.Qwen2MoeConfig(intermediate_size=48, moe_intermediate_size=24,
-                                                      shared_expert_intermediate_size=16, num_experts=8,
-                                                      decoder_sparse_step=1, **common))
-    raise ValueError(kind)
+    """The tiny MoE model of the expert-parallel tests (tests/models.py), at this oracle's vocabulary and length."""
+    return tiny_moe(kind, vocab=VOCAB, seq=SEQ)
 
 
 def micro_batch(step: int, j: int) -> torch.Tensor:

@@ -88,3 +88,37 @@ def train_one_process(
         opt.zero_grad()
         losses.append(total)
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def tiny_moe(kind: str, experts: int = 8, vocab: int = 32, seq: int = 8) -> torch.nn.Module:
+    """A seeded tiny MoE causal LM of transformers' class ``kind`` (hidden 32, 2 layers, ``experts`` experts, top-2, aux
+    loss on): the expert-parallel tests' and DeepSpeed's AutoEP oracle's (tests/ds_oracle_autoep.py) model."""
+    import transformers as T
+
+    common = dict(vocab_size=vocab, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=seq, num_experts_per_tok=2, output_router_logits=True,
+                  router_aux_loss_coef=0.1, tie_word_embeddings=False, bos_token_id=None, eos_token_id=None,
+                  pad_token_id=None)
+    torch.manual_seed(0)
+    if kind == "mixtral":
+        return T.MixtralForCausalLM(T.MixtralConfig(intermediate_size=24, num_local_experts=experts, **common))
+    if kind == "qwen3_moe":
+        return T.Qwen3MoeForCausalLM(T.Qwen3MoeConfig(intermediate_size=48, moe_intermediate_size=24, num_experts=experts,
+                                                      decoder_sparse_step=1, head_dim=8, **common))
+    if kind == "qwen2_moe":
+        return T.Qwen2MoeForCausalLM(T.Qwen2MoeConfig(intermediate_size=48, moe_intermediate_size=24,
+                                                      shared_expert_intermediate_size=16, num_experts=experts,
+                                                      decoder_sparse_step=1, **common))
+    if kind == "olmoe":
+        return T.OlmoeForCausalLM(T.OlmoeConfig(intermediate_size=24, num_experts=experts, **common))
+    if kind == "gpt_oss":
+        return T.GptOssForCausalLM(T.GptOssConfig(intermediate_size=24, num_local_experts=experts, head_dim=8,
+                                                  sliding_window=4, rope_parameters={"rope_type": "default",
+                                                                                     "rope_theta": 10000.0}, **common))
+    if kind == "deepseek_v3":  # no aux loss in transformers' DeepSeek-V3; a shared expert and group-limited routing
+        ds = {k: v for k, v in common.items() if k not in ("output_router_logits", "router_aux_loss_coef")}
+        return T.DeepseekV3ForCausalLM(T.DeepseekV3Config(
+            intermediate_size=48, moe_intermediate_size=24, n_routed_experts=experts, n_shared_experts=1, n_group=2,
+            topk_group=1, first_k_dense_replace=0, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=4,
+            qk_nope_head_dim=4, v_head_dim=8, **ds))
+    raise ValueError(f"tiny_moe: unknown kind {kind!r}")
