@@ -146,8 +146,9 @@ def check_layouts(args: argparse.Namespace, world: int) -> None:
 NVME_ENGINES = ("hf2nvme", "hf3nvme")
 # hf1os, hf2os, hf3os, hf3ops: optimizer offload with offload_optimizer.super_offload (each group's CPU step taken
 # during backward, hf_zero/zero/speculative_step.py SpeculativeHostStep); hf3ops with the parameter shards offloaded too;
-# hf1osg, hf2osg: super_offload with overlap_param_gather (the groups backward did not reach stepped in the next forward)
-SUPER_ENGINES = ("hf1os", "hf2os", "hf3os", "hf3ops", "hf1osg", "hf2osg")
+# hf1osg, hf2osg: super_offload with overlap_param_gather (the groups backward did not reach stepped in the next forward);
+# hf3osg, hf3opsg: the same at stage 3 (each unit's host step where its next gather is: hf_zero/zero/unit_steps.py)
+SUPER_ENGINES = ("hf1os", "hf2os", "hf3os", "hf3ops", "hf1osg", "hf2osg", "hf3osg", "hf3opsg")
 
 
 def hf_engine_config(name: str, args: argparse.Namespace, world: int, offload: bool = False,
@@ -363,7 +364,7 @@ def run_trainer(name: str, args: argparse.Namespace, model: torch.nn.Module, fpt
 def run_engine(name: str, args: argparse.Namespace) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     build_peak = None
-    offload_param = name in ("hf3op", "ds3op", "hf3ops")
+    offload_param = name in ("hf3op", "ds3op", "hf3ops", "hf3opg", "hf3opsg")
     if name == "hf3i" or (args.zero_init and name.startswith("hf3")):
         # stage 3 with the model built under zero.Init: no GPU ever holds all of it; with --zero_init and
         # parameter offload each slice is made in host memory (remote_device="cpu"), as DeepSpeed's docs build a

@@ -142,9 +142,7 @@ def _grid(rank: int, world: int, cases: list) -> list:
     out = []
     for stage, gas, clip, fp16 in cases:
         off = _run(stage, gas, clip, fp16, "off", rank)
-        for mode in MODES[1:]:
-            if mode == "overlap" and stage == 3:  # overlap_param_gather is a stage 0-2 option
-                continue
+        for mode in MODES[1:]:  # overlap at stage 3: each unit's host step where its next gather is (unit_steps.py)
             on = _run(stage, gas, clip, fp16, mode, rank)
             differ = sorted(k for k in off["state"] if not torch.equal(off["state"][k], on["state"][k]))
             out.append({"case": [stage, gas, clip, fp16], "mode": mode, "differ": differ,
@@ -214,8 +212,6 @@ def gpu_suite(rank: int, world: int) -> list[dict]:
     for stage, gas, clip in ((1, 1, 0.0), (2, 2, 0.0), (3, 1, 0.0), (2, 1, 1e-3), (3, 2, 1e-3)):
         off = _run(stage, gas, clip, False, "off", rank)
         for mode in MODES[1:]:
-            if mode == "overlap" and stage == 3:
-                continue
             on = _run(stage, gas, clip, False, mode, rank)
             c = on["counts"]
             if clip:  # every step clips: every background step is undone, the ordinary step takes them all

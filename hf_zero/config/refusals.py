@@ -96,6 +96,9 @@ def refuse_missing_features(cfg: Any) -> list[str]:
                        "the optimizer steps each group in one call)")
     if par is not None and par.device in ("cpu", "nvme") and zo.stage != 3:
         ignored.append("zero_optimization.offload_param (DeepSpeed reads it at stage 3 only)")
+    if zo.stage == 3 and zo.overlap_param_gather and opt is not None and opt.device == "cpu" and opt.ratio < 1.0:
+        ignored.append("zero_optimization.overlap_param_gather (at stage 3 it defers the offloaded host step of each "
+                       "unit to its next gather, which does not run beside offload_optimizer.ratio below 1 yet)")
     zf = zo.zenflow
     given_zf = given_zero.get("zenflow") if isinstance(given_zero, dict) else None
     if zf is not None and isinstance(given_zf, dict):

@@ -65,6 +65,8 @@ def _place(param: torch.Tensor) -> tuple[Any, Any] | None:
         return None
     if g.resident:
         g.wait()  # a step deferred to the next forward (overlap_param_gather) is taken before its values are read
+    elif getattr(g, "publish_pending", False):
+        g.run_deferred_step()  # stage 3's deferred to the unit's next gather (hf_zero/zero/unit_steps.py) likewise
     slot = next(s for s in g.slots if s.param is param)
     return g, slot
 

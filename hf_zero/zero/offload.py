@@ -16,15 +16,13 @@ master moved to the host. Per step:
    masters one shard group at a time (torch's optimizers skip a parameter without ``.grad``, so each
    master is updated once with its own step count; Adam/AdamW use torch's fused CPU kernel), so its
    state, ``state_dict()`` and any LR scheduler built on it are untouched;
-4. :meth:`publish_master` sends each group back as soon as it is stepped (:class:`HostStep`), while the CPU
-   steps the next (with ``overlap_param_gather`` at stages 1-2, inside the next forward: the group's first
-   reader steps it): the fp32 master to a device buffer, cast there into the compute-dtype parameters (stages
-   1-2: this rank's range of ``param_flat``, then the all-gather; stage 3: the 16-bit shard the next
-   all-gather reads; DeepSpeed keeps that shard on the GPU too).
+4. :meth:`publish_master` sends each group back once stepped (:class:`HostStep`) while the CPU steps the next
+   (``overlap_param_gather``: in the next forward, the group's first reader steps it; stage 3: its next gather,
+   :mod:`hf_zero.zero.unit_steps`): the fp32 master to a device buffer, cast there into the compute-dtype
+   parameters (stages 1-2: this rank's range of ``param_flat``, then the all-gather; stage 3: the 16-bit shard).
 
-With ``offload_optimizer.super_offload`` step 3 moves into step 2: each group is stepped on a background thread as
-soon as its host copy lands, assuming the step neither clips nor is skipped, and undone exactly where the policy says
-otherwise (:class:`hf_zero.zero.speculative_step.SpeculativeHostStep`); the weights are the same bits.
+``offload_optimizer.super_offload`` moves step 3 into step 2: each group stepped on a background thread as its host
+copy lands, undone exactly where clipping or a skip says so (:class:`~hf_zero.zero.speculative_step.SpeculativeHostStep`).
 
 When the host cannot hold the gradient copy beside the masters and the optimizer state (4 of each rank's
 16 bytes per element with Adam; an 8B full fine-tune on one 125 GiB host is that case),
@@ -67,6 +65,7 @@ from hf_zero.zero import collectives as C
 from hf_zero.zero.flat import FlatGroup
 from hf_zero.zero.group import Placement, ShardGroup
 from hf_zero.zero.sharded_group import ShardedParamGroup
+from hf_zero.zero.unit_steps import DeferredUnitStep
 from hf_zero.zero.zenflow_policy import ZenFlowPolicy
 
 if TYPE_CHECKING:
@@ -109,9 +108,7 @@ class OffloadPolicy:
     # ``"device": "nvme"`` (hf_zero/zero/nvme.py): where on disk the offloaded optimizer state / parameter shards live
     optimizer_nvme: NvmeSpec | None = None
     params_nvme: NvmeSpec | None = None
-    # offload_optimizer.super_offload: each group's host step taken during the backward that ends the step, undone
-    # exactly where clipping or a skipped step says so (hf_zero/zero/speculative_step.py SpeculativeHostStep)
-    speculate: bool = False
+    speculate: bool = False  # offload_optimizer.super_offload (the docstring above)
     speculate_threads: int | None = None  # super_offload's background steps' threads (cpuadam_cores_perc); None: host_threads
     # offload_optimizer.ratio (ZeRO-Offload++'s Twin-Flow): the share of the trainable groups whose master and optimizer
     # state live in host memory; the rest, the first groups in parameter order, stay and step on the device
@@ -456,7 +453,7 @@ class OffloadedFrozenGroup(_HostParamShard):
         self._move_param_shard_to_host(pin)
 
 
-class OffloadedShardedParamGroup(_HostMaster, _HostParamShard):
+class OffloadedShardedParamGroup(DeferredUnitStep, _HostMaster, _HostParamShard):
     """A stage-3 group whose fp32 master lives in host memory; its compute-dtype shard stays on the device for the
     gathers, or in host memory too under ``offload_param`` (``params_on_host``). ``stream_grads``: see :class:`_HostMaster`."""
 
@@ -477,9 +474,11 @@ class OffloadedShardedParamGroup(_HostMaster, _HostParamShard):
         ShardedParamGroup.reduce_grads(self, stream, limit)
         self._copy_after_reduce(stream)
 
-    def publish_master(self, stream: torch.cuda.Stream | None) -> None:
+    def publish_master(self, stream: torch.cuda.Stream | None, defer: bool = False) -> None:
         """Host master -> the shard the next all-gather reads (cast to the compute dtype): on the device, or, with
-        the shard in host memory too, cast there (one CPU pass; the gather copies the 16-bit values over)."""
+        the shard in host memory too, cast there (one CPU pass; the gather copies the 16-bit values over). ``defer``
+        (overlap_param_gather, hf_zero/zero/unit_steps.py): the gather waits for the copy's event, not the step."""
+        self._deferred = None  # stepped: a gather has nothing left to run first
         if self.master is None:
             return
         assert self.param_shard is not None
@@ -491,6 +490,9 @@ class OffloadedShardedParamGroup(_HostMaster, _HostParamShard):
             return
         with C.on_stream(stream):
             _to_device(self.param_shard, self.master, self.pin)
+            if defer and stream is not None:
+                self._published = torch.cuda.Event()
+                self._published.record(stream)
 
 
 def state_bytes_per_element(optimizer: torch.optim.Optimizer) -> int:
@@ -529,9 +531,7 @@ def check_host_memory(needed: int, group: dist.ProcessGroup | None, streamed: in
     gradients streamed through two shared buffers instead of a host copy per group: when ``needed`` does not
     fit but that does, the answer is True (stream), and every rank gets the same answer. A plan may use
     MemAvailable less :data:`HOST_RESERVE_FRACTION` of it and :data:`HOST_RESERVE_PER_RANK` per rank of the
-    machine. The ranks exchange
-    (host id, bytes, streamed bytes, available bytes) with one all-gather of integers over ``group``.
-    """
+    machine. The ranks exchange (host id, bytes, streamed bytes, available bytes) in one all-gather over ``group``."""
     try:
         available = available_host_bytes()
     except OSError:

@@ -78,6 +78,7 @@ from hf_zero.zero.preshard import materialize_
 from hf_zero.zero.runner import StepRunner, pick_runner
 from hf_zero.zero.sharded_group import ShardedParamGroup
 from hf_zero.zero.stage3 import Stage3Runtime
+from hf_zero.zero.unit_steps import DeferredUnitSteps
 from hf_zero.zero.units import Unit, assign_units
 
 logger = logging.getLogger("hf_zero")
@@ -91,8 +92,9 @@ class ZeroPolicy:
     it keeps whole). ``persistence_threshold``, ``prefetch_numel``, ``max_live_numel``, ``max_reuse_numel``: the ``stage3_*`` values
     (which hold their defaults), read at stage 3 only. ``overlap_param_gather``: at stages 0-2 the step returns
     with the parameters' all-gathers in flight and the next forward waits for each group where it first reads it
-    (:mod:`hf_zero.zero.overlap`); with the optimizer offloaded the CPU step of each group is deferred the same way;
-    at stage 3 it changes nothing. ``ignore_unused_parameters`` False: at stages 1-2, a trainable parameter that got
+    (:mod:`hf_zero.zero.overlap`); with the optimizer offloaded the CPU step of each group is deferred the same way,
+    at stage 3 too, to each unit's next gather (:mod:`hf_zero.zero.unit_steps`); at stage 3 without offload it changes
+    nothing. ``ignore_unused_parameters`` False: at stages 1-2, a trainable parameter that got
     no gradient in a step's backward passes stops that step (:meth:`ShardedOptimizer.check_unused_parameters`).
     """
 
@@ -197,9 +199,13 @@ class ShardedOptimizer(DeepSpeedOptimizerViews):
         # ignore_unused_parameters false (DeepSpeed checks it at stages 1-2): the parameters that got a gradient since
         # the last step; None when nothing is checked
         self._got_grad: set[int] | None = set() if stage in (1, 2) and not zero.ignore_unused_parameters else None
-        self.overlap: DeferredPublish | None = None
+        self.overlap: DeferredPublish | DeferredUnitSteps | None = None
         if zero.overlap_param_gather and stage <= 2 and self.flat_groups:
             self.overlap = DeferredPublish(module, self.flat_groups)
+        elif (zero.overlap_param_gather and self.runtime is not None and offload.optimizer and self.nvme is None
+              and not self.device_groups and any(is_host_master(g) for g in self.stage3_groups)):
+            # stage 3: each unit's host step where the next forward gathers it (hf_zero/zero/unit_steps.py)
+            self.overlap = DeferredUnitSteps(self.runtime, self.flat_groups, self.stage3_groups)
         self.runner: StepRunner = pick_runner(optimizer, self.groups, self.comm_stream, device=device, offload=offload,
                                               stream_grads=self.stream_grads, overlap=self.overlap, process_group=self.nvme_scope,
                                               nvme=self.nvme)

@@ -129,6 +129,11 @@ class DeferredPublish:
 
         return hook
 
+    def step_now(self, through: Any, work: list[FlatGroup]) -> None:
+        """At a deferred host step (:class:`hf_zero.zero.runner.DeferredHostRunner`), of ``work`` (in :attr:`order`): the
+        first group the forward reads, stepped at once, so that a scheduler sees the step taken; its hook waits for it."""
+        through(work[0])
+
     def armed(self) -> None:
         """The groups were just published with ``defer=True``: the hooks have waiting to do."""
         self._left = sum(g.publish_pending for g in self.groups)

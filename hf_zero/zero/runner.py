@@ -52,6 +52,7 @@ from hf_zero.zero.offload import (
 )
 from hf_zero.zero.overlap import DeferredPublish
 from hf_zero.zero.speculative_step import SpeculativeHostStep
+from hf_zero.zero.unit_steps import DeferredUnitSteps
 from hf_zero.zero.zenflow import NAMESPACE as ZENFLOW_STATE
 from hf_zero.zero.zenflow import ZenFlow
 
@@ -246,10 +247,10 @@ class DeferredHostRunner(HostRunner):
     for the gradients at once and the CPU optimizer's time once the last group is stepped."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, groups: list[ShardGroup], stream: torch.cuda.Stream | None,
-                 device: torch.device, offload: OffloadPolicy, stream_grads: bool, overlap: DeferredPublish) -> None:
+                 device: torch.device, offload: OffloadPolicy, stream_grads: bool,
+                 overlap: DeferredPublish | DeferredUnitSteps) -> None:
         super().__init__(optimizer, groups, stream, device, offload, stream_grads)
-        self.overlap: DeferredPublish | None = overlap
-        self._forward_rank = {id(g): i for i, g in enumerate(overlap.order)}  # the order is fixed once built
+        self.overlap: DeferredPublish | DeferredUnitSteps | None = overlap
 
     def step(self, timed: Timed | None) -> None:
         overlap = self.overlap
@@ -261,7 +262,7 @@ class DeferredHostRunner(HostRunner):
             g.before_step()
         t1 = clock()
         work, streamed = self._work()
-        rank = self._forward_rank
+        rank = {id(g): i for i, g in enumerate(overlap.order)}  # stage 3's is recorded on the first forward
         work.sort(key=lambda x: rank[id(x[0])])
         if timed is not None:
             timed("step.wait_grads", t1 - t0)
@@ -271,8 +272,8 @@ class DeferredHostRunner(HostRunner):
         through = run.through  # one bound method for every group: its first wait steps it (and those before it)
         for g, _ in work:
             g.defer_step(through)  # type: ignore[attr-defined]
-        if work:  # at once: the first group the forward reads, and a step a scheduler can see was taken
-            run.through(work[0][0])
+        if work:  # at once: what the forward reads first (a step a scheduler can see was taken)
+            overlap.step_now(through, [g for g, _ in work])
         overlap.armed()
 
     def release(self) -> None:
@@ -365,7 +366,8 @@ class SpeculativeDeferredHostRunner(_Speculating, DeferredHostRunner):
     forward."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, groups: list[ShardGroup], stream: torch.cuda.Stream | None,
-                 device: torch.device, offload: OffloadPolicy, stream_grads: bool, overlap: DeferredPublish) -> None:
+                 device: torch.device, offload: OffloadPolicy, stream_grads: bool,
+                 overlap: DeferredPublish | DeferredUnitSteps) -> None:
         DeferredHostRunner.__init__(self, optimizer, groups, stream, device, offload, stream_grads, overlap)
         self._speculate(optimizer, offload)
 
@@ -502,7 +504,7 @@ class ZenFlowRunner(StepRunner):
 
 def pick_runner(optimizer: torch.optim.Optimizer, groups: list[ShardGroup], stream: torch.cuda.Stream | None, *,
                 device: torch.device, offload: OffloadPolicy, stream_grads: bool,
-                overlap: DeferredPublish | None, process_group: object = None,
+                overlap: DeferredPublish | DeferredUnitSteps | None, process_group: object = None,
                 nvme: NvmeStores | None = None) -> StepRunner:
     """The runner for these choices, made once when the optimizer is built; where a new runner is registered.
 

@@ -44,6 +44,7 @@ from tests import (  # noqa: E402
     test_released_params,
     test_stage3,
     test_tensor_parallel,
+    test_unit_steps,
 )
 
 TOL = 1e-5
@@ -360,6 +361,7 @@ suites: dict[str, Callable[[int, int], list[dict]]] = {
     "DeepSpeed API": _ds_api,
     "offload": _offload,
     "super_offload": test_offload_overlap.gpu_suite,
+    "unit steps": test_unit_steps.gpu_suite,
     "tensor parallel": _tensor_parallel,
     "overlap_param_gather": _overlap,
     "released parameters": _released,
