@@ -7,7 +7,8 @@ Every (variant, thread count) runs in a fresh process with ``OMP_NUM_THREADS`` a
 ``torch.set_num_threads`` set to the count, over one flat fp32 tensor of ``--numel`` parameters
 (master, gradient and both moments in host memory: ZeRO-Offload's case), a few warm-up steps,
 then ``--steps`` timed ones. It prints median and best parameters/s and the memory traffic they
-imply (28 bytes per parameter per step, 30 with the bf16 write-back). Variants:
+imply (28 bytes per parameter per step, 30 with the bf16 write-back, 42 with the undo copy too).
+Variants:
 
 - ``torch_loop`` / ``torch_foreach`` / ``torch_fused``: ``torch.optim.AdamW`` with
   ``foreach=False`` (torch's CPU default), ``foreach=True``, ``fused=True`` (what FSDP2's
@@ -23,6 +24,10 @@ imply (28 bytes per parameter per step, 30 with the bf16 write-back). Variants:
   a dynamically scheduled thread pool instead of ``at::parallel_for``'s static split.
 - ``hf_zero_bf16_grads``: fp32 masters stepped with bf16 gradients (half the device-to-host
   bytes), converted a chunk at a time inside the step, with the bf16 write-back.
+- ``hf_zero_fused``: ``hf_zero.optim.host_adam.adam_step``, the JIT-built one-pass kernel (bit for
+  bit torch's fused update) with the bf16 write-back in the same pass; the build happens before timing.
+- ``hf_zero_fused_backup``: the same plus the undo copy of master and both moments taken in the
+  pass (what a speculative step needs; 12 more bytes written per parameter: 42 in all).
 - ``inductor_bf16``: not what hf_zero runs, a measured alternative: AdamW written as tensor
   expressions and compiled by ``torch.compile`` (Inductor's C++ backend: one vectorised
   OpenMP loop with one sqrt, one division and the bf16 store, like DeepSpeed's kernel; needs a
@@ -49,7 +54,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 VARIANTS = ("torch_loop", "torch_foreach", "torch_fused", "hf_zero", "hf_zero_bf16", "hf_zero_subgroups", "hf_zero_pool",
-            "hf_zero_bf16_grads", "inductor_bf16", "deepspeed", "deepspeed_bf16")
+            "hf_zero_bf16_grads", "hf_zero_fused", "hf_zero_fused_backup", "inductor_bf16", "deepspeed", "deepspeed_bf16")
 BYTES = 28  # per parameter and step: read master, grad, exp_avg, exp_avg_sq (16); write master and moments (12)
 LR, BETAS, EPS, WD = 1e-3, (0.9, 0.999), 1e-8, 0.01
 
@@ -99,6 +104,29 @@ def _inductor_step(p, out):  # noqa: ANN001, ANN202
     return step
 
 
+def _fused_step(p, backup: bool):  # noqa: ANN001, ANN202
+    """hf_zero's one-pass kernel on the flat tensors: the update, the bf16 write-back (and the undo copy) at once."""
+    import torch
+
+    sys.path.insert(0, str(REPO))
+    from hf_zero.optim import host_adam
+    from hf_zero.optim.cpu_adam import host_buffer
+
+    if not host_adam.available():
+        raise RuntimeError(f"hf_zero.optim.host_adam unavailable: {host_adam.unavailable_reason()}")
+    data, grad = p.detach(), p.grad
+    m, v = torch.zeros_like(data), torch.zeros_like(data)
+    out = host_buffer(data.numel(), torch.bfloat16)
+    saved = tuple(torch.empty_like(data) for _ in range(3)) if backup else None
+    count = [0]
+
+    def step() -> None:
+        count[0] += 1
+        host_adam.adam_step(data, grad, m, v, count[0], lr=LR, beta1=BETAS[0], beta2=BETAS[1], eps=EPS,
+                            weight_decay=WD, adamw=True, out16=out, backup=saved)
+    return step
+
+
 def _step_fn(variant: str, numel: int, threads: int, sub_group_size: int):  # noqa: ANN202, C901
     """The variant's one-step callable (state built, nothing timed yet)."""
     import torch
@@ -120,6 +148,8 @@ def _step_fn(variant: str, numel: int, threads: int, sub_group_size: int):  # no
 
     if variant == "inductor_bf16":
         return _inductor_step(p, _bf16_buffer(numel))
+    if variant.startswith("hf_zero_fused"):
+        return _fused_step(p, backup=variant == "hf_zero_fused_backup")
     sys.path.insert(0, str(REPO))
     from hf_zero.ops.adam import DeepSpeedCPUAdam
     from hf_zero.optim.cpu_adam import ALIGN, host_buffer, sub_group_ranges
@@ -165,8 +195,9 @@ def child(variant: str, numel: int, threads: int, steps: int, warmup: int, sub_g
         step()
         times.append(time.perf_counter() - t)
     write_back = variant in ("hf_zero_bf16", "hf_zero_subgroups", "hf_zero_pool", "hf_zero_bf16_grads", "inductor_bf16",
-                             "deepspeed_bf16")
-    bytes_per = BYTES + 2 * write_back - 2 * (variant == "hf_zero_bf16_grads")  # a bf16 gradient is 2 bytes read
+                             "deepspeed_bf16", "hf_zero_fused", "hf_zero_fused_backup")
+    bytes_per = (BYTES + 2 * write_back - 2 * (variant == "hf_zero_bf16_grads")  # a bf16 gradient is 2 bytes read
+                 + 12 * (variant == "hf_zero_fused_backup"))  # the undo copy: master and both moments written
     med, best = statistics.median(times), min(times)
     return {"variant": variant, "threads": threads, "numel": numel, "median_s": med, "best_s": best,
             "params_per_s": numel / med, "best_params_per_s": numel / best, "GB_per_s": numel * bytes_per / med / 1e9,

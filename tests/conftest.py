@@ -32,7 +32,7 @@ collect_ignore = ["conformance/deepspeed_unit"]
 
 UNIT = ("test_api.py test_optim.py test_sequence_parallel.py test_config.py test_config_rules.py test_ds_corpus.py "
         "test_fill_auto.py test_layering.py test_trainer_args.py test_pipe_schedule.py test_ds_surface.py "
-        "test_checkpoint_fileio.py test_init_memory.py test_offload_floor.py")
+        "test_checkpoint_fileio.py test_init_memory.py test_offload_floor.py test_host_adam.py")
 ORACLE = ("test_cpu_adam.py test_deepspeed_checkpoints.py test_deepspeed_autoep.py test_deepspeed_parity.py test_ds_config_oracle.py test_ds_config_view.py "
           "test_ds_semantics.py test_estimate_offload.py test_tensor_parallel.py test_trl.py test_peft.py "
           "test_any_module.py test_conformance.py test_pipe_topology.py test_ds_getters.py test_zenflow_deepspeed.py")
