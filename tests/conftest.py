@@ -48,7 +48,7 @@ DIST = ("test_activation_checkpointing.py test_async_checkpoint.py test_checkpoi
         "test_sequence_parallel_engine.py test_stage3.py test_stage3_tools.py test_zero_init.py test_planner.py "
         "test_hybrid_shard.py test_grid_parity.py test_bench_layouts.py test_released_params.py test_eval_memory.py "
         "test_fp8.py test_fp8_paths.py test_expert_parallel.py test_expert_checkpoint.py test_expert_trainer.py test_expert_peft.py "
-        "test_unit_steps.py")
+        "test_unit_steps.py test_host_kernel_offload.py")
 KINDS: dict[str, str] = {f: kind for kind, files in (("unit", UNIT), ("dist", DIST), ("oracle", ORACLE),
                                                        ("integration", INTEGRATION)) for f in files.split()}
 

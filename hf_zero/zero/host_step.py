@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hf_zero.optim import host_adam
 from hf_zero.zero import collectives as C
 from hf_zero.zero.group import ShardGroup
 
@@ -58,8 +59,44 @@ def _per_element(v: Any, master: torch.Tensor) -> bool:
     return isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == master.numel()
 
 
+def fused_adam_group(optimizer: torch.optim.Optimizer, master: torch.Tensor, grad: torch.Tensor) -> dict | None:
+    """The param group ``master`` steps in, when the one-pass host kernel can take its step (else None).
+
+    That is torch's Adam or AdamW with its fused kernel chosen (:func:`hf_zero.zero.offload.use_host_kernels`), without
+    AMSGrad or the differentiable and capturable modes, on a contiguous fp32 master with an fp32 or bf16 gradient,
+    where the kernel builds (:func:`hf_zero.optim.host_adam.available`): its results are torch's kernel's bit for bit.
+    """
+    if not isinstance(optimizer, torch.optim.Adam) or master.dtype != torch.float32 or not master.is_contiguous():
+        return None
+    if grad.dtype not in (torch.float32, torch.bfloat16) or not grad.is_contiguous() or grad.numel() != master.numel():
+        return None
+    pg = next((pg for pg in optimizer.param_groups if any(p is master for p in pg["params"])), None)
+    if pg is None or not pg.get("fused") or any(pg.get(k) for k in ("amsgrad", "capturable", "differentiable")):
+        return None
+    return pg if host_adam.available() else None
+
+
+def _fused_step(optimizer: torch.optim.Optimizer, pg: dict, master: torch.Tensor, grad: torch.Tensor,
+                out16: torch.Tensor | None, backup: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None) -> None:
+    """Torch's Adam/AdamW step of ``master`` (its state made and its step counted as torch's fused path does), through the
+    one-pass kernel: the 16-bit copy into ``out16`` and the undo copy into ``backup`` in the same pass."""
+    state = optimizer.state[master]
+    if not state:  # torch's lazy state for a fused step: a float32 step count and two zero moments
+        state["step"] = torch.tensor(0.0, dtype=torch.float32)
+        state["exp_avg"] = torch.zeros_like(master, memory_format=torch.preserve_format)
+        state["exp_avg_sq"] = torch.zeros_like(master, memory_format=torch.preserve_format)
+    state["step"] += 1
+    beta1, beta2 = pg["betas"]
+    host_adam.adam_step(master, grad, state["exp_avg"], state["exp_avg_sq"], float(state["step"]), lr=float(pg["lr"]),
+                        beta1=float(beta1), beta2=float(beta2), eps=float(pg["eps"]),
+                        weight_decay=float(pg["weight_decay"]),
+                        adamw=bool(pg.get("decoupled_weight_decay", isinstance(optimizer, torch.optim.AdamW))),
+                        maximize=bool(pg.get("maximize", False)), out16=out16, backup=backup)
+
+
 def step_master(optimizer: torch.optim.Optimizer, master: torch.Tensor, grad: torch.Tensor,
-                ranges: list[tuple[int, int]]) -> None:
+                ranges: list[tuple[int, int]], *, out16: torch.Tensor | None = None,
+                backup: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> bool:
     """Step ``master`` with ``grad`` (the only master with a gradient now) one range at a time, equal bit for bit to one
     call over the whole (each element's update reads only that element's values and a shared step count).
 
@@ -69,14 +106,25 @@ def step_master(optimizer: torch.optim.Optimizer, master: torch.Tensor, grad: to
     every range, goes back to the master's state once. At the first step, when the optimizer makes its state lazily,
     each range gets its own and the pieces are joined into the master's. An optimizer whose state is not per element
     (:data:`_ELEMENTWISE` lists those known to be) and a single range step the whole master in one call.
+
+    Where :func:`fused_adam_group` says so, the step is the one-pass kernel's over the whole master instead (the same
+    bits), which also writes the updated master cast into ``out16`` and the master and moments from before the step into
+    ``backup`` when given; the optimizer's ``step()`` is still called, with no gradient anywhere (torch's optimizers then
+    change nothing), so that what wraps or hooks it (an LR scheduler's count of steps taken, a test's) sees the step.
+    Returns whether that path ran (``out16`` and ``backup`` are written only then).
     """
+    pg = fused_adam_group(optimizer, master, grad)
+    if pg is not None:
+        _fused_step(optimizer, pg, master, grad, out16, backup)
+        optimizer.step()
+        return True
     if len(ranges) <= 1 or not isinstance(optimizer, _ELEMENTWISE):
         master.grad = grad
         try:
             optimizer.step()
         finally:
             master.grad = None
-        return
+        return False
     pg = next(pg for pg in optimizer.param_groups if any(p is master for p in pg["params"]))
     params = pg["params"]
     full = optimizer.state.get(master)
@@ -103,7 +151,7 @@ def step_master(optimizer: torch.optim.Optimizer, master: torch.Tensor, grad: to
         optimizer.state[master] = {
             k: (torch.cat([piece[k] for piece in pieces]) if isinstance(v, torch.Tensor) and v.dim() == 1 else v)
             for k, v in last.items()}
-        return
+        return False
     for k, v in last.items():  # the per-element state was written through the views; the step count goes back
         old = full.get(k)  # type: ignore[union-attr]
         if _per_element(old, master):
@@ -112,6 +160,7 @@ def step_master(optimizer: torch.optim.Optimizer, master: torch.Tensor, grad: to
             old.copy_(v)
         else:
             full[k] = v  # type: ignore[index]
+    return False
 
 
 class HostStep:
@@ -209,7 +258,10 @@ class HostStep:
                 if id(g) not in self.prestepped:
                     ranges = [(0, g.master.numel())] if self.sub_group_size is None else sub_group_ranges(
                         g, self.sub_group_size)
-                    step_master(self.optimizer, g.master, grad, ranges)
+                    out16 = g.host_shard() if hasattr(g, "host_shard") else None  # stage 3's host 16-bit shard
+                    wrote = step_master(self.optimizer, g.master, grad, ranges, out16=out16)
+                    if out16 is not None and wrote:
+                        g.host_shard_written()  # type: ignore[attr-defined]  # its publish has no cast left to do
             finally:
                 self.cpu_seconds += time.perf_counter() - start
                 for pg, values in zip(groups, live):

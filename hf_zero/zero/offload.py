@@ -14,8 +14,8 @@ master moved to the host. Per step:
 3. the step policy (norm, non-finite rule, clipping, fp16 unscaling) runs as without offload, the
    scaling applied to the host copies; the optimizer the user or the config gave then steps the host
    masters one shard group at a time (torch's optimizers skip a parameter without ``.grad``, so each
-   master is updated once with its own step count; Adam/AdamW use torch's fused CPU kernel), so its
-   state, ``state_dict()`` and any LR scheduler built on it are untouched;
+   master is updated once with its own step count; Adam/AdamW in one pass over host memory, torch's fused CPU
+   kernel's bits: :func:`hf_zero.zero.host_step.step_master`), so its state and LR scheduler are untouched;
 4. :meth:`publish_master` sends each group back once stepped (:class:`HostStep`) while the CPU steps the next
    (``overlap_param_gather``: in the next forward, the group's first reader steps it; stage 3: its next gather,
    :mod:`hf_zero.zero.unit_steps`): the fp32 master to a device buffer, cast there into the compute-dtype
@@ -32,14 +32,11 @@ memory) and the step copies them to the host one group at a time through two sha
 next group's copy running while the CPU steps the current one
 (:class:`HostStep`, run by the host runners of :mod:`hf_zero.zero.runner`). Same numbers, bit for bit.
 
-GPU bytes per parameter at stage 2: without offload 2 (16-bit weights) + 4/N (fp32 gradient shard) +
-(4 + 8)/N (master, moments); with offload 2 + 4/N, the masters, moments and a gradient copy (16/N) in
-host memory. Stage 3's ``offload_param`` keeps the 16-bit shards the all-gathers read in host memory as
-well (:class:`_HostParamShard`): GPU memory then holds only the units gathered at the moment. NVMe
-(``"device": "nvme"``) moves the masters, the optimizer state and the host shards on to disk
-(:mod:`hf_zero.zero.nvme`). ``offload_optimizer.ratio`` < 1 (ZeRO-Offload++'s Twin-Flow) offloads only the last
-``ratio`` of the trainable groups in parameter order (:func:`device_group_count`); the first ones keep master and
-optimizer state on the device and step there, queued before the host step so the two run at the same time.
+Stage 3's ``offload_param`` keeps the 16-bit shards the all-gathers read in host memory too
+(:class:`_HostParamShard`; the host step writes them in its pass): GPU memory holds only the units gathered at the
+moment. NVMe (``"device": "nvme"``) moves masters, state and host shards on to disk (:mod:`hf_zero.zero.nvme`).
+``offload_optimizer.ratio`` < 1 (ZeRO-Offload++'s Twin-Flow) offloads only the last ``ratio`` of the trainable groups
+(:func:`device_group_count`); the first keep master and state on the device and step there beside the host step.
 
 What is offloaded is decided once, from the config, as an :class:`OffloadPolicy` the engine builds; host memory
 is planned from it before any buffer exists (:func:`plan_host_memory`), and the step that follows from both is a
@@ -94,7 +91,8 @@ class OffloadPolicy:
       as soon as its gradient is in host memory, and undone exactly where clipping or a skipped step says so
       (:class:`hf_zero.zero.runner.SpeculativeHostRunner`).
     - ``zenflow`` (``zero_optimization.zenflow``): each step only the important columns are stepped, on the device;
-      the host steps the others with their summed gradient every few steps (:mod:`hf_zero.zero.zenflow`).
+      the host steps the others with their summed gradient every few steps (:mod:`hf_zero.zero.zenflow`); None: the
+      exact offloaded step.
     - ``optimizer_nvme`` / ``params_nvme`` (``"device": "nvme"``): the same state, kept in files on disk between
       steps instead (:mod:`hf_zero.zero.nvme`); ``optimizer`` / ``params`` are on as well, the step is then
       :class:`hf_zero.zero.runner.NvmeRunner`'s.
@@ -105,7 +103,6 @@ class OffloadPolicy:
     host_threads: int | None = None
     params: bool = False
     params_pin_memory: bool = True
-    # ``"device": "nvme"`` (hf_zero/zero/nvme.py): where on disk the offloaded optimizer state / parameter shards live
     optimizer_nvme: NvmeSpec | None = None
     params_nvme: NvmeSpec | None = None
     speculate: bool = False  # offload_optimizer.super_offload (the docstring above)
@@ -116,8 +113,6 @@ class OffloadPolicy:
     # zero_optimization.sub_group_size: each host group stepped in sub-groups of about that many elements
     # (hf_zero/zero/host_step.py sub_group_ranges); None: each group in one call
     sub_group_size: int | None = None
-    # zero_optimization.zenflow: important columns stepped on the device every step, the rest on the host every few
-    # (hf_zero/zero/zenflow.py; the step is hf_zero.zero.runner.ZenFlowRunner's); None: the exact offloaded step
     zenflow: ZenFlowPolicy | None = None
 
     def __post_init__(self) -> None:
@@ -256,12 +251,11 @@ class _HostMaster(ShardGroup):
     """The master (and so the optimizer state) of a trainable group in host memory; the reduced gradient on the device."""
 
     pin: bool
-    # The host cannot hold a gradient copy per group (plan_host_memory said HostPlan.STREAM_GRADS): the reduced shard
-    # stays on the device until the step, which streams it through two shared host buffers (HostStep). Given to the
-    # constructor, from the plan made before any group existed.
+    # No gradient copy per group fits in host memory (HostPlan.STREAM_GRADS): the reduced shard stays on the device
+    # until the step, which streams it through two shared host buffers (HostStep).
     stream_grads = False
-    # super_offload (hf_zero/zero/speculative_step.py SpeculativeHostStep, set by the runner): each host copy of the
-    # backward that ends the step is handed to it to step at once, and a group reduced again is undone first
+    # super_offload (SpeculativeHostStep, set by the runner): each host copy of the backward that ends the step is
+    # handed to it to step at once, and a group reduced again is undone first
     speculation: Any = None
 
     def _move_master_to_host(self, pin: bool, stream_grads: bool) -> None:
@@ -330,12 +324,9 @@ class _HostMaster(ShardGroup):
         host, grad = self._host_grad_buffer(), self._device_grad
         with C.on_stream(stream):
             host.copy_(grad, non_blocking=self.pin)
+            self._in_flight = torch.cuda.Event() if stream is not None else True
             if stream is not None:
-                event = torch.cuda.Event()
-                event.record(stream)
-                self._in_flight = event
-            else:
-                self._in_flight = True
+                self._in_flight.record(stream)
             # The shard's part of the global norm, then the shard itself goes (it was made on this stream, so
             # its memory is reused only after the copy): GPU memory holds only the gradients still in flight.
             self._released = (torch.linalg.vector_norm(grad, dtype=torch.float32).square(), (~torch.isfinite(grad)).any().float())
@@ -404,10 +395,9 @@ class OffloadedFlatGroup(_HostMaster, FlatGroup):
         _to_device(shard, self.master, self.pin)
 
     def write_shard_ahead(self, stream: torch.cuda.Stream | None) -> None:
-        """Copy the stepped master into this rank's range of the parameters now, on ``stream``, ahead of the publish:
-        under ``super_offload`` with ``overlap_param_gather`` the groups stepped during backward (the last blocks') are
-        published in forward order, the same on every rank, and their copies would otherwise run at the forward's end
-        with no CPU step to hide behind. The copy is this rank's alone; the publish then only all-gathers."""
+        """Copy the stepped master into this rank's range of the parameters now, ahead of the publish (super_offload
+        with overlap_param_gather: the groups stepped in backward are published in forward order, and their copies would
+        otherwise run at the forward's end with nothing to hide behind); the publish then only all-gathers."""
         assert self.master is not None and not self.publish_pending
         with C.on_stream(stream):
             _to_device(self.param_flat[self.shard_lo : self.shard_hi], self.master, self.pin)
@@ -415,9 +405,8 @@ class OffloadedFlatGroup(_HostMaster, FlatGroup):
 
 
 class _HostParamShard(ShardedParamGroup):
-    """Parameter offload (``offload_param``): the compute-dtype shard the all-gather reads waits in host memory
-    and is copied to the device just before each gather, on the gather stream, so the prefetch that runs
-    ahead of the compute hides it. GPU memory then holds only the units gathered at the moment."""
+    """Parameter offload (``offload_param``): the compute-dtype shard the all-gather reads waits in host memory and is
+    copied to the device just before each gather, on the gather stream, hidden by the prefetch ahead of the compute."""
 
     shard_on_host = False
     shard_pin = False
@@ -454,8 +443,8 @@ class OffloadedFrozenGroup(_HostParamShard):
 
 
 class OffloadedShardedParamGroup(DeferredUnitStep, _HostMaster, _HostParamShard):
-    """A stage-3 group whose fp32 master lives in host memory; its compute-dtype shard stays on the device for the
-    gathers, or in host memory too under ``offload_param`` (``params_on_host``). ``stream_grads``: see :class:`_HostMaster`."""
+    """A stage-3 group whose fp32 master lives in host memory; its compute-dtype shard on the device, or in host memory
+    too under ``offload_param`` (``params_on_host``). ``stream_grads``: see :class:`_HostMaster`."""
 
     def __init__(self, named_params: list[tuple[str, torch.nn.Parameter]], place: Placement, *, trainable: bool,
                  pin: bool, params_on_host: bool = False, stream_grads: bool = False) -> None:
@@ -474,6 +463,16 @@ class OffloadedShardedParamGroup(DeferredUnitStep, _HostMaster, _HostParamShard)
         ShardedParamGroup.reduce_grads(self, stream, limit)
         self._copy_after_reduce(stream)
 
+    _shard_written = False  # the host step's one pass wrote the 16-bit host shard already (host_shard_written)
+
+    def host_shard(self) -> torch.Tensor | None:
+        """The 16-bit host shard the step may write in its pass (:class:`hf_zero.zero.host_step.HostStep`), else None."""
+        shard = self.param_shard if self.shard_on_host and self.shard_store is None and self.master is not None else None
+        return shard if shard is not None and shard.dtype in (torch.bfloat16, torch.float16) else None
+
+    def host_shard_written(self) -> None:  # the step wrote it: the publish skips its cast
+        self._shard_written = True
+
     def publish_master(self, stream: torch.cuda.Stream | None, defer: bool = False) -> None:
         """Host master -> the shard the next all-gather reads (cast to the compute dtype): on the device, or, with
         the shard in host memory too, cast there (one CPU pass; the gather copies the 16-bit values over). ``defer``
@@ -486,7 +485,9 @@ class OffloadedShardedParamGroup(DeferredUnitStep, _HostMaster, _HostParamShard)
             self.shard_store.put(self, self.master)
             return
         if self.shard_on_host:
-            self.param_shard.copy_(self.master)
+            if not self._shard_written:
+                self.param_shard.copy_(self.master)
+            self._shard_written = False
             return
         with C.on_stream(stream):
             _to_device(self.param_shard, self.master, self.pin)

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from hf_zero.zero.group import ShardGroup
-from hf_zero.zero.host_step import intra_op_threads, step_master, sub_group_ranges
+from hf_zero.zero.host_step import fused_adam_group, intra_op_threads, step_master, sub_group_ranges
 
 
 def _hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
@@ -128,15 +128,24 @@ class SpeculativeHostStep:
         # Past this point the group is stepped whatever settle() says: settle() waits for this call to return.
         with intra_op_threads(self.threads):
             start = time.perf_counter()
-            self._undo[id(group)] = self._save(group, master, self.optimizer.state.get(master))
             if coef != 1.0:  # the policy's scale_grads multiplies the host copy by this same float
                 if self._scratch is None or self._scratch.numel() < grad.numel():
                     self._scratch = torch.empty(grad.numel(), dtype=grad.dtype)
                 grad = torch.mul(grad, coef, out=self._scratch[: grad.numel()].view_as(grad))
+            state = self.optimizer.state.get(master)
+            # The one-pass kernel writes the undo copy in its own pass (hf_zero/optim/host_adam.py); otherwise a copy
+            # before the step
+            fused = fused_adam_group(self.optimizer, master, grad) is not None
+            self._undo[id(group)] = saved = (self._buffers(group, master, state) if fused
+                                             else self._save(group, master, state))
             try:
                 ranges = [(0, master.numel())] if self.sub_group_size is None else sub_group_ranges(
                     group, self.sub_group_size)
-                step_master(self.optimizer, master, grad, ranges)
+                backup = None
+                if fused:
+                    keep = self._backup[id(group)]
+                    backup = (saved.master, keep["exp_avg"], keep["exp_avg_sq"])
+                step_master(self.optimizer, master, grad, ranges, backup=backup)
             finally:
                 self.cpu_seconds += time.perf_counter() - start
         self.counts["stepped"] += 1
@@ -165,6 +174,20 @@ class SpeculativeHostStep:
             else:
                 saved[k] = v
         return _Undo(group, copy, saved)
+
+    def _buffers(self, group: ShardGroup, master: torch.Tensor, state: dict[str, Any] | None) -> _Undo:
+        """The undo record of a step whose kernel writes the master and both moments into this group's undo buffers in
+        its own pass (:func:`hf_zero.zero.host_step.fused_adam_group`): the buffers, and the step count copied now."""
+        keep = self._backup.setdefault(id(group), {})
+        for k in ("__master__", "exp_avg", "exp_avg_sq"):
+            buf = keep.get(k)
+            if buf is None or buf.shape != master.shape:
+                keep[k] = torch.empty_like(master)
+        if not state:
+            return _Undo(group, keep["__master__"], None)
+        saved = {k: keep[k] if k in ("exp_avg", "exp_avg_sq") else v.clone() if isinstance(v, torch.Tensor) else v
+                 for k, v in state.items()}
+        return _Undo(group, keep["__master__"], saved)
 
     def undo(self, group: ShardGroup) -> None:
         """Give ``group`` back its master and optimizer state from before its speculative step (none: nothing to do);

@@ -1,0 +1,128 @@
+"""The offloaded step through the one-pass host kernel equals it through torch's kernel, bit for bit.
+
+``hf_zero/zero/host_step.py`` steps Adam/AdamW host masters with ``hf_zero/optim/host_adam.py`` where it builds: one pass
+that also writes stage 3's 16-bit host shard (``offload_param``: no cast pass at the publish) and, for
+``super_offload``'s speculative steps, the undo copy (no copy pass before the step). The oracle is the same run with
+``HF_ZERO_HOST_ADAM=0`` (torch's fused kernel, the cast and the copies as separate passes), on 2 gloo ranks with a
+tiny bf16 Llama: losses, gathered weights, masters and optimizer state must be equal (``torch.equal``) at stage 2 with
+``super_offload`` (clipping that bites on some steps: speculation kept and undone), at stage 3 with optimizer and
+parameter offload, and the same with ``overlap_param_gather`` and ``super_offload``. Each run with the kernel must
+have used it for every host step, and written the host shards (the publish's cast skipped), so a quiet fallback fails.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.distributed import spawn
+
+STEPS = 4
+VOCAB = 64
+# (name, stage, offload_param, super_offload, overlap_param_gather, gradient_clipping); the stage-2 run's norms are about
+# 1.99, 2.34, 2.92, 1.58: a clip of 2.1 bites on the middle two steps only
+CASES = [("z2-super", 2, False, True, False, 2.1), ("z3-param", 3, True, False, False, 1.0),
+         ("z3-param-super-overlap", 3, True, True, True, 0.0)]
+
+
+def _run(rank: int, world: int, kernel: bool) -> dict:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import hf_zero
+    from hf_zero.optim import host_adam
+    from hf_zero.zero import GatheredParameters
+    from hf_zero.zero.offload import OffloadedShardedParamGroup
+
+    assert host_adam.available() == kernel, host_adam.unavailable_reason()
+    calls = {"kernel": 0, "written": 0}
+    real_step, real_written = host_adam.adam_step, OffloadedShardedParamGroup.host_shard_written
+
+    def counted(*a, **k):  # noqa: ANN002, ANN003, ANN202
+        calls["kernel"] += 1
+        return real_step(*a, **k)
+
+    def written(self):  # noqa: ANN001, ANN202
+        calls["written"] += 1
+        return real_written(self)
+
+    host_adam.adam_step, OffloadedShardedParamGroup.host_shard_written = counted, written
+    out: dict = {}
+    for name, stage, params, super_offload, overlap, clip in CASES:
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+                                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16))
+        zero = {"stage": stage, "reduce_bucket_size": 3000, "stage3_param_persistence_threshold": 40,
+                "offload_optimizer": {"device": "cpu", "super_offload": super_offload},
+                "overlap_param_gather": overlap}
+        if params:
+            zero["offload_param"] = {"device": "cpu"}
+        cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": clip, "bf16": {"enabled": True},
+               "optimizer": {"type": "AdamW", "params": {"lr": 2e-2, "weight_decay": 0.01}},
+               "zero_optimization": zero, "steps_per_print": 10**6}
+        engine, _, _, _ = hf_zero.initialize(model=model, config=cfg)
+        zo = engine.zero_optimizer
+        before = dict(calls)
+        losses = []
+        for step in range(STEPS):
+            g = torch.Generator().manual_seed(100 * step + rank)
+            ids = torch.randint(0, VOCAB, (2, 8), generator=g)
+            loss = engine(input_ids=ids, labels=ids).loss
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        engine.wait_params()
+        state: dict[str, torch.Tensor] = {}
+        with GatheredParameters(list(model.parameters())):
+            for n, p in model.named_parameters():
+                state[f"w.{n}"] = p.detach().float().clone()
+        for i, g in enumerate(g for g in zo.groups if g.master is not None):
+            state[f"master.{i}"] = g.master.clone()
+            for k, v in zo.optimizer.state.get(g.master, {}).items():
+                state[f"state.{i}.{k}"] = v.clone()
+        spec = getattr(zo.runner, "speculation", None)
+        out[name] = {"losses": losses, "state": {k: v.view(-1).tolist() for k, v in state.items()},
+                     "kernel": calls["kernel"] - before["kernel"], "written": calls["written"] - before["written"],
+                     "host_groups": sum(1 for g in zo.groups if g.master is not None),
+                     "counts": dict(spec.counts) if spec is not None else {}}
+        engine.destroy()
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict:
+    from hf_zero.optim import host_adam
+
+    if not host_adam.available():
+        pytest.skip(f"the host kernel does not build here: {host_adam.unavailable_reason()}")
+    mp = pytest.MonkeyPatch()
+    try:
+        on = spawn(_run, 2, True)[0]
+        mp.setenv("HF_ZERO_HOST_ADAM", "0")
+        off = spawn(_run, 2, False)[0]
+    finally:
+        mp.undo()
+    return {"on": on, "off": off}
+
+
+def test_the_kernel_gives_torchs_bits(runs: dict) -> None:
+    for name, rec in runs["on"].items():
+        ref = runs["off"][name]
+        assert rec["losses"] == ref["losses"], name
+        assert rec["state"].keys() == ref["state"].keys(), name
+        differ = [k for k in ref["state"] if rec["state"][k] != ref["state"][k]]
+        assert differ == [], (name, differ[:5])
+
+
+def test_the_kernel_took_every_host_step(runs: dict) -> None:
+    for name, rec in runs["on"].items():
+        _, stage, params, super_offload, _, clip = next(c for c in CASES if c[0] == name)
+        counts = rec["counts"]
+        # every group's step (speculative ones included, and those stepped again after an undo) went through it
+        assert rec["kernel"] >= STEPS * rec["host_groups"], (name, rec["kernel"], rec["host_groups"])
+        assert runs["off"][name]["kernel"] == 0, name
+        if params and not super_offload:  # the host shards written in the kernel's pass, the publish's cast skipped
+            assert rec["written"] > 0, name  # (a speculative step leaves its cast to the publish: it may be undone)
+        if super_offload:
+            assert counts["stepped"] > 0, (name, counts)
+            if clip:
+                assert counts["undone"] > 0 and counts["kept"] > 0, (name, counts)  # both fates of a speculation
