@@ -100,10 +100,10 @@ def _measure(rank: int, world: int, cases: list) -> list:
         shards: dict[int, int] = {}  # each group's device gradient shard as its (last) copy to the host leaves
 
         def spy(g, original, shards):  # noqa: ANN001, ANN202
-            def copy_after_reduce(stream):  # noqa: ANN001, ANN202
+            def copy_after_reduce(stream, *args):  # noqa: ANN001, ANN002, ANN202
                 if g.copy_after_reduce and g._device_grad is not None:
                     shards[id(g)] = g._device_grad.untyped_storage().nbytes()
-                return original(stream)
+                return original(stream, *args)
             return copy_after_reduce
 
         for g in groups:

@@ -80,9 +80,10 @@ def _run(rank: int, world: int, kernel: bool) -> dict:
             for k, v in zo.optimizer.state.get(g.master, {}).items():
                 state[f"state.{i}.{k}"] = v.clone()
         spec = getattr(zo.runner, "speculation", None)
+        bf16_copies = sum(torch.bfloat16 in getattr(g, "_host_grads", {}) for g in zo.groups)
         out[name] = {"losses": losses, "state": {k: v.view(-1).tolist() for k, v in state.items()},
                      "kernel": calls["kernel"] - before["kernel"], "written": calls["written"] - before["written"],
-                     "host_groups": sum(1 for g in zo.groups if g.master is not None),
+                     "host_groups": sum(1 for g in zo.groups if g.master is not None), "bf16_copies": bf16_copies,
                      "counts": dict(spec.counts) if spec is not None else {}}
         engine.destroy()
     return out
@@ -95,34 +96,41 @@ def runs() -> dict:
     if not host_adam.available():
         pytest.skip(f"the host kernel does not build here: {host_adam.unavailable_reason()}")
     mp = pytest.MonkeyPatch()
+    out = {}
     try:
-        on = spawn(_run, 2, True)[0]
+        for world in (2, 1):  # on one rank a stage-3 shard is exactly one bf16 gradient: it crosses in bf16
+            out[f"on{world}"] = spawn(_run, world, True)[0]
         mp.setenv("HF_ZERO_HOST_ADAM", "0")
-        off = spawn(_run, 2, False)[0]
+        for world in (2, 1):
+            out[f"off{world}"] = spawn(_run, world, False)[0]
     finally:
         mp.undo()
-    return {"on": on, "off": off}
+    return out
 
 
-def test_the_kernel_gives_torchs_bits(runs: dict) -> None:
-    for name, rec in runs["on"].items():
-        ref = runs["off"][name]
+@pytest.mark.parametrize("world", [2, 1])
+def test_the_kernel_gives_torchs_bits(runs: dict, world: int) -> None:
+    for name, rec in runs[f"on{world}"].items():
+        ref = runs[f"off{world}"][name]
         assert rec["losses"] == ref["losses"], name
         assert rec["state"].keys() == ref["state"].keys(), name
         differ = [k for k in ref["state"] if rec["state"][k] != ref["state"][k]]
         assert differ == [], (name, differ[:5])
 
 
-def test_the_kernel_took_every_host_step(runs: dict) -> None:
-    for name, rec in runs["on"].items():
+@pytest.mark.parametrize("world", [2, 1])
+def test_the_kernel_took_every_host_step(runs: dict, world: int) -> None:
+    for name, rec in runs[f"on{world}"].items():
         _, stage, params, super_offload, _, clip = next(c for c in CASES if c[0] == name)
         counts = rec["counts"]
         # every group's step (speculative ones included, and those stepped again after an undo) went through it
         assert rec["kernel"] >= STEPS * rec["host_groups"], (name, rec["kernel"], rec["host_groups"])
-        assert runs["off"][name]["kernel"] == 0, name
+        assert runs[f"off{world}"][name]["kernel"] == 0 and runs[f"off{world}"][name]["bf16_copies"] == 0, name
+        # stage 3 on one rank: the units' gradient copies crossed in bf16 (stages 1-2 and two ranks: fp32)
+        assert (rec["bf16_copies"] > 0) == (stage == 3 and world == 1), (name, world, rec["bf16_copies"])
         if params and not super_offload:  # the host shards written in the kernel's pass, the publish's cast skipped
             assert rec["written"] > 0, name  # (a speculative step leaves its cast to the publish: it may be undone)
         if super_offload:
             assert counts["stepped"] > 0, (name, counts)
-            if clip:
+            if clip and world == 2:  # (the clip was set from the two-rank norms)
                 assert counts["undone"] > 0 and counts["kept"] > 0, (name, counts)  # both fates of a speculation

@@ -145,9 +145,9 @@ def _run_sub_groups(stage: int, gas: int, clip: float, fp16: bool, speculate: bo
     calls: list[int] = []
     original = host_step.step_master
 
-    def counting(optimizer, master, grad, ranges):  # noqa: ANN001, ANN202 - counts the ranges each group stepped in
+    def counting(optimizer, master, grad, ranges, **kw):  # noqa: ANN001, ANN003, ANN202 - counts each group's ranges
         calls.append(len(ranges))
-        return original(optimizer, master, grad, ranges)
+        return original(optimizer, master, grad, ranges, **kw)
 
     host_step.step_master = counting
     try:

@@ -50,6 +50,10 @@ class _HostMaster(ShardGroup):
     # super_offload (SpeculativeHostStep, set by the runner): each host copy of the backward that ends the step is
     # handed to it to step at once, and a group reduced again is undone first
     speculation: Any = None
+    # The host step reads bf16 gradients (the one-pass kernel, hf_zero/optim/host_adam.py; set by the runner): a reduced
+    # shard that is exactly one bf16 gradient (see _copy_after_reduce) then crosses to the host in bf16, half the bytes
+    grad16 = False
+    _coef16: tuple[float, ...] | None = None  # the step policy's coefficients for a bf16 copy, applied as it is read
 
     def _move_master_to_host(self, pin: bool, stream_grads: bool) -> None:
         assert self.master is not None
@@ -59,7 +63,8 @@ class _HostMaster(ShardGroup):
         self.master = host_buffer(on_device.numel(), torch.float32, pin=self.pin)
         self.master.copy_(on_device)
         self._device_grad: torch.Tensor | None = None
-        self._host_grad: torch.Tensor | None = None  # reused every step
+        self._host_grad: torch.Tensor | None = None  # this step's copy: one of the two buffers below, reused every step
+        self._host_grads: dict[torch.dtype, torch.Tensor] = {}
         self._in_flight: torch.cuda.Event | bool | None = None  # the copy of this step's gradient to the host
         # After that copy left, the device shard is released; its part of the norm stays behind as scalars.
         self._released: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -72,6 +77,7 @@ class _HostMaster(ShardGroup):
         if grad is None:
             self._in_flight = None
             self._released = None
+            self._coef16 = None
             if self.master is not None:
                 self.master.grad = None  # the host buffer stays for the next step
 
@@ -81,7 +87,8 @@ class _HostMaster(ShardGroup):
                 self._unrelease(None)
                 return self._device_grad
             self._wait_for_host_copy()
-            return self._host_grad
+            assert self._host_grad is not None
+            return self.step_grad(self._host_grad)
         return self._device_grad
 
     def grad_sq_sum(self) -> torch.Tensor:
@@ -100,23 +107,43 @@ class _HostMaster(ShardGroup):
         self._wait_for_host_copy()
         assert self._host_grad is not None
         with C.on_stream(stream):
-            self._device_grad = self._host_grad.to(self.device, non_blocking=self.pin, copy=True)
-        self._released, self._in_flight = None, None
+            self._device_grad = self.step_grad(self._host_grad).to(self.device, torch.float32, non_blocking=self.pin,
+                                                                  copy=True)
+        self._released, self._in_flight, self._coef16 = None, None, None
 
-    def _host_grad_buffer(self) -> torch.Tensor:
+    def _host_grad_buffer(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """This group's host buffer of ``dtype`` (made once), which from now on holds this step's copy."""
         assert self.master is not None
-        if self._host_grad is None:
-            self._host_grad = host_buffer(self.master.numel(), torch.float32, pin=self.pin)
+        if dtype not in self._host_grads:
+            self._host_grads[dtype] = host_buffer(self.master.numel(), dtype, pin=self.pin)
+        self._host_grad = self._host_grads[dtype]
         return self._host_grad
 
-    def _copy_after_reduce(self, stream: torch.cuda.Stream | None) -> None:
+    def step_grad(self, grad: torch.Tensor) -> torch.Tensor:
+        """The gradient the host step reads for ``grad``, this group's host copy: itself, or, for a bf16 copy the step
+        policy scaled (clipping), its fp32 values times that coefficient, made now: what the fp32 copy scaled in place
+        holds, bit for bit (a bf16 value widens to fp32 exactly, and the product is the same fp32 multiply)."""
+        if self._coef16 is None or grad.dtype == torch.float32:
+            return grad
+        out = grad.float()
+        for coef in self._coef16:
+            out.mul_(coef)
+        return out
+
+    def _copy_after_reduce(self, stream: torch.cuda.Stream | None, exact16: bool = False) -> None:
         """The last backward of the step reduced this group: start its device-to-host copy on the same stream,
-        so it runs while backward goes on (pinned memory makes it asynchronous)."""
+        so it runs while backward goes on (pinned memory makes it asynchronous).
+
+        ``exact16`` (the subclass's word): the reduced fp32 shard is exactly one bf16 gradient (one rank, one reduce,
+        nothing averaged or accumulated), so with :attr:`grad16` it crosses in bf16: the same values, half the bytes
+        over PCIe and through host memory."""
         if not self.copy_after_reduce or self.stream_grads or self._device_grad is None:
             return
-        host, grad = self._host_grad_buffer(), self._device_grad
+        sixteen = exact16 and self.grad16
+        host, grad = self._host_grad_buffer(torch.bfloat16 if sixteen else torch.float32), self._device_grad
+        self._coef16 = None
         with C.on_stream(stream):
-            host.copy_(grad, non_blocking=self.pin)
+            host.copy_(grad.to(torch.bfloat16) if sixteen else grad, non_blocking=self.pin)
             self._in_flight = torch.cuda.Event() if stream is not None else True
             if stream is not None:
                 self._in_flight.record(stream)
@@ -138,7 +165,10 @@ class _HostMaster(ShardGroup):
             return
         self._wait_for_host_copy()
         assert self._host_grad is not None
-        self._host_grad.mul_(float(coef))
+        if self._host_grad.dtype == torch.float32:
+            self._host_grad.mul_(float(coef))
+        else:  # a bf16 copy keeps its values; the host step reads them scaled in fp32 (step_grad)
+            self._coef16 = (*(self._coef16 or ()), float(coef))
 
     def sum_grad_over(self, process_group: object) -> None:
         self._unrelease(None)
@@ -148,11 +178,23 @@ class _HostMaster(ShardGroup):
     def before_step(self) -> None:
         """The reduced gradient shard as the host master's ``.grad`` (None when there is none this step)."""
         assert self.master is not None
+        self._step_copy = None
         if self.stream_grads or (self._device_grad is None and self._released is None):
             self.master.grad = None  # streamed: the step hands each group its gradient in a shared buffer
             return
         if self._in_flight is not None:
             self._wait_for_host_copy()
         else:
+            self._coef16 = None
             self._host_grad_buffer().copy_(self._device_grad)  # blocking: the host optimizer reads it next
-        self.master.grad = self._host_grad
+        assert self._host_grad is not None
+        # torch hangs no bf16 .grad on an fp32 tensor: the host runners take every copy from step_copy()
+        self.master.grad = self._host_grad if self._host_grad.dtype == self.master.dtype else None
+        self._step_copy = self._host_grad
+
+    _step_copy: torch.Tensor | None = None
+
+    def step_copy(self) -> torch.Tensor | None:
+        """The host copy :meth:`before_step` found for this step (fp32, or bf16 under :attr:`grad16`), once: None after."""
+        copy, self._step_copy = self._step_copy, None
+        return copy

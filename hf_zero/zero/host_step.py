@@ -59,16 +59,18 @@ def _per_element(v: Any, master: torch.Tensor) -> bool:
     return isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == master.numel()
 
 
-def fused_adam_group(optimizer: torch.optim.Optimizer, master: torch.Tensor, grad: torch.Tensor) -> dict | None:
+def fused_adam_group(optimizer: torch.optim.Optimizer, master: torch.Tensor, grad: torch.Tensor | None) -> dict | None:
     """The param group ``master`` steps in, when the one-pass host kernel can take its step (else None).
 
     That is torch's Adam or AdamW with its fused kernel chosen (:func:`hf_zero.zero.offload.use_host_kernels`), without
-    AMSGrad or the differentiable and capturable modes, on a contiguous fp32 master with an fp32 or bf16 gradient,
-    where the kernel builds (:func:`hf_zero.optim.host_adam.available`): its results are torch's kernel's bit for bit.
+    AMSGrad or the differentiable and capturable modes, on a contiguous fp32 master with an fp32 or bf16 gradient
+    (None: any such gradient), where the kernel builds (:func:`hf_zero.optim.host_adam.available`): its results are
+    torch's kernel's bit for bit.
     """
     if not isinstance(optimizer, torch.optim.Adam) or master.dtype != torch.float32 or not master.is_contiguous():
         return None
-    if grad.dtype not in (torch.float32, torch.bfloat16) or not grad.is_contiguous() or grad.numel() != master.numel():
+    if grad is not None and (grad.dtype not in (torch.float32, torch.bfloat16) or not grad.is_contiguous()
+                             or grad.numel() != master.numel()):
         return None
     pg = next((pg for pg in optimizer.param_groups if any(p is master for p in pg["params"])), None)
     if pg is None or not pg.get("fused") or any(pg.get(k) for k in ("amsgrad", "capturable", "differentiable")):
@@ -244,6 +246,8 @@ class HostStep:
                 self._fetched = self._fetch(i + 1)  # into the other buffer, whose group was stepped last round
         self.work[i] = (g, None)  # streamed: the device shard may go once its copy has landed
         assert g.master is not None and grad is not None
+        if hasattr(g, "step_grad"):  # a bf16 host copy the step policy scaled is read in fp32, scaled (host_grads.py)
+            grad = g.step_grad(grad)
         groups = self.optimizer.param_groups
         live = [{k: pg[k] for k in hyper} for pg, hyper in zip(groups, self._hyper)] if self.defer else []
         for pg, hyper in zip(groups, self._hyper if self.defer else []):

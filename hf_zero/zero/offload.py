@@ -319,10 +319,14 @@ class OffloadedShardedParamGroup(DeferredUnitStep, _HostMaster, _HostParamShard)
             self._move_param_shard_to_host(pin)
 
     def reduce_grads(self, stream: torch.cuda.Stream | None, limit: C.InflightLimit | None = None) -> None:
+        # The shard is exactly one bf16 gradient when it is this reduce's alone, on one rank, averaged over no others
+        exact16 = (self._device_grad is None and self._released is None and self.world_size == 1
+                   and self.place.replicas == 1 and self.place.averaged_over == 1
+                   and self.compute_dtype == torch.bfloat16 and self.reduce_dtype in (torch.bfloat16, torch.float32))
         if self.has_grads():
             self._unrelease(stream)
         ShardedParamGroup.reduce_grads(self, stream, limit)
-        self._copy_after_reduce(stream)
+        self._copy_after_reduce(stream, exact16)
 
     _shard_written = False  # the host step's one pass wrote the 16-bit host shard already (host_shard_written)
 

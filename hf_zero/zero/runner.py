@@ -42,7 +42,7 @@ import torch
 
 from hf_zero.zero import collectives as C
 from hf_zero.zero.group import ShardGroup
-from hf_zero.zero.host_step import HostStep, report_step_parts
+from hf_zero.zero.host_step import HostStep, fused_adam_group, report_step_parts
 from hf_zero.zero.nvme import NvmeStores, pooled_raise
 from hf_zero.zero.offload import (
     OffloadPolicy,
@@ -174,6 +174,13 @@ class HostRunner(StepRunner):
         self.host_groups = [g for g in self.groups if is_host_master(g)]
         # offload_optimizer.ratio < 1: the trainable groups whose master and optimizer state stayed on the device
         self.device_groups = [g for g in self.groups if g.master is not None and not is_host_master(g)]
+        # the one-pass kernel steps every host master: a gradient that is exactly bf16 may cross to the host in bf16
+        if self.reads_grad16 and not stream_grads and self.host_groups and all(
+                fused_adam_group(optimizer, g.master, None) is not None for g in self.host_groups):  # type: ignore[arg-type]
+            for g in self.host_groups:
+                g.grad16 = True  # type: ignore[attr-defined]
+
+    reads_grad16 = True  # HostStep steps what before_step hands it, a bf16 host copy included (NvmeRunner: no)
 
     def _work(self) -> tuple[list[tuple[ShardGroup, torch.Tensor]], list[torch.Tensor] | None]:
         """The groups to step with their gradients (see :class:`HostStep`), each master's ``.grad`` cleared, and the
@@ -186,7 +193,7 @@ class HostRunner(StepRunner):
                 self.grad_buffers = [host_buffer(largest, torch.float32, pin=self.pin) for _ in range(2)]
             streamed = self.grad_buffers
         else:  # before_step handed each group its host copy as the master's .grad
-            work = [(g, g.master.grad) for g in self.host_groups if g.master.grad is not None]  # type: ignore[union-attr]
+            work = [(g, grad) for g in self.host_groups if (grad := g.step_copy()) is not None]  # type: ignore[attr-defined]
         for g, _ in work:
             g.master.grad = None  # type: ignore[union-attr]  # the optimizer sees one group's gradient at a time
         return work, streamed  # type: ignore[return-value]
@@ -223,8 +230,9 @@ class HostRunner(StepRunner):
         for g, grad in on_device:  # its reduced shard, as after a step without offload, until zero_grad
             g.master.grad = grad  # type: ignore[union-attr]
         if streamed is None:
-            for g, grad in work:
-                g.master.grad = grad  # type: ignore[union-attr]  # as after a step without offload, until zero_grad
+            for g, grad in work:  # as after a step without offload, until zero_grad (a bf16 copy stays off it)
+                if grad.dtype == g.master.dtype:  # type: ignore[union-attr]
+                    g.master.grad = grad  # type: ignore[union-attr]
         t2 = clock()
         C.wait_for(self.stream)
         if timed is not None:
@@ -393,6 +401,8 @@ class NvmeRunner(HostRunner):
     is stepped (a read of a shard for a gather failed since the last step) and after every write has landed, so each
     rank raises the same sentence and none waits in a collective.
     """
+
+    reads_grad16 = False  # the gradients stay fp32 through the swap's files and buffers
 
     def __init__(self, optimizer: torch.optim.Optimizer, groups: list[ShardGroup], stream: torch.cuda.Stream | None,
                  device: torch.device, offload: OffloadPolicy, process_group: object, nvme: NvmeStores) -> None:

@@ -128,7 +128,9 @@ class SpeculativeHostStep:
         # Past this point the group is stepped whatever settle() says: settle() waits for this call to return.
         with intra_op_threads(self.threads):
             start = time.perf_counter()
-            if coef != 1.0:  # the policy's scale_grads multiplies the host copy by this same float
+            if coef != 1.0:  # the policy's scale_grads multiplies the host copy by this same float (in fp32)
+                if grad.dtype != torch.float32:
+                    grad = grad.float()
                 if self._scratch is None or self._scratch.numel() < grad.numel():
                     self._scratch = torch.empty(grad.numel(), dtype=grad.dtype)
                 grad = torch.mul(grad, coef, out=self._scratch[: grad.numel()].view_as(grad))
