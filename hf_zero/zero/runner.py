@@ -161,6 +161,8 @@ class HostRunner(StepRunner):
     queues kernels, so the device steps its share while the CPU steps the host groups (:meth:`_step_device`).
     """
 
+    reads_grad16 = True  # HostStep steps what before_step hands it, a bf16 host copy included (NvmeRunner: no)
+
     def __init__(self, optimizer: torch.optim.Optimizer, groups: list[ShardGroup], stream: torch.cuda.Stream | None,
                  device: torch.device, offload: OffloadPolicy, stream_grads: bool) -> None:
         super().__init__(optimizer, groups, stream)
@@ -180,8 +182,6 @@ class HostRunner(StepRunner):
             for g in self.host_groups:
                 g.grad16 = True  # type: ignore[attr-defined]
 
-    reads_grad16 = True  # HostStep steps what before_step hands it, a bf16 host copy included (NvmeRunner: no)
-
     def _work(self) -> tuple[list[tuple[ShardGroup, torch.Tensor]], list[torch.Tensor] | None]:
         """The groups to step with their gradients (see :class:`HostStep`), each master's ``.grad`` cleared, and the
         shared buffers when the gradients are streamed."""
@@ -192,7 +192,7 @@ class HostRunner(StepRunner):
             if largest and (not self.grad_buffers or self.grad_buffers[0].numel() < largest):
                 self.grad_buffers = [host_buffer(largest, torch.float32, pin=self.pin) for _ in range(2)]
             streamed = self.grad_buffers
-        else:  # before_step handed each group its host copy as the master's .grad
+        else:  # before_step found each group's host copy (step_copy; fp32 ones also as the master's .grad)
             work = [(g, grad) for g in self.host_groups if (grad := g.step_copy()) is not None]  # type: ignore[attr-defined]
         for g, _ in work:
             g.master.grad = None  # type: ignore[union-attr]  # the optimizer sees one group's gradient at a time
