@@ -3,8 +3,8 @@
 :class:`_HostMaster` is the part every offloaded shard group shares (:class:`hf_zero.zero.offload.OffloadedFlatGroup`,
 :class:`hf_zero.zero.offload.OffloadedShardedParamGroup`): the fp32 master moved to host memory, and the reduced
 gradient of the backward that ends a step copied after it as soon as it is reduced (its part of the norm kept behind as
-scalars, the device shard released), scaled there by the step policy and handed to the host step as the master's
-``.grad``; :func:`host_buffer` makes the pinned buffers. Split from :mod:`hf_zero.zero.offload`, which holds the policy,
+scalars, the device shard released; in bf16 where that is exact), scaled there by the step policy and handed to the
+host step (:meth:`_HostMaster.step_copy`); :func:`host_buffer` makes the pinned buffers. Split from :mod:`hf_zero.zero.offload`, which holds the policy,
 the host-memory plan and the group classes (and still exports both names).
 """
 
