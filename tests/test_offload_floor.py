@@ -95,4 +95,5 @@ def test_the_script_runs_without_cuda_and_prints_a_consistent_floor() -> None:
     floor = float(re.search(r"^floor: ([0-9.]+) s per step \(host memory\)$", out, re.M).group(1))
     assert floor == max(terms.values())
     ratio = float(re.search(r"eng: 1\.500 s, ([0-9.]+)x the floor", out).group(1))
-    assert ratio == pytest.approx(1.5 / floor, rel=0.02, abs=0.01)
+    # the floor is printed to the millisecond: at this machine's ~0.02 s that rounding alone moves 1.5 / floor by ~3%
+    assert 1.5 / (floor + 0.0005) - 0.01 <= ratio <= 1.5 / max(floor - 0.0005, 1e-9) + 0.01, (ratio, floor)
