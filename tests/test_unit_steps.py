@@ -169,3 +169,50 @@ def gpu_suite(rank: int, world: int) -> list[dict]:
         rows.append({"case": f"stage 3 deferred unit steps, {key}", "loss_err": loss if took else float("inf"),
                      "w_err": weights})
     return rows
+
+
+def _trainer_run(rank: int, world: int, cases: list) -> list:
+    """tests/test_trainer.py's run, each case's record with the deferred steps the units' gathers took."""
+    from hf_zero.zero import unit_steps
+    from tests import test_trainer
+
+    taken = [0]
+    real = unit_steps.DeferredUnitStep.run_deferred_step
+
+    def counted(self):  # noqa: ANN001, ANN202
+        taken[0] += self._deferred is not None
+        return real(self)
+
+    unit_steps.DeferredUnitStep.run_deferred_step = counted
+    out = []
+    for case in cases:
+        before = taken[0]
+        out.append({**test_trainer._run(rank, world, [case])[0], "deferred_steps": taken[0] - before})
+    return out
+
+
+def test_trainer_life_matches_the_eager_offloaded_step(tmp_path: object) -> None:
+    """hf_zero's Trainer over the whole life (train with evaluation and a checkpoint every 3 steps, the best checkpoint
+    loaded at the end, predict, save_model), tests/test_trainer.py's run on 2 ranks at stage 3 with the optimizer and the
+    parameters offloaded: with overlap_param_gather and super_offload (each unit's host step taken by its next gather,
+    the speculative steps during backward) it logs the losses and ends with the weights, best checkpoint and saved
+    model of the same run without them."""
+    from safetensors.torch import load_file
+
+    def case(name: str, deferred: bool) -> dict:
+        section = {"stage": 3, "stage3_param_persistence_threshold": 40, "overlap_param_gather": deferred,
+                   "offload_optimizer": {"device": "cpu", "super_offload": deferred}, "offload_param": {"device": "cpu"}}
+        zero = {"zero_optimization": section, "train_micro_batch_size_per_gpu": "auto",
+                "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "bf16": {"enabled": "auto"}}
+        return {"dir": os.path.join(str(tmp_path), name), "zero": zero, "best": True, "save_model": True}
+
+    eager, deferred = spawn(_trainer_run, 2, [case("eager", False), case("deferred", True)])[0]
+    assert eager["deferred_steps"] == 0 and deferred["deferred_steps"] > 0, (eager["deferred_steps"], deferred["deferred_steps"])
+    assert sorted(eager["losses"]) == ["1", "2", "3", "4", "5", "6"], eager["losses"]
+    assert deferred["losses"] == eager["losses"]
+    assert deferred["weights"] == eager["weights"]
+    assert os.path.basename(deferred["best"]) == os.path.basename(eager["best"])
+    assert deferred["predict_shape"] == eager["predict_shape"]
+    a = load_file(os.path.join(deferred["saved"], "model.safetensors"))
+    b = load_file(os.path.join(eager["saved"], "model.safetensors"))
+    assert sorted(a) == sorted(b) and all(torch.equal(a[n], b[n]) for n in a)
