@@ -134,3 +134,31 @@ def test_the_kernel_took_every_host_step(runs: dict, world: int) -> None:
             assert counts["stepped"] > 0, (name, counts)
             if clip and world == 2:  # (the clip was set from the two-rank norms)
                 assert counts["undone"] > 0 and counts["kept"] > 0, (name, counts)  # both fates of a speculation
+
+
+def test_only_torchs_own_adam_step_takes_the_kernel() -> None:
+    """torch's Adam and AdamW and DeepSpeed's FusedAdam (which keeps their step) go through the kernel; a subclass with a
+    step of its own keeps it, and so do AMSGrad and a grad of another dtype."""
+    from hf_zero.optim import host_adam
+    from hf_zero.optim.optimizers import FusedAdam
+    from hf_zero.zero.host_step import fused_adam_group
+    from hf_zero.zero.offload import use_host_kernels
+
+    if not host_adam.available():
+        pytest.skip(f"the host kernel does not build here: {host_adam.unavailable_reason()}")
+
+    class Own(torch.optim.AdamW):
+        def step(self, closure=None):  # noqa: ANN001, ANN202
+            return super().step(closure)
+
+    def takes(make, grad_dtype=torch.float32, **kw) -> bool:  # noqa: ANN001
+        master = torch.zeros(40)
+        opt = make([master], lr=1e-3, **kw)
+        use_host_kernels(opt)
+        return fused_adam_group(opt, master, torch.zeros(40, dtype=grad_dtype)) is not None
+
+    assert takes(torch.optim.AdamW) and takes(torch.optim.Adam) and takes(FusedAdam)
+    assert takes(torch.optim.AdamW, torch.bfloat16)
+    assert not takes(Own)
+    assert not takes(torch.optim.AdamW, amsgrad=True)
+    assert not takes(torch.optim.AdamW, torch.float16)

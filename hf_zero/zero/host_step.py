@@ -10,6 +10,7 @@ threads to the rank's share of the machine's cores (``offload_optimizer.cpuadam_
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
 import socket
 import time
@@ -62,12 +63,16 @@ def _per_element(v: Any, master: torch.Tensor) -> bool:
 def fused_adam_group(optimizer: torch.optim.Optimizer, master: torch.Tensor, grad: torch.Tensor | None) -> dict | None:
     """The param group ``master`` steps in, when the one-pass host kernel can take its step (else None).
 
-    That is torch's Adam or AdamW with its fused kernel chosen (:func:`hf_zero.zero.offload.use_host_kernels`), without
+    That is torch's Adam or AdamW (or a subclass that keeps their ``step``: DeepSpeed's ``FusedAdam`` here) with its
+    fused kernel chosen (:func:`hf_zero.zero.offload.use_host_kernels`), without
     AMSGrad or the differentiable and capturable modes, on a contiguous fp32 master with an fp32 or bf16 gradient
     (None: any such gradient), where the kernel builds (:func:`hf_zero.optim.host_adam.available`): its results are
     torch's kernel's bit for bit.
     """
     if not isinstance(optimizer, torch.optim.Adam) or master.dtype != torch.float32 or not master.is_contiguous():
+        return None
+    # a subclass's own step is its own math (torch wraps the class's step once an instance exists: compare what it wraps)
+    if inspect.unwrap(type(optimizer).step) is not inspect.unwrap(torch.optim.Adam.step):
         return None
     if grad is not None and (grad.dtype not in (torch.float32, torch.bfloat16) or not grad.is_contiguous()
                              or grad.numel() != master.numel()):
