@@ -216,3 +216,31 @@ def test_trainer_life_matches_the_eager_offloaded_step(tmp_path: object) -> None
     a = load_file(os.path.join(deferred["saved"], "model.safetensors"))
     b = load_file(os.path.join(eager["saved"], "model.safetensors"))
     assert sorted(a) == sorted(b) and all(torch.equal(a[n], b[n]) for n in a)
+
+
+def _streamed(rank: int, world: int) -> dict:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import hf_zero
+    from hf_zero.zero import offload
+
+    offload.check_host_memory = lambda needed, group, streamed=None: True  # host memory "short" of the gradient copies
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16))
+    cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+           "zero_optimization": {"stage": 3, "overlap_param_gather": True, "offload_optimizer": {"device": "cpu"}},
+           "steps_per_print": 10**6}
+    engine, *_ = hf_zero.initialize(model=model, config=cfg)
+    ids = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(rank))
+    engine.backward(engine(input_ids=ids, labels=ids).loss)
+    engine.step()
+    zo = engine.zero_optimizer
+    return {"streamed": zo.stream_grads, "overlap": zo.overlap is not None, "runner": type(zo.runner).__name__}
+
+
+def test_streamed_gradients_take_the_step_whole() -> None:
+    """Host memory short of a gradient copy per group: the fp32 gradient shards wait on the GPU until their step, so
+    the stage-3 deferral, which would keep them all there into the next forward, is not built."""
+    for rec in spawn(_streamed, 2):
+        assert rec == {"streamed": True, "overlap": False, "runner": "HostRunner"}, rec

@@ -203,8 +203,9 @@ class ShardedOptimizer(DeepSpeedOptimizerViews):
         if zero.overlap_param_gather and stage <= 2 and self.flat_groups:
             self.overlap = DeferredPublish(module, self.flat_groups)
         elif (zero.overlap_param_gather and self.runtime is not None and offload.optimizer and self.nvme is None
-              and not self.device_groups and any(is_host_master(g) for g in self.stage3_groups)):
-            # stage 3: each unit's host step where the next forward gathers it (hf_zero/zero/unit_steps.py)
+              and not self.device_groups and not self.stream_grads and any(is_host_master(g) for g in self.stage3_groups)):
+            # stage 3: each unit's host step where the next forward gathers it (hf_zero/zero/unit_steps.py); not with
+            # the gradients streamed, whose fp32 shards wait on the GPU until their step (into the forward, deferred)
             self.overlap = DeferredUnitSteps(self.runtime, self.flat_groups, self.stage3_groups)
         self.runner: StepRunner = pick_runner(optimizer, self.groups, self.comm_stream, device=device, offload=offload,
                                               stream_grads=self.stream_grads, overlap=self.overlap, process_group=self.nvme_scope,
