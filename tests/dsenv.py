@@ -119,7 +119,9 @@ def _op_dirs_glob(op: str, pattern: str) -> list[Path]:
 
 def ds_environ(**extra: str) -> dict[str, str]:
     """Environment for DeepSpeed on the CPU: its CPU accelerator, no CUDA, ops JIT-built into its own folder."""
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "DS_BUILD_OPS": "0", "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    # PYTHONFAULTHANDLER: a rank that aborts in C++ (gloo's teardown did, now and then) prints where Python was
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "DS_BUILD_OPS": "0", "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1",
+           "PYTHONFAULTHANDLER": "1"}
     env.setdefault("TORCH_EXTENSIONS_DIR", str(extensions_dir()))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")]))
     env.update(extra)
@@ -132,7 +134,7 @@ def run_python(code: str, *, timeout: float = 600, **env: str) -> subprocess.Com
     done = subprocess.run([str(python), "-c", textwrap.dedent(code)], env=ds_environ(**env),
                           capture_output=True, text=True, timeout=timeout, cwd=str(REPO))
     if done.returncode != 0:
-        raise AssertionError(f"the DeepSpeed oracle failed (rc {done.returncode}):\n{done.stderr[-4000:]}")
+        raise AssertionError(f"the DeepSpeed oracle failed (rc {done.returncode}):\n{done.stderr[-8000:]}")
     return done
 
 
@@ -143,7 +145,7 @@ def run_torchrun(script: Path, nproc: int, *args: str, timeout: float = 900, **e
            str(script), *args]
     done = subprocess.run(cmd, env=ds_environ(**env), capture_output=True, text=True, timeout=timeout, cwd=str(REPO))
     if done.returncode != 0:
-        raise AssertionError(f"the DeepSpeed oracle failed (rc {done.returncode}):\n{done.stderr[-4000:]}")
+        raise AssertionError(f"the DeepSpeed oracle failed (rc {done.returncode}):\n{done.stderr[-8000:]}")
     return done
 
 
