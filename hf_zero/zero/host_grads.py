@@ -134,8 +134,8 @@ class _HostMaster(ShardGroup):
         """The last backward of the step reduced this group: start its device-to-host copy on the same stream,
         so it runs while backward goes on (pinned memory makes it asynchronous).
 
-        ``exact16`` (the subclass's word): the reduced fp32 shard is exactly one bf16 gradient (one rank, one reduce,
-        nothing averaged or accumulated), so with :attr:`grad16` it crosses in bf16: the same values, half the bytes
+        ``exact16`` (the subclass's word): every value of the reduced fp32 shard is a bf16 value (one rank, nothing
+        averaged, nothing added in fp32), so with :attr:`grad16` it crosses in bf16: the same values, half the bytes
         over PCIe and through host memory."""
         if not self.copy_after_reduce or self.stream_grads or self._device_grad is None:
             return

@@ -243,8 +243,13 @@ class OffloadedFlatGroup(_HostMaster, FlatGroup):
 
     def reduce_grads(self, stream: torch.cuda.Stream | None) -> None:
         self._unrelease(stream)
+        # One rank, averaged over no others: the shard is the 16-bit gradients widened (stage 1's flat buffer sums its
+        # micro-steps in the compute dtype), unless stage 2 adds this reduce to an earlier one in fp32
+        exact16 = (self.world_size == 1 and self.place.replicas == 1 and self.place.averaged_over == 1
+                   and self.compute_dtype == torch.bfloat16 and self.reduce_dtype in (torch.bfloat16, torch.float32)
+                   and not (self.free_grads_after_reduce and self._device_grad is not None))
         FlatGroup.reduce_grads(self, stream)
-        self._copy_after_reduce(stream)
+        self._copy_after_reduce(stream, exact16)
 
     _shard_ahead = False  # write_shard_ahead copied the master already: the next publish only all-gathers
     def _write_shard(self, shard: torch.Tensor) -> None:
