@@ -153,9 +153,11 @@ def _grid(rank: int, world: int, cases: list) -> list:
 
 
 # (stage, gradient accumulation steps, gradient_clipping, fp16). The clip values sit between this model's step norms
-# (about 0.92-1.61 unclipped), so some steps clip and some do not (the test checks both happened); the fp16 runs start
-# at a scale that overflows, skip 3 and 2 steps, then step (the stage-2 one with a clip that does not bite).
-CASES = [(1, 1, 1.37, False), (2, 2, 1.0, False), (3, 1, 1.37, False), (2, 1, 1.3, True), (3, 2, 0.95, True)]
+# (unclipped about 1.38, 1.61, 1.24, 1.37 at stages 1 and 3; 0.92, 1.00, 0.95, 1.18 at stage 2), so some steps clip
+# and some do not, and a step after one that clipped is not speculated: the test checks that a speculation stood, one
+# was undone and one was paused; the fp16 runs start at a scale that overflows, skip 3 and 2 steps, then step (the
+# stage-2 one with a clip that does not bite).
+CASES = [(1, 1, 1.5, False), (2, 2, 1.0, False), (3, 1, 1.5, False), (2, 1, 1.3, True), (3, 2, 0.95, True)]
 
 
 def test_super_offload_equals_the_step_after_backward_bit_for_bit() -> None:
@@ -180,6 +182,9 @@ def test_super_offload_equals_the_step_after_backward_bit_for_bit() -> None:
                 assert counts["undone"] > 0, (case, mode, counts)  # ... whose speculative steps were undone
             if clip and not fp16:
                 assert counts["undone"] > 0, (case, mode, counts)  # clipping applied on a step: its speculation undone
+                # and the step after each clipped one was not speculated (nor any other)
+                clipped_before = sum(1 for n in row["norms"][:-1] if n > clip)
+                assert counts["paused"] == clipped_before > 0, (case, mode, counts, row["norms"])
 
 
 def test_super_offload_takes_deepspeeds_share_of_the_cores() -> None:
@@ -206,16 +211,17 @@ def gpu_suite(rank: int, world: int) -> list[dict]:
     """``tests/gpu/gpu_check.py``'s rows: the same runs on GPUs, where the gradients reach host memory by copies on a side
     stream that the background thread waits for with CUDA events, and (with ``overlap_param_gather``) the groups stepped
     during backward go back to the GPU ahead of their publish. Errors against super_offload off. The clip values are
-    0 (the speculation stands every step) and 1e-3 (it is undone every step), so that what happens does not depend on
-    the world size's norms; a row whose background steps did not do what its clip says fails."""
+    0 (the speculation stands every step) and 1e-3 (every step clips: the first step's speculation is undone, the
+    later steps are not speculated), so that what happens does not depend on the world size's norms; a row whose
+    background steps did not do what its clip says fails."""
     rows = []
     for stage, gas, clip in ((1, 1, 0.0), (2, 2, 0.0), (3, 1, 0.0), (2, 1, 1e-3), (3, 2, 1e-3)):
         off = _run(stage, gas, clip, False, "off", rank)
         for mode in MODES[1:]:
             on = _run(stage, gas, clip, False, mode, rank)
             c = on["counts"]
-            if clip:  # every step clips: every background step is undone, the ordinary step takes them all
-                ran = c["stepped"] > 0 and c["kept"] == 0 and c["undone"] == c["stepped"]
+            if clip:  # every step clips: the first step's background steps are undone, the later steps not speculated
+                ran = c["stepped"] > 0 and c["kept"] == 0 and c["undone"] == c["stepped"] and c["paused"] == STEPS - 1
             else:  # every speculation stands; the gate leaves groups to the ordinary step, the drain none
                 ran = c["stepped"] > 0 and c["kept"] > 0 and c["undone"] == 0 and (c["settled"] == 0) == (mode == "drained")
             w = max(_rel(on["state"][k], off["state"][k]) for k in off["state"])

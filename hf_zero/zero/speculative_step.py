@@ -70,6 +70,11 @@ class SpeculativeHostStep:
     step arithmetically instead, which does not give back the same bits. The optimizer's hyperparameters are checked
     too: a change between the backward and the step (a scheduler stepped early) undoes the speculation.
 
+    A step right after one that clipped is not speculated (:meth:`arm`): gradient norms change slowly from step to
+    step, so under clipping that bites (common early in a fine-tune with ``gradient_clipping`` 1.0) every speculation
+    would be undone, and its undo copies and the step taken again would cost more than the step it hides. The
+    verdict of every step is still read, armed or not, so the first step that does not clip arms the next one.
+
     One background thread steps the groups in the order their gradients arrive, on ``threads`` intra-op threads
     (:func:`host_step_threads` with ``cpuadam_cores_perc``: the backward's own threads keep the rest of the cores;
     torch's thread count is per thread, so the backward keeps the launcher's).
@@ -88,9 +93,11 @@ class SpeculativeHostStep:
         self._scratch: torch.Tensor | None = None
         self._backup: dict[int, dict[str, torch.Tensor]] = {}  # each group's undo buffers, reused every step
         self.cpu_seconds = 0.0  # the background steps' own time this step
+        self._unclipped: float | None = None  # this step's coefficient if it does not clip (armed or not: arm's coef)
+        self._clipped = False  # the last step whose verdict came clipped: the next is not speculated
         # since the start of the run: stepped in the background, of those kept and undone, and left to the ordinary
-        # step because the verdict came first (settled)
-        self.counts = {"stepped": 0, "kept": 0, "undone": 0, "settled": 0}
+        # step because the verdict came first (settled); steps not speculated because the one before clipped (paused)
+        self.counts = {"stepped": 0, "kept": 0, "undone": 0, "settled": 0, "paused": 0}
 
     @property
     def armed(self) -> bool:
@@ -100,12 +107,16 @@ class SpeculativeHostStep:
         """Before the backward that ends a step: step each group with ``coef`` as its gradient arrives.
 
         Not armed (False) when a master still holds a ``.grad`` (a step whose gradients nobody dropped): torch's
-        optimizer would step that master as well.
+        optimizer would step that master as well; nor when the last step clipped (the class docstring says why).
         """
         self.discard()
+        self._unclipped, self.cpu_seconds = float(coef), 0.0
         if any(g.master is not None and g.master.grad is not None for g in groups):
             return False
-        self._coef, self._hyper, self.cpu_seconds = float(coef), _hyperparameters(self.optimizer), 0.0
+        if self._clipped:
+            self.counts["paused"] += 1
+            return False
+        self._coef, self._hyper = float(coef), _hyperparameters(self.optimizer)
         self._stopped = False
         return True
 
@@ -260,6 +271,8 @@ class SpeculativeHostStep:
         gradients as they are) nothing is waited for here; :meth:`settle` at the step stops the background thread.
         Any other coefficient is about to be multiplied into the host copies in place, which a background step may
         be reading: the background thread is settled first."""
+        if self._unclipped is not None:  # armed or paused: whether this step clipped decides the next one's speculation
+            self._clipped, self._unclipped = float(coef) != self._unclipped, None
         if self._coef is None:
             return
         if float(coef) != self._coef or not _same_hyperparameters(self._hyper, _hyperparameters(self.optimizer)):
