@@ -1,7 +1,9 @@
-"""The main job, ``scripts/finetune.py``, on its defaults under both launchers (2 CPU processes):
-it finishes, accuracy on the held-out sentences improves, the consolidated weights load with
-``from_pretrained`` and the model card parses, naming the model it fine-tuned by its Hub id and the
-accuracy the run printed as model-index results."""
+"""The main job, ``scripts/finetune.py``, under both launchers (2 CPU processes): on its defaults under
+``hf-zero launch`` (the README's first command), and under ``accelerate launch`` with half the steps (24, evaluated
+at 12: the launcher's path is what it adds, and the accuracy reaches 1.0 by then too, in about half the minute):
+it finishes, accuracy on the held-out sentences improves, the consolidated weights load with ``from_pretrained``
+and the model card parses, naming the model it fine-tuned by its Hub id and the accuracy the run printed as
+model-index results."""
 
 from __future__ import annotations
 
@@ -29,7 +31,8 @@ def _run(cmd: list[str], out: Path) -> tuple[float, float]:
     "launcher",
     [
         [sys.executable, "-m", "hf_zero.launch.cli", "launch", "--num_gpus", "2", "scripts/finetune.py"],
-        [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "configs/accelerate_cpu.yaml", "scripts/finetune.py"],
+        [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "configs/accelerate_cpu.yaml", "scripts/finetune.py",
+         "--max_steps=24", "--eval_steps=12"],
     ],
     ids=["hf-zero-launch", "accelerate-launch"],
 )
