@@ -95,6 +95,7 @@ def _run(rank: int, world: int, kernel: bool) -> dict:
         out[name] = {"losses": losses, "state": {k: v.view(-1).tolist() for k, v in state.items()},
                      "kernel": calls["kernel"] - before["kernel"], "written": calls["written"] - before["written"],
                      "host_groups": sum(1 for g in zo.groups if g.master is not None), "bf16_copies": bf16_copies,
+                     "widened": getattr(zo.runner, "_widened", None) is not None,
                      "counts": dict(spec.counts) if spec is not None else {}}
         engine.destroy()
     return out
@@ -139,6 +140,8 @@ def test_the_kernel_took_every_host_step(runs: dict, world: int) -> None:
         assert runs[f"off{world}"][name]["kernel"] == 0 and runs[f"off{world}"][name]["bf16_copies"] == 0, name
         # one rank: the gradient copies crossed in bf16, but stage 2's fp32 sum of micro-steps (two ranks: fp32)
         assert (rec["bf16_copies"] > 0) == bf16_copies_expected(stage, gas, world), (name, world, rec["bf16_copies"])
+        # a clipped step read its bf16 copies widened in the runner's one reused buffer (every step clips on one rank)
+        assert rec["widened"] == (bf16_copies_expected(stage, gas, world) and clip > 0), (name, world)
         if params and not super_offload:  # the host shards written in the kernel's pass, the publish's cast skipped
             assert rec["written"] > 0, name  # (a speculative step leaves its cast to the publish: it may be undone)
         if super_offload:

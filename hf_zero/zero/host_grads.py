@@ -11,6 +11,7 @@ the host-memory plan and the group classes (and still exports both names).
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -119,16 +120,27 @@ class _HostMaster(ShardGroup):
         self._host_grad = self._host_grads[dtype]
         return self._host_grad
 
-    def step_grad(self, grad: torch.Tensor) -> torch.Tensor:
+    def step_grad(self, grad: torch.Tensor, scratch: Callable[[int], torch.Tensor] | None = None) -> torch.Tensor:
         """The gradient the host step reads for ``grad``, this group's host copy: itself, or, for a bf16 copy the step
         policy scaled (clipping), its fp32 values times that coefficient, made now: what the fp32 copy scaled in place
-        holds, bit for bit (a bf16 value widens to fp32 exactly, and the product is the same fp32 multiply)."""
+        holds, bit for bit (a bf16 value widens to fp32 exactly, and the product is the same fp32 multiply).
+
+        ``scratch(n)``: an fp32 host buffer of at least ``n`` elements to make it in (the host step reuses one for
+        every group and step: fresh pages of 4 bytes per element each step cost more than the multiply); else a new
+        tensor."""
         if self._coef16 is None or grad.dtype == torch.float32:
             return grad
-        out = grad.float()
+        out = grad.float() if scratch is None else scratch(grad.numel())[: grad.numel()].view_as(grad).copy_(grad)
         for coef in self._coef16:
             out.mul_(coef)
         return out
+
+    def _reduces_bf16_values(self) -> bool:
+        """Whether one reduce of this group leaves only bf16 values in its fp32 shard: bf16 gradients on one rank,
+        summed with no other rank's (nor a replica's) and divided by nothing, cast to fp32 or kept in bf16 on the way.
+        What each subclass adds to the shard across reduces it says itself (:meth:`_copy_after_reduce`'s ``exact16``)."""
+        return (self.world_size == 1 and self.place.replicas == 1 and self.place.averaged_over == 1
+                and self.compute_dtype == torch.bfloat16 and self.reduce_dtype in (torch.bfloat16, torch.float32))
 
     def _copy_after_reduce(self, stream: torch.cuda.Stream | None, exact16: bool = False) -> None:
         """The last backward of the step reduced this group: start its device-to-host copy on the same stream,

@@ -191,8 +191,10 @@ class HostStep:
     def __init__(self, optimizer: torch.optim.Optimizer, stream: torch.cuda.Stream | None,
                  work: list[tuple[ShardGroup, torch.Tensor]], *, streamed: list[torch.Tensor] | None = None,
                  defer: bool = False, on_done: Callable[[float], None] | None = None, threads: int | None = None,
-                 swap: Any = None, prestepped: frozenset[int] = frozenset(), sub_group_size: int | None = None) -> None:
+                 swap: Any = None, prestepped: frozenset[int] = frozenset(), sub_group_size: int | None = None,
+                 scratch: Callable[[int], torch.Tensor] | None = None) -> None:
         self.optimizer, self.stream, self.defer, self.on_done = optimizer, stream, defer, on_done
+        self.scratch = scratch  # the runner's reused fp32 buffer for a clipped bf16 copy read widened (step_grad)
         # zero_optimization.sub_group_size: each group stepped in ranges of about that many elements (sub_group_ranges);
         # None: each group in one call
         self.sub_group_size = sub_group_size
@@ -251,8 +253,6 @@ class HostStep:
                 self._fetched = self._fetch(i + 1)  # into the other buffer, whose group was stepped last round
         self.work[i] = (g, None)  # streamed: the device shard may go once its copy has landed
         assert g.master is not None and grad is not None
-        if hasattr(g, "step_grad"):  # a bf16 host copy the step policy scaled is read in fp32, scaled (host_grads.py)
-            grad = g.step_grad(grad)
         groups = self.optimizer.param_groups
         live = [{k: pg[k] for k in hyper} for pg, hyper in zip(groups, self._hyper)] if self.defer else []
         for pg, hyper in zip(groups, self._hyper if self.defer else []):
@@ -265,6 +265,8 @@ class HostStep:
             start = time.perf_counter()
             try:
                 if id(g) not in self.prestepped:
+                    if hasattr(g, "step_grad"):  # a bf16 copy the step policy scaled is read in fp32, scaled (host_grads.py)
+                        grad = g.step_grad(grad, self.scratch)
                     ranges = [(0, g.master.numel())] if self.sub_group_size is None else sub_group_ranges(
                         g, self.sub_group_size)
                     out16 = g.host_shard() if hasattr(g, "host_shard") else None  # stage 3's host 16-bit shard

@@ -243,11 +243,8 @@ class OffloadedFlatGroup(_HostMaster, FlatGroup):
 
     def reduce_grads(self, stream: torch.cuda.Stream | None) -> None:
         self._unrelease(stream)
-        # One rank, averaged over no others: the shard is the 16-bit gradients widened (stage 1's flat buffer sums its
-        # micro-steps in the compute dtype), unless stage 2 adds this reduce to an earlier one in fp32
-        exact16 = (self.world_size == 1 and self.place.replicas == 1 and self.place.averaged_over == 1
-                   and self.compute_dtype == torch.bfloat16 and self.reduce_dtype in (torch.bfloat16, torch.float32)
-                   and not (self.free_grads_after_reduce and self._device_grad is not None))
+        # stage 1's flat buffer sums its micro-steps in bf16; stage 2 adds each reduce to the last in fp32
+        exact16 = self._reduces_bf16_values() and not (self.free_grads_after_reduce and self._device_grad is not None)
         FlatGroup.reduce_grads(self, stream)
         self._copy_after_reduce(stream, exact16)
 
@@ -324,10 +321,8 @@ class OffloadedShardedParamGroup(DeferredUnitStep, _HostMaster, _HostParamShard)
             self._move_param_shard_to_host(pin)
 
     def reduce_grads(self, stream: torch.cuda.Stream | None, limit: C.InflightLimit | None = None) -> None:
-        # The shard is exactly one bf16 gradient when it is this reduce's alone, on one rank, averaged over no others
-        exact16 = (self._device_grad is None and self._released is None and self.world_size == 1
-                   and self.place.replicas == 1 and self.place.averaged_over == 1
-                   and self.compute_dtype == torch.bfloat16 and self.reduce_dtype in (torch.bfloat16, torch.float32))
+        # each reduce of a unit adds to the last in fp32: only the step's first keeps bf16 values
+        exact16 = self._device_grad is None and self._released is None and self._reduces_bf16_values()
         if self.has_grads():
             self._unrelease(stream)
         ShardedParamGroup.reduce_grads(self, stream, limit)

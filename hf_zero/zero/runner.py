@@ -182,6 +182,16 @@ class HostRunner(StepRunner):
             for g in self.host_groups:
                 g.grad16 = True  # type: ignore[attr-defined]
 
+    _widened: torch.Tensor | None = None
+
+    def _scratch(self, numel: int) -> torch.Tensor:
+        """One fp32 host buffer of at least ``numel`` elements, made on the first clipped step that reads a bf16 copy
+        and reused by every group after (:meth:`hf_zero.zero.host_grads._HostMaster.step_grad`)."""
+        if self._widened is None or self._widened.numel() < numel:
+            self._widened = torch.empty(max(numel, max(g.master.numel() for g in self.host_groups)),  # type: ignore[union-attr]
+                                        dtype=torch.float32)
+        return self._widened
+
     def _work(self) -> tuple[list[tuple[ShardGroup, torch.Tensor]], list[torch.Tensor] | None]:
         """The groups to step with their gradients (see :class:`HostStep`), each master's ``.grad`` cleared, and the
         shared buffers when the gradients are streamed."""
@@ -225,7 +235,7 @@ class HostRunner(StepRunner):
         prestepped = self._prestepped(work)
         on_device = self._step_device()
         run = HostStep(self.optimizer, self.stream, work, streamed=streamed, threads=self.threads,
-                       prestepped=prestepped, sub_group_size=self.sub_group_size)
+                       prestepped=prestepped, sub_group_size=self.sub_group_size, scratch=self._scratch)
         run.finish()
         for g, grad in on_device:  # its reduced shard, as after a step without offload, until zero_grad
             g.master.grad = grad  # type: ignore[union-attr]
@@ -244,7 +254,7 @@ class HostRunner(StepRunner):
 
     def release(self) -> None:
         super().release()
-        self.grad_buffers = []
+        self.grad_buffers, self._widened = [], None
 
 
 class DeferredHostRunner(HostRunner):
@@ -276,7 +286,8 @@ class DeferredHostRunner(HostRunner):
             timed("step.wait_grads", t1 - t0)
         run = HostStep(self.optimizer, self.stream, work, streamed=streamed, defer=True,
                        on_done=None if timed is None else (lambda s: timed("step.cpu_optimizer", s)),
-                       threads=self.threads, prestepped=self._prestepped(work), sub_group_size=self.sub_group_size)
+                       threads=self.threads, prestepped=self._prestepped(work), sub_group_size=self.sub_group_size,
+                       scratch=self._scratch)
         through = run.through  # one bound method for every group: its first wait steps it (and those before it)
         for g, _ in work:
             g.defer_step(through)  # type: ignore[attr-defined]

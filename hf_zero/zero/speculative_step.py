@@ -139,12 +139,11 @@ class SpeculativeHostStep:
         # Past this point the group is stepped whatever settle() says: settle() waits for this call to return.
         with intra_op_threads(self.threads):
             start = time.perf_counter()
-            if coef != 1.0:  # the policy's scale_grads multiplies the host copy by this same float (in fp32)
-                if grad.dtype != torch.float32:
-                    grad = grad.float()
-                if self._scratch is None or self._scratch.numel() < grad.numel():
-                    self._scratch = torch.empty(grad.numel(), dtype=grad.dtype)
-                grad = torch.mul(grad, coef, out=self._scratch[: grad.numel()].view_as(grad))
+            if coef != 1.0:  # the policy's scale_grads multiplies the host copy by this same float (a bf16 copy widened)
+                if self._scratch is None or self._scratch.numel() < grad.numel() or self._scratch.dtype != master.dtype:
+                    self._scratch = torch.empty(grad.numel(), dtype=master.dtype)
+                out = self._scratch[: grad.numel()].view_as(grad)
+                grad = torch.mul(grad, coef, out=out) if grad.dtype == out.dtype else out.copy_(grad).mul_(coef)
             state = self.optimizer.state.get(master)
             # The one-pass kernel writes the undo copy in its own pass (hf_zero/optim/host_adam.py); otherwise a copy
             # before the step
