@@ -147,6 +147,30 @@ def test_backup_holds_the_state_before_the_step(kernel: None, n: int, offset: in
         _assert_same_bits(out, state[0].to(torch.bfloat16), f"out16 at step {step}")
 
 
+@pytest.mark.parametrize("offset", [0, 1], ids=["aligned", "misaligned"])
+@pytest.mark.parametrize("n", [17, 1000, 65537, 1_000_003])
+def test_out_of_place_leaves_the_inputs_and_writes_the_step(kernel: None, n: int, offset: int) -> None:
+    """``out``: the step's results in three other buffers, bit for bit the in-place step's, the inputs untouched; the
+    buffers then swapped (what a kept speculative step does) and stepped again, so each buffer is input and output."""
+    state = _state(n, seed=6)
+    ref = [t.clone() for t in state]
+    other = [torch.empty(n + offset)[offset:] for _ in range(3)]
+    out16 = torch.empty(n + offset, dtype=torch.bfloat16)[offset:]
+    for step in range(1, 4):
+        before = [t.clone() for t in state]
+        grad = _grad(n, step, torch.bfloat16 if step % 2 else torch.float32)
+        host_adam.adam_step(state[0], grad, state[1], state[2], step, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
+                            weight_decay=0.01, adamw=step != 2, out16=out16, out=tuple(other))  # type: ignore[arg-type]
+        _reference(ref, grad, step, step != 2, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01,
+                   maximize=False)
+        for got, want, what in zip(state, before, ("param", "exp_avg", "exp_avg_sq")):
+            _assert_same_bits(got, want, f"{what} left as it was at step {step}")
+        for got, want, what in zip(other, ref, ("param", "exp_avg", "exp_avg_sq")):
+            _assert_same_bits(got, want, f"{what} written out at step {step}")
+        _assert_same_bits(out16, ref[0].to(torch.bfloat16), f"out16 at step {step}")
+        state, other = other, state
+
+
 def _grid_matches() -> None:
     """A compact version of the tests above, for a build of another ISA in its own process."""
     hyper = dict(lr=1e-3, beta2=0.999, eps=1e-8)
@@ -164,6 +188,11 @@ def _grid_matches() -> None:
             _reference(ref, grad, step, adamw, weight_decay=wd, maximize=maximize, beta1=beta1, **hyper)
             for got, want in zip([*ours, out, *backup], [*ref, ref[0].to(dtype), *before]):
                 _assert_same_bits(got, want, f"n={n} adamw={adamw} wd={wd} maximize={maximize} step {step}")
+            after = tuple(torch.empty(n) for _ in range(3))  # the same step again out of place, from the backup
+            host_adam.adam_step(backup[0], grad, backup[1], backup[2], step, adamw=adamw, weight_decay=wd,
+                                maximize=maximize, beta1=beta1, out=after, **hyper)
+            for got, want in zip([*after, *backup], [*ref, *before]):
+                _assert_same_bits(got, want, f"out of place: n={n} adamw={adamw} wd={wd} step {step}")
 
 
 def test_avx2_build_matches_too(kernel: None) -> None:
@@ -211,6 +240,11 @@ def test_rejects_what_it_cannot_step() -> None:
         host_adam.adam_step(p, g, torch.zeros(32), torch.zeros(32), 1, out16=torch.zeros(31, dtype=torch.bfloat16), **kw)
     with pytest.raises(ValueError, match="backup"):
         host_adam.adam_step(p, g, torch.zeros(32), torch.zeros(32), 1, backup=(torch.zeros(32),) * 2, **kw)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="out"):
+        host_adam.adam_step(p, g, torch.zeros(32), torch.zeros(32), 1, out=(torch.zeros(32),) * 2, **kw)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="not both"):
+        host_adam.adam_step(p, g, torch.zeros(32), torch.zeros(32), 1, out=(torch.zeros(32),) * 3,  # type: ignore[arg-type]
+                            backup=(torch.zeros(32),) * 3, **kw)  # type: ignore[arg-type]
 
 
 def _fallback_matches_torch() -> None:
@@ -227,6 +261,11 @@ def _fallback_matches_torch() -> None:
     _reference(ref, grad, 1, False, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, maximize=False)
     for got, want in zip([*state, out, *backup], [*ref, ref[0].half(), *before]):
         _assert_same_bits(got, want, "fallback")
+    after = tuple(torch.empty(n) for _ in range(3))
+    host_adam.adam_step(backup[0], grad, backup[1], backup[2], 1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
+                        weight_decay=0.01, adamw=False, out=after)
+    for got, want in zip([*after, *backup], [*ref, *before]):
+        _assert_same_bits(got, want, "fallback out of place")
 
 
 @pytest.mark.parametrize("why", ["not_x86", "build_fails_in_process"])

@@ -1,13 +1,15 @@
 """The offloaded step through the one-pass host kernel equals it through torch's kernel, bit for bit.
 
 ``hf_zero/zero/host_step.py`` steps Adam/AdamW host masters with ``hf_zero/optim/host_adam.py`` where it builds: one pass
-that also writes stage 3's 16-bit host shard (``offload_param``: no cast pass at the publish) and, for
-``super_offload``'s speculative steps, the undo copy (no copy pass before the step). The oracle is the same run with
-``HF_ZERO_HOST_ADAM=0`` (torch's fused kernel, the cast and the copies as separate passes), on 2 gloo ranks with a
+that also writes stage 3's 16-bit host shard (``offload_param``: no cast pass at the publish) or stages 1-2's 16-bit
+copy that is sent to the device (2 bytes an element over PCIe, not the master's 4), and steps ``super_offload``'s
+speculative steps out of place (kept by swapping buffers, undone by not: no undo copy). The oracle is the same run with
+``HF_ZERO_HOST_ADAM=0`` (torch's fused kernel, the cast on the device, a copy before each speculative step), on gloo ranks with a
 tiny bf16 Llama: losses, gathered weights, masters and optimizer state must be equal (``torch.equal``) at stage 2 with
 ``super_offload`` (clipping that bites on some steps: speculation kept and undone), at stage 3 with optimizer and
 parameter offload, and the same with ``overlap_param_gather`` and ``super_offload``. Each run with the kernel must
-have used it for every host step, and written the host shards (the publish's cast skipped), so a quiet fallback fails.
+have used it for every host step, and written the host shards and the 16-bit copies (the publish's cast skipped), so
+a quiet fallback fails.
 """
 
 from __future__ import annotations
@@ -40,11 +42,16 @@ def _run(rank: int, world: int, kernel: bool) -> dict:
     import hf_zero
     from hf_zero.optim import host_adam
     from hf_zero.zero import GatheredParameters
-    from hf_zero.zero.offload import OffloadedShardedParamGroup
+    from hf_zero.zero.offload import OffloadedFlatGroup, OffloadedShardedParamGroup
 
     assert host_adam.available() == kernel, host_adam.unavailable_reason()
-    calls = {"kernel": 0, "written": 0}
+    calls = {"kernel": 0, "written": 0, "uploads": 0}
     real_step, real_written = host_adam.adam_step, OffloadedShardedParamGroup.host_shard_written
+    real_upload = OffloadedFlatGroup.host_shard_written
+
+    def uploaded(self):  # noqa: ANN001, ANN202
+        calls["uploads"] += 1
+        return real_upload(self)
 
     def counted(*a, **k):  # noqa: ANN002, ANN003, ANN202
         calls["kernel"] += 1
@@ -55,6 +62,7 @@ def _run(rank: int, world: int, kernel: bool) -> dict:
         return real_written(self)
 
     host_adam.adam_step, OffloadedShardedParamGroup.host_shard_written = counted, written
+    OffloadedFlatGroup.host_shard_written = uploaded
     out: dict = {}
     for name, stage, params, super_offload, overlap, clip, gas in CASES:
         torch.manual_seed(0)
@@ -94,6 +102,7 @@ def _run(rank: int, world: int, kernel: bool) -> dict:
         bf16_copies = sum(torch.bfloat16 in getattr(g, "_host_grads", {}) for g in zo.groups)
         out[name] = {"losses": losses, "state": {k: v.view(-1).tolist() for k, v in state.items()},
                      "kernel": calls["kernel"] - before["kernel"], "written": calls["written"] - before["written"],
+                     "uploads": calls["uploads"] - before["uploads"],
                      "host_groups": sum(1 for g in zo.groups if g.master is not None), "bf16_copies": bf16_copies,
                      "widened": getattr(zo.runner, "_widened", None) is not None,
                      "counts": dict(spec.counts) if spec is not None else {}}
@@ -144,6 +153,9 @@ def test_the_kernel_took_every_host_step(runs: dict, world: int) -> None:
         assert rec["widened"] == (bf16_copies_expected(stage, gas, world) and clip > 0), (name, world)
         if params and not super_offload:  # the host shards written in the kernel's pass, the publish's cast skipped
             assert rec["written"] > 0, name  # (a speculative step leaves its cast to the publish: it may be undone)
+        if stage < 3:  # every step of every group, speculative ones that stood included, sent its 16-bit copy
+            assert rec["uploads"] == STEPS * rec["host_groups"], (name, rec["uploads"], rec["host_groups"])
+            assert runs[f"off{world}"][name]["uploads"] == 0, name
         if super_offload:
             assert counts["stepped"] > 0, (name, counts)
             if clip and world == 2:  # (the clip was set from the two-rank norms)

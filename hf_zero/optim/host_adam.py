@@ -175,7 +175,7 @@ def _probe(ops: object) -> int | None:
             state = [t.clone() for t in start]
             for t, g in enumerate(grads, 1):
                 ops.step(state[0], g, state[1], state[2], None, None, None, None, n, float(t),  # type: ignore[attr-defined]
-                         *(hyper[k] for k in _HYPER), variant, False)
+                         *(hyper[k] for k in _HYPER), variant, False, False)
             if not all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(state, ref)):
                 break
         else:
@@ -229,15 +229,19 @@ def _torch_step(p: Tensor, g: Tensor, m: Tensor, v: Tensor, step: float, *, lr: 
 
 def adam_step(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, step: float, *, lr: float,
               beta1: float, beta2: float, eps: float, weight_decay: float, adamw: bool, maximize: bool = False,
-              out16: Tensor | None = None, backup: tuple[Tensor, Tensor, Tensor] | None = None) -> None:
+              out16: Tensor | None = None, backup: tuple[Tensor, Tensor, Tensor] | None = None,
+              out: tuple[Tensor, Tensor, Tensor] | None = None) -> None:
     """One Adam (``adamw=False``: L2 decay added to the gradient) or AdamW update of ``param``, in place, one pass.
 
     ``param``, ``exp_avg``, ``exp_avg_sq``: contiguous fp32 CPU tensors (any shape, the same number of elements),
     updated in place. ``grad``: contiguous fp32 or bf16, not modified. ``step``: the step count after this step's
     increment (what torch's kernel reads from ``state["step"]``). ``out16``: a bf16 or fp16 tensor that receives the
     updated ``param`` cast to its dtype. ``backup``: three fp32 tensors that receive ``param``, ``exp_avg`` and
-    ``exp_avg_sq`` as they were before this update (a speculative step's undo copy). ``out16`` and ``backup`` must
-    not overlap the other tensors. No amsgrad, no gradient scale: the offloaded step needs neither here.
+    ``exp_avg_sq`` as they were before this update (a speculative step's undo copy). ``out``: instead of in place, the
+    updated ``param``, ``exp_avg`` and ``exp_avg_sq`` go into these three fp32 tensors and the inputs are left as they
+    were (a speculative step kept by swapping buffers: it writes 12 bytes an element fewer than ``backup``, which writes
+    both the old state and the new); not with ``backup``. ``out16``, ``backup`` and ``out`` must not overlap the other
+    tensors. No amsgrad, no gradient scale: the offloaded step needs neither here.
     """
     n = param.numel()
     _check("param", param, n, (torch.float32,))
@@ -245,28 +249,37 @@ def adam_step(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, 
     _check("exp_avg_sq", exp_avg_sq, n, (torch.float32,))
     _check("grad", grad, n, (torch.float32, torch.bfloat16))
     _check("out16", out16, n, (torch.bfloat16, torch.float16))
-    if backup is not None:
-        if len(backup) != 3:
-            raise ValueError(f"host_adam.adam_step: backup is (param, exp_avg, exp_avg_sq): got {len(backup)} tensors")
-        for what, b in zip(("backup[0]", "backup[1]", "backup[2]"), backup):
-            _check(what, b, n, (torch.float32,))
+    if backup is not None and out is not None:
+        raise ValueError("host_adam.adam_step: give backup (the state before the step) or out (the state after it), "
+                         "not both")
+    for name, three in (("backup", backup), ("out", out)):
+        if three is None:
+            continue
+        if len(three) != 3:
+            raise ValueError(f"host_adam.adam_step: {name} is (param, exp_avg, exp_avg_sq): got {len(three)} tensors")
+        for i, b in enumerate(three):
+            _check(f"{name}[{i}]", b, n, (torch.float32,))
     hyper = dict(lr=float(lr), beta1=float(beta1), beta2=float(beta2), eps=float(eps),
                  weight_decay=float(weight_decay), adamw=bool(adamw), maximize=bool(maximize))
     flat = [t.detach().view(-1) for t in (param, grad, exp_avg, exp_avg_sq)]
     o16 = None if out16 is None else out16.detach().view(-1)
-    saved = None if backup is None else [b.detach().view(-1) for b in backup]
+    other = backup if backup is not None else out
+    saved = None if other is None else [b.detach().view(-1) for b in other]
     ops = _kernel()
     main = n - n % _BLOCK if ops is not None else 0
     with torch.no_grad():
         if main:
             b = saved or [None, None, None]
             ops.step(*flat, o16, b[0], b[1], b[2], main, float(step),  # type: ignore[attr-defined]
-                     *(hyper[k] for k in _HYPER), _variant, _STREAM)
+                     *(hyper[k] for k in _HYPER), _variant, _STREAM, out is not None)
         if main < n:  # the tail (or everything, without the kernel): torch's kernel, and the copies around it
             rest = [t[main:] for t in flat]
             if saved is not None:
                 for dst, src in zip(saved, (rest[0], rest[2], rest[3])):
                     dst[main:].copy_(src)
+            if out is not None:  # the copies are the inputs: step them, the inputs stay as they were
+                assert saved is not None
+                rest = [saved[0][main:], rest[1], saved[1][main:], saved[2][main:]]
             _torch_step(*rest, float(step), **hyper)
             if o16 is not None:
                 o16[main:].copy_(rest[0])

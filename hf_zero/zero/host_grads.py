@@ -70,6 +70,36 @@ class _HostMaster(ShardGroup):
         # After that copy left, the device shard is released; its part of the norm stays behind as scalars.
         self._released: tuple[torch.Tensor, torch.Tensor] | None = None
 
+    # An out-of-place step's destination (super_offload's speculative steps): fp32 host buffers of the master's size
+    # the new master and moments are written into, swapped in when the step stands (swap_in_step)
+    _step_out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    _step_out_pages: torch.Tensor | None = None  # the second master buffer's owner (see step_out)
+
+    def step_out(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Three fp32 host tensors shaped like the master that an out-of-place step of it writes into (the master, then
+        the two Adam moments); made at the first call, kept for the run (12 bytes per element, as the undo copy of a
+        step in place would take). The master's is pinned as the master is: after a swap the master *is* that buffer
+        and is copied to the GPU from there. Its owner tensor is kept on the group for as long as the group lives, since
+        a pinned buffer's pages are unregistered when the tensor :func:`host_buffer` returned is collected."""
+        assert self.master is not None
+        if self._step_out is None:
+            self._step_out_pages = host_buffer(self.master.numel(), torch.float32, pin=self.pin)
+            self._step_out = (self._step_out_pages.view(self.master.shape), torch.empty_like(self.master),
+                              torch.empty_like(self.master))
+        return self._step_out
+
+    def swap_in_step(self, state: dict[str, Any]) -> None:
+        """The out-of-place step into :meth:`step_out` stands: its results become the master and ``state``'s two moments,
+        by swapping buffers (the master tensor keeps its identity: it is the optimizer's parameter, only its storage
+        changes), and the old buffers become the next step's destination."""
+        assert self.master is not None and self._step_out is not None
+        master, avg, sq = self._step_out
+        with torch.no_grad():
+            old = self.master.detach()  # a second tensor on the old storage
+            self.master.set_(master)
+        self._step_out = (old, state["exp_avg"], state["exp_avg_sq"])
+        state["exp_avg"], state["exp_avg_sq"] = avg, sq
+
     def reduced_grad(self) -> torch.Tensor | None:
         return self._device_grad
 

@@ -84,9 +84,10 @@ def fused_adam_group(optimizer: torch.optim.Optimizer, master: torch.Tensor, gra
 
 
 def _fused_step(optimizer: torch.optim.Optimizer, pg: dict, master: torch.Tensor, grad: torch.Tensor,
-                out16: torch.Tensor | None, backup: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None) -> None:
+                out16: torch.Tensor | None, out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None) -> None:
     """Torch's Adam/AdamW step of ``master`` (its state made and its step counted as torch's fused path does), through the
-    one-pass kernel: the 16-bit copy into ``out16`` and the undo copy into ``backup`` in the same pass."""
+    one-pass kernel: the 16-bit copy into ``out16`` in the same pass, and, with ``out``, the new master and moments
+    written there instead of in place."""
     state = optimizer.state[master]
     if not state:  # torch's lazy state for a fused step: a float32 step count and two zero moments
         state["step"] = torch.tensor(0.0, dtype=torch.float32)
@@ -98,12 +99,12 @@ def _fused_step(optimizer: torch.optim.Optimizer, pg: dict, master: torch.Tensor
                         beta1=float(beta1), beta2=float(beta2), eps=float(pg["eps"]),
                         weight_decay=float(pg["weight_decay"]),
                         adamw=bool(pg.get("decoupled_weight_decay", isinstance(optimizer, torch.optim.AdamW))),
-                        maximize=bool(pg.get("maximize", False)), out16=out16, backup=backup)
+                        maximize=bool(pg.get("maximize", False)), out16=out16, out=out)
 
 
 def step_master(optimizer: torch.optim.Optimizer, master: torch.Tensor, grad: torch.Tensor,
                 ranges: list[tuple[int, int]], *, out16: torch.Tensor | None = None,
-                backup: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> bool:
+                out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> bool:
     """Step ``master`` with ``grad`` (the only master with a gradient now) one range at a time, equal bit for bit to one
     call over the whole (each element's update reads only that element's values and a shared step count).
 
@@ -115,16 +116,20 @@ def step_master(optimizer: torch.optim.Optimizer, master: torch.Tensor, grad: to
     (:data:`_ELEMENTWISE` lists those known to be) and a single range step the whole master in one call.
 
     Where :func:`fused_adam_group` says so, the step is the one-pass kernel's over the whole master instead (the same
-    bits), which also writes the updated master cast into ``out16`` and the master and moments from before the step into
-    ``backup`` when given; the optimizer's ``step()`` is still called, with no gradient anywhere (torch's optimizers then
-    change nothing), so that what wraps or hooks it (an LR scheduler's count of steps taken, a test's) sees the step.
-    Returns whether that path ran (``out16`` and ``backup`` are written only then).
+    bits), which also writes the updated master cast into ``out16`` when given, and with ``out`` (the master's size,
+    fp32, three tensors) writes the new master and moments there, leaving the master and its moments as they were (the
+    step count is still counted); the optimizer's ``step()`` is still called, with no gradient anywhere (torch's
+    optimizers then change nothing), so that what wraps or hooks it (an LR scheduler's count of steps taken, a test's)
+    sees the step. Returns whether that path ran (``out16`` is written only then); ``out`` needs it.
     """
     pg = fused_adam_group(optimizer, master, grad)
     if pg is not None:
-        _fused_step(optimizer, pg, master, grad, out16, backup)
+        _fused_step(optimizer, pg, master, grad, out16, out)
         optimizer.step()
         return True
+    if out is not None:
+        raise ValueError("step_master: out (a step out of place) needs the one-pass kernel's Adam/AdamW, which "
+                         "fused_adam_group refused for this master")
     if len(ranges) <= 1 or not isinstance(optimizer, _ELEMENTWISE):
         master.grad = grad
         try:
@@ -269,7 +274,7 @@ class HostStep:
                         grad = g.step_grad(grad, self.scratch)
                     ranges = [(0, g.master.numel())] if self.sub_group_size is None else sub_group_ranges(
                         g, self.sub_group_size)
-                    out16 = g.host_shard() if hasattr(g, "host_shard") else None  # stage 3's host 16-bit shard
+                    out16 = g.host_shard() if hasattr(g, "host_shard") else None  # the 16-bit host copy the step may write in its pass
                     wrote = step_master(self.optimizer, g.master, grad, ranges, out16=out16)
                     if out16 is not None and wrote:
                         g.host_shard_written()  # type: ignore[attr-defined]  # its publish has no cast left to do

@@ -248,14 +248,46 @@ class OffloadedFlatGroup(_HostMaster, FlatGroup):
         FlatGroup.reduce_grads(self, stream)
         self._copy_after_reduce(stream, exact16)
 
+    # The stepped master cast to the compute dtype, in pinned host memory: the one-pass kernel writes it in the step's
+    # own pass (host_shard), and the publish copies its 2 bytes an element to the device instead of the fp32 master's 4
+    # (half the PCIe bytes, and no second read of the master in host memory). Made at the first step that writes it.
+    _upload: torch.Tensor | None = None
+    _upload_ready = False  # the step wrote _upload from this master: the next copy to the device reads it
+    # Nothing reads _upload before the publish, so super_offload's speculative step may write it too (stage 3's host
+    # shard is what backward gathers from: only the ordinary step writes that)
+    host_shard_private = True
+
+    def host_shard(self) -> torch.Tensor | None:
+        """The 16-bit host buffer the one-pass kernel may write the stepped master into (:class:`hf_zero.zero.host_step.
+        HostStep`), or None: only where the runner steps every host group with that kernel (``grad16``, which the NVMe
+        and streamed steps leave off) and the parameters are 16-bit."""
+        if not self.grad16 or self.master is None or self.param_flat.dtype not in (torch.bfloat16, torch.float16):
+            return None
+        if self._upload is None:
+            self._upload = host_buffer(self.master.numel(), self.param_flat.dtype, pin=self.pin)
+        return self._upload
+
+    def host_shard_written(self) -> None:  # the step's pass wrote _upload: the next copy to the device reads it
+        self._upload_ready = True
+
+    def _copy_shard(self, dst: torch.Tensor) -> None:
+        """The stepped master into ``dst`` (this rank's range of the parameters) on the current stream: the 16-bit copy
+        the step wrote, or the fp32 master cast on the device."""
+        if self._upload_ready:
+            self._upload_ready = False
+            assert self._upload is not None
+            dst.copy_(self._upload.view_as(dst), non_blocking=self.pin)
+            return
+        _to_device(dst, self.master, self.pin)
+
     _shard_ahead = False  # write_shard_ahead copied the master already: the next publish only all-gathers
     def _write_shard(self, shard: torch.Tensor) -> None:
-        """Host master -> this rank's range of the device parameters, cast to the compute dtype on the device
+        """Host master -> this rank's range of the device parameters, cast to the compute dtype
         (:meth:`FlatGroup.publish_master` then all-gathers it)."""
         if self._shard_ahead:
             self._shard_ahead = False
             return
-        _to_device(shard, self.master, self.pin)
+        self._copy_shard(shard)
 
     def write_shard_ahead(self, stream: torch.cuda.Stream | None) -> None:
         """Copy the stepped master into this rank's range of the parameters now, ahead of the publish (super_offload
@@ -263,7 +295,7 @@ class OffloadedFlatGroup(_HostMaster, FlatGroup):
         otherwise run at the forward's end with nothing to hide behind); the publish then only all-gathers."""
         assert self.master is not None and not self.publish_pending
         with C.on_stream(stream):
-            _to_device(self.param_flat[self.shard_lo : self.shard_hi], self.master, self.pin)
+            self._copy_shard(self.param_flat[self.shard_lo : self.shard_hi])
         self._shard_ahead = True
 
 

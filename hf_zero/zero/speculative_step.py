@@ -34,13 +34,24 @@ def _same_hyperparameters(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> b
     return len(a) == len(b) and all(x.keys() == y.keys() and all(_same_value(x[k], y[k]) for k in x) for x, y in zip(a, b))
 
 
+_MOMENTS = ("exp_avg", "exp_avg_sq")  # the per-element state an out-of-place step writes elsewhere
+
+
 @dataclass
 class _Undo:
-    """What a speculative step of one group overwrote: its master and its optimizer state (None: it had none yet)."""
+    """What a speculative step of one group changed, to give it back.
+
+    In place (an optimizer the one-pass kernel cannot take): ``master`` and ``state`` are copies of the master and its
+    optimizer state from before the step (``state`` None: it had none yet). Out of place (``out``, the kernel's): the
+    master and both moments are untouched and the step's results wait in ``out`` until :meth:`SpeculativeHostStep.commit`
+    swaps them in; ``state`` then holds only the rest of the state from before the step (the step count), None when
+    the step made it."""
 
     group: ShardGroup
-    master: torch.Tensor
+    master: torch.Tensor | None
     state: dict[str, Any] | None
+    out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    out16: bool = False  # the step also wrote the group's private 16-bit host copy (host_shard_private)
 
 
 class SpeculativeHostStep:
@@ -60,9 +71,14 @@ class SpeculativeHostStep:
     master and the same gradient values, multiplied by the same float), so the weights equal :class:`HostStep`'s bit
     for bit either way.
 
-    Speculation is only worth its price while the verdict is unknown. The price is the undo copy of each master and its
-    state (16 bytes per element with Adam, read and written again: about 1.9x the traffic of the step itself), in
-    host memory, in buffers kept for the run and reused every step. So at the step the runner calls :meth:`settle`:
+    Speculation is only worth its price while the verdict is unknown. With torch's Adam/AdamW (the one-pass kernel of
+    :mod:`hf_zero.optim.host_adam`) the price is memory only: the step is taken *out of place*, the new master and
+    moments written into a second set of host buffers the group keeps for the run
+    (:meth:`hf_zero.zero.host_grads._HostMaster.step_out`) while the old stay as they were, so a step that stands is kept
+    by swapping the buffers (no copy) and one that does not by not swapping; the step moves the bytes the ordinary
+    step moves. Any other optimizer steps in place after a copy of the master and its state into undo buffers kept
+    for the run (read and written again: about 1.9x the traffic of the step itself). So at the step the runner calls
+    :meth:`settle`:
     the background thread takes no new group, the one it is stepping finishes, the groups still queued are left to
     the runner's ordinary step (no undo copy: the verdict is known by then), and :meth:`commit` returns those that
     were stepped. Which groups the background thread reached differs from rank to rank; the runner publishes in one
@@ -145,19 +161,23 @@ class SpeculativeHostStep:
                 out = self._scratch[: grad.numel()].view_as(grad)
                 grad = torch.mul(grad, coef, out=out) if grad.dtype == out.dtype else out.copy_(grad).mul_(coef)
             state = self.optimizer.state.get(master)
-            # The one-pass kernel writes the undo copy in its own pass (hf_zero/optim/host_adam.py); otherwise a copy
-            # before the step
-            fused = fused_adam_group(self.optimizer, master, grad) is not None
-            self._undo[id(group)] = saved = (self._buffers(group, master, state) if fused
-                                             else self._save(group, master, state))
+            # The one-pass kernel steps out of place into the group's second buffers (hf_zero/optim/host_adam.py;
+            # commit swaps them in); otherwise a copy before a step in place
+            if fused_adam_group(self.optimizer, master, grad) is not None and hasattr(group, "step_out"):
+                rest = None if not state else {k: v.clone() if isinstance(v, torch.Tensor) else v
+                                               for k, v in state.items() if k not in _MOMENTS}
+                saved = _Undo(group, None, rest, group.step_out())
+            else:
+                saved = self._save(group, master, state)
+            # a 16-bit host copy nothing reads before the publish (stages 1-2) is written in the same pass; the
+            # publish reads it only once commit says the step stands
+            out16 = group.host_shard() if saved.out is not None and getattr(group, "host_shard_private", False) else None
+            saved.out16 = out16 is not None
+            self._undo[id(group)] = saved
             try:
                 ranges = [(0, master.numel())] if self.sub_group_size is None else sub_group_ranges(
                     group, self.sub_group_size)
-                backup = None
-                if fused:
-                    keep = self._backup[id(group)]
-                    backup = (saved.master, keep["exp_avg"], keep["exp_avg_sq"])
-                step_master(self.optimizer, master, grad, ranges, backup=backup)
+                step_master(self.optimizer, master, grad, ranges, out16=out16, out=saved.out)
             finally:
                 self.cpu_seconds += time.perf_counter() - start
         self.counts["stepped"] += 1
@@ -187,20 +207,6 @@ class SpeculativeHostStep:
                 saved[k] = v
         return _Undo(group, copy, saved)
 
-    def _buffers(self, group: ShardGroup, master: torch.Tensor, state: dict[str, Any] | None) -> _Undo:
-        """The undo record of a step whose kernel writes the master and both moments into this group's undo buffers in
-        its own pass (:func:`hf_zero.zero.host_step.fused_adam_group`): the buffers, and the step count copied now."""
-        keep = self._backup.setdefault(id(group), {})
-        for k in ("__master__", "exp_avg", "exp_avg_sq"):
-            buf = keep.get(k)
-            if buf is None or buf.shape != master.shape:
-                keep[k] = torch.empty_like(master)
-        if not state:
-            return _Undo(group, keep["__master__"], None)
-        saved = {k: keep[k] if k in ("exp_avg", "exp_avg_sq") else v.clone() if isinstance(v, torch.Tensor) else v
-                 for k, v in state.items()}
-        return _Undo(group, keep["__master__"], saved)
-
     def undo(self, group: ShardGroup) -> None:
         """Give ``group`` back its master and optimizer state from before its speculative step (none: nothing to do);
         its gradient changed (reduced again in this backward) or the step will not stand. A step still queued is
@@ -220,6 +226,19 @@ class SpeculativeHostStep:
     def _restore(self, saved: _Undo) -> None:
         master = saved.group.master
         assert master is not None
+        if saved.out is not None:  # out of place: the master and moments are as they were; the step count goes back
+            if saved.state is None:
+                self.optimizer.state.pop(master, None)
+            else:
+                state = self.optimizer.state[master]
+                for k, v in saved.state.items():
+                    if isinstance(v, torch.Tensor) and isinstance(state.get(k), torch.Tensor) and state[k].shape == v.shape:
+                        state[k].copy_(v)
+                    else:
+                        state[k] = v
+            self.counts["undone"] += 1
+            return
+        assert saved.master is not None
         master.copy_(saved.master)
         if saved.state is None:
             self.optimizer.state.pop(master, None)
@@ -306,6 +325,11 @@ class SpeculativeHostStep:
         for gid in [gid for gid in self._undo if gid not in stepped]:
             self.undo(self._undo[gid].group)
         kept = frozenset(self._undo)
+        for saved in self._undo.values():
+            if saved.out is not None:  # the results of an out-of-place step become the master and the moments
+                saved.group.swap_in_step(self.optimizer.state[saved.group.master])  # type: ignore[attr-defined]
+            if saved.out16:
+                saved.group.host_shard_written()  # type: ignore[attr-defined]
         self.counts["kept"] += len(kept)
         self.counts["settled"] += len(stepped - kept)
         self._futures.clear()

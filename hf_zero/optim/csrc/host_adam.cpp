@@ -48,6 +48,12 @@ constexpr int64_t kGrainBlocks = 2048;
 
 enum class Out16 { kNone, kBF16, kFP16 };
 
+// Where the step's fp32 results go. kInPlace: over param, exp_avg and exp_avg_sq. kBackup: the same, and the values
+// from before the step into the three other tensors (a speculative step's undo copy). kOutOfPlace: into the three other
+// tensors, the inputs left as they were (a speculative step that is kept by swapping buffers and undone by not swapping:
+// 12 bytes an element fewer than kBackup, which writes both).
+enum class Mode { kInPlace, kBackup, kOutOfPlace };
+
 // ---- the few operations at::vec does not offer for one vector of floats: bf16 loads, 16-bit stores, streaming
 #if defined(CPU_CAPABILITY_AVX512)
 using Half = __m256i;  // one vector's worth of 16-bit values
@@ -157,14 +163,14 @@ struct Pointers {
   float* exp_avg;
   float* exp_avg_sq;
   uint16_t* out16;
-  float* backup_param;
+  float* backup_param;  // kBackup: receives the state before the step; kOutOfPlace: the state after it
   float* backup_avg;
   float* backup_sq;
   bool stream_out16;
   bool stream_backup;
 };
 
-template <bool kBf16Grad, Out16 kOut, bool kBackup>
+template <bool kBf16Grad, Out16 kOut, Mode kMode>
 void step_range(const Pointers& t, const Scalars& s, int64_t lo, int64_t hi) {
   const Vec decay(s.decay), wd(s.wd), coeff(s.lerp_coeff), beta2(s.beta2), sq_coeff(s.sq_coeff);
   const Vec bc2_sqrt(s.bc2_sqrt), eps(s.eps), neg_step_size(s.neg_step_size), minus_one(-1.0f);
@@ -174,7 +180,7 @@ void step_range(const Pointers& t, const Scalars& s, int64_t lo, int64_t hi) {
                       : Vec::loadu(static_cast<const float*>(t.grad) + i);
     Vec m = Vec::loadu(t.exp_avg + i);
     Vec v = Vec::loadu(t.exp_avg_sq + i);
-    if constexpr (kBackup) {
+    if constexpr (kMode == Mode::kBackup) {
       store_f32(t.backup_param + i, p, t.stream_backup);
       store_f32(t.backup_avg + i, m, t.stream_backup);
       store_f32(t.backup_sq + i, v, t.stream_backup);
@@ -199,9 +205,15 @@ void step_range(const Pointers& t, const Scalars& s, int64_t lo, int64_t hi) {
     }
     const Vec denom = v.sqrt() / bc2_sqrt + eps;
     p = p + neg_step_size * m / denom;
-    m.store(t.exp_avg + i);
-    v.store(t.exp_avg_sq + i);
-    p.store(t.param + i);
+    if constexpr (kMode == Mode::kOutOfPlace) {
+      store_f32(t.backup_avg + i, m, t.stream_backup);
+      store_f32(t.backup_sq + i, v, t.stream_backup);
+      store_f32(t.backup_param + i, p, t.stream_backup);
+    } else {
+      m.store(t.exp_avg + i);
+      v.store(t.exp_avg_sq + i);
+      p.store(t.param + i);
+    }
     if constexpr (kOut == Out16::kBF16) {
       store_half(t.out16 + i, to_bf16(p), t.stream_out16);
     } else if constexpr (kOut == Out16::kFP16) {
@@ -210,26 +222,38 @@ void step_range(const Pointers& t, const Scalars& s, int64_t lo, int64_t hi) {
   }
 }
 
-template <bool kBf16Grad, Out16 kOut, bool kBackup>
+template <bool kBf16Grad, Out16 kOut, Mode kMode>
 void run(const Pointers& t, const Scalars& s, int64_t n) {
-  const bool streams = (kOut != Out16::kNone && t.stream_out16) || (kBackup && t.stream_backup);
+  const bool streams = (kOut != Out16::kNone && t.stream_out16) || (kMode != Mode::kInPlace && t.stream_backup);
   at::parallel_for(0, n / kBlock, kGrainBlocks, [&](int64_t begin, int64_t end) {
-    step_range<kBf16Grad, kOut, kBackup>(t, s, begin * kBlock, end * kBlock);
+    step_range<kBf16Grad, kOut, kMode>(t, s, begin * kBlock, end * kBlock);
     if (streams) {
       _mm_sfence();  // streaming stores are weakly ordered: make them visible before the step returns
     }
   });
 }
 
+template <bool kBf16Grad, Out16 kOut>
+void dispatch_mode(const Pointers& t, const Scalars& s, int64_t n, Mode mode) {
+  switch (mode) {
+    case Mode::kInPlace:
+      return run<kBf16Grad, kOut, Mode::kInPlace>(t, s, n);
+    case Mode::kBackup:
+      return run<kBf16Grad, kOut, Mode::kBackup>(t, s, n);
+    case Mode::kOutOfPlace:
+      return run<kBf16Grad, kOut, Mode::kOutOfPlace>(t, s, n);
+  }
+}
+
 template <bool kBf16Grad>
-void dispatch_out(const Pointers& t, const Scalars& s, int64_t n, Out16 out, bool backup) {
+void dispatch_out(const Pointers& t, const Scalars& s, int64_t n, Out16 out, Mode mode) {
   switch (out) {
     case Out16::kNone:
-      return backup ? run<kBf16Grad, Out16::kNone, true>(t, s, n) : run<kBf16Grad, Out16::kNone, false>(t, s, n);
+      return dispatch_mode<kBf16Grad, Out16::kNone>(t, s, n, mode);
     case Out16::kBF16:
-      return backup ? run<kBf16Grad, Out16::kBF16, true>(t, s, n) : run<kBf16Grad, Out16::kBF16, false>(t, s, n);
+      return dispatch_mode<kBf16Grad, Out16::kBF16>(t, s, n, mode);
     case Out16::kFP16:
-      return backup ? run<kBf16Grad, Out16::kFP16, true>(t, s, n) : run<kBf16Grad, Out16::kFP16, false>(t, s, n);
+      return dispatch_mode<kBf16Grad, Out16::kFP16>(t, s, n, mode);
   }
 }
 
@@ -242,15 +266,16 @@ void check_fp32(const at::Tensor& x, int64_t n, const char* what) {
               "host_adam: ", what, " must be a contiguous fp32 CPU tensor of at least ", n, " elements");
 }
 
-// Steps the first n elements (a multiple of 16) of the tensors in place. step is the count after this step's
-// increment (torch reads state_step as float: so does this); variant: kFuse* bits; stream_ok lets 64-byte
-// aligned out16 and backup tensors be written with streaming stores.
+// Steps the first n elements (a multiple of 16) of the tensors in place, or, with out_of_place, into the three backup
+// tensors (Mode above). step is the count after this step's increment (torch reads state_step as float: so does
+// this); variant: kFuse* bits; stream_ok lets 64-byte aligned out16 and backup tensors be written with streaming
+// stores.
 void host_adam_step(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
                     const at::Tensor& exp_avg_sq, const std::optional<at::Tensor>& out16,
                     const std::optional<at::Tensor>& backup_param, const std::optional<at::Tensor>& backup_avg,
                     const std::optional<at::Tensor>& backup_sq, int64_t n, double step, double lr, double beta1,
                     double beta2, double eps, double weight_decay, bool adamw, bool maximize, int64_t variant,
-                    bool stream_ok) {
+                    bool stream_ok, bool out_of_place) {
   TORCH_CHECK(n >= 0 && n % kBlock == 0, "host_adam: n must be a multiple of ", kBlock, ", got ", n);
   check_fp32(param, n, "param");
   check_fp32(exp_avg, n, "exp_avg");
@@ -261,6 +286,8 @@ void host_adam_step(const at::Tensor& param, const at::Tensor& grad, const at::T
   const bool backup = backup_param.has_value();
   TORCH_CHECK(backup == backup_avg.has_value() && backup == backup_sq.has_value(),
               "host_adam: the backup is three tensors or none");
+  TORCH_CHECK(backup || !out_of_place, "host_adam: out_of_place needs the three tensors the results go to");
+  const Mode mode = !backup ? Mode::kInPlace : out_of_place ? Mode::kOutOfPlace : Mode::kBackup;
   Out16 out = Out16::kNone;
   Pointers t{param.data_ptr<float>(), grad.data_ptr(), exp_avg.data_ptr<float>(), exp_avg_sq.data_ptr<float>(),
              nullptr, nullptr, nullptr, nullptr, false, false};
@@ -308,9 +335,9 @@ void host_adam_step(const at::Tensor& param, const at::Tensor& grad, const at::T
   s.fuse_l2 = (variant & (maximize ? kFuseL2Max : kFuseL2)) != 0;
 
   if (grad.scalar_type() == at::kBFloat16) {
-    dispatch_out<true>(t, s, n, out, backup);
+    dispatch_out<true>(t, s, n, out, mode);
   } else {
-    dispatch_out<false>(t, s, n, out, backup);
+    dispatch_out<false>(t, s, n, out, mode);
   }
 }
 
