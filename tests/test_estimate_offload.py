@@ -6,8 +6,9 @@ micro-step's backward (every host buffer exists by then, and stages 2-3 hold the
 shard on the device), each rank adds up
 
 - device: the tensors each shard group's ``held_tensors()`` names (parameters, gradients);
-- host: each offloaded group's fp32 master and its host gradient copy, and the optimizer state of the
-  masters (Adam's two moments; its one-element step counters are left out, as ``memory_bytes`` does);
+- host: each offloaded group's fp32 master and its host gradient copy, stages 1-2's 16-bit copy of the master that
+  is sent to the device (in bf16; the one-pass kernel writes it), and the optimizer state of the masters (Adam's
+  two moments; its one-element step counters are left out, as ``memory_bytes`` does);
 
 and, in the backward that ends the step, the size of each group's reduced-gradient shard at the moment
 its copy to the host leaves (stage 1 reduces only then). On a CPU "host" and "device" are the same
@@ -21,7 +22,8 @@ to compare per rank. Where the two differ (the set is asserted, so a change on e
 - stages 1-2, device: DeepSpeed counts the 16-bit parameters only (2Ψ); hf_zero also holds the fp32
   reduced-gradient shard (4Ψ/N) on the device until its copy leaves, measured below;
 - stages 1-2, host: DeepSpeed's figure is not divided by the world size (Ψ·max(4N, 16) bytes a node,
-  times a 1.5 buffer factor); hf_zero pins (4+4+8)Ψ/N a rank (master, gradient copy, moments);
+  times a 1.5 buffer factor); hf_zero pins (4+4+8+2)Ψ/N a rank in bf16 (master, gradient copy, moments, the
+  16-bit copy sent to the device);
 - stage 3, device: DeepSpeed counts the 16-bit shard plus 4 bytes of the largest layer (its gathered
   buffer) and no gradient; hf_zero's figure is the 16-bit shard plus the fp32 gradient shard, and leaves
   gathered units out as it does for every temporary buffer;
@@ -118,13 +120,16 @@ def _measure(rank: int, world: int, cases: list) -> list:
         device_grads = _nbytes([t for h in held for t in h["grads"]], seen)
         host = _nbytes([g.master for g in groups] + [g._host_grad for g in groups], seen)
         host += _nbytes([g.param_shard for g in groups if getattr(g, "shard_on_host", False)], seen)
+        uploads = [g._upload for g in groups if getattr(g, "_upload", None) is not None]  # stages 1-2's 16-bit copies
+        host += _nbytes(uploads, seen)
         host += _nbytes([v for st in zo.optimizer.state.values() for v in st.values()
                          if torch.is_tensor(v) and v.numel() > 1], seen)
         boundary = sum(shards.values())
         per_param_shards = sum(math.ceil(p.numel() / world) for p in model.parameters() if p.requires_grad)
         out.append({"stage": stage, "dtype": dtype, "offload_param": params, "psi": psi, "groups": len(groups), "params": len(list(model.parameters())),
                     "device_params": device_params, "device_grads": device_grads, "host": host,
-                    "boundary_shards": boundary, "shard_copies": len(shards), "per_param_shards": per_param_shards})
+                    "boundary_shards": boundary, "shard_copies": len(shards), "per_param_shards": per_param_shards,
+                    "uploads": len(uploads)})
     return out
 
 
@@ -162,11 +167,18 @@ def measured() -> list:
 
 
 def test_offload_rows_equal_the_bytes_the_engine_holds(measured: list) -> None:
+    from hf_zero.optim import host_adam
     from hf_zero.planning.estimate import estimate_offload_memory, offload_host_bytes
 
     for per_rank in measured:
         for r in per_rank:
             est = estimate_offload_memory(r["psi"], WORLD, r["stage"], r["dtype"], "adamw", params=r["offload_param"])
+            width = 2 if r["dtype"] == "bf16" else 4
+            copy = width if r["stage"] < 3 and width == 2 else 0  # stages 1-2's 16-bit copy sent to the device
+            # made where the one-pass kernel steps the masters (it writes the copy); the estimate plans it regardless
+            assert (r["uploads"] == r["groups"]) == bool(copy and host_adam.available()), r
+            if copy and not host_adam.available():
+                r = {**r, "host": r["host"] + copy * r["per_param_shards"]}
             # padding: at most N-1 elements per flat buffer (each group's shard, 4 bytes per element and per fp32
             # tensor kept per element); check_host_memory rounds up per parameter, hence the parameter count
             slack = (r["groups"] + r["params"]) * (WORLD - 1) * 16
@@ -174,8 +186,8 @@ def test_offload_rows_equal_the_bytes_the_engine_holds(measured: list) -> None:
             assert _within(r["device_params"], est.device_params_bytes, slack), where
             assert _within(r["host"], est.host_bytes, slack), where
             # the engine's own host plan (the figure check_host_memory compares with MemAvailable) is the printed one
-            width = 2 if r["dtype"] == "bf16" else 4
-            plan = offload_host_bytes(r["per_param_shards"], 8, param_bytes=width if r["offload_param"] else 0)
+            plan = offload_host_bytes(r["per_param_shards"], 8, param_bytes=width if r["offload_param"] else 0,
+                                      copy_bytes=copy)
             assert _within(plan, est.host_bytes, slack), where
             # every group's fp32 reduced shard is on the device before its copy leaves: their sizes add up to 4Ψ/N
             assert r["shard_copies"] == r["groups"], where

@@ -1,7 +1,8 @@
 """The offloaded step through the one-pass host kernel equals it through torch's kernel, bit for bit.
 
 ``hf_zero/zero/host_step.py`` steps Adam/AdamW host masters with ``hf_zero/optim/host_adam.py`` where it builds: one pass
-that also writes stage 3's 16-bit host shard (``offload_param``: no cast pass at the publish) or stages 1-2's 16-bit
+that also writes stage 3's 16-bit host shard (``offload_param``: no cast pass at the publish; a speculative step into a
+second shard that takes the first's place when the step stands) or stages 1-2's 16-bit
 copy that is sent to the device (2 bytes an element over PCIe, not the master's 4), and steps ``super_offload``'s
 speculative steps out of place (kept by swapping buffers, undone by not: no undo copy). The oracle is the same run with
 ``HF_ZERO_HOST_ADAM=0`` (torch's fused kernel, the cast on the device, a copy before each speculative step), on gloo ranks with a
@@ -45,9 +46,14 @@ def _run(rank: int, world: int, kernel: bool) -> dict:
     from hf_zero.zero.offload import OffloadedFlatGroup, OffloadedShardedParamGroup
 
     assert host_adam.available() == kernel, host_adam.unavailable_reason()
-    calls = {"kernel": 0, "written": 0, "uploads": 0}
+    calls = {"kernel": 0, "written": 0, "uploads": 0, "spare": 0}
     real_step, real_written = host_adam.adam_step, OffloadedShardedParamGroup.host_shard_written
     real_upload = OffloadedFlatGroup.host_shard_written
+    real_spare = {c: c.speculative_out16_written for c in (OffloadedFlatGroup, OffloadedShardedParamGroup)}
+
+    def spare(self):  # noqa: ANN001, ANN202
+        calls["spare"] += 1
+        return real_spare[type(self)](self)
 
     def uploaded(self):  # noqa: ANN001, ANN202
         calls["uploads"] += 1
@@ -63,6 +69,7 @@ def _run(rank: int, world: int, kernel: bool) -> dict:
 
     host_adam.adam_step, OffloadedShardedParamGroup.host_shard_written = counted, written
     OffloadedFlatGroup.host_shard_written = uploaded
+    OffloadedFlatGroup.speculative_out16_written = OffloadedShardedParamGroup.speculative_out16_written = spare
     out: dict = {}
     for name, stage, params, super_offload, overlap, clip, gas in CASES:
         torch.manual_seed(0)
@@ -102,7 +109,7 @@ def _run(rank: int, world: int, kernel: bool) -> dict:
         bf16_copies = sum(torch.bfloat16 in getattr(g, "_host_grads", {}) for g in zo.groups)
         out[name] = {"losses": losses, "state": {k: v.view(-1).tolist() for k, v in state.items()},
                      "kernel": calls["kernel"] - before["kernel"], "written": calls["written"] - before["written"],
-                     "uploads": calls["uploads"] - before["uploads"],
+                     "uploads": calls["uploads"] - before["uploads"], "spare": calls["spare"] - before["spare"],
                      "host_groups": sum(1 for g in zo.groups if g.master is not None), "bf16_copies": bf16_copies,
                      "widened": getattr(zo.runner, "_widened", None) is not None,
                      "counts": dict(spec.counts) if spec is not None else {}}
@@ -151,8 +158,11 @@ def test_the_kernel_took_every_host_step(runs: dict, world: int) -> None:
         assert (rec["bf16_copies"] > 0) == bf16_copies_expected(stage, gas, world), (name, world, rec["bf16_copies"])
         # a clipped step read its bf16 copies widened in the runner's one reused buffer (every step clips on one rank)
         assert rec["widened"] == (bf16_copies_expected(stage, gas, world) and clip > 0), (name, world)
-        if params and not super_offload:  # the host shards written in the kernel's pass, the publish's cast skipped
-            assert rec["written"] > 0, name  # (a speculative step leaves its cast to the publish: it may be undone)
+        if params:  # the host shards written in the kernel's pass, the publish's cast skipped
+            assert rec["written"] > 0 or rec["spare"] > 0, name
+        # every speculative step that stood wrote its 16-bit copy in its pass (stage 3: a second host shard that took
+        # the first's place; stages 1-2 and stage 3's small parameters: the copy sent to the device)
+        assert rec["spare"] == (counts["kept"] if super_offload else 0), (name, rec["spare"], counts)
         if stage < 3:  # every step of every group, speculative ones that stood included, sent its 16-bit copy
             assert rec["uploads"] == STEPS * rec["host_groups"], (name, rec["uploads"], rec["host_groups"])
             assert runs[f"off{world}"][name]["uploads"] == 0, name

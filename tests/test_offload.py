@@ -435,3 +435,65 @@ def test_wall_clock_breakdown_times_the_offloaded_step_in_its_parts() -> None:
         assert r["off"] == {}  # off by default: nothing timed
     assert len(results[0]["lines"]) == 1 and results[1]["lines"] == []  # step 2 of 3, rank 0
     assert results[0]["lines"][0].startswith("step=2, time per call: forward ")
+
+
+def _plans_with_speculation(rank: int, world: int) -> dict:
+    """plan_host_memory with super_offload on, at MemAvailable figures around what its second buffers need."""
+    import logging
+
+    from hf_zero.planning.estimate import offload_host_bytes
+    from hf_zero.zero import offload
+
+    n, largest, k = 10**9, 10**8, 8
+    policy = offload.OffloadPolicy(optimizer=True, params=True, speculate=True)
+    sizes = offload.ShardSizes(n, largest_group=largest)
+    plain = offload_host_bytes(n, k, param_bytes=2)
+    spec = offload_host_bytes(n, k, param_bytes=2, speculate=True)
+    said: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("hf_zero").addHandler(handler)
+    real = offload.available_host_bytes
+    out: dict = {"plain": plain, "spec": spec, "plans": {}}
+    try:
+        streamed = plain - 4 * n + 2 * 4 * largest
+        for name, need in (("fits", spec), ("fits_without", plain), ("streamed", streamed)):  # just holds it
+            offload.available_host_bytes = lambda need=need: math.ceil(
+                (need + world * offload.HOST_RESERVE_PER_RANK) / (1 - offload.HOST_RESERVE_FRACTION))
+            out["plans"][name] = offload.plan_host_memory(policy, sizes, state_bytes=k, param_bytes=2, group=None).value
+        # an engine built where only the plan without the second buffers fits trains without speculation
+        import hf_zero
+
+        cfg = _config(2, True, 1, 0.0)
+        cfg["zero_optimization"]["offload_optimizer"]["super_offload"] = True
+        shard = sum(p.numel() for p in _model().parameters())
+        without = offload_host_bytes(shard, k, copy_bytes=0)  # fp32: no 16-bit copy
+        for name, need in (("engine_fits", offload_host_bytes(shard, k, speculate=True)),
+                           ("engine_without", without)):
+            offload.available_host_bytes = lambda need=need: math.ceil(
+                (need + world * offload.HOST_RESERVE_PER_RANK) / (1 - offload.HOST_RESERVE_FRACTION)) + 64
+            engine, *_ = hf_zero.initialize(model=_model(), config=cfg)
+            runner = engine.zero_optimizer.runner
+            out[name] = {"speculation": getattr(runner, "speculation", None) is not None,
+                         "losses": _train(engine, range(2), 1, rank)}
+            engine.destroy()
+    finally:
+        offload.available_host_bytes = real
+        logging.getLogger("hf_zero").removeHandler(handler)
+    out["said"] = said
+    return out
+
+
+def test_the_host_plan_counts_super_offloads_second_buffers() -> None:
+    """super_offload keeps a second master, optimizer state and 16-bit host shard per element (its steps during backward
+    write there: hf_zero/zero/speculative_step.py): 4 + 8 + 2 bytes with Adam and parameter offload, planned before
+    anything is allocated; where only the plan without them fits, the step runs without speculation, and where not even
+    that fits the gradients stream (no host copies in backward, so no speculation either); rank 0 says so each time."""
+    r = spawn(_plans_with_speculation, 1)[0]
+    assert r["spec"] - r["plain"] == 10**9 * (4 + 8 + 2), r
+    assert r["plans"] == {"fits": "fits", "fits_without": "no_speculation", "streamed": "stream_grads"}, r["plans"]
+    assert r["engine_fits"]["speculation"] and not r["engine_without"]["speculation"], r
+    assert r["engine_fits"]["losses"] == r["engine_without"]["losses"], r  # the same numbers either way
+    assert len(r["said"]) == 3, r["said"]
+    assert "cannot hold super_offload's second master, optimizer state and 16-bit copy (13.0 GiB per rank)" in r["said"][0]
+    assert "super_offload's steps during backward need the host copies: they are off" in r["said"][1]

@@ -153,18 +153,23 @@ def estimate_memory(
 
 
 def offload_host_bytes(shard_numel: int, state_bytes: int, *, optimizer: bool = True, param_bytes: int = 0,
-                       frozen_numel: int = 0) -> int:
+                       frozen_numel: int = 0, copy_bytes: int = 0, speculate: bool = False) -> int:
     """Host bytes one rank pins for offload: with ``offload_optimizer``, per element of its trainable shard, the
-    fp32 master (4), the fp32 copy of the reduced gradient the host optimizer reads (4) and ``state_bytes`` of
-    optimizer state; with stage 3's ``offload_param``, ``param_bytes`` per element of the 16-bit shards kept
-    there (the trainable ones only when the optimizer is offloaded too, else their masters stay on the
-    device, and ``frozen_numel`` elements of frozen shards).
+    fp32 master (4), the fp32 copy of the reduced gradient the host optimizer reads (4), ``state_bytes`` of
+    optimizer state and ``copy_bytes`` of the 16-bit copy of the stepped master that stages 1-2 send to the device
+    (the one-pass kernel writes it: hf_zero/zero/offload.py ``OffloadedFlatGroup.host_shard``); with stage 3's
+    ``offload_param``, ``param_bytes`` per element of the 16-bit shards kept there (the trainable ones only when the
+    optimizer is offloaded too, else their masters stay on the device, and ``frozen_numel`` elements of frozen
+    shards). ``speculate`` (``super_offload``): per trainable element a second master and optimizer state (the
+    speculative step's destination or undo copy, hf_zero/zero/speculative_step.py) and a second 16-bit host shard.
 
     One function for two readers, so they cannot drift apart: the engine compares the sum over a
     machine's ranks with ``MemAvailable`` before it allocates anything (``check_host_memory`` in
     hf_zero/zero/offload.py), and ``hf-zero estimate`` prints it.
     """
-    masters = shard_numel * (4 + 4 + state_bytes) if optimizer else 0
+    masters = shard_numel * (4 + 4 + state_bytes + copy_bytes) if optimizer else 0
+    if optimizer and speculate:
+        masters += shard_numel * (4 + state_bytes + param_bytes)
     return masters + ((shard_numel if optimizer else 0) + frozen_numel) * param_bytes
 
 
@@ -247,9 +252,10 @@ def estimate_offload_memory(
         on_device, p_text = 0, "0 (gathered units only)"
     return OffloadEstimate(
         stage=stage, device_params_bytes=on_device, device_grads_bytes=4 * shard,
-        host_bytes=offload_host_bytes(shard, k, param_bytes=width if params else 0),
+        host_bytes=offload_host_bytes(shard, k, param_bytes=width if params else 0,
+                                      copy_bytes=width if stage < 3 and width == 2 else 0),
         device_formula=f"params {p_text} + grads 4Ψ/N",
-        host_formula=f"(4+4+{k}+{width})Ψ/N" if params else f"(4+4+{k})Ψ/N",
+        host_formula=f"(4+4+{k}+{width})Ψ/N" if params or (stage < 3 and width == 2) else f"(4+4+{k})Ψ/N",
     )
 
 

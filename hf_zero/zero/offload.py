@@ -155,11 +155,13 @@ class HostPlan(enum.Enum):
     """:func:`plan_host_memory`'s answer (a refusal is a :class:`hf_zero.errors.HostMemoryError` on every rank)."""
 
     FITS = "fits"  # a gradient copy per group beside the masters and the optimizer state (or nothing offloaded)
+    # super_offload asked, but no room for its second buffers beside the copies: the copies stay, speculation is off
+    NO_SPECULATION = "no_speculation"
     STREAM_GRADS = "stream_grads"  # no room for the copies: the gradients wait on the device, the step streams them
 
 
 def plan_host_memory(policy: OffloadPolicy, sizes: ShardSizes, *, state_bytes: int, param_bytes: int,
-                     group: dist.ProcessGroup | None) -> HostPlan:
+                     group: dist.ProcessGroup | None, copy_bytes: int = 0) -> HostPlan:
     """Plan the host memory ``policy`` needs, before any host buffer exists; collective over ``group`` when
     anything is offloaded (every rank gets the same answer), nothing to do otherwise.
 
@@ -167,18 +169,36 @@ def plan_host_memory(policy: OffloadPolicy, sizes: ShardSizes, *, state_bytes: i
     state per element, :func:`state_bytes_per_element`; ``param_bytes`` per element of an offloaded 16-bit
     shard). When the machine's ranks together cannot hold it but could with the gradients streamed through two
     buffers of the largest group instead of a copy per group, the answer is :attr:`HostPlan.STREAM_GRADS`
-    (said once, by rank 0); when they cannot hold even that, :func:`check_host_memory` raises.
+    (said once, by rank 0); when they cannot hold even that, :func:`check_host_memory` raises. With ``super_offload``
+    (``policy.speculate``) its second buffers are planned first; where only they do not fit, the answer is
+    :attr:`HostPlan.NO_SPECULATION` (the copies kept, the step taken after backward; said once, by rank 0).
     """
     if not policy.host_memory:
         return HostPlan.FITS
     if policy.optimizer_nvme is not None:  # the masters and state on disk: host memory holds the swap buffers only
         return HostPlan.STREAM_GRADS
     host_params = policy.params and policy.params_nvme is None  # on NVMe, max_in_cpu's share at most stays in memory
-    needed = offload_host_bytes(sizes.trainable, state_bytes, optimizer=policy.optimizer,
-                                param_bytes=param_bytes if host_params else 0,
-                                frozen_numel=sizes.frozen if host_params else 0)
+    kw = dict(optimizer=policy.optimizer, param_bytes=param_bytes if host_params else 0,
+              frozen_numel=sizes.frozen if host_params else 0, copy_bytes=copy_bytes)
+    plain = offload_host_bytes(sizes.trainable, state_bytes, **kw)  # type: ignore[arg-type]
+    if policy.optimizer and policy.speculate:  # super_offload's second buffers (speculative_step.py)
+        spec = offload_host_bytes(sizes.trainable, state_bytes, speculate=True, **kw)  # type: ignore[arg-type]
+        try:  # (collective; every rank gets the same answer, the same exception included)
+            without = check_host_memory(spec, group, plain)
+        except HostMemoryError:
+            without = None  # not even the copies fit: streamed, or the refusal, below
+        if without is False:
+            return HostPlan.FITS
+        if without:
+            if dist.get_rank(group) == 0:
+                logger.warning(
+                    "offload: host memory cannot hold super_offload's second master, optimizer state and 16-bit copy "
+                    "(%s per rank) beside the rest; the step runs without speculation (the host step after backward)",
+                    _size(spec - plain))
+            return HostPlan.NO_SPECULATION
+    needed = plain
     streamed = None
-    if policy.optimizer:  # no gradient copy per group: two buffers of the largest group instead
+    if policy.optimizer:  # no gradient copy per group: two buffers of the largest group instead (and so no speculation)
         streamed = needed - 4 * sizes.trainable + 2 * 4 * min(sizes.largest_group, sizes.trainable)
     if not check_host_memory(needed, group, streamed):
         return HostPlan.FITS
@@ -186,7 +206,8 @@ def plan_host_memory(policy: OffloadPolicy, sizes: ShardSizes, *, state_bytes: i
         logger.warning(
             "offload: host memory cannot hold a copy of every gradient beside the masters and optimizer state; "
             "each rank keeps its fp32 gradient shard on the GPU until the step (4 bytes per parameter / %d) and "
-            "the step streams it to the host group by group through two shared buffers", dist.get_world_size(group))
+            "the step streams it to the host group by group through two shared buffers%s", dist.get_world_size(group),
+            " (super_offload's steps during backward need the host copies: they are off)" if policy.speculate else "")
     return HostPlan.STREAM_GRADS
 
 
@@ -253,9 +274,6 @@ class OffloadedFlatGroup(_HostMaster, FlatGroup):
     # (half the PCIe bytes, and no second read of the master in host memory). Made at the first step that writes it.
     _upload: torch.Tensor | None = None
     _upload_ready = False  # the step wrote _upload from this master: the next copy to the device reads it
-    # Nothing reads _upload before the publish, so super_offload's speculative step may write it too (stage 3's host
-    # shard is what backward gathers from: only the ordinary step writes that)
-    host_shard_private = True
 
     def host_shard(self) -> torch.Tensor | None:
         """The 16-bit host buffer the one-pass kernel may write the stepped master into (:class:`hf_zero.zero.host_step.
@@ -269,6 +287,14 @@ class OffloadedFlatGroup(_HostMaster, FlatGroup):
 
     def host_shard_written(self) -> None:  # the step's pass wrote _upload: the next copy to the device reads it
         self._upload_ready = True
+
+    def speculative_out16(self) -> torch.Tensor | None:
+        """Where super_offload's speculative step writes its 16-bit copy: :meth:`host_shard` itself, which nothing reads
+        before the publish (:meth:`speculative_out16_written` marks it once the step stands)."""
+        return self.host_shard()
+
+    def speculative_out16_written(self) -> None:
+        self.host_shard_written()
 
     def _copy_shard(self, dst: torch.Tensor) -> None:
         """The stepped master into ``dst`` (this rank's range of the parameters) on the current stream: the 16-bit copy
@@ -368,6 +394,28 @@ class OffloadedShardedParamGroup(DeferredUnitStep, _HostMaster, _HostParamShard)
         return shard if shard is not None and shard.dtype in (torch.bfloat16, torch.float16) else None
 
     def host_shard_written(self) -> None:  # the step wrote it: the publish skips its cast
+        self._shard_written = True
+
+    _spare_shard: torch.Tensor | None = None  # super_offload's second 16-bit host shard (speculative_out16)
+
+    def speculative_out16(self) -> torch.Tensor | None:
+        """Where super_offload's speculative step writes the 16-bit host shard in its pass: not :meth:`host_shard`, which
+        the rest of this backward may still gather from and a step that does not stand must leave as it was, but a
+        second buffer like it (2 bytes an element, pinned as the shard is, made at first use), which becomes the shard
+        when the step stands (:meth:`speculative_out16_written`): the publish then has no cast left to do. None where
+        the runner does not step every host group with the one-pass kernel (``grad16``) or there is no host shard."""
+        live = self.host_shard()
+        if live is None or not self.grad16:
+            return None
+        if self._spare_shard is None:
+            self._spare_shard = host_buffer(live.numel(), live.dtype, pin=self.shard_pin)
+        return self._spare_shard
+
+    def speculative_out16_written(self) -> None:
+        """The speculative step that wrote :meth:`speculative_out16` stands: that buffer becomes the shard the gathers
+        read (the old one the next spare), and the publish skips its cast."""
+        assert self._spare_shard is not None and self.param_shard is not None
+        self.param_shard, self._spare_shard = self._spare_shard.view_as(self.param_shard), self.param_shard
         self._shard_written = True
 
     def publish_master(self, stream: torch.cuda.Stream | None, defer: bool = False) -> None:

@@ -159,8 +159,13 @@ class ShardedOptimizer(DeepSpeedOptimizerViews):
             plan = plan_host_memory(offload, self._shard_sizes(module, group_named),
                                     state_bytes=state_bytes_per_element(optimizer) + (
                                         offload.zenflow.host_bytes_per_element() if offload.zenflow else 0),
-                                    param_bytes=place.compute_dtype.itemsize, group=place.group)
+                                    param_bytes=place.compute_dtype.itemsize, group=place.group,
+                                    # stages 1-2: the 16-bit copy of each stepped master sent to the device
+                                    copy_bytes=place.compute_dtype.itemsize if stage < 3 and place.compute_dtype in (
+                                        torch.bfloat16, torch.float16) else 0)
         self.stream_grads = plan is HostPlan.STREAM_GRADS
+        if plan is not HostPlan.FITS and offload.speculate:  # super_offload's second buffers do not fit: off
+            offload = self.offload = dataclasses.replace(offload, speculate=False)
         # "device": "nvme": the folders exist before the groups, and each group goes to disk as it is built
         self.nvme: NvmeStores | None = None
         self.nvme_scope = Scope(place.group, place.replicate)  # a disk failure stops every rank of the grid

@@ -51,7 +51,7 @@ class _Undo:
     master: torch.Tensor | None
     state: dict[str, Any] | None
     out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-    out16: bool = False  # the step also wrote the group's private 16-bit host copy (host_shard_private)
+    out16: bool = False  # the step also wrote the group's 16-bit host copy (speculative_out16), to be marked at commit
 
 
 class SpeculativeHostStep:
@@ -169,9 +169,9 @@ class SpeculativeHostStep:
                 saved = _Undo(group, None, rest, group.step_out())
             else:
                 saved = self._save(group, master, state)
-            # a 16-bit host copy nothing reads before the publish (stages 1-2) is written in the same pass; the
-            # publish reads it only once commit says the step stands
-            out16 = group.host_shard() if saved.out is not None and getattr(group, "host_shard_private", False) else None
+            # the 16-bit host copy the publish sends (stages 1-2) or the gathers read (stage 3's host shard) is written
+            # in the same pass, into a buffer nothing reads until commit says the step stands
+            out16 = group.speculative_out16() if saved.out is not None and hasattr(group, "speculative_out16") else None
             saved.out16 = out16 is not None
             self._undo[id(group)] = saved
             try:
@@ -329,7 +329,7 @@ class SpeculativeHostStep:
             if saved.out is not None:  # the results of an out-of-place step become the master and the moments
                 saved.group.swap_in_step(self.optimizer.state[saved.group.master])  # type: ignore[attr-defined]
             if saved.out16:
-                saved.group.host_shard_written()  # type: ignore[attr-defined]
+                saved.group.speculative_out16_written()  # type: ignore[attr-defined]
         self.counts["kept"] += len(kept)
         self.counts["settled"] += len(stepped - kept)
         self._futures.clear()
