@@ -796,10 +796,14 @@ def main() -> None:
                 continue
             with open(path) as f:
                 rows.append(json.load(f))
-            # each row as soon as its engine is done: a call cut short by a timeout keeps the rows it finished
-            print(f"row {name}: {rows[-1]['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU, peak {rows[-1]['peak_gib']:.1f} GiB",
-                  flush=True)
-    if args.rows_json:
+            # each row as soon as its engine is done, the JSON rewritten too: a call cut short by a timeout keeps the
+            # rows it finished, host peak included
+            print(f"row {name}: {rows[-1]['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU, peak {rows[-1]['peak_gib']:.1f} GiB, "
+                  f"host peak {rows[-1].get('host_peak_gib', 0.0):.1f} GiB", flush=True)
+            if args.rows_json:
+                with open(args.rows_json, "w") as f:
+                    json.dump(rows, f)
+    if args.rows_json and not rows:
         with open(args.rows_json, "w") as f:
             json.dump(rows, f)
     if not rows:
