@@ -185,8 +185,10 @@ class HostRunner(StepRunner):
     _widened: torch.Tensor | None = None
 
     def _scratch(self, numel: int) -> torch.Tensor:
-        """One fp32 host buffer of at least ``numel`` elements, made on the first clipped step that reads a bf16 copy
-        and reused by every group after (:meth:`hf_zero.zero.host_grads._HostMaster.step_grad`)."""
+        """One fp32 host buffer of at least ``numel`` elements, made at first use and reused by every group after: a
+        bf16 copy read clipped (:meth:`hf_zero.zero.host_grads._HostMaster.step_grad`), or, under ``super_offload``, a
+        gradient its early step scales by fp16's 1 / loss scale (bf16 runs have no loss scale, fp16 runs no bf16
+        copies: the two never share a run)."""
         if self._widened is None or self._widened.numel() < numel:
             self._widened = torch.empty(max(numel, max(g.master.numel() for g in self.host_groups)),  # type: ignore[union-attr]
                                         dtype=torch.float32)
@@ -323,7 +325,8 @@ class _Speculating:
     def _speculate(self, optimizer: torch.optim.Optimizer, offload: OffloadPolicy) -> None:
         # the background steps run beside the backward: cpuadam_cores_perc of the share (the ordinary step takes it all)
         threads = offload.speculate_threads if offload.speculate_threads is not None else offload.host_threads
-        self.speculation = SpeculativeHostStep(optimizer, threads, offload.sub_group_size)
+        self.speculation = SpeculativeHostStep(optimizer, threads, offload.sub_group_size,
+                                               scratch=self._scratch)  # type: ignore[attr-defined]
         for g in self.groups:
             if g.master is not None and hasattr(g, "speculation"):  # the host-master groups (hf_zero/zero/offload.py)
                 g.speculation = self.speculation  # type: ignore[attr-defined]

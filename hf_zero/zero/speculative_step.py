@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -96,7 +97,8 @@ class SpeculativeHostStep:
     torch's thread count is per thread, so the backward keeps the launcher's).
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, threads: int | None, sub_group_size: int | None = None) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, threads: int | None, sub_group_size: int | None = None,
+                 scratch: Callable[[int], torch.Tensor] | None = None) -> None:
         self.optimizer, self.threads = optimizer, threads
         self.sub_group_size = sub_group_size  # as HostStep's: each group stepped in ranges of about this many elements
         self._pool: ThreadPoolExecutor | None = None
@@ -106,7 +108,10 @@ class SpeculativeHostStep:
         self._stopped = False  # settle() or discard() came: the background thread starts no further group
         self._lock = threading.Lock()  # a group's start against settle(): either it is stepped, or left to the runner
         self._hyper: list[dict[str, Any]] = []
-        self._scratch: torch.Tensor | None = None
+        # an fp32 host buffer of at least n elements for a gradient scaled by the step's coefficient (fp16's 1 / loss
+        # scale): the host runner's, which its own step uses only for bf16 copies read clipped (never in an fp16 run);
+        # None: a fresh tensor each time
+        self.scratch = scratch
         self._backup: dict[int, dict[str, torch.Tensor]] = {}  # each group's undo buffers, reused every step
         self.cpu_seconds = 0.0  # the background steps' own time this step
         self._unclipped: float | None = None  # this step's coefficient if it does not clip (armed or not: arm's coef)
@@ -156,22 +161,21 @@ class SpeculativeHostStep:
         with intra_op_threads(self.threads):
             start = time.perf_counter()
             if coef != 1.0:  # the policy's scale_grads multiplies the host copy by this same float (a bf16 copy widened)
-                if self._scratch is None or self._scratch.numel() < grad.numel() or self._scratch.dtype != master.dtype:
-                    self._scratch = torch.empty(grad.numel(), dtype=master.dtype)
-                out = self._scratch[: grad.numel()].view_as(grad)
+                n = grad.numel()
+                out = (torch.empty(n) if self.scratch is None else self.scratch(n)[:n]).view_as(grad)
                 grad = torch.mul(grad, coef, out=out) if grad.dtype == out.dtype else out.copy_(grad).mul_(coef)
             state = self.optimizer.state.get(master)
             # The one-pass kernel steps out of place into the group's second buffers (hf_zero/optim/host_adam.py;
             # commit swaps them in); otherwise a copy before a step in place
-            if fused_adam_group(self.optimizer, master, grad) is not None and hasattr(group, "step_out"):
+            if fused_adam_group(self.optimizer, master, grad) is not None:
                 rest = None if not state else {k: v.clone() if isinstance(v, torch.Tensor) else v
                                                for k, v in state.items() if k not in _MOMENTS}
-                saved = _Undo(group, None, rest, group.step_out())
+                saved = _Undo(group, None, rest, group.step_out())  # type: ignore[attr-defined]
             else:
                 saved = self._save(group, master, state)
             # the 16-bit host copy the publish sends (stages 1-2) or the gathers read (stage 3's host shard) is written
             # in the same pass, into a buffer nothing reads until commit says the step stands
-            out16 = group.speculative_out16() if saved.out is not None and hasattr(group, "speculative_out16") else None
+            out16 = group.speculative_out16() if saved.out is not None else None  # type: ignore[attr-defined]
             saved.out16 = out16 is not None
             self._undo[id(group)] = saved
             try:
@@ -224,27 +228,17 @@ class SpeculativeHostStep:
                 self._restore(saved)
 
     def _restore(self, saved: _Undo) -> None:
+        """Undo: in place, the master and state copied back; out of place, the master and moments are as they were and
+        only the rest of the state (the step count) goes back."""
         master = saved.group.master
         assert master is not None
-        if saved.out is not None:  # out of place: the master and moments are as they were; the step count goes back
-            if saved.state is None:
-                self.optimizer.state.pop(master, None)
-            else:
-                state = self.optimizer.state[master]
-                for k, v in saved.state.items():
-                    if isinstance(v, torch.Tensor) and isinstance(state.get(k), torch.Tensor) and state[k].shape == v.shape:
-                        state[k].copy_(v)
-                    else:
-                        state[k] = v
-            self.counts["undone"] += 1
-            return
-        assert saved.master is not None
-        master.copy_(saved.master)
+        if saved.master is not None:
+            master.copy_(saved.master)
         if saved.state is None:
             self.optimizer.state.pop(master, None)
         else:
             state = self.optimizer.state[master]
-            for k in [k for k in state if k not in saved.state]:
+            for k in [k for k in state if k not in saved.state and saved.out is None]:
                 del state[k]
             for k, v in saved.state.items():
                 if isinstance(v, torch.Tensor) and isinstance(state.get(k), torch.Tensor) and state[k].shape == v.shape:
